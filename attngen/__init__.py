@@ -1,0 +1,18 @@
+"""attngen: a compiler from `.attn` attention specs to Triton kernels.
+
+    import attngen
+    kernel = attngen.load("specs/fwd_causal_d64.attn")   # or spec text
+    out = kernel(q, k, v)                                 # q, k, v: (batch, heads, seq, head_dim)
+    out = attngen.attention(q, k, v, is_causal=True)      # drop-in for F.scaled_dot_product_attention
+"""
+
+from .api import attention
+from .errors import AttnGenError, KernelInputError, SpecError, UnsupportedError
+from .runtime import Kernel, load
+from .spec import Spec, parse
+from .version import __version__
+
+__all__ = [
+    "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
+    "__version__", "attention", "load", "parse",
+]

@@ -1,0 +1,91 @@
+"""The drop-in for `torch.nn.functional.scaled_dot_product_attention`.
+
+`attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` checks its arguments the way SDPA
+does, writes the spec it needs (one per dtype, head dim and mask: sequence lengths, batch and heads
+are run-time arguments of one compiled kernel), loads it, and runs it through the custom op
+`torch.ops.attngen.attention`, so `torch.compile` keeps it inside one graph.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .errors import KernelInputError
+from .spec import Spec, parse
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@lru_cache(maxsize=None)
+def sdpa_spec(dtype: str, head_dim: int, causal: bool) -> Spec:
+    """The spec `attention()` uses for one dtype / head dim / mask."""
+    mask = "causal(top_left)" if causal else "none"
+    name = f"sdpa_{dtype}_d{head_dim}_{'causal' if causal else 'full'}"
+    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward\n"
+            f"    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n}}\n")
+    return parse(text, f"<attention {name}>")
+
+
+def _kernel(dtype: torch.dtype, head_dim: int, causal: bool):
+    from .runtime import load
+
+    return load(sdpa_spec(_DTYPES[dtype], head_dim, causal))
+
+
+@torch.library.custom_op("attngen::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
+    return _kernel(q.dtype, q.shape[-1], is_causal)(q, k, v, scale=scale)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, is_causal, scale):
+    return torch.empty_like(q)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with the semantics of
+    `torch.nn.functional.scaled_dot_product_attention`.
+
+    query (B, H, L, E), key and value (B, H_KV, S, E); 3-D inputs (H, L, E) are taken as batch 1.
+    `is_causal` aligns the mask top-left, as SDPA does (query i sees keys 0..i, also when L != S).
+    `enable_gqa` lets H be a multiple of H_KV. `attn_mask` and `dropout_p` are not supported.
+    """
+    if attn_mask is not None:
+        raise KernelInputError("attn_mask is not supported; use is_causal, or write a spec with the mask you need")
+    if dropout_p != 0.0:
+        raise KernelInputError(f"dropout_p must be 0.0; got {dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise KernelInputError(f"{name} must be (batch, heads, seq, head_dim) or (heads, seq, head_dim); "
+                                   f"got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise KernelInputError(f"{name} has dtype {t.dtype}; supported are float16, bfloat16 and float32")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise KernelInputError("query, key and value must have the same number of dimensions")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise KernelInputError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}")
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    head_dim = query.shape[-1]
+    if value.shape[-1] != head_dim or key.shape[-1] != head_dim:
+        raise KernelInputError(f"query, key and value must share a head dim; got {head_dim}, "
+                               f"{key.shape[-1]} and {value.shape[-1]}")
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise KernelInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
+                               "pass enable_gqa=True for grouped-query attention")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise KernelInputError(f"scale must be a finite number; got {scale!r}")
+    out = torch.ops.attngen.attention(query, key, value, bool(is_causal), float(scale))
+    return out.squeeze(0) if squeeze else out

@@ -1,0 +1,221 @@
+"""The `attngen` command line.
+
+    attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
+    attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
+    attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
+
+A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check exits 1; a bug in
+attngen exits 3 with a short report. No user error prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import AttnGenError, InternalError, SpecError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
+
+
+def _spec(path: str):
+    from .spec import load_file
+
+    return load_file(path)
+
+
+def _use_interpreter_without_gpu(quiet: bool = False) -> bool:
+    """Run kernels in Triton's interpreter when there is no GPU; returns whether it does."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    if not quiet:
+        print("note: no CUDA GPU here; running kernels in Triton's interpreter at small sizes", file=sys.stderr)
+    return True
+
+
+# -- compile -----------------------------------------------------------------------------------
+
+
+def cmd_compile(args) -> int:
+    from .cache import write_atomic
+    from .codegen import render
+    from .features import check_supported
+    from .passes import compile_program
+    from .resources import check_spec_tiles
+
+    out_dir = Path(args.output)
+    specs = [_spec(p) for p in args.specs]  # every spec parses before anything is written
+    names = {}
+    for spec in specs:
+        if spec.name in names:
+            raise SpecError(f"kernel '{spec.name}' is also defined in {names[spec.name]}", *_where(spec))
+        names[spec.name] = spec.filename
+    for spec in specs:
+        check_supported(spec)
+        check_spec_tiles(spec)
+        path = out_dir / f"{spec.name}.py"
+        write_atomic(path, render(spec, compile_program(spec)))
+        print(path)
+    return EXIT_OK
+
+
+def _where(spec):
+    line, col = spec.position("kernel")
+    return spec.filename, line, col
+
+
+# -- check -------------------------------------------------------------------------------------
+
+
+def cmd_check(args) -> int:
+    from .check import format_result, validate
+    from .runtime import load
+
+    interpreted = _use_interpreter_without_gpu()
+    failed = 0
+    for path in args.specs:
+        spec = _spec(path)
+        kernel = load(spec)
+        print(f"{spec.filename}: kernel {spec.name} [{spec.hash}] ({spec.dtype.value}, head_dim {spec.head_dim}, "
+              f"mask {spec.mask.value}){' in the interpreter' if interpreted else ''}")
+        results = validate(kernel, seed=args.seed, progress=lambda r: print("  " + format_result(r), flush=True))
+        bad = sum(not r.ok for r in results)
+        failed += bad
+        print(f"  {len(results) - bad}/{len(results)} cases within tolerance")
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+# -- explain -----------------------------------------------------------------------------------
+
+
+def _parse_shape(text: str | None, spec) -> dict:
+    sizes = {"B": 1, "H": spec.heads or 16, "N_Q": 4096, "N_K": 4096}
+    if text:
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip().upper()
+            if not sep or not value.strip().isdigit():
+                raise SpecError(f"--shape takes KEY=NUMBER pairs (B, H, H_KV, N, N_Q, N_K); got '{part}'", "<command line>")
+            if key == "N":
+                sizes["N_Q"] = sizes["N_K"] = int(value)
+            elif key in ("B", "H", "H_KV", "N_Q", "N_K"):
+                sizes[key] = int(value)
+            else:
+                raise SpecError(f"--shape: unknown size '{key}'; expected B, H, H_KV, N, N_Q or N_K", "<command line>")
+    sizes.setdefault("H_KV", spec.kv_heads or sizes["H"] // (spec.group or 1))
+    if sizes["H_KV"] < 1 or sizes["H"] % sizes["H_KV"]:
+        raise SpecError(f"--shape: H={sizes['H']} is not a multiple of H_KV={sizes['H_KV']}", "<command line>")
+    sizes["GROUP"] = sizes["H"] // sizes["H_KV"]
+    return sizes
+
+
+def cmd_explain(args) -> int:
+    from . import cost, ir
+    from .configs import default_config
+    from .passes import PASS_NAMES, compile_program
+    from .resources import Target, infeasible, registers, shared_bytes
+
+    spec = _spec(args.spec)
+    if args.pass_name and args.pass_name not in PASS_NAMES:
+        raise SpecError(f"--pass: no pass named '{args.pass_name}'; passes: {', '.join(PASS_NAMES)}", "<command line>")
+    stages: dict[str, ir.Program] = {}
+
+    def show(name, program):
+        stages[name] = program
+        if args.pass_name in (None, name):
+            print(f"=== after {name} ===")
+            print(ir.format_program(program))
+
+    compile_program(spec, trace=show)
+    sizes = _parse_shape(args.shape, spec)
+    config = default_config(spec)
+    sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
+                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
+    first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
+    naive, final = cost.program_cost(first), cost.program_cost(last)
+    print("=== cost (matrix-product FLOPs and HBM bytes) ===")
+    print(f"standard three-pass algorithm ({PASS_NAMES[0]}):")
+    print(f"  flops = {cost.simplified(naive.flops)}")
+    print(f"  bytes = {cost.simplified(naive.bytes)}")
+    print(f"generated kernel ({PASS_NAMES[-1]}):")
+    print(f"  flops = {cost.simplified(final.flops)}")
+    print(f"  bytes = {cost.simplified(final.bytes)}")
+    shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N"))
+    print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
+    fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal), sizes)
+    for label, c in (("standard", naive), ("generated", final)):
+        flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
+        print(f"  {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  ({flops / max(nbytes, 1):.1f} FLOP/byte)")
+    print(f"  FlashAttention convention (4*B*H*N_Q*N_K*d{', /2 causal' if spec.mask.is_causal else ''}): {fa / 1e9:.2f} GFLOP")
+    target = Target.current()
+    print(f"=== resources on {target.name} (default config {config}) ===")
+    smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
+                        config["num_stages"], target)
+    print(f"  shared memory {smem:,} of {target.shared_limit:,} bytes; "
+          f">= {registers(spec.head_dim_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
+          "fp32 registers per thread")
+    problem = infeasible(spec, config, target)
+    if problem:
+        print(f"  does not fit: {problem}")
+    return EXIT_OK
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .version import __version__
+
+    parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs to Triton kernels.")
+    parser.add_argument("--version", action="version", version=f"attngen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("compile", help="write the generated Triton module of each spec")
+    p.add_argument("specs", nargs="+", metavar="SPEC")
+    p.add_argument("-o", "--output", default="generated", metavar="DIR", help="output folder (default: generated/)")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("check", help="validate kernels against a float64 reference on random inputs")
+    p.add_argument("specs", nargs="+", metavar="SPEC")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh each run)")
+    p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("explain", help="print the IR after each pass, the cost model and the resources")
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("--pass", dest="pass_name", default=None, metavar="NAME", help="print only the IR after this pass")
+    p.add_argument("--shape", default=None, metavar="B=1,H=16,N=4096",
+                   help="sizes to evaluate the cost formulas at (B, H, H_KV, N, N_Q, N_K)")
+    p.set_defaults(run=cmd_explain)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except InternalError as e:
+        print(f"attngen: internal error (a bug in attngen, please report it): {e}", file=sys.stderr)
+        return EXIT_BUG
+    except SpecError as e:
+        print(e.format(), file=sys.stderr)
+        return EXIT_USAGE
+    except AttnGenError as e:
+        print(f"attngen: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("attngen: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

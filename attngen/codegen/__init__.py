@@ -1,0 +1,68 @@
+"""Code generation: the final IR rendered into a Triton source file.
+
+`emit.py` spells each IR kernel's body in Triton; the Jinja2 template `attention.py.j2` (in the
+top-level `templates/` folder, installed as `attngen.templates`) lays out the module around them:
+header, constants, kernels, launchers.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from .. import ir
+from ..configs import default_config
+from ..passes import PASS_NAMES
+from ..spec import Spec
+from ..version import __version__
+from .emit import KernelEmitter
+
+TEMPLATE = "attention.py.j2"
+
+
+def template_files():
+    """The templates folder: the installed `attngen.templates` package, or, when attngen is run
+    from a source checkout that was never installed, the checkout's top-level `templates/`."""
+    try:
+        return resources.files("attngen.templates")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent.parent / "templates"
+
+
+def _environment() -> jinja2.Environment:
+    def load(name: str) -> str:
+        return template_files().joinpath(name).read_text()
+
+    return jinja2.Environment(
+        loader=jinja2.FunctionLoader(load),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def render(spec: Spec, program: ir.Program) -> str:
+    """The generated module's source text for a spec and its final IR."""
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    kernels = [KernelEmitter(k).emit() for k in program.kernels]
+    constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
+    context = dict(
+        generator=f"attngen {__version__}",
+        spec_name=spec.name,
+        spec_hash=spec.hash,
+        spec_lines=spec.canonical().rstrip("\n").split("\n"),
+        passes=list(PASS_NAMES),
+        constants=constants,
+        torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
+        default_config=default_config(spec),
+        kernels=kernels,
+        entry="single",
+    )
+    return _ENV.get_template(TEMPLATE).render(**context)

@@ -1,0 +1,447 @@
+"""IR kernel -> the body of a `@triton.jit` function, statement by statement.
+
+The emitter decides nothing about the algorithm: every loop, mask, load and arithmetic step is in
+the IR it is given. It only spells them in Triton: grid loops become `tl.program_id` axes, spans
+become `offs_* = start + tl.arange(0, size)`, loads and stores become pointer arithmetic over the
+strides the launcher passes, rank-1 operands are broadcast against tiles by matching sizes, and
+loop-invariant base pointers are computed once, after the grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from .. import ir, sym
+from ..errors import InternalError
+from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Paged, PredKind, Ref, Span, Store, SymKind
+from . import exprs
+
+_DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
+               "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split"}
+
+_UNARY = {Op.EXP: "tl.exp", Op.EXP2: "tl.math.exp2", Op.LOG: "tl.log", Op.LOG2: "tl.math.log2"}
+_PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
+
+
+def stride_names(buffer: Buffer) -> list[str]:
+    labels = []
+    for i, d in enumerate(buffer.shape):
+        label = _DIM_LABELS.get(str(d), f"dim{i}")
+        labels.append(label if label not in labels else f"{label}{i}")
+    return [f"stride_{buffer.name.lower()}_{label}" for label in labels]
+
+
+@dataclass
+class GridAxis:
+    var: sympy.Symbol
+    axis: int
+    count: str          # host expression: number of programs along this axis
+    code: str           # device statement defining var
+
+
+@dataclass
+class KernelCode:
+    name: str
+    doc: str
+    params: list[Buffer]
+    strides: list[tuple[Buffer, list[str]]]
+    sizes: list[ir.SymbolDecl]
+    floats: list[ir.SymbolDecl]
+    constexprs: list[ir.SymbolDecl]
+    grid: list[GridAxis]
+    body: str
+    derived: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def signature(self) -> list[str]:
+        out = [p.name for p in self.params]
+        for _, names in self.strides:
+            out.extend(names)
+        out.extend(str(d.symbol) for d in self.sizes)
+        out.extend(str(d.symbol) for d in self.floats)
+        out.extend(f"{d.symbol}: tl.constexpr" for d in self.constexprs)
+        return out
+
+    @property
+    def unspecialized(self) -> list[str]:
+        return [str(d.symbol) for d in self.sizes if not d.specialize]
+
+    def size_source(self, decl: ir.SymbolDecl) -> str:
+        """Host code computing a size symbol from the launcher's tensors."""
+        for p in self.params:
+            for i, d in enumerate(p.shape):
+                if d == decl.symbol:
+                    return f"{p.name.lower()}.shape[{i}]"
+        if decl.derive is not None:
+            return exprs.host(decl.derive)
+        raise InternalError(f"no tensor dimension carries {decl.symbol}, and it has no derivation")
+
+
+class _Scope:
+    def __init__(self, parent: "_Scope | None" = None):
+        self.parent = parent
+        self.spans: dict[str, Span] = {}
+
+    def span(self, name: str) -> Span | None:
+        scope = self
+        while scope is not None:
+            if name in scope.spans:
+                return scope.spans[name]
+            scope = scope.parent
+        return None
+
+
+class KernelEmitter:
+    def __init__(self, kernel: ir.Kernel):
+        self.kernel = kernel
+        self.lines: list[str] = []
+        self.depth = 1
+        self.scope = _Scope()
+        self.params = {p.name: p for p in kernel.params}
+        self.strides = {p.name: stride_names(p) for p in kernel.params}
+        self.reg_names = {st.target.name for st in ir.walk_stmts(kernel.body) if isinstance(st, Assign)}
+        self.bases: dict[tuple, str] = {}
+        self.grid_vars: set = set()
+        self.sizes = {d.symbol for d in kernel.symbols}
+
+    # -- output ----------------------------------------------------------------------------------
+    def line(self, text: str) -> None:
+        self.lines.append("    " * self.depth + text)
+
+    # -- the kernel ------------------------------------------------------------------------------
+    def emit(self) -> KernelCode:
+        grid_loops, body = [], self.kernel.body
+        while len(body) >= 1 and isinstance(body[0], Loop) and body[0].kind is LoopKind.GRID:
+            if len(body) != 1:
+                raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
+            grid_loops.append(body[0])
+            body = body[0].body
+        if not grid_loops or len(grid_loops) > 3:
+            raise InternalError(f"{self.kernel.name}: {len(grid_loops)} grid axes (1 to 3 supported)")
+        grid = []
+        self.line("# -- which tile this program computes --")
+        for axis, loop in enumerate(reversed(grid_loops)):
+            count = exprs.host(sym.CeilDiv(loop.stop - loop.start, loop.step))
+            pid = f"tl.program_id({axis})"
+            value = pid if loop.step == 1 else f"{pid} * {exprs.device(loop.step)}"
+            if not exprs.is_zero(loop.start):
+                value = f"{exprs.device(loop.start)} + {value}"
+            grid.append(GridAxis(loop.var, axis, count, f"{loop.var} = {value}"))
+            self.grid_vars.add(loop.var)
+        for g in sorted(grid, key=lambda g: -g.axis):
+            self.line(g.code)
+        self._hoist_bases(body)
+        self.block(body)
+        decls = self.kernel.symbols
+        code = KernelCode(
+            name=self.kernel.name,
+            doc=self.kernel.doc,
+            params=list(self.kernel.params),
+            strides=[(p, self.strides[p.name]) for p in self.kernel.params],
+            sizes=[d for d in decls if d.kind is SymKind.SIZE],
+            floats=[d for d in decls if d.kind is SymKind.FLOAT],
+            constexprs=[d for d in decls if d.kind is SymKind.CONSTEXPR],
+            grid=sorted(grid, key=lambda g: g.axis),
+            body="\n".join(self.lines),
+        )
+        return code
+
+    # -- base pointers -----------------------------------------------------------------------------
+    def _scalar_part(self, buffer: Buffer, index) -> tuple:
+        """(buffer dimension, index) of every scalar index item: the tile's fixed coordinates."""
+        part, dim = [], 0
+        for item in index:
+            if isinstance(item, Paged):
+                dim += 2
+                continue
+            if not isinstance(item, Span):
+                part.append((dim, item))
+            dim += 1
+        return tuple(part)
+
+    def _hoistable(self, part) -> bool:
+        for _, item in part:
+            for s in sympy.sympify(item).free_symbols:
+                if s not in self.grid_vars and s not in self.sizes:
+                    return False
+        return True
+
+    def _base_code(self, buffer: Buffer, part) -> str:
+        strides = self.strides[buffer.name]
+        terms = [buffer.name]
+        for dim, item in part:
+            if exprs.is_zero(item):
+                continue
+            text = exprs.device(item)
+            text = f"{text if isinstance(item, sympy.Symbol) else exprs.parenthesized(text)}.to(tl.int64)"
+            terms.append(f"{text} * {strides[dim]}")
+        return " + ".join(terms)
+
+    def _hoist_bases(self, body) -> None:
+        accesses = []
+        for st in ir.walk_stmts(body):
+            if isinstance(st, Store):
+                accesses.append((st.target, st.index))
+            for x in ir.stmt_exprs(st):
+                accesses.extend((e.buffer, e.index) for e in ir.walk_expr(x) if isinstance(e, Load))
+        emitted = False
+        for buffer, index in accesses:
+            part = self._scalar_part(buffer, index)
+            key = (buffer.name, part)
+            if key in self.bases or not self._hoistable(part):
+                continue
+            taken = set(self.bases.values())
+            name = f"{buffer.name.lower()}_base"
+            n = 1
+            while name in taken or name in self.reg_names:
+                n += 1
+                name = f"{buffer.name.lower()}_base{n}"
+            if not emitted:
+                self.line("# -- base pointers of this program's rows --")
+                emitted = True
+            self.line(f"{name} = {self._base_code(buffer, part)}")
+            self.bases[key] = name
+
+    def base(self, buffer: Buffer, index) -> str:
+        part = self._scalar_part(buffer, index)
+        name = self.bases.get((buffer.name, part))
+        return name if name is not None else f"({self._base_code(buffer, part)})"
+
+    # -- spans -------------------------------------------------------------------------------------
+    def use_span(self, sp: Span) -> str:
+        known = self.scope.span(sp.name)
+        if known is None or (known.start, known.size) != (sp.start, sp.size):
+            start = "" if exprs.is_zero(sp.start) else f"{exprs.device(sp.start)} + "
+            self.line(f"{sp.name} = {start}tl.arange(0, {exprs.device(sp.size)})")
+            self.scope.spans[sp.name] = sp
+        return sp.name
+
+    # -- memory ------------------------------------------------------------------------------------
+    def address(self, buffer: Buffer, index) -> tuple[str, str | None]:
+        """Pointer expression and mask (or None) for a tile of `buffer`."""
+        tile = [it for it in index if isinstance(it, (Span, Paged))]
+        rank = len(tile)
+        strides = self.strides[buffer.name]
+        terms, conds = [self.base(buffer, index)], []
+        tile_axis = 0
+        dim = 0
+        for item in index:
+            if isinstance(item, Span):
+                name = self.use_span(item)
+                b = _broadcast(tile_axis, rank)
+                terms.append(f"{name}{b} * {strides[dim]}")
+                if item.limit is not None:
+                    conds.append(f"({name}{b} < {exprs.device(item.limit)})")
+                tile_axis += 1
+                dim += 1
+            elif isinstance(item, Paged):
+                name = self.use_span(item.span)
+                b = _broadcast(tile_axis, rank)
+                page = self.page_lookup(item)
+                terms.append(f"{page}{b} * {strides[dim]}")
+                terms.append(f"({name} % {item.page_size}){b} * {strides[dim + 1]}")
+                if item.span.limit is not None:
+                    conds.append(f"({name}{b} < {exprs.device(item.span.limit)})")
+                tile_axis += 1
+                dim += 2
+            else:
+                dim += 1
+        return " + ".join(terms), (" & ".join(conds) if conds else None)
+
+    def page_lookup(self, item: Paged) -> str:
+        table = item.table
+        span = item.span
+        name = f"page_{span.name.removeprefix('offs_')}"
+        t_strides = self.strides[table.name]
+        row = exprs.device(item.batch)
+        mask = f", mask={span.name} < {exprs.device(span.limit)}, other=0" if span.limit is not None else ""
+        self.line(
+            f"{name} = tl.load({table.name} + {row}.to(tl.int64) * {t_strides[0]}"
+            f" + ({span.name} // {item.page_size}) * {t_strides[1]}{mask}).to(tl.int64)"
+        )
+        return name
+
+    def load(self, e: Load) -> str:
+        ptr, mask = self.address(e.buffer, e.index)
+        if mask is None:
+            return f"tl.load({ptr})"
+        return f"tl.load({ptr}, mask={mask}, other=0.0)"
+
+    # -- expressions -------------------------------------------------------------------------------
+    def hoist_loads(self, e: ir.Expr) -> dict:
+        """Give every load inside an expression its own line and name; return the renaming."""
+        names = {}
+        for node in ir.walk_expr(e):
+            if isinstance(node, Load) and node not in names:
+                base = node.buffer.name.lower()
+                name = base if base not in self.reg_names else f"{base}_tile"
+                self.line(f"{name} = {self.load(node)}")
+                names[node] = name
+        return names
+
+    def expr(self, e: ir.Expr, loads: dict) -> tuple[str, int]:
+        """Code and precedence (3 = atom) of a tile expression."""
+        if isinstance(e, Ref):
+            return e.buffer.name, 3
+        if isinstance(e, Num):
+            return _literal(e.value), 3
+        if isinstance(e, ir.Sym):
+            return exprs.device(e.expr), 2
+        if isinstance(e, Load):
+            return loads[e], 3
+        if isinstance(e, Masked):
+            keep = self.mask(e)
+            value, _ = self.expr(e.value, loads)
+            return f"tl.where({keep}, {value}, {_literal(e.fill)})", 3
+        op, args = e.op, e.args
+        if op in _PREC:
+            return self.binary(e, loads)
+        if op is Op.MAX:
+            (a, _), (b, _) = self.broadcast_args(e, loads)
+            return f"tl.maximum({a}, {b})", 3
+        if op in _UNARY:
+            return f"{_UNARY[op]}({self.expr(args[0], loads)[0]})", 3
+        if op is Op.ROWMAX:
+            return f"tl.max({self.expr(args[0], loads)[0]}, 1)", 3
+        if op is Op.ROWSUM:
+            return f"tl.sum({self.expr(args[0], loads)[0]}, 1)", 3
+        if op is Op.TRANS:
+            return f"tl.trans({self.expr(args[0], loads)[0]})", 3
+        if op is Op.CAST:
+            return f"{self.atom(args[0], loads)}.to({e.dtype.triton})", 3
+        if op in (Op.DOT, Op.DOT_T, Op.DOT_ACC):
+            a = self.expr(args[0], loads)[0]
+            b = self.expr(args[1], loads)[0]
+            if op is Op.DOT_T:
+                b = f"tl.trans({b})"
+            extra = f", {self.expr(args[2], loads)[0]}" if op is Op.DOT_ACC else ""
+            prec = ', input_precision="ieee"' if e.dtype is ir.DT.F32 else ""
+            return f"tl.dot({a}, {b}{extra}{prec})", 3
+        if op is Op.FINITE_OR_ZERO:
+            x = self.atom(args[0], loads)
+            return f"tl.where({x} == float(\"-inf\"), 0.0, {x})", 3
+        if op is Op.ONE_IF_ZERO:
+            x = self.atom(args[0], loads)
+            return f"tl.where({x} == 0.0, 1.0, {x})", 3
+        raise InternalError(f"no Triton spelling for {op}")
+
+    def atom(self, e: ir.Expr, loads: dict) -> str:
+        code, prec = self.expr(e, loads)
+        return code if prec == 3 else f"({code})"
+
+    def broadcast_args(self, e: Call, loads: dict) -> list[tuple[str, int]]:
+        shape = ir.shape_of(e)
+        out = []
+        for a in e.args:
+            code, prec = self.expr(a, loads)
+            own = ir.shape_of(a)
+            if len(own) == 1 and len(shape) == 2:
+                code = (code if prec == 3 else f"({code})") + _vector_broadcast(own[0], shape)
+                prec = 3
+            out.append((code, prec))
+        return out
+
+    def binary(self, e: Call, loads: dict) -> tuple[str, int]:
+        (a, pa), (b, pb) = self.broadcast_args(e, loads)
+        prec = _PREC[e.op]
+        if pa < prec:
+            a = f"({a})"
+        if pb < prec or (pb == prec and e.op in (Op.SUB, Op.DIV)):
+            b = f"({b})"
+        return f"{a} {e.op.value} {b}", prec
+
+    def mask(self, m: Masked) -> str:
+        q = self.use_span(m.query)
+        k = self.use_span(m.key)
+        qb, kb = ("[:, None]", "[None, :]") if m.query_axis == 0 else ("[None, :]", "[:, None]")
+        conds = []
+        for p in m.preds:
+            if p.kind is PredKind.CAUSAL:
+                offset = "" if exprs.is_zero(p.bound) else f" + ({exprs.device(p.bound)})"
+                conds.append(f"({k}{kb} <= {q}{qb}{offset})")
+            elif p.kind is PredKind.KEY_BOUND:
+                conds.append(f"({k}{kb} < {exprs.device(p.bound)})")
+            else:
+                conds.append(f"({q}{qb} < {exprs.device(p.bound)})")
+        self.line("keep = " + " & ".join(conds))
+        return "keep"
+
+    # -- statements --------------------------------------------------------------------------------
+    def block(self, body) -> None:
+        for st in body:
+            self.stmt(st)
+
+    def stmt(self, st: ir.Stmt) -> None:
+        if isinstance(st, ir.Comment):
+            self.line(f"# -- {st.text} --")
+        elif isinstance(st, Loop):
+            self.loop(st)
+        elif isinstance(st, Assign):
+            self.assign(st)
+        elif isinstance(st, Store):
+            loads = self.hoist_loads(st.value)
+            value, _ = self.expr(st.value, loads)
+            if ir.dtype_of(st.value) is not st.target.dtype:
+                value = f"({value}).to({st.target.dtype.triton})"
+            ptr, mask = self.address(st.target, st.index)
+            tail = f", mask={mask}" if mask else ""
+            self.line(f"tl.store({ptr}, {value}{tail})")
+        else:
+            raise InternalError(f"no code for {type(st).__name__}; a pass should have removed it")
+
+    def assign(self, st: Assign) -> None:
+        target, value = st.target, st.value
+        if isinstance(value, Num):
+            if target.shape:
+                dims = ", ".join(exprs.device(d) for d in target.shape)
+                if value.value == 0.0:
+                    self.line(f"{target.name} = tl.zeros([{dims}], dtype={target.dtype.triton})")
+                else:
+                    self.line(f"{target.name} = tl.full([{dims}], {_literal(value.value)}, dtype={target.dtype.triton})")
+            else:
+                self.line(f"{target.name} = {_literal(value.value)}")
+            return
+        if isinstance(value, Load):
+            self.line(f"{target.name} = {self.load(value)}")
+            return
+        loads = self.hoist_loads(value)
+        code, _ = self.expr(value, loads)
+        self.line(f"{target.name} = {code}")
+
+    def loop(self, loop: Loop) -> None:
+        if loop.kind is LoopKind.GRID:
+            raise InternalError(f"{self.kernel.name}: grid loop over {loop.var} below the top")
+        note = f"  # {loop.note}" if loop.note else ""
+        step = exprs.device(loop.step)
+        self.line(f"for {loop.var} in range({exprs.device(loop.start)}, {exprs.device(loop.stop)}, {step}):{note}")
+        self.depth += 1
+        self.scope = _Scope(self.scope)
+        if loop.aligned and loop.step != 1:
+            self.line(f"{loop.var} = tl.multiple_of({loop.var}, {step})")
+        self.block(loop.body)
+        self.scope = self.scope.parent
+        self.depth -= 1
+
+
+def _broadcast(axis: int, rank: int) -> str:
+    if rank == 1:
+        return ""
+    return "[:, None]" if axis == 0 else "[None, :]"
+
+
+def _vector_broadcast(size, shape) -> str:
+    if size == shape[0]:
+        return "[:, None]"
+    if size == shape[1]:
+        return "[None, :]"
+    raise InternalError(f"cannot broadcast a vector of {size} against a tile of {shape}")
+
+
+def _literal(value: float) -> str:
+    if value == float("inf"):
+        return 'float("inf")'
+    if value == float("-inf"):
+        return 'float("-inf")'
+    return repr(float(value))

@@ -1,0 +1,41 @@
+"""Launch configurations: the tile sizes, warps and pipeline depth a kernel runs with.
+
+A spec fixes some of these and leaves the rest `auto`. Until the autotuner has a measured answer
+for the GPU at hand, `default_config` fills the `auto` ones from a heuristic by head dim and dtype
+(close to what FlexAttention and the Triton tutorial use on Hopper), and small tiles in Triton's
+interpreter, where big tiles only cost time.
+"""
+
+from __future__ import annotations
+
+from .spec import DType, Spec
+
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+_SPEC_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
+    """A reasonable config for a GPU (or the interpreter), before any tuning."""
+    if interpreter:
+        # The interpreter pays per block iteration, not per element: big tiles are fast there.
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+    d = spec.head_dim_padded
+    if spec.dtype is DType.FP32:
+        bm, bn, warps = (64, 32, 4) if d <= 64 else (32, 32, 4)
+    elif d <= 64:
+        bm, bn, warps = 128, 64, 4
+    elif d <= 128:
+        bm, bn, warps = 128, 64, 8
+    else:
+        bm, bn, warps = 64, 32, 4
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": 2 if d > 128 else 3}
+
+
+def default_config(spec: Spec, interpreter: bool = False) -> dict[str, int]:
+    """The heuristic config with the spec's fixed values applied."""
+    config = heuristic(spec, interpreter)
+    for key, field in _SPEC_KEYS.items():
+        value = getattr(spec, field)
+        if value is not None:
+            config[key] = value
+    return config

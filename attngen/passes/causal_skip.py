@@ -1,0 +1,161 @@
+"""causal-skip: visit only the blocks a mask leaves alive, and mask only where it cuts.
+
+A loop over key blocks (or, in the backward, over query blocks) whose score tile is masked is split
+into up to three loops, in order:
+
+    [live_lo, full_lo)   leading blocks the mask cuts through      (masked)
+    [full_lo, full_hi)   blocks the mask keeps entirely            (no mask, no bounds checks)
+    [full_hi, live_hi)   trailing blocks the mask cuts through     (masked)
+
+Blocks outside [live_lo, live_hi) are wholly masked and never visited: for a causal mask that is
+everything above the diagonal. Every predicate is a linear inequality in (query, key) positions
+(`Pred.holds_for`), so for a loop over one axis with the other axis's tile fixed, the first/last
+block that is entirely kept or entirely dropped is a closed-form expression in the sizes; sympy
+builds and simplifies it, and a range that is empty for every size is dropped. Predicates that do
+not depend on the loop's axis stay in every region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+
+from .. import ir, sym
+from ..errors import InternalError
+from ..ir import Assign, Call, Load, Loop, LoopKind, Masked, Op, PredKind, Ref, Span, Store
+
+NAME = "causal-skip"
+
+
+def _masks_in(loop: Loop) -> list[Masked]:
+    found = []
+    for st in ir.walk_stmts(loop.body):
+        for x in ir.stmt_exprs(st):
+            found.extend(e for e in ir.walk_expr(x) if isinstance(e, Masked))
+    return found
+
+
+def _extent(coef: int, span: Span):
+    """(min, max) of coef * position over the span's real positions (those below its limit: the
+    rows a tile has past the sequence end are never stored, so what they see does not matter)."""
+    first, last = span.start, span.start + span.size - 1
+    if span.limit is not None:
+        last = sympy.Min(last, span.limit - 1)
+    if coef > 0:
+        return coef * first, coef * last
+    if coef < 0:
+        return coef * last, coef * first
+    return sym.ZERO, sym.ZERO
+
+
+def regions(loop: Loop, mask: Masked):
+    """The three ranges (and the predicates each keeps) for a loop over one axis of `mask`."""
+    if mask.key.start == loop.var:
+        axis, other = "key", mask.query
+    elif mask.query.start == loop.var:
+        axis, other = "query", mask.key
+    else:
+        return None
+    tile = mask.key if axis == "key" else mask.query
+    if sympy.simplify(tile.size - loop.step) != 0:
+        raise InternalError(f"causal-skip: tile of {tile.size} positions in a loop of step {loop.step}")
+    lo, hi, step = loop.start, loop.stop, loop.step
+    live_starts, live_ends, full_starts, full_ends, kept = [], [], [], [], []
+    for pred in mask.preds:
+        cq, ck, rhs = pred.holds_for(None, None)
+        c, co = (ck, cq) if axis == "key" else (cq, ck)
+        if c == 0:
+            kept.append(pred)
+            continue
+        o_min, o_max = _extent(co, other)
+        if c > 0:  # kept for low positions: full prefix, dead suffix
+            full_ends.append(lo + sym.FloorDiv(sympy.Max(0, rhs - o_max - lo + 1), step) * step)
+            live_ends.append(rhs - o_min + 1)
+        else:      # kept for high positions: dead prefix, full suffix
+            full_starts.append(lo + sym.CeilDiv(sympy.Max(0, o_max - rhs - lo), step) * step)
+            live_starts.append(lo + sym.CeilDiv(sympy.Max(0, o_min - rhs - lo - step + 1), step) * step)
+    live_lo = sympy.Max(lo, *live_starts)
+    live_hi = sympy.Min(hi, *live_ends) if hi not in live_ends else sympy.Min(*live_ends)
+    full_lo = sympy.Max(live_lo, *full_starts)
+    # When a predicate bounds the loop's own end, its full end already lies below `hi`.
+    ends = full_ends if hi in live_ends else [hi, *full_ends]
+    full_hi = sympy.Max(full_lo, sympy.Min(*ends))
+    return (
+        (live_lo, sympy.Min(full_lo, live_hi), True),
+        (full_lo, full_hi, False),
+        (full_hi, live_hi, True),
+    ), kept, axis
+
+
+def _empty(start, stop) -> bool:
+    if start == stop:
+        return True
+    diff = sympy.simplify(stop - start)
+    return bool(diff.is_nonpositive)
+
+
+def _unmask(body, loop: Loop, mask: Masked, kept, axis: str):
+    """The loop body for blocks the mask keeps entirely."""
+    proven = {p.bound for p in mask.preds if p not in kept and p.kind in (PredKind.KEY_BOUND, PredKind.QUERY_BOUND)}
+
+    def span(sp: Span) -> Span:
+        if sp.start == loop.var and sp.limit in proven:
+            return replace(sp, limit=None)
+        return sp
+
+    def expr(e):
+        # Rebuilt bottom-up, the mask's operands may already differ: match it by what it keeps.
+        if isinstance(e, Masked) and (e.preds, e.query, e.key) == (mask.preds, mask.query, mask.key):
+            return replace(e, preds=tuple(kept), query=span(e.query), key=span(e.key)) if kept else e.value
+        if isinstance(e, Load):
+            return replace(e, index=tuple(span(i) if isinstance(i, Span) else i for i in e.index))
+        return e
+
+    body = ir.map_exprs_in(body, expr)
+    # With every score finite, no row max is -inf: the guard against exp(-inf - -inf) goes.
+    aliases = {}
+    out = []
+    for st in body:
+        if isinstance(st, Assign) and isinstance(st.value, Call) and st.value.op is Op.FINITE_OR_ZERO and not kept:
+            (arg,) = st.value.args
+            aliases[Ref(st.target)] = arg
+            continue
+        out.append(st)
+    if aliases:
+        out = list(ir.map_exprs_in(tuple(out), lambda e: aliases.get(e, e)))
+    return tuple(out)
+
+
+def _describe(mask: Masked, axis: str, masked: bool) -> str:
+    if not masked:
+        return "full blocks: no mask"
+    causal = any(p.kind is PredKind.CAUSAL for p in mask.preds)
+    return ("diagonal blocks: masked" if causal else "sequence end: masked") if axis else "masked"
+
+
+def _split(stmt):
+    if not (isinstance(stmt, Loop) and stmt.kind is LoopKind.SERIAL):
+        return stmt
+    masks = set(_masks_in(stmt))
+    if not masks:
+        return stmt
+    if len(masks) != 1:
+        raise InternalError(f"causal-skip: loop over {stmt.var} computes {len(masks)} different masks")
+    (mask,) = masks
+    found = regions(stmt, mask)
+    if found is None:
+        return stmt
+    ranges, kept, axis = found
+    loops = []
+    for start, stop, masked in ranges:
+        start, stop = sym.distribute(start), sym.distribute(stop)
+        if _empty(start, stop):
+            continue
+        body = stmt.body if masked else _unmask(stmt.body, stmt, mask, kept, axis)
+        loops.append(replace(stmt, start=start, stop=stop, body=body, note=_describe(mask, axis, masked), aligned=True))
+    return tuple(loops)
+
+
+def run(program: ir.Program) -> ir.Program:
+    return replace(program, kernels=tuple(replace(k, body=ir.map_stmts(k.body, _split)) for k in program.kernels))

@@ -1,0 +1,65 @@
+"""exp2: keep the softmax statistics in base 2 and fold log2(e) into the scale.
+
+The GPU's fast exponential is exp2; exp(x) costs a multiply more. Since exp(x) = exp2(x * log2 e)
+and every score is already multiplied by the softmax scale, the pass multiplies the scale by log2 e
+once per program (`qk_scale`), turns exp/log into exp2/log2, and converts the log-sum-exp at the HBM
+boundary: stored values are multiplied by ln 2 (HBM keeps the natural log that users and other
+libraries expect) and loaded ones by log2 e.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import ir, sym
+from ..errors import InternalError
+from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Space, Store, Sym
+
+NAME = "exp2"
+
+_BASE2 = {Op.EXP: Op.EXP2, Op.LOG: Op.LOG2}
+
+
+def _is_lse(buffer: Buffer) -> bool:
+    return buffer.space is Space.HBM and buffer.name.startswith("LSE")
+
+
+def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
+    qk_scale = Buffer("qk_scale", (), DT.F32, Space.REG)
+
+    def expr(e):
+        if isinstance(e, Sym) and e.expr == sym.sm_scale:
+            return Ref(qk_scale)
+        if isinstance(e, Call) and e.op in _BASE2:
+            return replace(e, op=_BASE2[e.op])
+        if isinstance(e, Load) and _is_lse(e.buffer):
+            return Call(Op.MUL, (e, Num(sym.LOG2E)))
+        return e
+
+    def stmt(st):
+        if isinstance(st, Store) and _is_lse(st.target):
+            return replace(st, value=Call(Op.MUL, (st.value, Num(sym.LN2))))
+        return st
+
+    body = ir.map_stmts(ir.map_exprs_in(kernel.body, expr), stmt)
+    uses_scale = any(
+        isinstance(e, Ref) and e.buffer == qk_scale
+        for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
+    )
+    if not uses_scale:
+        return replace(kernel, body=body)
+    # Define qk_scale once, at the top of the innermost grid level.
+    path, inner = [], body
+    while len(inner) == 1 and isinstance(inner[0], Loop) and inner[0].kind is LoopKind.GRID:
+        path.append(inner[0])
+        inner = inner[0].body
+    if not path:
+        raise InternalError(f"exp2: kernel {kernel.name} has no grid")
+    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + inner
+    for loop in reversed(path):
+        inner = (replace(loop, body=inner),)
+    return replace(kernel, body=inner)
+
+
+def run(program: ir.Program) -> ir.Program:
+    return replace(program, kernels=tuple(_rewrite_kernel(k) for k in program.kernels))

@@ -1,0 +1,129 @@
+"""The resource model: will a tile configuration fit on the GPU, before Triton is asked?
+
+Shared memory is a sympy formula in BLOCK_M, BLOCK_N, the padded head dim, the pipeline depth and
+the element size, fitted to what Triton 3.6 allocates for the generated forward kernel on sm_90
+(checked against the compiler: tests/test_resources.py):
+
+  * The query tile lives in shared memory:  ELEM * BLOCK_M * D.
+  * Each pipeline stage buffers one K and one V tile: with Hopper's warpgroup MMA (wgmma: 16-bit
+    inputs, BLOCK_M >= 64 on sm_90+) there are `num_stages` of them; with the older MMA path
+    `num_stages - 1` (the cp.async pipeline keeps one in registers); with one stage, one tile.
+  * Without wgmma, P goes through shared memory to change layout: ELEM * BLOCK_M * BLOCK_N, plus
+    up to 128 bytes of alignment.
+
+Registers are estimated from the fp32 values each thread keeps live across the key loop (the
+accumulator and the score tile); a configuration needing more than the 255 a thread can have would
+spill heavily, and is pruned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from . import sym
+
+STAGES = sym.size("NUM_STAGES")
+WARPS = sym.size("NUM_WARPS")
+ELEM = sym.size("ELEM_BYTES")
+WGMMA = sympy.Symbol("WGMMA")  # 1 on the warpgroup-MMA path, else 0
+
+_T = sympy.Piecewise((1, sympy.Lt(STAGES, 2)), (2 * STAGES, sympy.Eq(WGMMA, 1)), (2 * STAGES - 2, True))
+SHARED_BYTES = (ELEM * sym.HEAD_DIM_PADDED * (sym.BLOCK_M + sym.BLOCK_N * _T)
+                + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (ELEM * sym.BLOCK_M * sym.BLOCK_N + 128, True)))
+"""Shared memory of the forward kernel, in bytes."""
+
+REGISTERS = (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)
+"""Lower bound on 32-bit registers per thread: the fp32 accumulator and score tile."""
+
+MAX_REGISTERS = 255
+
+# Opt-in shared memory per block by compute capability (CUDA programming guide, table of limits).
+SHARED_LIMIT = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376,
+                (8, 9): 101376, (12, 0): 101376, (7, 5): 65536}
+DEFAULT_TARGET = (9, 0)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The GPU a configuration must fit: compute capability and shared memory per block."""
+
+    capability: tuple[int, int]
+    shared_limit: int
+    name: str = ""
+
+    @staticmethod
+    def current() -> "Target":
+        """The CUDA device in use, or an sm_90 (H100/H200) when there is none."""
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(torch.cuda.current_device())
+                cap = (props.major, props.minor)
+                limit = getattr(props, "shared_memory_per_block_optin", 0) or SHARED_LIMIT.get(cap, 101376)
+                return Target(cap, int(limit), props.name)
+        except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the default target
+            pass
+        return Target(DEFAULT_TARGET, SHARED_LIMIT[DEFAULT_TARGET], "sm_90 (default target)")
+
+
+def uses_wgmma(elem_bytes: int, block_m: int, target: Target) -> bool:
+    return target.capability >= (9, 0) and elem_bytes == 2 and block_m >= 64
+
+
+def shared_bytes(head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int, num_stages: int,
+                 target: Target) -> int:
+    values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
+              sym.BLOCK_N: block_n, STAGES: num_stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
+    return int(SHARED_BYTES.subs(values))
+
+
+def registers(head_dim_padded: int, block_m: int, block_n: int, num_warps: int) -> float:
+    return float(REGISTERS.subs({sym.HEAD_DIM_PADDED: head_dim_padded, sym.BLOCK_M: block_m,
+                                 sym.BLOCK_N: block_n, WARPS: num_warps}))
+
+
+def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
+    """Why `config` cannot run `spec` on `target` (with the numbers), or None if it fits."""
+    target = target or Target.current()
+    dp, elem = spec.head_dim_padded, spec.dtype.bytes
+    bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
+    smem = shared_bytes(dp, elem, bm, bn, stages, target)
+    if smem > target.shared_limit:
+        path = "wgmma" if uses_wgmma(elem, bm, target) else "mma"
+        return (f"needs {smem:,} bytes of shared memory but sm_{target.capability[0]}{target.capability[1]} "
+                f"allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, head_dim {dp} padded, "
+                f"{elem}-byte elements, num_stages={stages}, {path} path)")
+    regs = registers(dp, bm, bn, warps)
+    if regs > MAX_REGISTERS:
+        return (f"keeps at least {regs:.0f} fp32 registers per thread live (block_m={bm} x head_dim {dp} "
+                f"accumulator + block_m x block_n={bn} scores over {32 * warps} threads); a thread has "
+                f"{MAX_REGISTERS}")
+    return None
+
+
+_CHOICES = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+_SPEC_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+def check_spec_tiles(spec, target: Target | None = None) -> None:
+    """Raise a SpecError at the spec's tile keys if no choice of its `auto` values can fit."""
+    from itertools import product
+
+    fixed = {k: getattr(spec, f) for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is not None}
+    if not fixed:
+        return
+    target = target or Target.current()
+    free = [k for k in _CHOICES if k not in fixed]
+    problems = []
+    for values in product(*(_CHOICES[k] for k in free)):
+        config = dict(fixed, **dict(zip(free, values)))
+        problem = infeasible(spec, config, target)
+        if problem is None:
+            return
+        problems.append(problem)
+    key = next(f for k, f in _SPEC_FIELDS.items() if k in fixed)
+    # Report the least demanding completion: its numbers show how far off the spec is.
+    raise spec.error(key, f"these tiles cannot fit: the smallest choice {min(problems, key=len)}")

@@ -1,0 +1,154 @@
+"""Loading a spec as a callable kernel.
+
+`load(spec)` parses the spec, lowers it, renders the Triton module (or finds it in the disk cache),
+imports it from its file, and wraps it in a `Kernel`: the object users call. A `Kernel` checks every
+tensor against its spec before anything is launched (a mismatch is a `ValueError` naming the
+argument), picks the launch configuration, allocates outputs and launches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import cache, configs
+from .codegen import render
+from .errors import KernelInputError
+from .passes import compile_program
+from .spec import Spec, load_file, parse
+
+_LOADED: dict[str, "Kernel"] = {}
+_LOCK = threading.Lock()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _import(path: Path, key: str) -> ModuleType:
+    name = f"attngen_kernels.{path.stem}_{key}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def as_spec(spec_or_text: "Spec | str | os.PathLike") -> Spec:
+    """A Spec from a Spec, a path to a .attn file, or spec text."""
+    if isinstance(spec_or_text, Spec):
+        return spec_or_text
+    if isinstance(spec_or_text, os.PathLike):
+        return load_file(os.fspath(spec_or_text))
+    if not isinstance(spec_or_text, str):
+        raise TypeError(f"load() takes a Spec, a path or spec text, not {type(spec_or_text).__name__}")
+    text = spec_or_text
+    if "{" not in text and (text.endswith(".attn") or os.path.exists(text)):
+        return load_file(text)
+    return parse(text, "<string>")
+
+
+def load(spec_or_text: "Spec | str | os.PathLike") -> "Kernel":
+    """Generate (or fetch from the cache) the kernel a spec describes and import it.
+
+    The same spec (by canonical text) loads once per process; the generated file is reused across
+    processes through the disk cache.
+    """
+    spec = as_spec(spec_or_text)
+    canonical = spec.canonical()
+    mode = "interpret" if interpreting() else "compile"
+    if mode == "interpret":
+        from . import interpreter_fixes
+
+        interpreter_fixes.apply()
+    with _LOCK:
+        kernel = _LOADED.get(canonical + mode)
+        if kernel is None:
+            from .features import check_supported
+            from .resources import check_spec_tiles
+
+            check_supported(spec)
+            check_spec_tiles(spec)
+            program_box = {}
+
+            def generate() -> str:
+                program_box["program"] = compile_program(spec)
+                return render(spec, program_box["program"])
+
+            path, source = cache.cached_source(spec.name, canonical, generate)
+            module = _import(path, cache.cache_key(canonical) + ("_i" if mode == "interpret" else ""))
+            kernel = Kernel(spec, source, path, module, program_box.get("program"))
+            _LOADED[canonical + mode] = kernel
+        return kernel
+
+
+class Kernel:
+    """A generated attention kernel. Call it like attention: `kernel(q, k, v)`.
+
+    Attributes: `spec` (the parsed spec), `source` (the generated Triton text), `path` (the file it
+    was imported from), `module` (the imported module).
+    """
+
+    def __init__(self, spec: Spec, source: str, path: Path, module: ModuleType, program=None):
+        self.spec = spec
+        self.source = source
+        self.path = path
+        self.module = module
+        self._program = program
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def program(self):
+        """The final IR (recomputed on demand when the source came from the disk cache)."""
+        if self._program is None:
+            self._program = compile_program(self.spec)
+        return self._program
+
+    def __repr__(self) -> str:
+        return f"<attngen.Kernel {self.spec.name} [{self.spec.hash}] from {self.path}>"
+
+    # -- configuration -----------------------------------------------------------------------------
+    def config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
+        """The launch configuration for these inputs."""
+        return configs.default_config(self.spec, interpreter=interpreting())
+
+    # -- calling -----------------------------------------------------------------------------------
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
+                 out: torch.Tensor | None = None, config: dict | None = None):
+        """softmax(q k^T * scale) v for q (B, H, N_Q, D) and k, v (B, H_KV, N_K, D).
+
+        Returns the output (shaped and typed like q), and with `return_lse=True` also the natural-log
+        log-sum-exp of each query row's scores, (B, H, N_Q) float32 (-inf for rows with no visible key).
+        """
+        from .checks import check_attention_inputs, check_out, check_scale
+
+        check_attention_inputs(self.spec, q, k, v)
+        sm_scale = check_scale(scale, self.spec)
+        if out is not None:
+            check_out(out, q)
+        else:
+            out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        if q.numel() and q.shape[2]:
+            launch = dict(self.config(q, k))
+            if config:
+                launch.update(config)
+            self.module.launch_attn_fwd(q, k, v, out, lse, sm_scale, **launch)
+        return (out, lse) if return_lse else out

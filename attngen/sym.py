@@ -1,0 +1,151 @@
+"""Symbolic integers for loop bounds and index expressions (sympy).
+
+Every size a kernel sees at run time (B, H, N_Q, ...) and every tile size (BLOCK_M, ...) is a sympy
+symbol, so bounds like `min(N_K, start_m + BLOCK_M + N_K - N_Q)` can be built, simplified, compared
+and printed both as IR text and as Triton code. `FloorDiv` and `CeilDiv` are integer divisions that
+sympy keeps as written (it would otherwise turn `floor(x / BLOCK_N)` into fractions); passes only
+apply them to non-negative numerators, so C-style and Python-style division agree.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+sympify = sympy.sympify
+ZERO = sympy.Integer(0)
+ONE = sympy.Integer(1)
+
+
+def size(name: str) -> sympy.Symbol:
+    """A run-time or compile-time size: a positive integer."""
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def index(name: str) -> sympy.Symbol:
+    """A loop or grid variable: a non-negative integer."""
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+def offset(name: str) -> sympy.Symbol:
+    """An integer of either sign (e.g. the causal diagonal's offset)."""
+    return sympy.Symbol(name, integer=True)
+
+
+class FloorDiv(sympy.Function):
+    """Integer division rounding down, printed as `a // b`."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        # (k * b) // b == k for a symbolic b
+        q = sympy.cancel(a / b)
+        if q.is_polynomial() and sympy.denom(sympy.together(q)) == 1 and q.is_integer:
+            return q
+        return None
+
+    def _eval_is_nonnegative(self):
+        a, b = self.args
+        if a.is_nonnegative and b.is_positive:
+            return True
+        return None
+
+    def _sympystr(self, printer):
+        a, b = self.args
+        return f"({printer.parenthesize(a, 60)} // {printer.parenthesize(b, 60)})"
+
+
+class CeilDiv(sympy.Function):
+    """Integer division rounding up, printed as `cdiv(a, b)`."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(-(-int(a) // int(b)))
+        q = sympy.cancel(a / b)
+        if q.is_polynomial() and sympy.denom(sympy.together(q)) == 1 and q.is_integer:
+            return q
+        return None
+
+    def _eval_is_nonnegative(self):
+        a, b = self.args
+        if a.is_nonnegative and b.is_positive:
+            return True
+        return None
+
+    def _sympystr(self, printer):
+        a, b = self.args
+        return f"cdiv({printer.doprint(a)}, {printer.doprint(b)})"
+
+
+def align_down(x, base, step):
+    """The largest `base + k*step` that is <= x (x >= base)."""
+    return base + FloorDiv(x - base, step) * step
+
+
+def align_up(x, base, step):
+    """The smallest `base + k*step` that is >= x (x >= base)."""
+    return base + CeilDiv(x - base, step) * step
+
+
+def clamp(x, lo, hi):
+    return sympy.Min(sympy.Max(x, lo), hi)
+
+
+def evaluate(expr, values: dict) -> int:
+    """Evaluate an integer expression for concrete sizes (FloorDiv/CeilDiv with Python semantics)."""
+    result = sympy.sympify(expr).subs(values)
+    result = result.replace(FloorDiv, lambda a, b: sympy.Integer(int(a) // int(b)))
+    result = result.replace(CeilDiv, lambda a, b: sympy.Integer(-(-int(a) // int(b))))
+    return int(result)
+
+
+# -- the names every pass and the code generator agree on -----------------------------------------
+# Run-time sizes (kernel arguments).
+B = size("B")                 # batch
+H = size("H")                 # query heads
+H_KV = size("H_KV")           # key/value heads
+GROUP = size("GROUP")         # query heads per key/value head (H // H_KV)
+N_Q = size("N_Q")             # query sequence length
+N_K = size("N_K")             # key/value sequence length
+# Compile-time sizes (tl.constexpr).
+HEAD_DIM = size("HEAD_DIM")
+HEAD_DIM_PADDED = size("HEAD_DIM_PADDED")
+BLOCK_M = size("BLOCK_M")
+BLOCK_N = size("BLOCK_N")
+# Grid and loop variables.
+b = index("b")
+h = index("h")
+start_m = index("start_m")
+start_n = index("start_n")
+# The softmax scale, a run-time float.
+sm_scale = sympy.Symbol("sm_scale", positive=True)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def distribute(expr):
+    """Push additions into min/max (`min(a, b) + c` -> `min(a + c, b + c)`), so that nested
+    bounds flatten into one readable min or max."""
+    expr = sympy.sympify(expr)
+    if not expr.args:
+        return expr
+    expr = expr.func(*(distribute(a) for a in expr.args))
+    if isinstance(expr, sympy.Add):
+        for term in expr.args:
+            if isinstance(term, (sympy.Min, sympy.Max)):
+                rest = expr - term
+                return distribute(term.func(*(a + rest for a in term.args)))
+    return expr

@@ -1,0 +1,1 @@
+"""Jinja2 templates of generated Triton source (installed as the package `attngen.templates`)."""

@@ -1,0 +1,49 @@
+"""Shared test setup.
+
+Without a CUDA GPU, kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+anything imports triton) at small shapes; tests marked `gpu` run the same checks at real shapes and
+are skipped. Every test session gets its own attngen cache directory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+if not HAS_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("ATTNGEN_CACHE_DIR", tempfile.mkdtemp(prefix="attngen-test-cache-"))
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if HAS_GPU else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECS = os.path.join(ROOT, "specs")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def spec_text(name="t", head_dim=64, dtype="fp16", mask="none", **extra) -> str:
+    """Spec text with the given keys (values written as in a .attn file)."""
+    lines = [f"kernel {name} {{", f"    head_dim = {head_dim}", f"    dtype = {dtype}", f"    mask = {mask}"]
+    lines += [f"    {k} = {v}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n}\n"
+
+
+def shipped_specs() -> list[str]:
+    return sorted(os.path.join(SPECS, f) for f in os.listdir(SPECS) if f.endswith(".attn"))
+
+
+@pytest.fixture
+def device():
+    return DEVICE

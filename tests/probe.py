@@ -1,0 +1,73 @@
+"""Compile generated kernels for a GPU target on a machine without one.
+
+Triton's ptxas runs on the CPU, so `triton.compile` for sm_90 works here, specialised the way a real
+launch would be (pointers and strides 16-aligned, unit strides constant). That gives the real
+compiler's shared memory and catches code the interpreter accepts but the compiler rejects.
+
+Triton cannot compile in a process where it was imported in interpreter mode, so tests call
+`probe(jobs)`, which runs this file in a subprocess without TRITON_INTERPRET:
+    job = {"path": generated .py, "kernel": "attn_fwd", "constexprs": {...}, "num_warps": 4,
+           "num_stages": 3, "ptr_dtypes": {"LSE": "*fp32", ...}}
+and returns, per job, {"shared": bytes} or {"error": message}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+
+
+def _compile(job):
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    spec = importlib.util.spec_from_file_location(f"probe_{abs(hash(job['path']))}", job["path"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, job["kernel"])
+    io = _PTR[str(module.DTYPE).removeprefix("torch.")]
+    special = job.get("ptr_dtypes", {})
+    sig, const, attrs = {}, dict(job["constexprs"]), {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg.startswith("stride_") and (arg.endswith("_d") or arg in job.get("unit_strides", ("stride_lse_n",))):
+            sig[arg], const[arg] = "constexpr", 1
+        elif arg.startswith("stride_"):
+            sig[arg] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in special or (arg.isupper() and arg in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")):
+            sig[arg] = special.get(arg, io)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg == "sm_scale":
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", job.get("capability", 90), 32),
+                              options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
+    return {"shared": compiled.metadata.shared, "wgmma": "wgmma" in compiled.asm["ptx"]}
+
+
+def probe(jobs: list[dict]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+if __name__ == "__main__":
+    results = []
+    for job in json.loads(sys.stdin.read()):
+        try:
+            results.append(_compile(job))
+        except Exception as e:  # noqa: BLE001 - reported per job
+            results.append({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"})
+    print(json.dumps(results))
