@@ -150,5 +150,5 @@ class Kernel:
             launch = dict(self.config(q, k))
             if config:
                 launch.update(config)
-            self.module.launch_attn_fwd(q, k, v, out, lse, sm_scale, **launch)
+            self.module.forward(q, k, v, sm_scale, out=out, lse=lse, config=launch)
         return (out, lse) if return_lse else out

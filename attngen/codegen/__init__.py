@@ -63,6 +63,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
         default_config=default_config(spec),
         kernels=kernels,
+        attrs=dict(program.attrs),
         entry="single",
     )
     return _ENV.get_template(TEMPLATE).render(**context)
