@@ -1,9 +1,10 @@
 """The drop-in for `torch.nn.functional.scaled_dot_product_attention`.
 
 `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` checks its arguments the way SDPA
-does, writes the spec it needs (one per dtype, head dim and mask: sequence lengths, batch and heads
-are run-time arguments of one compiled kernel), loads it, and runs it through the custom op
-`torch.ops.attngen.attention`, so `torch.compile` keeps it inside one graph.
+does and runs the custom op `torch.ops.attngen.forward` (attngen/autograd.py) with a key naming the
+spec it needs (one per dtype, head dim and mask: sequence lengths, batch and heads are run-time
+arguments of one compiled kernel). The op loads that spec on first use, has a registered backward,
+and keeps `torch.compile` inside one graph.
 """
 
 from __future__ import annotations
@@ -21,28 +22,12 @@ _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 @lru_cache(maxsize=None)
 def sdpa_spec(dtype: str, head_dim: int, causal: bool) -> Spec:
-    """The spec `attention()` uses for one dtype / head dim / mask."""
+    """The spec `attention()` uses for one dtype / head dim / mask (with its backward)."""
     mask = "causal(top_left)" if causal else "none"
     name = f"sdpa_{dtype}_d{head_dim}_{'causal' if causal else 'full'}"
-    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward\n"
+    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
             f"    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n}}\n")
     return parse(text, f"<attention {name}>")
-
-
-def _kernel(dtype: torch.dtype, head_dim: int, causal: bool):
-    from .runtime import load
-
-    return load(sdpa_spec(_DTYPES[dtype], head_dim, causal))
-
-
-@torch.library.custom_op("attngen::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
-    return _kernel(q.dtype, q.shape[-1], is_causal)(q, k, v, scale=scale)
-
-
-@_attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale):
-    return torch.empty_like(q)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -87,5 +72,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise KernelInputError(f"scale must be a finite number; got {scale!r}")
-    out = torch.ops.attngen.attention(query, key, value, bool(is_causal), float(scale))
+    from . import autograd  # noqa: F401  (registers the custom ops)
+
+    if query.shape[0] != key.shape[0] or key.shape != value.shape or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+                               "must share batch, key and value must have one shape, and the query heads must "
+                               "be a multiple of the key/value heads")
+    # The spec is parsed and devices are checked inside the op: tracing must not run the loader.
+    op_key = f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}"
+    out, _ = torch.ops.attngen.forward(op_key, query, key, value, float(scale))
     return out.squeeze(0) if squeeze else out

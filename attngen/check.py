@@ -10,7 +10,7 @@ with a log-sum-exp of -inf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,8 @@ ATOL = {DType.FP16: 2e-3, DType.BF16: 1.5e-2, DType.FP32: 2e-5}
 # ||out - ref|| / ||ref|| must also stay under this: a max-abs rule alone is lenient for bf16, whose
 # same-precision reference is poor, and a dropped key block moves the relative error past 5e-2.
 REL_TOL = {DType.FP16: 3e-3, DType.BF16: 1e-2, DType.FP32: 1e-5}
+# Gradients go through two more roundings to the input dtype (P and dS before their products).
+GRAD_REL_TOL = {DType.FP16: 5e-3, DType.BF16: 2e-2, DType.FP32: 2e-5}
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,26 @@ class Result:
     lse_err: float
     lse_tol: float
     problem: str = ""   # why it failed, beyond the numbers
+    grads: tuple = ()   # GradResult per gradient, for forward+backward specs
 
     @property
     def ok(self) -> bool:
         return (not self.problem and self.err <= self.tol and self.rel <= self.rel_tol
-                and self.lse_err <= self.lse_tol)
+                and self.lse_err <= self.lse_tol and all(g.ok for g in self.grads))
+
+
+@dataclass(frozen=True)
+class GradResult:
+    name: str
+    err: float
+    tol: float
+    rel: float
+    rel_tol: float
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.err <= self.tol and self.rel <= self.rel_tol
 
 
 def default_cases(spec: Spec, small: bool = False) -> list[Case]:
@@ -109,12 +126,39 @@ def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None) -> Result:
                   FUDGE * low_lse_err + atol, problem)
 
 
+def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResult, ...]:
+    """Gradients against float64 autograd of the reference, by the same rule as the outputs."""
+    scale = spec.softmax_scale if scale is None else scale
+    refs = {}
+    for dtype in (torch.float64, spec.dtype.torch):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, _ = reference.attention(*leaves, spec.mask, scale, dtype=dtype)
+        out.backward(do.to(dtype))
+        refs[dtype] = [t.grad for t in leaves]
+    results = []
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs[torch.float64], refs[spec.dtype.torch]):
+        problem = ""
+        if torch.isnan(got).any() and not torch.isnan(ref).any():
+            problem = f"{int(torch.isnan(got).sum())} elements are NaN (unwritten or poisoned)"
+        err, low_err = _errors(got, ref, low)
+        norm = ref.norm().item()
+        rel = (got.double() - ref).norm().item() / norm if norm else (got.double() - ref).norm().item()
+        results.append(GradResult(name, err, FUDGE * low_err + ATOL[spec.dtype], rel, GRAD_REL_TOL[spec.dtype], problem))
+    return tuple(results)
+
+
 def run_case(kernel, case: Case, device, generator=None) -> Result:
     spec = kernel.spec
     q, k, v = random_inputs(spec, case, device, generator)
     out = torch.full_like(q, float("nan"))
     out, lse = kernel(q, k, v, out=out, return_lse=True)
-    return compare(spec, case, out, lse, q, k, v)
+    result = compare(spec, case, out, lse, q, k, v)
+    if spec.backward:
+        do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+        poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned)
+        result = replace(result, grads=compare_grads(spec, q, k, v, do, grads))
+    return result
 
 
 def validate(kernel, cases=None, seed: int | None = None, device=None, progress=None) -> list[Result]:
@@ -139,5 +183,10 @@ def format_result(r: Result) -> str:
     status = "ok  " if r.ok else "FAIL"
     line = (f"{status} {str(r.case):34s} max|err| {r.err:9.3e} (tol {r.tol:8.2e})  rel {r.rel:8.2e} (tol {r.rel_tol:.0e})"
             f"  lse {r.lse_err:8.2e} (tol {r.lse_tol:8.2e})")
-    return line + (f"  {r.problem}" if r.problem else "")
+    line += f"  {r.problem}" if r.problem else ""
+    for g in r.grads:
+        status = "ok  " if g.ok else "FAIL"
+        line += (f"\n  {status} {g.name:>32s}  max|err| {g.err:9.3e} (tol {g.tol:8.2e})  rel {g.rel:8.2e}"
+                 f" (tol {g.rel_tol:.0e})" + (f"  {g.problem}" if g.problem else ""))
+    return line
 

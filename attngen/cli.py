@@ -139,21 +139,31 @@ def cmd_explain(args) -> int:
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
                  BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
-    naive, final = cost.program_cost(first), cost.program_cost(last)
+    directions = [("forward", ("attn_fwd",), ("attn_fwd",), "standard three-pass algorithm")]
+    if spec.backward:
+        directions.append(("backward", ("attn_bwd",), ("attn_bwd_dq", "attn_bwd_dkdv"),
+                           "standard backward (P stored by the forward, dP and dS through HBM)"))
     print("=== cost (matrix-product FLOPs and HBM bytes) ===")
-    print(f"standard three-pass algorithm ({PASS_NAMES[0]}):")
-    print(f"  flops = {cost.simplified(naive.flops)}")
-    print(f"  bytes = {cost.simplified(naive.bytes)}")
-    print(f"generated kernel ({PASS_NAMES[-1]}):")
-    print(f"  flops = {cost.simplified(final.flops)}")
-    print(f"  bytes = {cost.simplified(final.bytes)}")
     shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N"))
+    rows = []
+    for direction, naive_kernels, final_kernels, label in directions:
+        naive, final = cost.program_cost(first, naive_kernels), cost.program_cost(last, final_kernels)
+        print(f"{direction}, {label} ({PASS_NAMES[0]}):")
+        print(f"  flops = {cost.simplified(naive.flops)}")
+        print(f"  bytes = {cost.simplified(naive.bytes)}")
+        print(f"{direction}, generated ({', '.join(final_kernels)}):")
+        print(f"  flops = {cost.simplified(final.flops)}")
+        print(f"  bytes = {cost.simplified(final.bytes)}")
+        fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal, direction == "backward"), sizes)
+        rows.append((direction, naive, final, fa))
     print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
-    fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal), sizes)
-    for label, c in (("standard", naive), ("generated", final)):
-        flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
-        print(f"  {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  ({flops / max(nbytes, 1):.1f} FLOP/byte)")
-    print(f"  FlashAttention convention (4*B*H*N_Q*N_K*d{', /2 causal' if spec.mask.is_causal else ''}): {fa / 1e9:.2f} GFLOP")
+    for direction, naive, final, fa in rows:
+        for label, c in (("standard", naive), ("generated", final)):
+            flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
+            print(f"  {direction:8s} {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  "
+                  f"({flops / max(nbytes, 1):.1f} FLOP/byte)")
+        rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "") + (", x2.5 backward" if direction == "backward" else "")
+        print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],

@@ -39,3 +39,27 @@ def default_config(spec: Spec, interpreter: bool = False) -> dict[str, int]:
         if value is not None:
             config[key] = value
     return config
+
+
+def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str, int]]:
+    """Launch configs of the two backward kernels, by kernel name.
+
+    `attn_bwd_dq` tiles queries by BLOCK_M and loops over BLOCK_N keys, like the forward;
+    `attn_bwd_dkdv` tiles keys by BLOCK_N and loops over BLOCK_M queries. It keeps two fp32
+    accumulators (dK, dV) per key row, so it wants more warps and a smaller query step.
+    """
+    if interpreter:
+        tile = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+        return {"attn_bwd_dq": dict(tile), "attn_bwd_dkdv": dict(tile)}
+    d = spec.head_dim_padded
+    if spec.dtype is DType.FP32:
+        dq = dkdv = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    elif d <= 64:
+        dq = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        dkdv = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    elif d <= 128:
+        dq = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        dkdv = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    else:
+        dq = dkdv = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"attn_bwd_dq": dict(dq), "attn_bwd_dkdv": dict(dkdv)}

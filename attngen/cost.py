@@ -79,18 +79,20 @@ def _body_cost(body) -> Cost:
                 total += Cost(sympy.Integer(0), _elements(st.target.shape) * st.target.dtype.bytes)
         elif isinstance(st, Store):
             total += _expr_cost(st.value)
-            total += Cost(sympy.Integer(0), _elements(ir.index_shape(st.index)) * st.target.dtype.bytes)
+            written = _elements(ir.index_shape(st.index)) * st.target.dtype.bytes
+            total += Cost(sympy.Integer(0), written * (2 if st.accumulate else 1))
         elif isinstance(st, Softmax):
             total += _expr_cost(st.scores)
             total += Cost(sympy.Integer(0), _elements(ir.shape_of(st.scores)) * st.probs.dtype.bytes)
     return total
 
 
-def program_cost(program: ir.Program) -> Cost:
-    """FLOPs and HBM bytes of every kernel of the program, as formulas in the sizes."""
+def program_cost(program: ir.Program, kernels=None) -> Cost:
+    """FLOPs and HBM bytes of the program's kernels (all, or those named), as formulas in the sizes."""
     total = ZERO
     for kernel in program.kernels:
-        total += _body_cost(kernel.body)
+        if kernels is None or kernel.name in kernels:
+            total += _body_cost(kernel.body)
     real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM}
     return Cost(total.flops.subs(real_width), total.bytes.subs(real_width))
 
@@ -123,7 +125,9 @@ def _value(e: sympy.Expr) -> sympy.Expr:
     return e
 
 
-def fa_flops(mask_causal: bool) -> sympy.Expr:
-    """The FlashAttention convention: 4 * B * H * N_Q * N_K * d forward, halved when causal."""
+def fa_flops(mask_causal: bool, backward: bool = False) -> sympy.Expr:
+    """The FlashAttention convention: 4 * B * H * N_Q * N_K * d forward, halved when causal;
+    the backward counts 2.5 times the forward."""
     flops = 4 * sym.B * sym.H * sym.N_Q * sym.N_K * sym.HEAD_DIM
-    return flops / 2 if mask_causal else flops
+    flops = flops / 2 if mask_causal else flops
+    return flops * sympy.Rational(5, 2) if backward else flops

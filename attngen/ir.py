@@ -134,6 +134,8 @@ class Op(enum.Enum):
     CAST = "cast"          # to the dtype in `Call.dtype`
     FINITE_OR_ZERO = "finite_or_zero"  # x where x > -inf else 0: keeps exp(-inf - -inf) out
     ONE_IF_ZERO = "one_if_zero"        # x where x != 0 else 1: normalising an empty row
+    INF_IF_EMPTY = "inf_if_empty"      # +inf where x is -inf: a row with no visible key has
+                                       # log-sum-exp -inf, and exp(s - (+inf)) = 0, not NaN
     LOAD = "load"          # HBM -> registers; `Call.index` says where
 
 
@@ -225,11 +227,13 @@ class Assign:
 
 @dataclass(frozen=True, slots=True)
 class Store:
-    """`target[index] = value` into HBM."""
+    """`target[index] = value` into HBM (`+=` when `accumulate`: only the naive backward, which
+    sums dK/dV over a GQA group, uses it; no code is generated for it)."""
 
     target: Buffer
     index: tuple[IndexItem, ...]
     value: Expr
+    accumulate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,6 +524,11 @@ def format_buffer_type(b: Buffer) -> str:
     return f"{b.space.value} {b.dtype.value}[{dims}]"
 
 
+def describe_buffer(b: Buffer) -> str:
+    """The type with the role: for messages, where two buffers of one type may differ in role."""
+    return f"{b.role.value} {format_buffer_type(b)}"
+
+
 def _format_body(body, indent: int, defined: set, out: list) -> None:
     pad = "  " * indent
     for st in body:
@@ -536,7 +545,8 @@ def _format_body(body, indent: int, defined: set, out: list) -> None:
             defined.add(t.name)
             out.append(f"{pad}{t.name}{decl} = {format_expr(st.value)}")
         elif isinstance(st, Store):
-            out.append(f"{pad}store {st.target.name}{format_index(st.index)} = {format_expr(st.value)}")
+            op = "+=" if st.accumulate else "="
+            out.append(f"{pad}store {st.target.name}{format_index(st.index)} {op} {format_expr(st.value)}")
         elif isinstance(st, Softmax):
             for b in (st.probs, st.rowmax, st.rowsum):
                 defined.add(b.name)

@@ -93,6 +93,9 @@ def load(spec_or_text: "Spec | str | os.PathLike") -> "Kernel":
             module = _import(path, cache.cache_key(canonical) + ("_i" if mode == "interpret" else ""))
             kernel = Kernel(spec, source, path, module, program_box.get("program"))
             _LOADED[canonical + mode] = kernel
+            from .autograd import register
+
+            register(kernel)
         return kernel
 
 
@@ -129,6 +132,15 @@ class Kernel:
         """The launch configuration for these inputs."""
         return configs.default_config(self.spec, interpreter=interpreting())
 
+    @property
+    def key(self) -> str:
+        """The name the custom ops (attngen/autograd.py) know this kernel by."""
+        return f"{self.spec.hash}:{'interpret' if interpreting() else 'compile'}"
+
+    def backward_config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
+        """Launch configurations of the backward kernels, by kernel name."""
+        return configs.backward_config(self.spec, interpreter=interpreting())
+
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
                  out: torch.Tensor | None = None, config: dict | None = None):
@@ -136,11 +148,29 @@ class Kernel:
 
         Returns the output (shaped and typed like q), and with `return_lse=True` also the natural-log
         log-sum-exp of each query row's scores, (B, H, N_Q) float32 (-inf for rows with no visible key).
+        When q, k or v require grad, the call is recorded for autograd (forward+backward specs only).
         """
-        from .checks import check_attention_inputs, check_out, check_scale
+        from . import autograd
+        from .checks import check_attention_inputs, check_scale
 
         check_attention_inputs(self.spec, q, k, v)
         sm_scale = check_scale(scale, self.spec)
+        if autograd.needs_grad(q, k, v) or torch.compiler.is_compiling():
+            if not self.spec.backward and autograd.needs_grad(q, k, v):
+                raise KernelInputError(
+                    f"q, k or v requires grad, but kernel '{self.spec.name}' is forward-only: "
+                    "write direction = forward+backward in its spec (or call it under torch.no_grad())")
+            if out is not None or config is not None:
+                raise KernelInputError("out= and config= are not supported when recording for autograd")
+            out, lse = torch.ops.attngen.forward(self.key, q, k, v, sm_scale)
+        else:
+            out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)
+        return (out, lse) if return_lse else out
+
+    def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None):
+        """Run the forward on checked inputs; returns (out, lse). No autograd."""
+        from .checks import check_out
+
         if out is not None:
             check_out(out, q)
         else:
@@ -150,5 +180,35 @@ class Kernel:
             launch = dict(self.config(q, k))
             if config:
                 launch.update(config)
-            self.module.forward(q, k, v, sm_scale, out=out, lse=lse, config=launch)
-        return (out, lse) if return_lse else out
+            self.module.forward(q, k, v, scale, out=out, lse=lse, config=launch)
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, do, scale: float | None = None, config: dict | None = None,
+                 grads: tuple | None = None):
+        """Gradients (dq, dk, dv) for the output gradient `do`, from what `forward` returned.
+
+        `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
+        """
+        from .checks import check_attention_inputs, check_out, check_scale
+
+        if not self.spec.backward:
+            raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
+        check_attention_inputs(self.spec, q, k, v)
+        check_out(out, q, "out")
+        check_out(do, q, "do")
+        if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):
+            raise KernelInputError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
+        sm_scale = check_scale(scale, self.spec)
+        if grads is not None:
+            for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+                check_out(g, like, name)
+            dq, dk, dv = grads
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if q.numel() == 0 or k.numel() == 0:
+            # Nothing attends: every gradient is zero (and no kernel can be launched on an empty grid).
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        launch = self.backward_config(q, k)
+        for name, extra in (config or {}).items():
+            launch[name] = dict(launch[name], **extra)
+        return self.module.backward(q, k, v, out, lse, do, sm_scale, dq=dq, dk=dk, dv=dv, config=launch)

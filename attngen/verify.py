@@ -12,8 +12,10 @@ from . import ir
 from .errors import InternalError
 from .ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Paged, Ref, Role, Softmax, Space, Span, Store, SymKind
 
-# Passes after which the program must be ready for code generation.
+# Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
+# which every kernel is (the naive backward lives until `recompute` replaces it).
 _FUSED_STAGES = {"online-softmax", "exp2", "causal-skip", "pack-gqa", "split-kv", "paged", "recompute"}
+_ALL_FUSED_STAGES = _FUSED_STAGES - {"online-softmax"}
 
 
 class _Checker:
@@ -57,7 +59,7 @@ class _Checker:
     def declared(self, buffer: Buffer) -> None:
         known = self.buffers.get(buffer.name)
         if known is not None and known != buffer:
-            self.fail(f"{buffer.name} is used as {ir.format_buffer_type(buffer)} and {ir.format_buffer_type(known)}")
+            self.fail(f"{buffer.name} is used as {ir.describe_buffer(buffer)} and {ir.describe_buffer(known)}")
         self.buffers.setdefault(buffer.name, buffer)
 
     # -- expressions ---------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class _Checker:
                     self.fail(f"store into {st.target.name}, which is not an output")
                 self.index_ok(st.target, st.index, scope)
             elif isinstance(st, Softmax):
-                if self.stage in _FUSED_STAGES:
+                if self.fused:
                     self.fail("a naive softmax survives the online-softmax rewrite")
                 self.expr_ok(st.scores, scope, defined)
                 for b in (st.probs, st.rowmax, st.rowsum):
@@ -125,9 +127,13 @@ class _Checker:
         elif shape != target.shape and len(shape) > len(target.shape):
             self.fail(f"{target.name} has rank {len(target.shape)} but is assigned rank {len(shape)}")
 
+    @property
+    def fused(self) -> bool:
+        return self.stage in _ALL_FUSED_STAGES or (self.stage in _FUSED_STAGES and self.kernel.name == "attn_fwd")
+
     def run(self) -> None:
         self.body_ok(self.kernel.body, set(), set(), False)
-        if self.stage in _FUSED_STAGES:
+        if self.fused:
             for b in self.buffers.values():
                 if b.role is Role.SCRATCH:
                     self.fail(f"HBM scratch {b.name} survives the online-softmax rewrite")

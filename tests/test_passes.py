@@ -23,7 +23,7 @@ def stages(text):
 
 
 def test_pipeline_order_is_visible():
-    assert PASS_NAMES == ("lower", "tiling", "online-softmax", "exp2", "causal-skip")
+    assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "causal-skip")
 
 
 def test_online_softmax_replaces_the_hbm_round_trip():

@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from .. import ir
-from ..configs import default_config
+from ..configs import backward_config, default_config
 from ..passes import PASS_NAMES
 from ..spec import Spec
 from ..version import __version__
@@ -52,6 +52,8 @@ def render(spec: Spec, program: ir.Program) -> str:
     if _ENV is None:
         _ENV = _environment()
     kernels = [KernelEmitter(k).emit() for k in program.kernels]
+    names = {k.name for k in kernels}
+    entries = ["forward"] + (["backward"] if {"attn_bwd_dq", "attn_bwd_dkdv"} <= names else [])
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     context = dict(
         generator=f"attngen {__version__}",
@@ -64,6 +66,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         default_config=default_config(spec),
         kernels=kernels,
         attrs=dict(program.attrs),
-        entry="single",
+        entries=entries,
+        backward_config=backward_config(spec) if "backward" in entries else {},
     )
     return _ENV.get_template(TEMPLATE).render(**context)

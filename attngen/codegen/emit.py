@@ -325,6 +325,9 @@ class KernelEmitter:
         if op is Op.ONE_IF_ZERO:
             x = self.atom(args[0], loads)
             return f"tl.where({x} == 0.0, 1.0, {x})", 3
+        if op is Op.INF_IF_EMPTY:
+            x = self.atom(args[0], loads)
+            return f"tl.where({x} == float(\"-inf\"), float(\"inf\"), {x})", 3
         raise InternalError(f"no Triton spelling for {op}")
 
     def atom(self, e: ir.Expr, loads: dict) -> str:
@@ -381,10 +384,12 @@ class KernelEmitter:
         elif isinstance(st, Assign):
             self.assign(st)
         elif isinstance(st, Store):
+            if st.accumulate:
+                raise InternalError("an accumulating store reached code generation; recompute should have removed it")
             loads = self.hoist_loads(st.value)
-            value, _ = self.expr(st.value, loads)
+            value, prec = self.expr(st.value, loads)
             if ir.dtype_of(st.value) is not st.target.dtype:
-                value = f"({value}).to({st.target.dtype.triton})"
+                value = f"{value if prec == 3 else f'({value})'}.to({st.target.dtype.triton})"
             ptr, mask = self.address(st.target, st.index)
             tail = f", mask={mask}" if mask else ""
             self.line(f"tl.store({ptr}, {value}{tail})")

@@ -3,6 +3,7 @@
     lower           spec -> the textbook three-pass algorithm (N x N scores in HBM)
     tiling          query-block grid x key-block loops; S and P still go through HBM
     online-softmax  one pass with running max / sum / rescaled accumulator; no N x N scratch
+    recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
 
@@ -15,9 +16,9 @@ from typing import Callable
 
 from .. import ir
 from ..spec import Spec
-from . import causal_skip, exp2, lower, online_softmax, tiling
+from . import causal_skip, exp2, lower, online_softmax, recompute, tiling
 
-PIPELINE = (tiling, online_softmax, exp2, causal_skip)
+PIPELINE = (tiling, online_softmax, recompute, exp2, causal_skip)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

@@ -1,10 +1,11 @@
 """exp2: keep the softmax statistics in base 2 and fold log2(e) into the scale.
 
 The GPU's fast exponential is exp2; exp(x) costs a multiply more. Since exp(x) = exp2(x * log2 e)
-and every score is already multiplied by the softmax scale, the pass multiplies the scale by log2 e
-once per program (`qk_scale`), turns exp/log into exp2/log2, and converts the log-sum-exp at the HBM
-boundary: stored values are multiplied by ln 2 (HBM keeps the natural log that users and other
-libraries expect) and loaded ones by log2 e.
+and every score (a `dot_t(...) * sm_scale`) is already multiplied by the softmax scale, the pass
+multiplies the scale by log2 e once per program (`qk_scale`), turns exp/log into exp2/log2, and
+converts the log-sum-exp at the HBM boundary: stored values are multiplied by ln 2 (HBM keeps the
+natural log that users and other libraries expect) and loaded ones by log2 e. Other uses of the
+scale (the backward's dQ = dS K * scale) are left alone: they are not in the exponent.
 """
 
 from __future__ import annotations
@@ -24,16 +25,25 @@ def _is_lse(buffer: Buffer) -> bool:
     return buffer.space is Space.HBM and buffer.name.startswith("LSE")
 
 
+def _is_base2_lse(e) -> bool:
+    return (isinstance(e, Call) and e.op is Op.MUL and isinstance(e.args[0], Load) and _is_lse(e.args[0].buffer)
+            and e.args[1] == Num(sym.LOG2E))
+
+
 def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
     qk_scale = Buffer("qk_scale", (), DT.F32, Space.REG)
 
     def expr(e):
-        if isinstance(e, Sym) and e.expr == sym.sm_scale:
-            return Ref(qk_scale)
+        if (isinstance(e, Call) and e.op is Op.MUL and e.args[1] == Sym(sym.sm_scale)
+                and isinstance(e.args[0], Call) and e.args[0].op is Op.DOT_T):
+            return replace(e, args=(e.args[0], Ref(qk_scale)))
         if isinstance(e, Call) and e.op in _BASE2:
             return replace(e, op=_BASE2[e.op])
         if isinstance(e, Load) and _is_lse(e.buffer):
             return Call(Op.MUL, (e, Num(sym.LOG2E)))
+        if isinstance(e, Call) and e.op is Op.INF_IF_EMPTY and _is_base2_lse(e.args[0]):
+            # +-inf survive the change of base: convert after the guard, once.
+            return Call(Op.MUL, (replace(e, args=(e.args[0].args[0],)), Num(sym.LOG2E)))
         return e
 
     def stmt(st):

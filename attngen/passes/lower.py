@@ -82,11 +82,46 @@ def run(spec: Spec) -> ir.Program:
     )
     kernel = ir.Kernel("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
+    kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
         mask=spec.mask.value, dtype=spec.dtype.value, head_dim=spec.head_dim,
-        head_dim_padded=spec.head_dim_padded,
+        head_dim_padded=spec.head_dim_padded, backward=spec.backward,
     )
-    return ir.Program(spec.name, spec.hash, (kernel,)).with_attrs(**attrs)
+    return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
+
+
+def _naive_backward(fwd: ir.Kernel, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.Kernel:
+    """The textbook backward: P was stored by the forward and is read back; dP and dS go through
+    HBM too. `recompute` replaces this kernel; it is here to be priced and printed."""
+    params = {b.name: b for b in fwd.params}
+    like = lambda b, name, role: Buffer(name, b.shape, b.dtype, Space.HBM, role)
+    do_buf = like(params["O"], "DO", Role.INPUT)
+    dq_buf, dk_buf, dv_buf = (like(params[n], f"D{n}", Role.OUTPUT) for n in ("Q", "K", "V"))
+    dp_buf = Buffer("dP", p_buf.shape, DT.F32, Space.HBM, Role.SCRATCH)
+    ds_buf = Buffer("dS", p_buf.shape, DT.F32, Space.HBM, Role.SCRATCH)
+    delta = Buffer("delta", (sym.N_Q,), DT.F32, Space.REG)
+    do = Load(do_buf, (sym.b, sym.h, rows, dims))
+    o_in = Buffer("O", params["O"].shape, params["O"].dtype, Space.HBM, Role.INPUT)
+    o = Load(o_in, (sym.b, sym.h, rows, dims))
+    dt = params["Q"].dtype
+    dot = lambda op, a, b_: Call(op, (a, b_), _precision(dt))
+    trans = lambda x: Call(Op.TRANS, (x,))
+    scaled = lambda x: Call(Op.MUL, (x, Sym(sym.sm_scale)))
+    body = (
+        ir.Comment("P was written to HBM by the forward; read it back"),
+        ir.Assign(dp_buf, dot(Op.DOT_T, do, v)),
+        ir.Assign(delta, Call(Op.ROWSUM, (Call(Op.MUL, (do, o)),))),
+        ir.Assign(ds_buf, Call(Op.MUL, (Ref(p_buf), Call(Op.SUB, (Ref(dp_buf), Ref(delta)))))),
+        ir.Store(dq_buf, (sym.b, sym.h, rows, dims), scaled(dot(Op.DOT, Ref(ds_buf), k))),
+        ir.Store(dk_buf, (sym.b, kv_head, Span("offs_n", sym.ZERO, sym.N_K), dims),
+                 scaled(dot(Op.DOT, trans(Ref(ds_buf)), q)), accumulate=True),
+        ir.Store(dv_buf, (sym.b, kv_head, Span("offs_n", sym.ZERO, sym.N_K), dims),
+                 dot(Op.DOT, trans(Ref(p_buf)), do), accumulate=True),
+    )
+    grid = ir.Loop(sym.b, sym.ZERO, sym.B, sym.ONE,
+                   (ir.Loop(sym.h, sym.ZERO, sym.H, sym.ONE, body, ir.LoopKind.GRID),), ir.LoopKind.GRID)
+    return ir.Kernel("attn_bwd", (params["Q"], params["K"], params["V"], o_in, do_buf, dq_buf, dk_buf, dv_buf),
+                     fwd.symbols, (grid,), doc="dQ, dK, dV from the stored P, one program per (batch, head)")
 
 
 def _precision(dt: DT) -> DT | None:

@@ -1,0 +1,85 @@
+"""Gradients: the generated kernels as torch custom ops with a registered backward.
+
+`torch.ops.attngen.forward(key, q, k, v, scale) -> (out, lse)` and
+`torch.ops.attngen.backward(key, do, q, k, v, out, lse, scale) -> (dq, dk, dv)` run the kernel
+named by `key`; the forward op's autograd formula calls the backward op, so `.backward()` works on
+q, k and v (any subset requiring grad) and `torch.compile` keeps both in one graph. `key` is either
+a loaded kernel's registry key (`Kernel.key`), or `sdpa:<dtype>:<head_dim>:<causal|full>` for
+`attngen.attention`, which loads its spec inside the op so that tracing never runs attngen's
+loader. The log-sum-exp output carries no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import AttnGenError
+
+_KERNELS: dict = {}
+
+
+def register(kernel) -> str:
+    """Make a loaded kernel reachable from the ops; returns its key."""
+    _KERNELS[kernel.key] = kernel
+    return kernel.key
+
+
+def resolve(key: str):
+    kernel = _KERNELS.get(key)
+    if kernel is not None:
+        return kernel
+    if key.startswith("sdpa:"):
+        from .api import sdpa_spec
+        from .runtime import load
+
+        _, dtype, head_dim, mask = key.split(":")
+        return load(sdpa_spec(dtype, int(head_dim), mask == "causal"))
+    raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
+
+
+@torch.library.custom_op("attngen::forward", mutates_args=())
+def forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .checks import check_attention_inputs
+
+    kernel = resolve(key)
+    check_attention_inputs(kernel.spec, q, k, v)
+    return kernel.forward(q, k, v, scale)
+
+
+@forward_op.register_fake
+def _forward_fake(key, q, k, v, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("attngen::backward", mutates_args=())
+def backward_op(key: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return resolve(key).backward(q, k, v, out, lse, do, scale)
+
+
+@backward_op.register_fake
+def _backward_fake(key, do, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    key, q, k, v, scale = inputs
+    out, lse = output
+    ctx.key, ctx.scale = key, scale
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _backward(ctx, d_out, d_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if d_out is None:
+        return None, None, None, None, None
+    dq, dk, dv = torch.ops.attngen.backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale)
+    need = ctx.needs_input_grad
+    return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
+
+
+forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

@@ -1,0 +1,127 @@
+"""The backward: gradients against float64 autograd, autograd plumbing, determinism, torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attngen
+from attngen import KernelInputError
+from attngen.check import Case, compare_grads, validate
+from conftest import DEVICE, spec_text
+
+
+def rand(*shape, dtype=torch.float16, grad=False):
+    t = torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def train_spec(name, head_dim=32, dtype="fp16", mask="causal", **extra):
+    return attngen.load(spec_text(name, head_dim, dtype, mask, direction="forward+backward", **extra))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+def test_gradients_at_odd_sizes(dtype, mask):
+    kernel = train_spec(f"g_{dtype}_{mask[:6]}{len(mask)}", 32, dtype, mask, heads=4, kv_heads=2)
+    for result in validate(kernel, [Case(2, 4, 2, 37, 53), Case(1, 4, 2, 53, 37), Case(1, 4, 2, 1, 20)], device=DEVICE):
+        assert result.ok and len(result.grads) == 3, result
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 128])
+def test_gradients_for_head_dims(head_dim):
+    kernel = train_spec(f"g_d{head_dim}", head_dim, "fp16", "causal")
+    for result in validate(kernel, [Case(1, 2, 2, 45, 70)], device=DEVICE):
+        assert result.ok, result
+
+
+def test_autograd_through_kernel_call_any_subset():
+    kernel = train_spec("autograd_subset", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
+    q, k, v = rand(1, 4, 20, 32, dtype=torch.float32), rand(1, 2, 30, 32, dtype=torch.float32), rand(1, 2, 30, 32, dtype=torch.float32)
+    do = rand(1, 4, 20, 32, dtype=torch.float32)
+    full = None
+    for wants in [(True, True, True), (False, True, False), (True, False, False), (False, False, True)]:
+        leaves = [t.detach().clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+        kernel(*leaves).backward(do)
+        grads = [t.grad for t in leaves]
+        assert [g is not None for g in grads] == list(wants)
+        if full is None:
+            full = grads
+            expected = compare_grads(kernel.spec, q, k, v, do, grads)
+            assert all(r.ok for r in expected), expected
+        else:
+            for g, f in zip(grads, full):
+                if g is not None:
+                    assert torch.equal(g, f)
+
+
+def test_backward_is_deterministic():
+    kernel = train_spec("determinism", 32, "fp16", "none", heads=4, kv_heads=1)
+    q, k, v, do = rand(2, 4, 33, 32), rand(2, 1, 47, 32), rand(2, 1, 47, 32), rand(2, 4, 33, 32)
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    first = kernel.backward(q, k, v, out, lse, do)
+    second = kernel.backward(q, k, v, out, lse, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_non_contiguous_inputs_and_grad_output():
+    kernel = train_spec("strided_bwd", 64, "fp16", "causal")
+    q = rand(2, 41, 3, 64).transpose(1, 2)
+    kv = rand(2, 2, 3, 57, 64)
+    k, v = kv[0], kv[1]
+    do = rand(2, 41, 3, 64).transpose(1, 2)
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    grads = kernel.backward(q, k, v, out, lse, do)
+    assert all(r.ok for r in compare_grads(kernel.spec, q.contiguous(), k, v, do.contiguous(), grads))
+
+
+def test_forward_only_kernel_refuses_to_record_gradients():
+    kernel = attngen.load(spec_text("fwd_only", 32, "fp16"))
+    q = rand(1, 1, 8, 32, grad=True)
+    with pytest.raises(KernelInputError, match="forward-only"):
+        kernel(q, rand(1, 1, 8, 32), rand(1, 1, 8, 32))
+    with torch.no_grad():
+        assert kernel(q, rand(1, 1, 8, 32), rand(1, 1, 8, 32)).shape == q.shape
+
+
+def test_empty_sequences_have_zero_gradients():
+    kernel = train_spec("empty_bwd", 32, "fp32", "none")
+    q, k, v = rand(1, 2, 5, 32, dtype=torch.float32, grad=True), rand(1, 2, 0, 32, dtype=torch.float32, grad=True), \
+        rand(1, 2, 0, 32, dtype=torch.float32, grad=True)
+    kernel(q, k, v).sum().backward()
+    assert (q.grad == 0).all() and k.grad.shape == k.shape
+
+
+def test_attention_drop_in_backward_matches_sdpa():
+    q, k, v = (rand(1, 4, n, 32, grad=True) for n in (25, 40, 40))
+    k, v = rand(1, 2, 40, 32, grad=True), rand(1, 2, 40, 32, grad=True)
+    out = attngen.attention(q, k, v, is_causal=True, enable_gqa=True)
+    do = rand(*out.shape)
+    out.backward(do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True).backward(do.double())
+    for got, ref in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+        assert (got.double() - ref).norm() / ref.norm() < 5e-3
+
+
+def test_torch_compile_with_backward_keeps_one_graph():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def loss(q, k, v):
+        return (attngen.attention(q, k, v, is_causal=True) ** 2).sum()
+
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    q, k, v = (rand(1, 2, 16, 32, grad=True) for _ in range(3))
+    compiled(q, k, v).backward()
+    assert counter.frame_count == 1 and q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_gpu_gradients_at_4096(dtype, head_dim, mask):
+    kernel = train_spec(f"gpu_bwd_{dtype}_{head_dim}_{mask}", head_dim, dtype, mask)
+    for result in validate(kernel, [Case(1, 4, 4, 4096, 4096), Case(1, 2, 2, 4093, 4099)], device="cuda"):
+        assert result.ok, result
