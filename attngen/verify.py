@@ -14,7 +14,7 @@ from .ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Paged, Ref, 
 
 # Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
 # which every kernel is (the naive backward lives until `recompute` replaces it).
-_FUSED_STAGES = {"online-softmax", "exp2", "causal-skip", "pack-gqa", "split-kv", "paged", "recompute"}
+_FUSED_STAGES = {"online-softmax", "exp2", "fold-scale", "causal-skip", "pack-gqa", "split-kv", "paged", "recompute"}
 _ALL_FUSED_STAGES = _FUSED_STAGES - {"online-softmax"}
 
 

@@ -23,7 +23,7 @@ def stages(text):
 
 
 def test_pipeline_order_is_visible():
-    assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "causal-skip")
+    assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "fold-scale", "causal-skip")
 
 
 def test_online_softmax_replaces_the_hbm_round_trip():
@@ -44,6 +44,15 @@ def test_exp2_folds_log2e_into_the_scale():
     assert "qk_scale: reg fp32[] = sm_scale * 1.4426950408889634" in after
     assert "exp2(" in after and " exp(" not in after
     assert "store LSE[b, h, start_m:+BLOCK_M (<N_Q)] = (m_i + log2(l_safe)) * 0.6931471805599453" in after
+
+
+def test_fold_scale_moves_the_scale_to_the_uses():
+    s = stages(spec_text(mask="causal"))
+    before, after = ir.format_program(s["exp2"]), ir.format_program(s["fold-scale"])
+    assert "= mask(dot_t(q, load K[" in before and ") * qk_scale, keep" in before
+    assert "s: reg fp32[BLOCK_M, BLOCK_N] = mask(dot_t(q, load K[b, (h // GROUP), start_n:+BLOCK_N (<N_K), :HEAD_DIM]), keep" in after
+    assert "m_new: reg fp32[BLOCK_M] = max(m_i, rowmax(s) * qk_scale)" in after
+    assert "p: reg fp32[BLOCK_M, BLOCK_N] = exp2((s * qk_scale) - m_use)" in after
 
 
 def _key_loops(program):

@@ -5,6 +5,7 @@
     online-softmax  one pass with running max / sum / rescaled accumulator; no N x N scratch
     recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
+    fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
 
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.
@@ -16,9 +17,9 @@ from typing import Callable
 
 from .. import ir
 from ..spec import Spec
-from . import causal_skip, exp2, lower, online_softmax, recompute, tiling
+from . import causal_skip, exp2, fold_scale, lower, online_softmax, recompute, tiling
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, causal_skip)
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, causal_skip)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)
