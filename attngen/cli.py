@@ -3,6 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
+    attngen bench [--suite prefill|decode|all] ...   attngen against the peers on this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check exits 1; a bug in
 attngen exits 3 with a short report. No user error prints a traceback.
@@ -177,6 +178,29 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+# -- bench -------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    def ints(text, what):
+        try:
+            return tuple(int(x) for x in text.split(",")) if text else None
+        except ValueError:
+            raise SpecError(f"--{what} takes comma-separated whole numbers; got '{text}'", "<command line>") from None
+
+    suites = ("prefill", "decode") if args.suite == "all" else (args.suite,)
+    providers = tuple(args.providers.split(",")) if args.providers else None
+    unknown = set(providers or ()) - set(bench.PREFILL_PROVIDERS)
+    if unknown:
+        raise SpecError(f"--providers: unknown {', '.join(sorted(unknown))}; known: {', '.join(bench.PREFILL_PROVIDERS)}",
+                        "<command line>")
+    directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+    return bench.main(suites, args.output, ints(args.lengths, "lengths"), ints(args.head_dims, "head-dims") or (64, 128),
+                      providers, directions)
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -203,6 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None, metavar="B=1,H=16,N=4096",
                    help="sizes to evaluate the cost formulas at (B, H, H_KV, N, N_Q, N_K)")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
+    p.add_argument("--suite", choices=("prefill", "decode", "all"), default="all")
+    p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
+    p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
+    p.add_argument("--head-dims", default=None, metavar="64,128")
+    p.add_argument("--providers", default=None, metavar="attngen,flex,...")
+    p.add_argument("-o", "--output", default="benchmarks/results", metavar="DIR",
+                   help="folder for <gpu>.json (rows are merged with what is there)")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -1,0 +1,99 @@
+"""Plot benchmark results in the style of the FlashAttention README.
+
+    python benchmarks/plot.py benchmarks/results/nvidia_h200.json [OUT_DIR]
+
+Needs matplotlib (the `bench` extra): plots are drawn here from the JSON `attngen bench` wrote on
+the GPU machine, which need not have matplotlib. Writes, per GPU:
+  <gpu>_prefill_forward.png, <gpu>_prefill_backward.png   TFLOP/s against N, a panel per (d, causal)
+  <gpu>_decode.png                                         GB/s of K/V read against context length
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+STYLE = {"attngen": ("tab:red", "o"), "flex": ("tab:blue", "s"), "sdpa_flash": ("tab:green", "^"),
+         "sdpa_cudnn": ("tab:purple", "D"), "sdpa_efficient": ("tab:orange", "v"), "naive": ("tab:gray", "x")}
+
+
+def _style(provider):
+    base = provider.split("[")[0]
+    return STYLE.get(base, ("black", "."))
+
+
+def plot_prefill(rows, device, slug, out_dir):
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for direction in ("forward", "backward"):
+        sel = [r for r in rows if r["suite"] == "prefill" and r["direction"] == direction and r.get("tflops")]
+        if not sel:
+            continue
+        panels = sorted({(r["params"]["head_dim"], r["params"]["causal"]) for r in sel})
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+        for ax, (d, causal) in zip(axes[0], panels):
+            for provider in sorted({r["provider"] for r in sel}, key=lambda p: p != "attngen"):
+                pts = sorted((r["params"]["seqlen"], r["tflops"]) for r in sel
+                             if r["provider"] == provider and (r["params"]["head_dim"], r["params"]["causal"]) == (d, causal))
+                if pts:
+                    color, marker = _style(provider)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=provider,
+                            linewidth=2.2 if provider == "attngen" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"head dim {d}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"{direction}, bf16, batch x N = 16384, hidden 2048 -- {device}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{slug}_prefill_{direction}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_decode(rows, device, slug, out_dir):
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r["suite"] == "decode" and r.get("gbps")]
+    if not sel:
+        return []
+    batches = sorted({r["params"]["batch"] for r in sel})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for provider in sorted({r["provider"] for r in sel}, key=lambda p: not p.startswith("attngen")):
+            pts = sorted((r["params"]["context"], r["gbps"]) for r in sel if r["provider"] == provider and r["params"]["batch"] == batch)
+            if pts:
+                color, marker = _style(provider)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=provider,
+                        color=None if provider.startswith("attngen") else color,
+                        linewidth=2.2 if provider.startswith("attngen") else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context length")
+        ax.set_ylabel("GB/s of K/V read")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"decode, bf16, 32 query / 8 KV heads, d=128 -- {device}")
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{slug}_decode.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def main(path, out_dir=None):
+    with open(path) as f:
+        data = json.load(f)
+    out_dir = out_dir or os.path.dirname(path)
+    slug = os.path.splitext(os.path.basename(path))[0]
+    for p in plot_prefill(data["rows"], data["device"], slug, out_dir) + plot_decode(data["rows"], data["device"], slug, out_dir):
+        print(p)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
