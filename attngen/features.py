@@ -9,7 +9,4 @@ from .spec import Spec
 def check_supported(spec: Spec) -> None:
     if spec.backward:
         raise spec.error("direction", "direction = forward+backward is not supported yet", UnsupportedError)
-    if spec.split_kv != 1:
-        raise spec.error("split_kv", "split_kv other than 1 is not supported yet", UnsupportedError)
-    if spec.kv_layout.paged:
-        raise spec.error("kv_layout", "a paged kv_layout is not supported yet", UnsupportedError)
+    # split_kv and paged kv_layouts: the decoding passes (kv-lengths, pack-gqa, split-kv, paged).
