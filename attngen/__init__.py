@@ -16,5 +16,15 @@ from .version import __version__
 
 __all__ = [
     "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
-    "__version__", "attention", "attention_with_kvcache", "load", "merge_states", "parse",
+    "PagedKVCache", "__version__", "attention", "attention_with_kvcache", "load", "merge_states", "parse",
 ]
+
+
+def __getattr__(name):
+    # Imported on first use: attngen.kvcache defines a Triton kernel, and whether Triton interprets
+    # it is fixed when it is defined (the CLI decides that after `import attngen`).
+    if name == "PagedKVCache":
+        from .kvcache import PagedKVCache
+
+        return PagedKVCache
+    raise AttributeError(f"module 'attngen' has no attribute {name!r}")

@@ -241,7 +241,7 @@ def attn_combine(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(o_base + offs_m[:, None] * stride_o_n + offs_d[None, :] * stride_o_d, (acc / l_safe[:, None]).to(tl.bfloat16), mask=(offs_m[:, None] < N_Q))
-    tl.store(lse_base + offs_m * stride_lse_n, lse_use + tl.log(l_sum), mask=(offs_m < N_Q))
+    tl.store(lse_base + offs_m * stride_lse_n, lse_max + tl.log(l_safe), mask=(offs_m < N_Q))
 
 
 def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_M, num_warps, num_stages):

@@ -107,7 +107,7 @@ def attn_fwd(
     for start_n in range(0, tl.minimum(BLOCK_N*(n_k // BLOCK_N), BLOCK_N*(tl.maximum(0, 1 + n_k - N_Q + (start_m // GROUP)) // BLOCK_N)), BLOCK_N):  # full blocks: no mask
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        page_n = tl.load(block_table_base + ((start_n) // 64) * stride_block_table_page).to(tl.int64)
+        page_n = tl.load(block_table_base + (start_n // 64) * stride_block_table_page).to(tl.int64)
         k = tl.load(k_base + page_n * stride_k_page + (offs_n % 64)[:, None] * stride_k_slot + offs_d[None, :] * stride_k_d)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -120,7 +120,7 @@ def attn_fwd(
     for start_n in range(tl.minimum(BLOCK_N*(n_k // BLOCK_N), BLOCK_N*(tl.maximum(0, 1 + n_k - N_Q + (start_m // GROUP)) // BLOCK_N)), tl.minimum(n_k, 1 + n_k - N_Q + (tl.minimum(-1 + GROUP*N_Q, -1 + start_m + BLOCK_M) // GROUP)), BLOCK_N):  # diagonal blocks: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        page_n = tl.load(block_table_base + ((start_n) // 64) * stride_block_table_page).to(tl.int64)
+        page_n = tl.load(block_table_base + (start_n // 64) * stride_block_table_page).to(tl.int64)
         k = tl.load(k_base + page_n * stride_k_page + (offs_n % 64)[:, None] * stride_k_slot + offs_d[None, :] * stride_k_d, mask=(offs_n[:, None] < n_k), other=0.0)
         keep = (offs_n[None, :] <= (offs_m // GROUP)[:, None] + (n_k - N_Q)) & (offs_n[None, :] < n_k)
         s = tl.where(keep, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))

@@ -320,7 +320,8 @@ class KernelEmitter:
         row = self.base(table, (item.batch, span))
         if item.per_tile:
             # The tile lies inside one page (BLOCK_N <= page size): one entry for all its rows.
-            start = exprs.parenthesized(exprs.device(span.start))
+            start = exprs.device(span.start)
+            start = start if isinstance(span.start, sympy.Symbol) else exprs.parenthesized(start)
             self.line(f"{name} = tl.load({row} + ({start} // {item.page_size}) * {t_strides[1]}).to(tl.int64)")
         else:
             mask = f", mask={span.name} < {exprs.device(span.limit)}, other=0" if span.limit is not None else ""

@@ -103,7 +103,7 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
         )),
         Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_sum),))),
         Store(o, (sym.b, sym.h, rows, dims), Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
-        Store(lse, (sym.b, sym.h, rows), Call(Op.ADD, (Ref(lse_use), Call(Op.LOG, (Ref(l_sum),))))),
+        Store(lse, (sym.b, sym.h, rows), Call(Op.ADD, (Ref(lse_max), Call(Op.LOG, (Ref(l_safe),))))),
     )
     grid = Loop(sym.b, sym.ZERO, sym.B, sym.ONE, (
         Loop(sym.h, sym.ZERO, sym.H, sym.ONE, (
