@@ -152,7 +152,10 @@ class PagedKVCache:
         width = self.k_pages.shape[2] * self.k_pages.shape[3]
         k_rows, v_rows = k.reshape(-1, width), v.reshape(-1, width)
         n = k_rows.shape[0]
-        block_t = 16
+        from .runtime import interpreting
+
+        # The interpreter pays per program, not per element: one program per call there.
+        block_t = min(1024 if interpreting() else 64, triton.next_power_of_2(n))
         _append_kv[(triton.cdiv(n, block_t),)](
             k_rows, v_rows, self.k_pages, self.v_pages, slots, n, width, k_rows.stride(0), v_rows.stride(0),
             BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)))
