@@ -138,6 +138,11 @@ def cmd_explain(args) -> int:
     config = default_config(spec)
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
                  BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
+    if spec.is_split:  # decoding: the split count a launch would use on an sm_90 with 132 SMs
+        from .splits import choose_num_splits
+
+        programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
+        sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
     naive, final = cost.program_cost(first), cost.program_cost(last)
     print("=== cost (matrix-product FLOPs and HBM bytes) ===")
@@ -147,7 +152,8 @@ def cmd_explain(args) -> int:
     print(f"generated kernel ({PASS_NAMES[-1]}):")
     print(f"  flops = {cost.simplified(final.flops)}")
     print(f"  bytes = {cost.simplified(final.bytes)}")
-    shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N"))
+    shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N", "NUM_SPLITS")
+                      if k in sizes)
     print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
     fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal), sizes)
     for label, c in (("standard", naive), ("generated", final)):

@@ -48,6 +48,6 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     head), so small BLOCK_M; the cache streams through BLOCK_N keys at a time. Pages looked up once
     per tile bound BLOCK_N (the generated launcher enforces it)."""
     if interpreter:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     d = spec.head_dim_padded
     return {"BLOCK_M": 16, "BLOCK_N": 64 if d <= 128 else 32, "num_warps": 4, "num_stages": 3 if d <= 128 else 2}

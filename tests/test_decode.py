@@ -209,16 +209,17 @@ def test_contiguous_cache_shorter_batch_and_debug_value_checks(monkeypatch):
 
 
 def test_cli_checks_a_decoding_spec(capsys):
+    import os
+    import tempfile
+
     from attngen.cli import main
     from conftest import spec_text
-
-    import tempfile, os
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "dec.attn")
         with open(path, "w") as f:
-            f.write(spec_text("dec_cli", 32, "fp16", "causal(bottom_right)", split_kv="auto",
-                              kv_layout="paged(page_size = 16)", heads=4, kv_heads=2))
+            f.write(spec_text("dec_cli", 16, "fp16", "causal(bottom_right)", split_kv="auto",
+                              kv_layout="paged(page_size = 16)", heads=2, kv_heads=1))
         assert main(["check", path, "--seed", "1"]) == 0
     assert "6/6 cases within tolerance" in capsys.readouterr().out
 
