@@ -47,7 +47,6 @@ def _use_interpreter_without_gpu(quiet: bool = False) -> bool:
 def cmd_compile(args) -> int:
     from .cache import write_atomic
     from .codegen import render
-    from .features import check_supported
     from .passes import compile_program
     from .resources import check_spec_tiles
 
@@ -59,7 +58,6 @@ def cmd_compile(args) -> int:
             raise SpecError(f"kernel '{spec.name}' is also defined in {names[spec.name]}", *_where(spec))
         names[spec.name] = spec.filename
     for spec in specs:
-        check_supported(spec)
         check_spec_tiles(spec)
         path = out_dir / f"{spec.name}.py"
         write_atomic(path, render(spec, compile_program(spec)))
@@ -139,13 +137,20 @@ def cmd_explain(args) -> int:
     config = default_config(spec)
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
                  BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
+    if spec.is_split:  # decoding: the split count a launch would use on an sm_90 with 132 SMs
+        from .splits import choose_num_splits
+
+        programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
+        sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
-    directions = [("forward", ("attn_fwd",), ("attn_fwd",), "standard three-pass algorithm")]
+    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
+    directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:
         directions.append(("backward", ("attn_bwd",), ("attn_bwd_dq", "attn_bwd_dkdv"),
                            "standard backward (P stored by the forward, dP and dS through HBM)"))
     print("=== cost (matrix-product FLOPs and HBM bytes) ===")
-    shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N"))
+    shape = ", ".join(f"{k}={sizes[k]}" for k in ("B", "H", "H_KV", "N_Q", "N_K", "BLOCK_M", "BLOCK_N", "NUM_SPLITS")
+                      if k in sizes)
     rows = []
     for direction, naive_kernels, final_kernels, label in directions:
         naive, final = cost.program_cost(first, naive_kernels), cost.program_cost(last, final_kernels)

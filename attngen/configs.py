@@ -16,6 +16,8 @@ _SPEC_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warp
 
 def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     """A reasonable config for a GPU (or the interpreter), before any tuning."""
+    if spec.is_split or spec.kv_layout.paged:
+        return decode_heuristic(spec, interpreter)
     if interpreter:
         # The interpreter pays per block iteration, not per element: big tiles are fast there.
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
@@ -63,3 +65,13 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
     else:
         dq = dkdv = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"attn_bwd_dq": dict(dq), "attn_bwd_dkdv": dict(dkdv)}
+
+
+def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
+    """Decoding over a KV cache: few query rows (a decode tile holds the GROUP heads of one key/value
+    head), so small BLOCK_M; the cache streams through BLOCK_N keys at a time. Pages looked up once
+    per tile bound BLOCK_N (the generated launcher enforces it)."""
+    if interpreter:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    d = spec.head_dim_padded
+    return {"BLOCK_M": 16, "BLOCK_N": 64 if d <= 128 else 32, "num_warps": 4, "num_stages": 3 if d <= 128 else 2}

@@ -13,7 +13,7 @@ tile per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -60,11 +60,18 @@ def _expr_cost(e: ir.Expr) -> Cost:
     return total
 
 
-def _body_cost(body) -> Cost:
+def _body_cost(body, defs: dict | None = None) -> Cost:
+    """`defs`: scalars assigned from integer expressions so far (split bounds), inlined into loop
+    bounds so that trip counts are formulas in the sizes."""
     total = ZERO
+    defs = dict(defs or {})
     for st in body:
+        if isinstance(st, Assign) and st.target.shape == () and isinstance(st.value, ir.Sym):
+            defs[sympy.Symbol(st.target.name, integer=True, nonnegative=True)] = st.value.expr.subs(defs)
         if isinstance(st, Loop):
-            inner = _body_cost(st.body)
+            inner = _body_cost(st.body, defs)
+            start, stop = sympy.sympify(st.start).subs(defs), sympy.sympify(st.stop).subs(defs)
+            st = replace(st, start=start, stop=stop)
             trips = sympy.Max(0, sym.CeilDiv(st.stop - st.start, st.step))
             if st.var in inner.flops.free_symbols | inner.bytes.free_symbols:
                 i = sympy.Dummy("i", integer=True, nonnegative=True)
@@ -93,7 +100,8 @@ def program_cost(program: ir.Program, kernels=None) -> Cost:
     for kernel in program.kernels:
         if kernels is None or kernel.name in kernels:
             total += _body_cost(kernel.body)
-    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM}
+    # Per-sequence key counts (decoding) are priced at the cache's length: every sequence full.
+    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.n_k: sym.N_K}
     return Cost(total.flops.subs(real_width), total.bytes.subs(real_width))
 
 

@@ -107,9 +107,21 @@ class Paged:
     batch: sympy.Expr
     span: Span
     page_size: int
+    per_tile: bool = False  # the span never crosses a page: one table lookup per tile, not per row
 
 
-IndexItem = Union[sympy.Expr, Span, Paged]
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Two dimensions (head, position) of a query-side tensor, addressed by one tile row (GQA
+    packing): row `r` of `span` is head `head + r % group` at position `r // group`, so the query
+    heads that share a key/value head fill one tile."""
+
+    head: sympy.Expr
+    span: Span
+    group: sympy.Expr
+
+
+IndexItem = Union[sympy.Expr, Span, Paged, Packed]
 
 
 # -- tile expressions ----------------------------------------------------------------------------
@@ -202,6 +214,7 @@ class Masked:
     key: Span
     query_axis: int = 0
     fill: float = float("-inf")
+    query_group: sympy.Expr = sympy.Integer(1)  # rows per query position (GQA packing: row // group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +400,8 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
             return span(it)
         if isinstance(it, Paged):
             return replace(it, batch=s(it.batch), span=span(it.span))
+        if isinstance(it, Packed):
+            return replace(it, head=s(it.head), span=span(it.span), group=s(it.group))
         return s(it)
 
     def expr(e):
@@ -400,6 +415,7 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
                 preds=tuple(replace(p, bound=s(p.bound)) for p in e.preds),
                 query=span(e.query),
                 key=span(e.key),
+                query_group=s(e.query_group),
             )
         return e
 
@@ -417,7 +433,12 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
 
 
 def index_shape(index: tuple[IndexItem, ...]) -> tuple[sympy.Expr, ...]:
-    return tuple(i.size if isinstance(i, Span) else i.span.size for i in index if isinstance(i, (Span, Paged)))
+    return tuple(i.size if isinstance(i, Span) else i.span.size for i in index if isinstance(i, (Span, Paged, Packed)))
+
+
+def index_dims(index: tuple[IndexItem, ...]) -> int:
+    """How many tensor dimensions an index addresses (Paged and Packed items cover two)."""
+    return sum(2 if isinstance(i, (Paged, Packed)) else 1 for i in index)
 
 
 def shape_of(expr: Expr) -> tuple[sympy.Expr, ...]:
@@ -480,7 +501,10 @@ def format_index(index: tuple[IndexItem, ...]) -> str:
         if isinstance(it, Span):
             parts.append(format_span(it))
         elif isinstance(it, Paged):
-            parts.append(f"page({it.table.name}[{_e(it.batch)}], {format_span(it.span)}, size={it.page_size})")
+            lookup = ", per tile" if it.per_tile else ""
+            parts.append(f"page({it.table.name}[{_e(it.batch)}], {format_span(it.span)}, size={it.page_size}{lookup})")
+        elif isinstance(it, Packed):
+            parts.append(f"packed({_e(it.head)}, {format_span(it.span)}, group={_e(it.group)})")
         else:
             parts.append(_e(it))
     return "[" + ", ".join(parts) + "]"
@@ -506,7 +530,8 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Masked):
         preds = " and ".join(format_pred(p) for p in e.preds)
         fill = format_expr(Num(e.fill))
-        return f"mask({format_expr(e.value)}, keep {preds}, else {fill})"
+        rows = f", query = row // {_e(e.query_group)}" if e.query_group != 1 else ""
+        return f"mask({format_expr(e.value)}, keep {preds}{rows}, else {fill})"
     op, args = e.op, e.args
     if op in BINARY and op is not Op.MAX:
         a, b = (format_expr(x) for x in args)

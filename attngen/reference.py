@@ -45,3 +45,32 @@ def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     out = probs @ vd
     return out, lse
+
+
+def gather_cache(cache, seqlen: int, table_row=None) -> torch.Tensor:
+    """One sequence's first `seqlen` tokens, (seqlen, H_KV, D): from its row of a contiguous cache
+    (batch, seq, H_KV, D), or, with its block-table row, from a page pool (pages, page_size, H_KV, D)."""
+    if table_row is None:
+        return cache[:seqlen]
+    page_size = cache.shape[1]
+    pages = table_row[: -(-seqlen // page_size)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:seqlen]
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
+                      dtype=torch.float64):
+    """Reference for `attention_with_kvcache` (flash-attn layouts): each sequence's keys gathered
+    into a contiguous tensor, then `attention` with a bottom-right causal mask. Returns out
+    (B, S_q, H, D) and lse (B, H, S_q), in `dtype`."""
+    batch, seqlen_q, heads, d = q.shape
+    outs, lses = [], []
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        row = None if block_table is None else block_table[b]
+        k = gather_cache(k_cache[b] if row is None else k_cache, n, row).transpose(0, 1)[None]
+        v = gather_cache(v_cache[b] if row is None else v_cache, n, row).transpose(0, 1)[None]
+        mask = Mask.CAUSAL_BOTTOM_RIGHT if causal else Mask.NONE
+        out, lse = attention(q[b : b + 1].transpose(1, 2), k, v, mask, scale, dtype)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)

@@ -78,10 +78,8 @@ def load(spec_or_text: "Spec | str | os.PathLike") -> "Kernel":
     with _LOCK:
         kernel = _LOADED.get(canonical + mode)
         if kernel is None:
-            from .features import check_supported
             from .resources import check_spec_tiles
 
-            check_supported(spec)
             check_spec_tiles(spec)
             program_box = {}
 

@@ -134,6 +134,17 @@ start_n = index("start_n")
 sm_scale = sympy.Symbol("sm_scale", positive=True)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# Decoding over a KV cache (passes kv-lengths, pack-gqa, split-kv, paged).
+NUM_SPLITS = size("NUM_SPLITS")   # key/value splits per sequence (Flash-Decoding), a run-time value
+NUM_PAGES = size("NUM_PAGES")     # pages in a paged cache's pool
+PAGE_SIZE = size("PAGE_SIZE")     # tokens per page
+MAX_PAGES = size("MAX_PAGES")     # block-table entries per sequence
+h_kv = index("h_kv")              # the key/value head a packed program serves
+split = index("split")            # which slice of the keys a partial program reduces
+n_k = index("n_k")                # this sequence's key count (loaded from SEQLENS)
+keys_per_split = index("keys_per_split")
+split_start = index("split_start")
+split_stop = index("split_stop")
 
 
 def distribute(expr):

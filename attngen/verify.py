@@ -6,11 +6,13 @@ so the culprit is the pass named.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy
 
-from . import ir
+from . import ir, sym
 from .errors import InternalError
-from .ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Paged, Ref, Role, Softmax, Space, Span, Store, SymKind
+from .ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space, Span, Store, SymKind
 
 # Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
 # which every kernel is (the naive backward lives until `recompute` replaces it).
@@ -25,6 +27,7 @@ class _Checker:
         self.buffers: dict[str, Buffer] = {p.name: p for p in kernel.params}
         self.sizes = {d.symbol for d in kernel.symbols}
         self.size_symbols = {d.symbol for d in kernel.symbols if d.kind is SymKind.SIZE}
+        self.per_tile_pages: set[int] = set()  # page sizes looked up once per tile
 
     def fail(self, message: str) -> None:
         raise InternalError(f"after pass '{self.stage}', kernel {self.kernel.name}: {message}")
@@ -43,7 +46,7 @@ class _Checker:
             self.symbols_ok(part, scope, f"span {sp.name}")
 
     def index_ok(self, buffer: Buffer, index, scope: set) -> None:
-        dims = sum(2 if isinstance(i, Paged) else 1 for i in index)
+        dims = ir.index_dims(index)
         if dims != buffer.rank:
             self.fail(f"{buffer.name} has rank {buffer.rank} but is indexed with {dims} dimensions")
         for i in index:
@@ -53,8 +56,23 @@ class _Checker:
                 self.span_ok(i.span, scope)
                 self.symbols_ok(i.batch, scope, f"page table row of {buffer.name}")
                 self.declared(i.table)
+                self.paged_ok(buffer, i)
+            elif isinstance(i, Packed):
+                self.span_ok(i.span, scope)
+                self.symbols_ok(i.head, scope, f"packed head of {buffer.name}")
+                self.symbols_ok(i.group, scope, f"packed group of {buffer.name}")
             else:
                 self.symbols_ok(i, scope, f"index of {buffer.name}")
+
+    def paged_ok(self, buffer: Buffer, item: Paged) -> None:
+        t = item.table
+        if t.role is not Role.INPUT or t.dtype is not ir.DT.I32 or t.rank != 2 or t.space is not Space.HBM:
+            self.fail(f"block table {t.name} of {buffer.name} must be an int32 (batch, pages) input in HBM")
+        size = item.page_size
+        if not (isinstance(size, int) and 1 <= size <= 256 and size & (size - 1) == 0):
+            self.fail(f"page size {size} of {buffer.name} is not a power of two from 1 to 256")
+        if item.per_tile:
+            self.per_tile_pages.add(size)
 
     def declared(self, buffer: Buffer) -> None:
         known = self.buffers.get(buffer.name)
@@ -79,6 +97,7 @@ class _Checker:
                 self.span_ok(node.key, scope)
                 for p in node.preds:
                     self.symbols_ok(p.bound, scope, "mask predicate")
+                self.symbols_ok(node.query_group, scope, "rows per query position")
             elif isinstance(node, ir.Sym):
                 self.symbols_ok(node.expr, scope, "scalar")
             elif isinstance(node, Call) and node.op is ir.Op.CAST and node.dtype is None:
@@ -145,6 +164,39 @@ def verify(program: ir.Program, stage: str) -> ir.Program:
     names = [k.name for k in program.kernels]
     if len(set(names)) != len(names):
         raise InternalError(f"after pass '{stage}': duplicate kernel names {names}")
+    checkers = []
     for kernel in program.kernels:
-        _Checker(kernel, stage).run()
+        checker = _Checker(kernel, stage)
+        checker.run()
+        checkers.append(checker)
+    _program_ok(program, stage, checkers)
     return program
+
+
+def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> None:
+    """Invariants across kernels: what one kernel writes for another, and launch constraints."""
+
+    def fail(message: str) -> None:
+        raise InternalError(f"after pass '{stage}': {message}")
+
+    written: dict[str, Buffer] = {}
+    for kernel in program.kernels:
+        for p in kernel.params:
+            if p.role is Role.INPUT and p.name in written and replace(written[p.name], role=Role.INPUT) != p:
+                fail(f"{kernel.name} reads {p.name} as {ir.format_buffer_type(p)}, "
+                     f"but it was written as {ir.format_buffer_type(written[p.name])}")
+        written.update({p.name: p for p in kernel.params if p.role is Role.OUTPUT})
+    # Split-KV: partial results are merged by a later kernel, never left for the caller.
+    for i, kernel in enumerate(program.kernels):
+        for p in kernel.params:
+            if p.role is Role.OUTPUT and sym.NUM_SPLITS in p.shape:
+                read = replace(p, role=Role.INPUT)
+                later = [k for k in program.kernels[i + 1:] if read in k.params]
+                if not later:
+                    fail(f"{kernel.name} writes per-split {p.name}, which no later kernel merges")
+    # Pages looked up once per tile: the launcher must keep BLOCK_N within a page.
+    for checker in checkers:
+        for size in checker.per_tile_pages:
+            if program.attr("max_block_n") is None or program.attr("max_block_n") > size:
+                fail(f"{checker.kernel.name} looks pages of {size} up once per tile, "
+                     f"but the program does not bound BLOCK_N by {size} (attr max_block_n)")

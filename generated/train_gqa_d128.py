@@ -350,6 +350,10 @@ def attn_bwd_dkdv(
     # -- base pointers of this program's rows --
     k_base = K + b.to(tl.int64) * stride_k_b + hkv.to(tl.int64) * stride_k_h
     v_base = V + b.to(tl.int64) * stride_v_b + hkv.to(tl.int64) * stride_v_h
+    q_base = Q + b.to(tl.int64) * stride_q_b
+    do_base = DO + b.to(tl.int64) * stride_do_b
+    lse_base = LSE + b.to(tl.int64) * stride_lse_b
+    delta_base = DELTA + b.to(tl.int64) * stride_delta_b
     dk_base = DK + b.to(tl.int64) * stride_dk_b + hkv.to(tl.int64) * stride_dk_h
     dv_base = DV + b.to(tl.int64) * stride_dv_b + hkv.to(tl.int64) * stride_dv_h
     qk_scale = sm_scale * 1.4426950408889634
@@ -364,11 +368,11 @@ def attn_bwd_dkdv(
         for start_m in range(0, BLOCK_M*(N_Q // BLOCK_M), BLOCK_M):  # full blocks: no mask
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load((Q + b.to(tl.int64) * stride_q_b + (g + hkv*GROUP).to(tl.int64) * stride_q_h) + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d)
-            do = tl.load((DO + b.to(tl.int64) * stride_do_b + (g + hkv*GROUP).to(tl.int64) * stride_do_h) + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d)
-            lse_tile = tl.load((LSE + b.to(tl.int64) * stride_lse_b + (g + hkv*GROUP).to(tl.int64) * stride_lse_h) + offs_m * stride_lse_n)
+            q = tl.load(q_base + (g + hkv*GROUP) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d)
+            do = tl.load(do_base + (g + hkv*GROUP) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d)
+            lse_tile = tl.load(lse_base + (g + hkv*GROUP) * stride_lse_h + offs_m * stride_lse_n)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
-            delta = tl.load((DELTA + b.to(tl.int64) * stride_delta_b + (g + hkv*GROUP).to(tl.int64) * stride_delta_h) + offs_m * stride_delta_n)
+            delta = tl.load(delta_base + (g + hkv*GROUP) * stride_delta_h + offs_m * stride_delta_n)
             s_t = tl.dot(k, tl.trans(q))
             p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
             dv = tl.dot(p_t.to(tl.float16), do, dv)
@@ -378,11 +382,11 @@ def attn_bwd_dkdv(
         for start_m in range(BLOCK_M*(N_Q // BLOCK_M), N_Q, BLOCK_M):  # sequence end: masked
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load((Q + b.to(tl.int64) * stride_q_b + (g + hkv*GROUP).to(tl.int64) * stride_q_h) + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            do = tl.load((DO + b.to(tl.int64) * stride_do_b + (g + hkv*GROUP).to(tl.int64) * stride_do_h) + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            lse_tile = tl.load((LSE + b.to(tl.int64) * stride_lse_b + (g + hkv*GROUP).to(tl.int64) * stride_lse_h) + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
+            q = tl.load(q_base + (g + hkv*GROUP) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            do = tl.load(do_base + (g + hkv*GROUP) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            lse_tile = tl.load(lse_base + (g + hkv*GROUP) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
-            delta = tl.load((DELTA + b.to(tl.int64) * stride_delta_b + (g + hkv*GROUP).to(tl.int64) * stride_delta_h) + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
+            delta = tl.load(delta_base + (g + hkv*GROUP) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
             keep = (offs_m[None, :] < N_Q)
             s_t = tl.where(keep, tl.dot(k, tl.trans(q)), float("-inf"))
             p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])

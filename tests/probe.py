@@ -27,11 +27,14 @@ def _compile(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    spec = importlib.util.spec_from_file_location(f"probe_{abs(hash(job['path']))}", job["path"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if "module" in job:  # a kernel inside a package (attngen.kvcache), imported by name
+        module = importlib.import_module(job["module"])
+    else:
+        spec = importlib.util.spec_from_file_location(f"probe_{abs(hash(job['path']))}", job["path"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     fn = getattr(module, job["kernel"])
-    io = _PTR[str(module.DTYPE).removeprefix("torch.")]
+    io = _PTR[str(getattr(module, "DTYPE", "float16")).removeprefix("torch.")]  # hand-written kernels: fp16
     special = job.get("ptr_dtypes", {})
     sig, const, attrs = {}, dict(job["constexprs"]), {}
     for i, arg in enumerate(fn.arg_names):

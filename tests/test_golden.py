@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import triton
 
 from attngen.codegen import render
 from attngen.passes import compile_program
@@ -53,10 +54,17 @@ def test_generated_files_compile_for_sm90():
         mod_spec.loader.exec_module(module)
         config = dict(module.DEFAULT_CONFIG)
         warps, stages = config.pop("num_warps"), config.pop("num_stages")
-        jobs.append(dict(path=golden, kernel="attn_fwd", num_warps=warps, num_stages=stages,
-                         constexprs=dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config),
-                         ptr_dtypes={"LSE": "*fp32"}))
-        names.append(spec.name)
+        # Every kernel of the module (decoding specs add attn_combine), with its own constexprs.
+        kernels = [n for n, f in vars(module).items() if isinstance(f, triton.runtime.KernelInterface)]
+        for kernel in kernels:
+            args = getattr(module, kernel).arg_names
+            values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
+            jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
+                             constexprs={k: v for k, v in values.items() if k in args},
+                             ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
+                                         "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32"}))
+            names.append(f"{spec.name}.{kernel}")
+    assert any(name.endswith(".attn_combine") for name in names)
     for name, result in zip(names, probe(jobs)):
         assert "error" not in result, (name, result)
         assert result["shared"] > 0

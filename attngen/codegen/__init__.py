@@ -14,7 +14,7 @@ import jinja2
 
 from .. import ir
 from ..configs import backward_config, default_config
-from ..passes import PASS_NAMES
+from ..passes import applied_passes
 from ..spec import Spec
 from ..version import __version__
 from .emit import KernelEmitter
@@ -53,14 +53,18 @@ def render(spec: Spec, program: ir.Program) -> str:
         _ENV = _environment()
     kernels = [KernelEmitter(k).emit() for k in program.kernels]
     names = {k.name for k in kernels}
-    entries = ["forward"] + (["backward"] if {"attn_bwd_dq", "attn_bwd_dkdv"} <= names else [])
+    entries = ["kvcache" if program.attr("kvcache") else "forward"]
+    if {"attn_bwd_dq", "attn_bwd_dkdv"} <= names:
+        entries.append("backward")
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
+    if program.attr("page_size") is not None:
+        constants["PAGE_SIZE"] = program.attr("page_size")
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,
         spec_hash=spec.hash,
         spec_lines=spec.canonical().rstrip("\n").split("\n"),
-        passes=list(PASS_NAMES),
+        passes=list(applied_passes(program)),
         constants=constants,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
         default_config=default_config(spec),
@@ -68,5 +72,15 @@ def render(spec: Spec, program: ir.Program) -> str:
         attrs=dict(program.attrs),
         entries=entries,
         backward_config=backward_config(spec) if "backward" in entries else {},
+        split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
     )
     return _ENV.get_template(TEMPLATE).render(**context)
+
+
+def _split_heuristic_source() -> str:
+    """The run-time split-count rule (attngen/splits.py), pasted into modules that choose at launch."""
+    import inspect
+
+    from .. import splits
+
+    return "\n\n".join(inspect.getsource(f) for f in (splits.multiprocessors, splits.choose_num_splits)).rstrip()

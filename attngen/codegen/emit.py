@@ -15,11 +15,12 @@ import sympy
 
 from .. import ir, sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Paged, PredKind, Ref, Span, Store, SymKind
+from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ref, Span, Store, SymKind
 from . import exprs
 
 _DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
-               "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split"}
+               "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
+               "NUM_SPLITS": "split"}
 
 _UNARY = {Op.EXP: "tl.exp", Op.EXP2: "tl.math.exp2", Op.LOG: "tl.log", Op.LOG2: "tl.math.log2"}
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
@@ -83,14 +84,22 @@ class _Scope:
     def __init__(self, parent: "_Scope | None" = None):
         self.parent = parent
         self.spans: dict[str, Span] = {}
+        self.pages: dict[tuple, str] = {}  # page numbers already looked up in this scope
 
-    def span(self, name: str) -> Span | None:
+    def _find(self, table: str, key):
         scope = self
         while scope is not None:
-            if name in scope.spans:
-                return scope.spans[name]
+            found = getattr(scope, table)
+            if key in found:
+                return found[key]
             scope = scope.parent
         return None
+
+    def page(self, key: tuple) -> str | None:
+        return self._find("pages", key)
+
+    def span(self, name: str) -> Span | None:
+        return self._find("spans", name)
 
 
 class KernelEmitter:
@@ -118,20 +127,20 @@ class KernelEmitter:
                 raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
             grid_loops.append(body[0])
             body = body[0].body
-        if not grid_loops or len(grid_loops) > 3:
-            raise InternalError(f"{self.kernel.name}: {len(grid_loops)} grid axes (1 to 3 supported)")
+        if not grid_loops:
+            raise InternalError(f"{self.kernel.name}: no grid loop")
+        # A launch grid has 3 axes: more grid loops fold, outermost first, into the last axis.
+        axes = [[loop] for loop in grid_loops]
+        if len(axes) > 3:
+            axes = [grid_loops[:-2]] + axes[-2:]
         grid = []
         self.line("# -- which tile this program computes --")
-        for axis, loop in enumerate(reversed(grid_loops)):
-            count = exprs.host(sym.CeilDiv(loop.stop - loop.start, loop.step))
-            pid = f"tl.program_id({axis})"
-            value = pid if loop.step == 1 else f"{pid} * {exprs.device(loop.step)}"
-            if not exprs.is_zero(loop.start):
-                value = f"{exprs.device(loop.start)} + {value}"
-            grid.append(GridAxis(loop.var, axis, count, f"{loop.var} = {value}"))
-            self.grid_vars.add(loop.var)
+        for axis, loops in enumerate(reversed(axes)):
+            grid.append(self._grid_axis(axis, loops))
+            self.grid_vars.update(loop.var for loop in loops)
         for g in sorted(grid, key=lambda g: -g.axis):
-            self.line(g.code)
+            for code in g.code.split("\n"):
+                self.line(code)
         self._hoist_bases(body)
         self.block(body)
         decls = self.kernel.symbols
@@ -148,12 +157,36 @@ class KernelEmitter:
         )
         return code
 
+    def _grid_axis(self, axis: int, loops: list[Loop]) -> GridAxis:
+        """One launch-grid axis for one grid loop, or for several folded (mixed radix, inner fastest)."""
+        counts = [sym.CeilDiv(loop.stop - loop.start, loop.step) for loop in loops]
+        pid = f"tl.program_id({axis})"
+        lines = []
+        if len(loops) > 1:
+            lines.append(f"pid_{axis} = {pid}")
+            pid = f"pid_{axis}"
+        for j, (loop, count) in enumerate(zip(reversed(loops), reversed(counts))):
+            outermost = j == len(loops) - 1
+            index = pid if outermost else f"{pid} % {exprs.device(count)}"
+            if not outermost:
+                pid = f"{pid} // {exprs.device(count)}" if j == 0 else f"({pid}) // {exprs.device(count)}"
+            value = index if loop.step == 1 else f"{exprs.parenthesized(index) if len(loops) > 1 else index} * {exprs.device(loop.step)}"
+            if not exprs.is_zero(loop.start):
+                value = f"{exprs.device(loop.start)} + {value}"
+            lines.append(f"{loop.var} = {value}")
+        count = " * ".join(exprs.host(c) for c in counts)
+        return GridAxis(loops[0].var, axis, count, "\n".join(lines))
+
     # -- base pointers -----------------------------------------------------------------------------
     def _scalar_part(self, buffer: Buffer, index) -> tuple:
         """(buffer dimension, index) of every scalar index item: the tile's fixed coordinates."""
         part, dim = [], 0
         for item in index:
             if isinstance(item, Paged):
+                dim += 2
+                continue
+            if isinstance(item, Packed):
+                part.append((dim, item.head))  # the group's first head; rows add their member
                 dim += 2
                 continue
             if not isinstance(item, Span):
@@ -186,11 +219,13 @@ class KernelEmitter:
                 accesses.append((st.target, st.index))
             for x in ir.stmt_exprs(st):
                 accesses.extend((e.buffer, e.index) for e in ir.walk_expr(x) if isinstance(e, Load))
+        accesses += [(item.table, (item.batch, item.span)) for _, index in list(accesses)
+                     for item in index if isinstance(item, Paged)]
         emitted = False
         for buffer, index in accesses:
-            part = self._scalar_part(buffer, index)
+            part = self._grid_part(self._scalar_part(buffer, index))
             key = (buffer.name, part)
-            if key in self.bases or not self._hoistable(part):
+            if key in self.bases:
                 continue
             taken = set(self.bases.values())
             name = f"{buffer.name.lower()}_base"
@@ -204,10 +239,22 @@ class KernelEmitter:
             self.line(f"{name} = {self._base_code(buffer, part)}")
             self.bases[key] = name
 
+    def _grid_part(self, part) -> tuple:
+        """The coordinates fixed for the whole program (grid variables and sizes): hoistable."""
+        return tuple(p for p in part if self._hoistable((p,)))
+
     def base(self, buffer: Buffer, index) -> str:
         part = self._scalar_part(buffer, index)
-        name = self.bases.get((buffer.name, part))
-        return name if name is not None else f"({self._base_code(buffer, part)})"
+        fixed = self._grid_part(part)
+        name = self.bases.get((buffer.name, fixed))
+        base = name if name is not None else f"({self._base_code(buffer, fixed)})"
+        # Coordinates that vary inside the program (a serial loop's variable) are added at the use.
+        strides = self.strides[buffer.name]
+        for dim, item in part:
+            if (dim, item) not in fixed:
+                text = exprs.device(item)
+                base += f" + {text if isinstance(item, sympy.Symbol) else exprs.parenthesized(text)} * {strides[dim]}"
+        return base
 
     # -- spans -------------------------------------------------------------------------------------
     def use_span(self, sp: Span) -> str:
@@ -221,7 +268,7 @@ class KernelEmitter:
     # -- memory ------------------------------------------------------------------------------------
     def address(self, buffer: Buffer, index) -> tuple[str, str | None]:
         """Pointer expression and mask (or None) for a tile of `buffer`."""
-        tile = [it for it in index if isinstance(it, (Span, Paged))]
+        tile = [it for it in index if isinstance(it, (Span, Paged, Packed))]
         rank = len(tile)
         strides = self.strides[buffer.name]
         terms, conds = [self.base(buffer, index)], []
@@ -240,8 +287,18 @@ class KernelEmitter:
                 name = self.use_span(item.span)
                 b = _broadcast(tile_axis, rank)
                 page = self.page_lookup(item)
-                terms.append(f"{page}{b} * {strides[dim]}")
+                terms.append(f"{page} * {strides[dim]}" if item.per_tile else f"{page}{b} * {strides[dim]}")
                 terms.append(f"({name} % {item.page_size}){b} * {strides[dim + 1]}")
+                if item.span.limit is not None:
+                    conds.append(f"({name}{b} < {exprs.device(item.span.limit)})")
+                tile_axis += 1
+                dim += 2
+            elif isinstance(item, Packed):
+                name = self.use_span(item.span)
+                b = _broadcast(tile_axis, rank)
+                group = exprs.device(item.group)
+                terms.append(f"({name} % {group}){b} * {strides[dim]}")
+                terms.append(f"({name} // {group}){b} * {strides[dim + 1]}")
                 if item.span.limit is not None:
                     conds.append(f"({name}{b} < {exprs.device(item.span.limit)})")
                 tile_axis += 1
@@ -251,16 +308,25 @@ class KernelEmitter:
         return " + ".join(terms), (" & ".join(conds) if conds else None)
 
     def page_lookup(self, item: Paged) -> str:
+        """The page number(s) of a paged tile, looked up once per scope: K and V share them."""
         table = item.table
         span = item.span
+        key = (table.name, item.batch, span, item.per_tile)
+        known = self.scope.page(key)
+        if known is not None:
+            return known
         name = f"page_{span.name.removeprefix('offs_')}"
         t_strides = self.strides[table.name]
-        row = exprs.device(item.batch)
-        mask = f", mask={span.name} < {exprs.device(span.limit)}, other=0" if span.limit is not None else ""
-        self.line(
-            f"{name} = tl.load({table.name} + {row}.to(tl.int64) * {t_strides[0]}"
-            f" + ({span.name} // {item.page_size}) * {t_strides[1]}{mask}).to(tl.int64)"
-        )
+        row = self.base(table, (item.batch, span))
+        if item.per_tile:
+            # The tile lies inside one page (BLOCK_N <= page size): one entry for all its rows.
+            start = exprs.device(span.start)
+            start = start if isinstance(span.start, sympy.Symbol) else exprs.parenthesized(start)
+            self.line(f"{name} = tl.load({row} + ({start} // {item.page_size}) * {t_strides[1]}).to(tl.int64)")
+        else:
+            mask = f", mask={span.name} < {exprs.device(span.limit)}, other=0" if span.limit is not None else ""
+            self.line(f"{name} = tl.load({row} + ({span.name} // {item.page_size}) * {t_strides[1]}{mask}).to(tl.int64)")
+        self.scope.pages[key] = name
         return name
 
     def load(self, e: Load) -> str:
@@ -357,6 +423,8 @@ class KernelEmitter:
 
     def mask(self, m: Masked) -> str:
         q = self.use_span(m.query)
+        if m.query_group != 1:  # packed GQA rows: the query position is row // group
+            q = f"({q} // {exprs.device(m.query_group)})"
         k = self.use_span(m.key)
         qb, kb = ("[:, None]", "[None, :]") if m.query_axis == 0 else ("[None, :]", "[:, None]")
         conds = []

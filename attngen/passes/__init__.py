@@ -6,8 +6,13 @@
     recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
+    kv-lengths      (decoding) per-sequence key counts n_k = SEQLENS[b] replace N_K
+    pack-gqa        (GQA packing) query heads sharing a K/V head fill one tile; grid over K/V heads
+    split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
+    paged           (paged cache) K/V addresses through the block table
 
+The decoding passes (marked) are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.
 """
 
@@ -17,12 +22,18 @@ from typing import Callable
 
 from .. import ir
 from ..spec import Spec
-from . import causal_skip, exp2, fold_scale, lower, online_softmax, recompute, tiling
+from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute,
+               split_kv, tiling)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, causal_skip)
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)
+
+
+def applied_passes(program: ir.Program) -> tuple[str, ...]:
+    """The passes that act on this (final) program: a pass with an `applies` test may be a no-op."""
+    return (lower.NAME,) + tuple(p.NAME for p in PIPELINE if getattr(p, "applies", lambda _: True)(program))
 
 
 def compile_program(spec: Spec, trace: Callable[[str, ir.Program], None] | None = None,

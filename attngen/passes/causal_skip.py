@@ -36,12 +36,15 @@ def _masks_in(loop: Loop) -> list[Masked]:
     return found
 
 
-def _extent(coef: int, span: Span):
+def _extent(coef: int, span: Span, group=sym.ONE):
     """(min, max) of coef * position over the span's real positions (those below its limit: the
-    rows a tile has past the sequence end are never stored, so what they see does not matter)."""
+    rows a tile has past the sequence end are never stored, so what they see does not matter).
+    With GQA packing, `group` rows share a position (row // group)."""
     first, last = span.start, span.start + span.size - 1
     if span.limit is not None:
         last = sympy.Min(last, span.limit - 1)
+    if group != 1:
+        first, last = sym.FloorDiv(first, group), sym.FloorDiv(last, group)
     if coef > 0:
         return coef * first, coef * last
     if coef < 0:
@@ -58,6 +61,9 @@ def regions(loop: Loop, mask: Masked):
     else:
         return None
     tile = mask.key if axis == "key" else mask.query
+    if axis == "query" and mask.query_group != 1:
+        raise InternalError("causal-skip: a loop over packed query rows")
+    group = mask.query_group if axis == "key" else sym.ONE
     if sympy.simplify(tile.size - loop.step) != 0:
         raise InternalError(f"causal-skip: tile of {tile.size} positions in a loop of step {loop.step}")
     lo, hi, step = loop.start, loop.stop, loop.step
@@ -68,7 +74,7 @@ def regions(loop: Loop, mask: Masked):
         if c == 0:
             kept.append(pred)
             continue
-        o_min, o_max = _extent(co, other)
+        o_min, o_max = _extent(co, other, group)
         if c > 0:  # kept for low positions: full prefix, dead suffix
             full_ends.append(lo + sym.FloorDiv(sympy.Max(0, rhs - o_max - lo + 1), step) * step)
             live_ends.append(rhs - o_min + 1)
@@ -90,6 +96,8 @@ def regions(loop: Loop, mask: Masked):
 
 def _empty(start, stop) -> bool:
     if start == stop:
+        return True
+    if isinstance(stop, sympy.Min) and start in stop.args:  # min(start, ...) <= start
         return True
     diff = sympy.simplify(stop - start)
     return bool(diff.is_nonpositive)

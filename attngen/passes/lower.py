@@ -87,6 +87,13 @@ def run(spec: Spec) -> ir.Program:
         mask=spec.mask.value, dtype=spec.dtype.value, head_dim=spec.head_dim,
         head_dim_padded=spec.head_dim_padded, backward=spec.backward,
     )
+    # What the decoding passes act on; absent (so the IR text is unchanged) for a plain forward.
+    if spec.is_split:
+        attrs["split_kv"] = spec.split_kv or "auto"
+    if spec.kv_layout.paged:
+        attrs["page_size"] = spec.kv_layout.page_size
+    if spec.packs_gqa:
+        attrs["pack_gqa"] = True
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
 
 

@@ -161,8 +161,12 @@ def _dkdv_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
                      fwd.symbols, grid, doc="dK and dV for one (batch, K/V head, block of BLOCK_N keys)")
 
 
+def applies(program: ir.Program) -> bool:
+    return bool(program.attr("backward", False))
+
+
 def run(program: ir.Program) -> ir.Program:
-    if not program.attr("backward", False):
+    if not applies(program):
         return program
     fwd = program.kernel("attn_fwd")
     loads, scores, precision = _forward_parts(fwd)

@@ -1,0 +1,186 @@
+"""Decoding over a KV cache: the drop-in for flash-attn's `flash_attn_with_kvcache`, and LSE merging.
+
+`attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, ...)` takes
+flash-attn's argument names, layouts and semantics: q (batch, seqlen_q, heads, d); a contiguous
+cache (batch, seqlen_max, kv_heads, d), or with a block table a page pool (num_pages, page_size,
+kv_heads, d) and block_table (batch, max_pages) int32; cache_seqlens (batch,) int32 (or one int).
+It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto),
+loads it, and calls the generated module's `forward_kvcache` on (batch, heads, seq, d) views of the
+same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
+a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
+TypeError naming it, before anything is launched.
+
+What is not checked on the way (it would need the values, i.e. a GPU->host copy): that
+cache_seqlens[b] fits the cache and that block-table entries name pages inside the pool. Set
+ATTNGEN_CHECK_KVCACHE=1 to check them on every call (a debug mode: it synchronises).
+
+`merge_states(out_a, lse_a, out_b, lse_b)` merges two attention states over disjoint key sets (for
+cascade or context-parallel attention) by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+import torch
+
+from .api import _DTYPES
+from .checks import _runtime_device_ok, check_tensor
+from .errors import KernelInputError
+from .spec import Spec, parse
+
+
+@lru_cache(maxsize=None)
+def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None) -> Spec:
+    """The spec `attention_with_kvcache()` uses for one dtype / head dim / mask / page size."""
+    mask = "causal(bottom_right)" if causal else "none"
+    layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
+    name = (f"kvcache_{dtype}_d{head_dim}_{'causal' if causal else 'full'}_"
+            f"{f'paged{page_size}' if page_size else 'contiguous'}")
+    text = (f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n    mask = {mask}\n"
+            f"    head_dim = {head_dim}\n    dtype = {dtype}\n    split_kv = auto\n    kv_layout = {layout}\n}}\n")
+    return parse(text, f"<attention_with_kvcache {name}>")
+
+
+def _tensor(name: str, t, dims: int, layout: str) -> torch.Tensor:
+    check_tensor(name, t, dims, layout)
+    _runtime_device_ok(name, t)
+    return t
+
+
+def _check_int32(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    if t.dtype != torch.int32:
+        raise KernelInputError(f"{name} must be int32; got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise KernelInputError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+    if t.device != device:
+        raise KernelInputError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, page_size: int) -> None:
+    """Debug mode (ATTNGEN_CHECK_KVCACHE=1): the checks that need the tensors' values."""
+    lens = cache_seqlens.cpu()
+    if (lens < 0).any() or (lens > capacity).any():
+        raise KernelInputError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity); got {lens.tolist()}")
+    if block_table is not None:
+        table = block_table.cpu()
+        for b, n in enumerate(lens.tolist()):
+            used = table[b, : -(-n // page_size)]
+            if ((used < 0) | (used >= num_pages)).any():
+                raise KernelInputError(f"block_table[{b}] names pages outside the pool of {num_pages}: {used.tolist()}")
+
+
+def _rows_config(kernel, q4, k4, rows: int) -> dict:
+    config = dict(kernel.config(q4, k4))
+    if kernel.spec.block_m is None:
+        # A decode tile holds GROUP heads x seqlen_q rows: no more rows than that, at least 16 (tl.dot).
+        config["BLOCK_M"] = min(64, max(16, 1 << max(0, rows - 1).bit_length()))
+    return config
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
+                           num_splits=0, return_softmax_lse=False, *, out=None):
+    """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
+
+    q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
+    (B, max_pages) int32 page pools (num_pages, page_size, H_KV, D) with page_size a power of two
+    from 1 to 256. `causal` aligns the mask bottom-right (query i of S_q sees keys up to
+    cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
+    (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` picks the
+    Flash-Decoding split count from the batch, the heads and the GPU's multiprocessors.
+    Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
+    `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
+    """
+    from .runtime import load
+
+    q = _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, kv_heads, head_dim)" if paged else "(batch, seqlen_max, kv_heads, head_dim)"
+    k_cache = _tensor("k_cache", k_cache, 4, cache_layout)
+    v_cache = _tensor("v_cache", v_cache, 4, cache_layout)
+    if q.dtype not in _DTYPES:
+        raise KernelInputError(f"q has dtype {q.dtype}; supported are float16, bfloat16 and float32")
+    batch, seqlen_q, heads, head_dim = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise KernelInputError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if t.device != q.device:
+            raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.shape[-1] != head_dim:
+            raise KernelInputError(f"{name} has head_dim {t.shape[-1]} but q has {head_dim}")
+    if k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    kv_heads = k_cache.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise KernelInputError(f"q has {heads} heads, which is not a multiple of the {kv_heads} heads of k_cache")
+    page_size = None
+    if paged:
+        block_table = _tensor("block_table", block_table, 2, "(batch, max_pages_per_sequence)")
+        page_size = k_cache.shape[1]
+        if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
+            raise KernelInputError(f"k_cache has pages of {page_size} tokens; page sizes are powers of two from 1 to 256")
+        _check_int32("block_table", block_table, (batch, block_table.shape[1]), q.device)
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] < batch:
+            raise KernelInputError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}")
+        capacity = k_cache.shape[1]
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens must be an int32 tensor or an int, not {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= capacity:
+            raise KernelInputError(f"cache_seqlens = {cache_seqlens} does not fit a cache of {capacity} tokens")
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise KernelInputError(f"softmax_scale must be a finite number; got {softmax_scale!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
+        raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise KernelInputError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+    if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
+        _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0], page_size or 1)
+
+    kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
+    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
+    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
+    q4, out4 = q.transpose(1, 2), out.transpose(1, 2)
+    k4, v4 = (k_cache, v_cache) if paged else (k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2))
+    if q.numel():
+        config = _rows_config(kernel, q4, k4, seqlen_q * (heads // kv_heads))
+        kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out4, lse,
+                                      num_splits, config)
+    return (out, lse) if return_softmax_lse else out
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Merge two attention states of the same queries over disjoint key sets; returns (out, lse).
+
+    Layouts as `attention_with_kvcache(..., return_softmax_lse=True)` returns them: out (B, S_q, H,
+    D), lse (B, H, S_q) float32 natural-log. With m = max(lse_a, lse_b):
+    out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
+    lse = m + log(e^(lse_a - m) + e^(lse_b - m)). An empty state (lse -inf) has weight 0; two
+    empty states give 0 and -inf.
+    """
+    for name, t, dims in (("out_a", out_a, 4), ("lse_a", lse_a, 3), ("out_b", out_b, 4), ("lse_b", lse_b, 3)):
+        check_tensor(name, t, dims, "(batch, seqlen_q, heads, head_dim)" if dims == 4 else "(batch, heads, seqlen_q)")
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise KernelInputError("the two states must have the same shapes")
+    b, s, h, _ = out_a.shape
+    if tuple(lse_a.shape) != (b, h, s):
+        raise KernelInputError(f"lse must be (batch, heads, seqlen_q) = {(b, h, s)}; got {tuple(lse_a.shape)}")
+    la, lb = lse_a.float().transpose(1, 2), lse_b.float().transpose(1, 2)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / torch.where(total == 0, 1.0, total)[..., None]
+    return out.to(out_a.dtype), (m + torch.log(total)).transpose(1, 2).contiguous()

@@ -1,0 +1,269 @@
+"""Decoding over a KV cache: attention_with_kvcache against a float64 reference that gathers each
+sequence's pages into contiguous tensors; merge_states; argument checking; CUDA graphs on a GPU.
+
+Fresh random inputs, outputs poisoned with NaN first, lengths that are 0 or not multiples of the
+page size, block tables with pages out of order and shared between sequences.
+"""
+
+import pytest
+import torch
+
+import attngen
+from attngen import KernelInputError, reference
+from attngen.check import ATOL, FUDGE
+from attngen.spec import DType
+from conftest import DEVICE, HAS_GPU
+
+_DT = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
+
+
+def rand(*shape, dtype=torch.float16, device=DEVICE, gen=None):
+    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def make_cache(lengths, page_size, kv_heads, d, dtype, gen, shared=False, device=DEVICE):
+    """Page pool and block table for sequences of `lengths`: pages in random order, spare pages in
+    the pool, and (shared=True) sequence 1 reusing sequence 0's first page."""
+    batch = len(lengths)
+    per_seq = max(1, max(-(-n // page_size) for n in lengths))
+    num_pages = batch * per_seq + 5
+    k = rand(num_pages, page_size, kv_heads, d, dtype=dtype, device=device, gen=gen)
+    v = rand(num_pages, page_size, kv_heads, d, dtype=dtype, device=device, gen=gen)
+    order = torch.randperm(num_pages, generator=gen, device=device)[: batch * per_seq]
+    table = order.view(batch, per_seq).to(torch.int32)
+    if shared and batch > 1:
+        table[1, 0] = table[0, 0]
+    return k, v, table
+
+
+def check(out, lse, q, k, v, seqlens, table, causal, scale=None):
+    """err <= FUDGE * err(same-precision reference) + ATOL, lse likewise; empty rows exactly 0 / -inf."""
+    ref, ref_lse = reference.kvcache_attention(q, k, v, seqlens.cpu(), None if table is None else table.cpu(),
+                                               causal, scale)
+    low, low_lse = reference.kvcache_attention(q, k, v, seqlens.cpu(), None if table is None else table.cpu(),
+                                               causal, scale, dtype=q.dtype)
+    assert not torch.isnan(out).any(), "unwritten (poisoned) output elements"
+    empty = torch.isneginf(ref_lse)
+    assert torch.isneginf(lse[empty]).all(), "rows with no key must have lse -inf"
+    assert (out.transpose(1, 2)[empty] == 0).all(), "rows with no key must be exactly 0"
+    atol = ATOL[_DT[q.dtype]]
+    err = (out.double() - ref).abs().max().item()
+    low_err = (low.double() - ref).abs().max().item()
+    assert err <= FUDGE * low_err + atol, (err, low_err)
+    fin = ~empty
+    if fin.any():
+        lse_err = (lse.double() - ref_lse)[fin].abs().max().item()
+        low_lse_err = (low_lse.double() - ref_lse)[fin].abs().max().item()
+        assert lse_err <= FUDGE * low_lse_err + atol, (lse_err, low_lse_err)
+    return err
+
+
+def run(q, k, v, seqlens, table=None, **kw):
+    out = torch.full_like(q, float("nan"))
+    return attngen.attention_with_kvcache(q, k, v, seqlens, table, out=out, return_softmax_lse=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 3), (4, 1), (5, 2)])
+def test_paged_cache_matches_gathered_reference(page_size, seqlen_q, num_splits):
+    gen = torch.Generator(DEVICE).manual_seed(page_size * 100 + seqlen_q * 10 + num_splits)
+    lengths = [0, 37, 150, 3] if page_size < 128 else [0, 37, 300, 129]
+    lengths = [max(n, seqlen_q) if n else 0 for n in lengths]
+    k, v, table = make_cache(lengths, page_size, 2, 32, torch.float16, gen, shared=page_size == 16)
+    q = rand(len(lengths), seqlen_q, 8, 32, gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out, lse = run(q, k, v, seqlens, table, num_splits=num_splits)
+    assert out.shape == q.shape and lse.shape == (len(lengths), 8, seqlen_q) and lse.dtype == torch.float32
+    check(out, lse, q, k, v, seqlens, table, causal=True)
+
+
+@pytest.mark.parametrize("dtype,causal", [(torch.float16, True), (torch.bfloat16, True), (torch.float32, True),
+                                          (torch.float16, False)])
+def test_contiguous_cache_with_splits_gqa_and_dtypes(dtype, causal):
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    lengths = [45, 0, 130]
+    k, v = rand(3, 140, 2, 48, dtype=dtype, gen=gen), rand(3, 140, 2, 48, dtype=dtype, gen=gen)
+    q = rand(3, 3, 6, 48, dtype=dtype, gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 4):
+        out, lse = run(q, k, v, seqlens, causal=causal, num_splits=splits)
+        check(out, lse, q, k, v, seqlens, None, causal)
+
+
+def test_chunked_prefill_with_queries_longer_than_the_cache():
+    """Bottom-right causal: with seqlen_q > cache_seqlens, the first rows see no key (0, -inf)."""
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    lengths = [5, 40]
+    k, v, table = make_cache(lengths, 16, 1, 32, torch.float16, gen)
+    q = rand(2, 9, 2, 32, gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out, lse = run(q, k, v, seqlens, table, num_splits=2)
+    assert torch.isneginf(lse[0, :, :4]).all() and (out[0, :4] == 0).all()
+    check(out, lse, q, k, v, seqlens, table, causal=True)
+
+
+def test_the_check_fails_a_wrong_result():
+    """A dropped key block or a small scaling must fail the comparison used above."""
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    k, v, table = make_cache([100], 16, 1, 32, torch.float16, gen)
+    q = rand(1, 1, 2, 32, gen=gen)
+    seqlens = torch.tensor([100], dtype=torch.int32, device=DEVICE)
+    out, lse = run(q, k, v, seqlens, table)
+    check(out, lse, q, k, v, seqlens, table, True)
+    short, short_lse = run(q, k, v, seqlens - 16, table)
+    with pytest.raises(AssertionError):
+        check(short, short_lse, q, k, v, seqlens, table, True)
+    with pytest.raises(AssertionError):
+        check(out * 1.02, lse, q, k, v, seqlens, table, True)
+
+
+def test_split_counts_agree_and_scale_is_used():
+    gen = torch.Generator(DEVICE).manual_seed(11)
+    k, v, table = make_cache([200, 77], 16, 2, 32, torch.float32, gen)
+    q = rand(2, 1, 4, 32, dtype=torch.float32, gen=gen)
+    seqlens = torch.tensor([200, 77], dtype=torch.int32, device=DEVICE)
+    outs = [run(q, k, v, seqlens, table, num_splits=s, softmax_scale=0.3)[0] for s in (1, 2, 7)]
+    assert all((o - outs[0]).abs().max().item() < 1e-5 for o in outs)
+    check(outs[1], run(q, k, v, seqlens, table, num_splits=2, softmax_scale=0.3)[1], q, k, v, seqlens, table,
+          True, scale=0.3)
+
+
+def test_auto_split_heuristic():
+    from attngen.splits import choose_num_splits
+
+    assert choose_num_splits(programs=512, key_blocks=512, sms=132) == 1     # the batch fills the GPU
+    assert choose_num_splits(programs=8, key_blocks=1, sms=132) == 1         # nothing to split
+    s = choose_num_splits(programs=8, key_blocks=512, sms=132)
+    assert 8 < s <= 128 and 8 * s / 132 >= 0.8  # one wave, at least 80% full
+    assert choose_num_splits(programs=8, key_blocks=4, sms=132) <= 4         # no split without a block
+
+
+def test_merge_states_against_float64():
+    gen = torch.Generator(DEVICE).manual_seed(2)
+    k, v, table = make_cache([90, 33], 16, 2, 32, torch.float32, gen)
+    q = rand(2, 2, 4, 32, dtype=torch.float32, gen=gen)
+    # Split the keys at 40: prefix [0, 40) and suffix, each attended without a mask.
+    full_k = torch.stack([reference.gather_cache(k, n, table[b].cpu()) for b, n in enumerate([33, 33])])
+    full_v = torch.stack([reference.gather_cache(v, n, table[b].cpu()) for b, n in enumerate([33, 33])])
+    a = attngen.attention_with_kvcache(q, full_k[:, :20], full_v[:, :20], 20, causal=False, return_softmax_lse=True)
+    b = attngen.attention_with_kvcache(q, full_k[:, 20:], full_v[:, 20:], 13, causal=False, return_softmax_lse=True)
+    out, lse = attngen.merge_states(a[0], a[1], b[0], b[1])
+    ref, ref_lse = reference.kvcache_attention(q, full_k, full_v, [33, 33], causal=False)
+    assert (out.double() - ref).abs().max().item() < 1e-5 and (lse.double() - ref_lse).abs().max().item() < 1e-5
+    # Empty states: weight 0; two empty states give 0 and -inf, never NaN.
+    empty_lse = torch.full_like(a[1], float("-inf"))
+    out2, lse2 = attngen.merge_states(a[0], a[1], torch.zeros_like(a[0]), empty_lse)
+    assert torch.equal(out2, a[0]) and torch.allclose(lse2, a[1])
+    out3, lse3 = attngen.merge_states(a[0], empty_lse, b[0], empty_lse)
+    assert (out3 == 0).all() and torch.isneginf(lse3).all()
+
+
+def _args():
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    k, v, table = make_cache([20, 5], 16, 2, 32, torch.float16, gen)
+    q = rand(2, 1, 4, 32, gen=gen)
+    return dict(q=q, k_cache=k, v_cache=v, cache_seqlens=torch.tensor([20, 5], dtype=torch.int32, device=DEVICE),
+                block_table=table)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=lambda a: a["cache_seqlens"].long()), "cache_seqlens must be int32"),
+    (dict(cache_seqlens=lambda a: a["cache_seqlens"][:1]), r"cache_seqlens must have shape \(2,\)"),
+    (dict(cache_seqlens=lambda a: 2.5), "cache_seqlens must be an int32 tensor"),
+    (dict(cache_seqlens=lambda a: 10_000), "does not fit"),
+    (dict(block_table=lambda a: a["block_table"].long()), "block_table must be int32"),
+    (dict(block_table=lambda a: a["block_table"][:1]), "block_table must have shape"),
+    (dict(block_table=lambda a: a["block_table"][0]), "block_table must have 2 dimensions"),
+    (dict(q=lambda a: a["q"][0]), "q must have 4 dimensions"),
+    (dict(q=lambda a: a["q"].float()), "k_cache has dtype"),
+    (dict(q=lambda a: a["q"][..., :16]), "head_dim"),
+    (dict(q=lambda a: a["q"][:, :, :3]), "not a multiple"),
+    (dict(v_cache=lambda a: a["v_cache"][:3]), "same shape"),
+    (dict(k_cache=lambda a: a["k_cache"][:, :12], v_cache=lambda a: a["v_cache"][:, :12]), "powers of two"),
+    (dict(k_cache=lambda a: a["k_cache"].tolist()), "torch.Tensor"),
+    (dict(num_splits=lambda a: -1), "num_splits"),
+    (dict(num_splits=lambda a: 1000), "num_splits"),
+    (dict(softmax_scale=lambda a: float("inf")), "softmax_scale"),
+    (dict(out=lambda a: a["q"][:1]), "out must be"),
+])
+def test_bad_arguments_are_named_before_any_launch(change, match):
+    args = _args()
+    for key, make in change.items():
+        args[key] = make(args)
+    with pytest.raises((KernelInputError, TypeError), match=match):
+        attngen.attention_with_kvcache(**args)
+
+
+def test_contiguous_cache_shorter_batch_and_debug_value_checks(monkeypatch):
+    args = _args()
+    k = rand(1, 30, 2, 32)
+    with pytest.raises(KernelInputError, match="holds 1 sequences but q has batch 2"):
+        attngen.attention_with_kvcache(args["q"], k, k, args["cache_seqlens"])
+    monkeypatch.setenv("ATTNGEN_CHECK_KVCACHE", "1")
+    bad = args["block_table"].clone()
+    bad[0, 1] = 10_000
+    with pytest.raises(KernelInputError, match="block_table\\[0\\] names pages outside the pool"):
+        attngen.attention_with_kvcache(**dict(args, block_table=bad))
+    with pytest.raises(KernelInputError, match="cache_seqlens must lie in"):
+        attngen.attention_with_kvcache(**dict(args, cache_seqlens=args["cache_seqlens"] + 100))
+
+
+def test_cli_checks_a_decoding_spec(capsys):
+    import os
+    import tempfile
+
+    from attngen.cli import main
+    from conftest import spec_text
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dec.attn")
+        with open(path, "w") as f:
+            f.write(spec_text("dec_cli", 16, "fp16", "causal(bottom_right)", split_kv="auto",
+                              kv_layout="paged(page_size = 16)", heads=2, kv_heads=1))
+        assert main(["check", path, "--seed", "1"]) == 0
+    assert "6/6 cases within tolerance" in capsys.readouterr().out
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 7])
+def test_gpu_real_sizes(page_size, seqlen_q):
+    gen = torch.Generator("cuda").manual_seed(1)
+    lengths = [0, 1, 4093, 8192, 777, 5000]
+    q = rand(len(lengths), seqlen_q, 32, 128, dtype=torch.bfloat16, device="cuda", gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    if page_size is None:
+        k = rand(len(lengths), 8192, 8, 128, dtype=torch.bfloat16, device="cuda", gen=gen)
+        v, table = rand(*k.shape, dtype=torch.bfloat16, device="cuda", gen=gen), None
+    else:
+        k, v, table = make_cache(lengths, page_size, 8, 128, torch.bfloat16, gen, shared=True, device="cuda")
+    for splits in (0, 1, 5):
+        out, lse = run(q, k, v, seqlens, table, num_splits=splits)
+        check(out, lse, q, k, v, seqlens, table, causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_captured_in_a_cuda_graph():
+    """The launch path reads nothing back from the GPU: one decode step is captured and replayed,
+    on new data written in place, and matches an eager call."""
+    gen = torch.Generator("cuda").manual_seed(4)
+    lengths = [300, 4000, 1]
+    k, v, table = make_cache(lengths, 16, 8, 128, torch.bfloat16, gen, device="cuda")
+    q = rand(3, 1, 32, 128, dtype=torch.bfloat16, device="cuda", gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    step = lambda: attngen.attention_with_kvcache(q, k, v, seqlens, table, return_softmax_lse=True)  # noqa: E731
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for _ in range(2):
+        q.copy_(rand(*q.shape, dtype=q.dtype, device="cuda", gen=gen))
+        seqlens.copy_(torch.tensor([301, 4001, 2], dtype=torch.int32))
+        graph.replay()
+        eager, eager_lse = step()
+        assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+        check(out, lse, q, k, v, seqlens, table, causal=True)
