@@ -269,8 +269,8 @@ def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
     """Tables in attngen/tuned/ parse without a warning, name a GPU, hold only problems of specs in
     specs/ (a changed spec leaves a stale problem: re-tune, or drop it), and only entries that fit
     their spec on that GPU."""
-    specs = {key_of(s): s for s in map(load_file, shipped_specs())}
     for table in SHIPPED_TABLES:
+        specs = {key_of(s): s for s in map(load_file, shipped_specs())}
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
             data = store.read(table)
