@@ -4,9 +4,11 @@
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
     attngen bench [--suite prefill|decode|all] ...   attngen against the peers on this GPU
+    attngen tune SPEC... [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
-A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check exits 1; a bug in
-attngen exits 3 with a short report. No user error prints a traceback.
+A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
+no candidate passed validation) exits 1; a bug in attngen exits 3 with a short report. No user
+error prints a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .errors import AttnGenError, InternalError, SpecError
+from .tuning.space import TuneError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
@@ -206,6 +209,87 @@ def cmd_bench(args) -> int:
                       providers, directions)
 
 
+# -- tune --------------------------------------------------------------------------------------
+
+TOKENS = 16384  # default batch = TOKENS // N_K: the FlashAttention benchmarks' 16k tokens per batch
+HIDDEN = 2048   # default heads = HIDDEN // head_dim
+
+
+def _positive(text: str, what: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise TuneError(f"{what} takes positive whole numbers; got '{text}'")
+    return int(text)
+
+
+def _seqlen(text: str) -> tuple[int, int]:
+    """'4096' (N_Q = N_K) or '512:4096' (N_Q:N_K)."""
+    n_q, sep, n_k = text.partition(":")
+    return _positive(n_q, "--seqlens"), _positive(n_k if sep else n_q, "--seqlens")
+
+
+def _values(items) -> dict:
+    values = {}
+    for item in items or ():
+        key, sep, choice = item.partition("=")
+        if not sep or not key.strip():
+            raise TuneError(f"--values takes KEY=V1,V2,... (e.g. block_n=32,64); got '{item}'")
+        values[key.strip()] = tuple(_positive(v.strip(), f"--values {key.strip()}") for v in choice.split(","))
+    return values
+
+
+def _tune_shapes(spec, args, interpreted: bool) -> list:
+    """The shapes to tune at: every --seqlens x --batch x --heads, with defaults by device."""
+    from .tuning import Shape
+
+    group = spec.group or 1
+    seqlens = [_seqlen(t) for t in (args.seqlens or (["64"] if interpreted else ["1024", "4096", "16384"]))]
+    default_heads = spec.heads or (2 * group if interpreted else max(group, HIDDEN // spec.head_dim // group * group))
+    shapes = []
+    for heads in args.heads or [default_heads]:
+        if heads < 1 or heads % group or (spec.heads and heads != spec.heads):
+            fixed = f"heads = {spec.heads}" if spec.heads else f"group = {group}: heads must be a multiple"
+            raise TuneError(f"--heads {heads} does not fit kernel '{spec.name}' ({fixed})")
+        for n_q, n_k in seqlens:
+            for batch in args.batch or [1 if interpreted else max(1, TOKENS // n_k)]:
+                if batch < 1:
+                    raise TuneError(f"--batch takes positive whole numbers; got {batch}")
+                shapes.append(Shape(batch, heads, heads // group, n_q, n_k))
+    return shapes
+
+
+def cmd_tune(args) -> int:
+    from .runtime import load
+    from .tuning import save, tune
+    from .tuning.report import Progress, format_outcome
+    from .tuning.space import restrict
+
+    interpreted = _use_interpreter_without_gpu()
+    if args.write_table and interpreted:
+        raise TuneError("--write-table writes a table to ship for a GPU; run it on that GPU "
+                        "(timings in the interpreter mean nothing)")
+    if (args.max_configs is not None and args.max_configs < 1) or args.rep < 1:
+        raise TuneError("--max-configs and --rep take positive whole numbers")
+    values = _values(args.values)
+    plans = []
+    for path in args.specs:  # every spec and argument is checked before anything is tuned
+        kernel = load(_spec(path))
+        restrict(kernel.tuning_space(), values)
+        plans.append((kernel, _tune_shapes(kernel.spec, args, interpreted)))
+    failed = 0
+    for kernel, shapes in plans:
+        outcome = tune(kernel, shapes, values=values, budget=args.max_configs, rep_ms=args.rep, seed=args.seed,
+                       progress=Progress(kernel.spec.name))
+        print(format_outcome(outcome), flush=True)
+        if not outcome.ok:
+            failed += 1
+            print(f"  no candidate passed validation at {', '.join(map(str, outcome.missing))}")
+        table = Path(args.write_table) / f"{outcome.device.slug}.json" if args.write_table else None
+        written = save(outcome, table)
+        if written:
+            print(f"  wrote {len(outcome.best)} entr{'y' if len(outcome.best) == 1 else 'ies'} to {written}")
+    return EXIT_FAIL if failed else EXIT_OK
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -242,6 +326,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="benchmarks/results", metavar="DIR",
                    help="folder for <gpu>.json (rows are merged with what is there)")
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("tune", help="search the tile configs of each spec for this GPU and cache the best")
+    p.add_argument("specs", nargs="+", metavar="SPEC")
+    p.add_argument("--seqlens", nargs="+", metavar="N|NQ:NK",
+                   help="sequence lengths to tune at (default: 1024 4096 16384 on a GPU, 64 in the interpreter)")
+    p.add_argument("--batch", nargs="+", type=int, metavar="B", help=f"batch sizes (default: {TOKENS} // N_K)")
+    p.add_argument("--heads", nargs="+", type=int, metavar="H",
+                   help=f"query heads (default: the spec's, else {HIDDEN} // head_dim)")
+    p.add_argument("--values", nargs="+", metavar="KEY=V1,V2",
+                   help="narrow the values tried for keys the spec leaves auto, e.g. block_n=32,64")
+    p.add_argument("--max-configs", type=int, default=None, metavar="N",
+                   help="try at most N candidates, nearest the default first (default: 16; 4 in the interpreter)")
+    p.add_argument("--rep", type=int, default=25, metavar="MS", help="do_bench's rep per measurement (default: 25 ms)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the tuning inputs (default: 0)")
+    p.add_argument("--write-table", default=None, metavar="DIR",
+                   help="write DIR/<gpu>.json (a table to ship in attngen/tuned/) instead of the user's cache")
+    p.set_defaults(run=cmd_tune)
     return parser
 
 

@@ -3,7 +3,8 @@
 A spec fixes some of these and leaves the rest `auto`. Until the autotuner has a measured answer
 for the GPU at hand, `default_config` fills the `auto` ones from a heuristic by head dim and dtype
 (close to what FlexAttention and the Triton tutorial use on Hopper), and small tiles in Triton's
-interpreter, where big tiles only cost time.
+interpreter, where big tiles only cost time. `search_space` is what the autotuner (attngen/tuning/)
+tries for the `auto` ones; the run-time lookup of tuned configs lives there too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ from .spec import DType, Spec
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 _SPEC_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+SEARCH_SPACE = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_warps": (4, 8),
+                "num_stages": (1, 2, 3, 4)}
+"""The values the autotuner tries for a tile key left `auto`: the tiles `check_spec_tiles` considers,
+plus a fourth pipeline stage. The resource model prunes what cannot fit before anything compiles.
+256-wide tiles are left out to keep the space small: the Hopper probe (benchmarks/NOTES.md) found
+every best forward config at 64 and 128."""
 
 
 def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
@@ -75,3 +83,12 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     d = spec.head_dim_padded
     return {"BLOCK_M": 16, "BLOCK_N": 64 if d <= 128 else 32, "num_warps": 4, "num_stages": 3 if d <= 128 else 2}
+
+
+def search_space(spec: Spec) -> dict[str, tuple[int, ...]]:
+    """The autotuner's candidates per key: `SEARCH_SPACE` where the spec says `auto`, else its value."""
+    space = {}
+    for key, field in _SPEC_KEYS.items():
+        value = getattr(spec, field)
+        space[key] = SEARCH_SPACE[key] if value is None else (value,)
+    return space

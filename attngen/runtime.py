@@ -3,11 +3,14 @@
 `load(spec)` parses the spec, lowers it, renders the Triton module (or finds it in the disk cache),
 imports it from its file, and wraps it in a `Kernel`: the object users call. A `Kernel` checks every
 tensor against its spec before anything is launched (a mismatch is a `ValueError` naming the
-argument), picks the launch configuration, allocates outputs and launches.
+argument), picks the launch configuration (tuned for the GPU and shape bucket when a tuned entry
+exists: attngen/tuning/), allocates outputs and launches. A `Kernel` also implements the tuner's
+protocol (`tuning_*` methods, described in attngen/tuning/__init__.py).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import sys
@@ -62,11 +65,13 @@ def as_spec(spec_or_text: "Spec | str | os.PathLike") -> Spec:
     return parse(text, "<string>")
 
 
-def load(spec_or_text: "Spec | str | os.PathLike") -> "Kernel":
+def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = None) -> "Kernel":
     """Generate (or fetch from the cache) the kernel a spec describes and import it.
 
     The same spec (by canonical text) loads once per process; the generated file is reused across
-    processes through the disk cache.
+    processes through the disk cache. Calls use tuned configs where they exist and never tune,
+    unless `autotune=True` (or, with `autotune=None`, the environment variable ATTNGEN_AUTOTUNE=1):
+    then a call whose shape bucket nobody tuned on this GPU tunes it first, once, and saves it.
     """
     spec = as_spec(spec_or_text)
     canonical = spec.canonical()
@@ -94,6 +99,17 @@ def load(spec_or_text: "Spec | str | os.PathLike") -> "Kernel":
             from .autograd import register
 
             register(kernel)
+        if autotune is not None:
+            # The same module and file, its own autotune setting (and its own key for the custom ops),
+            # loaded once per setting too.
+            variant = f"{canonical}{mode} autotune={autotune}"
+            if variant not in _LOADED:
+                from .autograd import register
+
+                _LOADED[variant] = copy.copy(kernel)
+                _LOADED[variant].autotune = autotune
+                register(_LOADED[variant])
+            kernel = _LOADED[variant]
         return kernel
 
 
@@ -101,11 +117,14 @@ class Kernel:
     """A generated attention kernel. Call it like attention: `kernel(q, k, v)`.
 
     Attributes: `spec` (the parsed spec), `source` (the generated Triton text), `path` (the file it
-    was imported from), `module` (the imported module).
+    was imported from), `module` (the imported module), `autotune` (tune untuned shape buckets on
+    first use: True, False, or None to follow ATTNGEN_AUTOTUNE).
     """
 
-    def __init__(self, spec: Spec, source: str, path: Path, module: ModuleType, program=None):
+    def __init__(self, spec: Spec, source: str, path: Path, module: ModuleType, program=None,
+                 autotune: bool | None = None):
         self.spec = spec
+        self.autotune = autotune
         self.source = source
         self.path = path
         self.module = module
@@ -127,13 +146,18 @@ class Kernel:
 
     # -- configuration -----------------------------------------------------------------------------
     def config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
-        """The launch configuration for these inputs."""
-        return configs.default_config(self.spec, interpreter=interpreting())
+        """The launch configuration for these inputs: the tuned one for this GPU and shape bucket
+        (this process's tuning > the user's cache > the table shipped in the package; the nearest
+        tuned bucket if this one has none), else the heuristic of attngen/configs.py."""
+        from . import tuning
+
+        return tuning.launch_config(self, tuning.Shape.of(q, k), q.device.index)
 
     @property
     def key(self) -> str:
         """The name the custom ops (attngen/autograd.py) know this kernel by."""
-        return f"{self.spec.hash}:{'interpret' if interpreting() else 'compile'}"
+        key = f"{self.spec.hash}:{'interpret' if interpreting() else 'compile'}"
+        return key if self.autotune is None else f"{key}:autotune={self.autotune}"
 
     def backward_config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
         """Launch configurations of the backward kernels, by kernel name."""
@@ -210,3 +234,48 @@ class Kernel:
         for name, extra in (config or {}).items():
             launch[name] = dict(launch[name], **extra)
         return self.module.backward(q, k, v, out, lse, do, sm_scale, dq=dq, dk=dk, dv=dv, config=launch)
+
+    # -- autotuning protocol (attngen/tuning/__init__.py describes it) ----------------------------
+    def tuning_problem(self) -> str:
+        from .tuning.key import problem_text
+
+        # NOTE: the forward kernel is the same code whether or not the spec has a backward.
+        return problem_text(self.spec, "forward", ignore=("direction",))
+
+    def tuning_space(self) -> dict:
+        return configs.search_space(self.spec)
+
+    def tuning_default(self) -> dict:
+        return configs.default_config(self.spec, interpreter=interpreting())
+
+    def tuning_infeasible(self, config: dict, target) -> str | None:
+        from .resources import infeasible
+
+        return infeasible(self.spec, config, target)
+
+    def tuning_inputs(self, shape, device, generator) -> dict:
+        from .check import Case, random_inputs
+
+        case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
+        q, k, v = random_inputs(self.spec, case, device, generator)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        return {"q": q, "k": k, "v": v, "out": torch.empty_like(q), "lse": lse}
+
+    def tuning_run(self, inputs: dict, config: dict, *, poison: bool = False):
+        if poison:
+            inputs["out"].fill_(float("nan"))
+            inputs["lse"].fill_(float("nan"))
+        return self.module.forward(inputs["q"], inputs["k"], inputs["v"], self.spec.softmax_scale,
+                                   out=inputs["out"], lse=inputs["lse"], config=config)
+
+    def tuning_check(self, inputs: dict, outputs):
+        from .tuning.validate import check_attention
+
+        out, lse = outputs
+        return check_attention(self.spec, inputs["q"], inputs["k"], inputs["v"], out, lse)
+
+    def tuning_flops(self, shape) -> float:
+        from .cost import evaluate, fa_flops
+
+        sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
+        return evaluate(fa_flops(self.spec.mask.is_causal), sizes)

@@ -1,0 +1,200 @@
+"""The search: every candidate that fits is compiled, validated, then timed, per shape bucket.
+
+For each candidate in budget order and each tuning shape, on the same fresh random inputs for every
+candidate (`kernel.tuning_inputs`):
+  1. run it with its outputs poisoned (NaN) first; the first run compiles it. An exception (a
+     compile error, Triton's OutOfResources, a launch failure) skips the candidate with its reason;
+  2. validate the outputs against the float64 reference (`kernel.tuning_check`). A candidate that
+     computes a wrong result at any shape is rejected and reported, and never chosen;
+  3. time it: `triton.testing.do_bench(..., return_mode="median")` on CUDA; in Triton's
+     interpreter, which has no CUDA events, a wall-clock median (meaningless as a speed, and the
+     report says so; the path, the gate and the cache are the real ones).
+The best config per bucket is the passing candidate with the lowest median.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..check import format_result
+from ..version import __version__
+from . import space as space_
+from .key import Device, Shape, bucket
+
+DEFAULT_BUDGET = 16
+INTERPRETER_BUDGET = 4
+DEFAULT_REP_MS = 25
+
+
+@dataclass
+class Trial:
+    """One candidate config: 'ok', 'failed' (did not compile or launch) or 'rejected' (wrong result)."""
+
+    config: dict
+    status: str = "ok"
+    reason: str = ""
+    ms: dict = field(default_factory=dict)    # bucket -> median milliseconds
+    rel: dict = field(default_factory=dict)   # bucket -> relative error against float64
+
+
+@dataclass
+class Best:
+    shape: Shape
+    bucket: str
+    trial: Trial
+    tflops: float
+    default_ms: float | None  # the untuned default's median on the same inputs, if it was tried
+
+    @property
+    def ms(self) -> float:
+        return self.trial.ms[self.bucket]
+
+
+@dataclass
+class Outcome:
+    spec: object
+    problem: str          # the kernel's tuning_problem()
+    device: Device
+    space: dict
+    pruned: list          # space.Pruned groups
+    feasible: int         # candidates the resource model let through
+    trials: list          # Trial, in the order tried
+    best: list            # Best, one per tuned bucket
+    missing: list         # Shapes no candidate passed at
+    timing: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    def count(self, status: str) -> int:
+        return sum(t.status == status for t in self.trials)
+
+    def records(self) -> list[tuple[str, dict]]:
+        """(bucket, entry) pairs for the tuning file."""
+        today = datetime.date.today().isoformat()
+        out = []
+        for b in self.best:
+            out.append((b.bucket, {
+                "config": dict(b.trial.config), "ms": round(b.ms, 5), "tflops": round(b.tflops, 2),
+                "rel_err": float(f"{b.trial.rel[b.bucket]:.3g}"),
+                "default_ms": None if b.default_ms is None else round(b.default_ms, 5),
+                "shape": b.shape.as_dict(), "tried": len(self.trials),
+                "pruned": sum(len(g.configs) for g in self.pruned), "failed": self.count("failed"),
+                "rejected": self.count("rejected"), "timing": self.timing.split(":")[0],
+                "attngen": __version__, "tuned": today,
+            }))
+            if self.count("ok") < len(self.trials):
+                out[-1][1]["skipped"] = [f"{t.status} {space_.describe(t.config)}: {t.reason}"
+                                         for t in self.trials if t.status != "ok"]
+        return out
+
+
+def bench(fn, rep_ms: int, cuda: bool) -> float:
+    """Median milliseconds of `fn()`: do_bench on CUDA, else wall clock (at most 10 runs)."""
+    if cuda:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=max(1, rep_ms // 4), rep=rep_ms, return_mode="median"))
+    times, deadline = [], time.perf_counter() + rep_ms / 1000
+    while not times or (len(times) < 10 and time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def _error(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}".rstrip(": ")
+
+
+def _unique_buckets(shapes: list[Shape]) -> list[tuple[str, Shape]]:
+    seen: dict[str, Shape] = {}
+    for shape in shapes:
+        seen.setdefault(bucket(shape), shape)
+    return list(seen.items())
+
+
+def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int | None = None,
+         rep_ms: int = DEFAULT_REP_MS, seed: int = 0, target=None, progress=None, timer=bench) -> Outcome:
+    """Search the kernel's tile space at these shapes on the device at hand; nothing is saved.
+
+    `values` narrows keys the spec leaves auto; `budget` caps the candidates tried (default: 16 on
+    a GPU, 4 in the interpreter); `progress(done, total, text)` is told before each step; `timer`
+    (fn, rep_ms, cuda) -> ms is `bench` unless a test replaces it. Shapes that fall in one bucket
+    are tuned once, at the first of them.
+    """
+    from ..resources import Target
+    from ..runtime import interpreting
+
+    started = time.perf_counter()
+    cuda = not interpreting() and torch.cuda.is_available()
+    device = Device.current()
+    target = target or Target.current()
+    if budget is None:
+        budget = DEFAULT_BUDGET if cuda else INTERPRETER_BUDGET
+    space = space_.restrict(kernel.tuning_space(), values)
+    feasible, pruned = space_.prune(kernel, space_.candidates(space), target)
+    default = kernel.tuning_default()
+    tried = space_.within_budget(feasible, default, budget)
+    buckets = _unique_buckets(shapes)
+
+    generator = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed)
+    inputs = {b: kernel.tuning_inputs(s, "cuda" if cuda else "cpu", generator) for b, s in buckets}
+    trials, steps = [], len(tried) * len(buckets)
+    for i, config in enumerate(tried):
+        trial = Trial(dict(config))
+        trials.append(trial)
+        for j, (b, shape) in enumerate(buckets):
+            if progress:
+                progress(i * len(buckets) + j, steps, f"{space_.describe(config)} at {shape}")
+            _measure(kernel, trial, b, inputs[b], rep_ms, cuda, timer)
+            if trial.status != "ok":
+                break
+    if progress:
+        progress(steps, steps, "done")
+
+    best, missing = [], []
+    passed = [t for t in trials if t.status == "ok"]
+    default_trial = next((t for t in passed if t.config == default), None)
+    for b, shape in buckets:
+        if not passed:
+            missing.append(shape)
+            continue
+        winner = min(passed, key=lambda t: t.ms[b])
+        best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / max(winner.ms[b] * 1e-3, 1e-12) / 1e12,
+                         default_trial.ms[b] if default_trial else None))
+    timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement)" if cuda else
+              "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
+              "are real, the speeds are meaningless")
+    return Outcome(kernel.spec, kernel.tuning_problem(), device, space, pruned, len(feasible), trials, best, missing, timing,
+                   time.perf_counter() - started)
+
+
+def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, timer) -> None:
+    """Run (compiling on first use), validate, then time one candidate at one bucket."""
+    config = trial.config
+    try:
+        outputs = kernel.tuning_run(inputs, config, poison=True)
+        if cuda:
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - any failure to compile or launch skips the candidate
+        trial.status, trial.reason = "failed", _error(e)
+        return
+    result = kernel.tuning_check(inputs, outputs)
+    trial.rel[b] = result.rel
+    if not result.ok:
+        trial.status = "rejected"
+        trial.reason = "wrong result: " + format_result(result).removeprefix("FAIL").strip()
+        return
+    try:
+        trial.ms[b] = timer(lambda: kernel.tuning_run(inputs, config), rep_ms, cuda)
+    except Exception as e:  # noqa: BLE001
+        trial.status, trial.reason = "failed", _error(e)

@@ -1,0 +1,271 @@
+"""Tuned entries on disk: one human-readable JSON file per device, and the lookup over them.
+
+A file (the user's `<cache>/tuning/<device slug>.json`, or a table shipped in `attngen/tuned/`):
+
+    {
+      "format": "attngen-tuning/1",
+      "gpu": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "triton": "3.6",
+      "problems": {
+        "<problem key>": {
+          "problem": "kind = forward; mask = causal(top_left); head_dim = 64; dtype = fp16; ...",
+          "specs": ["fwd_causal_d64"],
+          "buckets": {
+            "BH=64 N_Q=4096 N_K=4096": {
+              "config": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 3, "num_warps": 8},
+              "ms": 0.52, "tflops": 402.1, "rel_err": 0.0011, "default_ms": 0.58,
+              "shape": {"B": 4, "H": 16, "H_KV": 16, "N_Q": 4096, "N_K": 4096},
+              "tried": 16, "pruned": 40, "failed": 0, "rejected": 0,
+              "timing": "do_bench median", "attngen": "0.1.0", "tuned": "2026-11-20"}}}}
+    }
+
+Writers hold an exclusive `fcntl.flock` on a lock file beside it, read what is there, merge their
+entries in (a new entry replaces the one for its bucket) and write atomically (`cache.write_atomic`),
+so two processes tuning at once both land and a reader never sees half a file. A file that does not
+parse, or is not a tuning file, is treated as empty with a `CacheWarning`, and the next writer
+replaces it. A write that fails (unwritable directory, full disk) is a warning: the results still
+serve the process that measured them.
+
+Lookup, per device: the entries this process tuned itself > the user's cache file > the tables
+shipped in the package, merged per bucket in that order. A call's bucket is served by its own
+entry if there is one, else by the nearest tuned bucket of the same problem (`key.bucket_distance`),
+else by the kernel's default (the heuristic of attngen/configs.py). Every entry is checked before
+use: its config must name the kernel's tile keys, agree with the spec's fixed values and fit the
+resource model; a bad one is skipped with a warning. Answers are memoised per (problem, bucket),
+so a call costs a few dictionary lookups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ..cache import CacheWarning, cache_dir, write_atomic
+from .key import Device, bucket_distance, bucket_sizes, problem_key
+
+FORMAT = "attngen-tuning/1"
+
+
+def user_path(device: Device) -> Path:
+    return cache_dir("tuning") / f"{device.slug}.json"
+
+
+def shipped_files() -> list:
+    """The tables shipped in the package (attngen/tuned/*.json)."""
+    folder = resources.files("attngen").joinpath("tuned")
+    try:
+        return sorted((f for f in folder.iterdir() if f.name.endswith(".json")), key=lambda f: f.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def read(path) -> dict | None:
+    """A tuning file's content; None when missing. Unreadable or malformed: a warning, then None."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        warnings.warn(f"attngen: cannot read tuning file {path} ({e}); ignoring it", CacheWarning, stacklevel=2)
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        warnings.warn(f"attngen: tuning file {path} is damaged ({e}); ignoring it, the next tuning rewrites it",
+                      CacheWarning, stacklevel=2)
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("problems"), dict):
+        warnings.warn(f"attngen: {path} is not an attngen tuning file (format {FORMAT}); ignoring it",
+                      CacheWarning, stacklevel=2)
+        return None
+    return data
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on `.<name>.lock` beside `path` (no locking where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: atomic writes still keep the file whole
+        yield
+        return
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def merge(data: dict, problem_text: str, spec_name: str, records: list[tuple[str, dict]]) -> None:
+    """Put `records` ((bucket, entry) pairs measured for a problem, on a spec so named) into a file's content."""
+    problem = data["problems"].setdefault(problem_key(problem_text), {})
+    problem["problem"] = problem_text
+    problem["specs"] = sorted(set(problem.get("specs") or []) | {spec_name})
+    buckets = problem.setdefault("buckets", {})
+    if not isinstance(buckets, dict):
+        problem["buckets"] = buckets = {}
+    for bucket, entry in records:
+        buckets[bucket] = entry
+
+
+def save(path: Path, device: Device, problem_text: str, spec_name: str, records: list[tuple[str, dict]]) -> None:
+    """Merge records into the file at `path` under its lock. Raises OSError if it cannot be written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        data = read(path)
+        if data is not None and Device.from_header(data) != device:
+            warnings.warn(f"attngen: {path} holds entries for {Device.from_header(data)}, not {device}; "
+                          "replacing it", CacheWarning, stacklevel=2)
+            data = None
+        if data is None:
+            data = {"format": FORMAT, **device.header(), "problems": {}}
+        merge(data, problem_text, spec_name, records)
+        write_atomic(path, dumps(data))
+
+
+def dumps(data: dict) -> str:
+    """JSON laid out for reading and diffing: one line per problem field and per bucket entry."""
+    def line(value) -> str:
+        return json.dumps(value)  # entries keep their order: config first
+
+    head = [f" {line(k)}: {line(v)}," for k, v in data.items() if k != "problems"]
+    problems = []
+    for key, problem in sorted(data["problems"].items()):
+        fields = [f"   {line(k)}: {line(v)}" for k, v in sorted(problem.items()) if k != "buckets"]
+        buckets = sorted((problem.get("buckets") or {}).items())
+        fields.append('   "buckets": {' + ",".join(f"\n    {line(b)}: {line(e)}" for b, e in buckets)
+                      + ("\n   }" if buckets else "}"))
+        problems.append(f"  {line(key)}: {{\n" + ",\n".join(fields) + "\n  }")
+    return "{\n" + "\n".join(head) + '\n "problems": {\n' + ",\n".join(problems) + "\n }\n}\n"
+
+
+# -- lookup --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    config: dict
+    source: str   # "user cache <path>", "shipped table <file>", "this process", "default", ...
+    exact: bool   # an entry for this very bucket (False: the nearest tuned bucket, or the default)
+
+
+class Tables:
+    """The tuned entries one device can use, in order of precedence, with a memo of answers."""
+
+    def __init__(self, device: Device, layers: list[tuple[str, dict]]):
+        self.device = device
+        self.layers = layers            # (source, file content), highest precedence first
+        self._memo: dict[tuple[str, str], Found] = {}
+        self._warned: set = set()
+
+    @staticmethod
+    def load(device: Device, session: dict) -> "Tables":
+        layers = [("this process", {"problems": session})]
+        user = user_path(device)
+        data = read(user)
+        if data is not None and Device.from_header(data) != device:
+            warnings.warn(f"attngen: {user} holds entries for {Device.from_header(data)}, not {device}; "
+                          "ignoring it", CacheWarning, stacklevel=2)
+        elif data is not None:
+            layers.append((f"user cache {user}", data))
+        for table in shipped_files():
+            data = read(table)
+            if data is not None and Device.from_header(data) == device:
+                layers.append((f"shipped table attngen/tuned/{table.name}", data))
+        return Tables(device, layers)
+
+    def find(self, kernel, problem: str, bucket: str) -> Found:
+        found = self._memo.get((problem, bucket))
+        if found is None:
+            found = self._memo[(problem, bucket)] = self._find(kernel, problem, bucket)
+        return found
+
+    def _find(self, kernel, problem: str, bucket: str) -> Found:
+        candidates: dict[str, tuple[str, dict]] = {}
+        for source, data in self.layers:
+            stored = data["problems"].get(problem)
+            buckets = stored.get("buckets") if isinstance(stored, dict) else None
+            for name, entry in (buckets.items() if isinstance(buckets, dict) else ()):
+                if name not in candidates and self._usable(kernel, source, name, entry):
+                    candidates[name] = (source, entry)
+        if bucket in candidates:
+            source, entry = candidates[bucket]
+            return Found(dict(entry["config"]), source, True)
+        wanted = bucket_sizes(bucket)
+        near = sorted((bucket_distance(bucket_sizes(name), wanted), name) for name in candidates)
+        if near:
+            source, entry = candidates[near[0][1]]
+            return Found(dict(entry["config"]), f"{source} (nearest tuned bucket {near[0][1]})", False)
+        return Found(kernel.tuning_default(), "default", False)
+
+    def _usable(self, kernel, source: str, bucket: str, entry) -> bool:
+        problem = entry_problem(kernel, bucket, entry)
+        if problem is None:
+            return True
+        if (source, bucket) not in self._warned:
+            self._warned.add((source, bucket))
+            warnings.warn(f"attngen: ignoring the tuned entry for {kernel.spec.name} at '{bucket}' in {source}: "
+                          f"{problem}", CacheWarning, stacklevel=5)
+        return False
+
+
+def entry_problem(kernel, bucket: str, entry, target=None) -> str | None:
+    """Why a stored entry cannot serve this kernel on `target` (default: the device in use), or None."""
+    from ..resources import Target
+
+    if bucket_sizes(bucket) is None:
+        return "not a shape bucket"
+    config = entry.get("config") if isinstance(entry, dict) else None
+    space = kernel.tuning_space()
+    if not isinstance(config, dict) or set(config) != set(space):
+        return f"its config must set exactly {', '.join(space)}"
+    if any(type(v) is not int or v < 1 for v in config.values()):
+        return "its config values must be positive whole numbers"
+    fixed = {k: v[0] for k, v in space.items() if len(v) == 1 and config[k] != v[0]}
+    if fixed:
+        return f"the spec fixes {', '.join(f'{k}={v}' for k, v in fixed.items())}"
+    return kernel.tuning_infeasible(config, target or Target.current())
+
+
+_LOCK = threading.RLock()
+_TABLES: dict[Device, Tables] = {}
+_SESSION: dict[Device, dict] = {}  # what this process tuned: {device: {problem: {"buckets": {...}}}}
+
+
+def tables(device: Device) -> Tables:
+    found = _TABLES.get(device)
+    if found is None:
+        with _LOCK:
+            found = _TABLES.get(device)
+            if found is None:
+                found = _TABLES[device] = Tables.load(device, _SESSION.setdefault(device, {}))
+    return found
+
+
+_GENERATION = [0]  # bumped whenever what lookups see may have changed; memos key on it
+
+
+def generation() -> int:
+    return _GENERATION[0]
+
+
+def remember(device: Device, problem_text: str, spec_name: str, records: list[tuple[str, dict]]) -> None:
+    """Make records serve this process (whether or not they reach a file) and drop stale answers."""
+    with _LOCK:
+        merge({"problems": _SESSION.setdefault(device, {})}, problem_text, spec_name, records)
+        _TABLES.pop(device, None)
+        _GENERATION[0] += 1
+
+
+def forget() -> None:
+    """Drop everything read or tuned in this process (tests; a fresh look at the files)."""
+    with _LOCK:
+        _TABLES.clear()
+        _SESSION.clear()
+        _GENERATION[0] += 1
