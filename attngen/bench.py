@@ -209,5 +209,13 @@ def main(suites=("prefill",), out_dir="benchmarks/results", lengths=None, head_d
         rows += bench_decode()
     path = write(rows, out_dir, meta())
     print(table(rows))
+    decode = [r for r in rows if r.suite == "decode" and r.gbps]
+    if decode:
+        print("decode GB/s of K/V read (bf16, 32/8 heads, d=128, one query token)")
+        names = sorted({r.provider for r in decode})
+        print(f"{'B':>3} {'ctx':>6} " + " ".join(f"{n[:16]:>16}" for n in names))
+        for b, ctx in sorted({(r.params["batch"], r.params["context"]) for r in decode}):
+            cells = [next((f"{r.gbps:16.0f}" for r in decode if r.provider == n and (r.params["batch"], r.params["context"]) == (b, ctx)), f"{'-':>16}") for n in names]
+            print(f"{b:>3} {ctx:>6} " + " ".join(cells))
     print(f"wrote {path}")
     return 0

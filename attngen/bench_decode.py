@@ -1,6 +1,7 @@
 """Decoding speed on the GPU: attngen's KV-cache kernels against torch SDPA, one process.
 
-    python benchmarks/bench_decode.py OUT_DIR
+    attngen bench --suite decode            (rows into benchmarks/results/<gpu>.json)
+    python -m attngen.bench_decode OUT_DIR  (decode_bench.json with the CUDA-graph check)
 
 One new token per sequence (seqlen_q = 1) against a full cache: batch 1, 16, 64 x context 1k, 8k,
 32k; 32 query heads, 8 kv heads, d = 128, bf16. Measured on the same fresh random data (never
@@ -155,6 +156,30 @@ def graph_check(gen: torch.Generator) -> dict:
     equal = torch.equal(out, eager)
     return {"batch": batch, "context": ctx, "page": page, "replay equals eager": equal,
             "eager ms": bench(step), "replay ms": bench(graph.replay)}
+
+
+def bench_decode(progress=print) -> list:
+    """The decode grid as `attngen.bench.Row`s (suite "decode", GB/s of K/V read)."""
+    from .bench import Row
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows = []
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            shape = one_shape(batch, ctx, gen)
+            params = dict(batch=batch, context=ctx, heads=H, kv_heads=H_KV, head_dim=D, dtype="bf16", seqlen_q=1)
+            for name, ms in shape["ms"].items():
+                provider = name.replace(" ", "_").replace("[", "").replace("]", "")
+                rows.append(Row("decode", "forward", provider, params, ms=ms, gbps=shape["GB/s"][name],
+                                error=None if ms is not None else shape["notes"].get(name, "error"),
+                                extra={"note": shape["notes"][name]} if name in shape["notes"] else {}))
+            progress(f"decode B={batch} ctx={ctx} done")
+    graph = graph_check(gen)
+    rows.append(Row("decode", "forward", "cuda_graph_check", dict(batch=graph["batch"], context=graph["context"],
+                    page=graph["page"]), ms=graph["replay ms"], extra={k: v for k, v in graph.items()}))
+    if not graph["replay equals eager"]:
+        raise SystemExit("a CUDA-graph replay of a decode step differs from the eager call")
+    return rows
 
 
 def main() -> int:
