@@ -317,7 +317,7 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
     config = dict(DEFAULT_CONFIG, **(config or {}))
     B, H, N_Q, D = q.shape
     if num_splits == 0:
-        programs = B * k_cache.shape[2] * triton.cdiv(N_Q * (H // k_cache.shape[2]), config["BLOCK_M"])
+        programs = B * k_cache.shape[1] * triton.cdiv(N_Q * (H // k_cache.shape[1]), config["BLOCK_M"])
         max_keys = k_cache.shape[2]
         num_splits = choose_num_splits(programs, triton.cdiv(max_keys, config["BLOCK_N"]), multiprocessors(q.device))
     if num_splits == 1:

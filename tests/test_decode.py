@@ -267,3 +267,25 @@ def test_gpu_decode_step_captured_in_a_cuda_graph():
         eager, eager_lse = step()
         assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
         check(out, lse, q, k, v, seqlens, table, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_auto_split_sees_the_kv_heads_of_either_cache_layout(page_size, monkeypatch):
+    """The module's split choice counts programs as B * H_KV * query blocks, for a contiguous cache
+    (B, H_KV, N, D view) and a page pool (NUM_PAGES, PAGE_SIZE, H_KV, D) alike (a contiguous cache
+    once passed N for H_KV there, so decoding at batch 1 never split)."""
+    from attngen.decode import kvcache_spec
+    from attngen.runtime import load
+
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    seen = []
+    module = load(kvcache_spec("fp32", 32, True, page_size)).module
+    real = module.choose_num_splits
+    monkeypatch.setattr(module, "choose_num_splits", lambda programs, blocks, sms, *a: seen.append(programs) or real(programs, blocks, sms, *a))
+    q = rand(1, 1, 4, 32, dtype=torch.float32, gen=gen)
+    if page_size:
+        k, v, table = make_cache([300], page_size, 2, 32, torch.float32, gen)
+    else:
+        k, v, table = rand(1, 300, 2, 32, dtype=torch.float32, gen=gen), rand(1, 300, 2, 32, dtype=torch.float32, gen=gen), None
+    attngen.attention_with_kvcache(q, k, v, torch.tensor([300], dtype=torch.int32, device=DEVICE), table)
+    assert seen == [2]  # batch 1 x 2 K/V heads x one block of 2 packed query rows
