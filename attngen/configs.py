@@ -33,9 +33,11 @@ def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     if spec.dtype is DType.FP32:
         bm, bn, warps = (64, 32, 4) if d <= 64 else (32, 32, 4)
     elif d <= 64:
-        bm, bn, warps = 128, 64, 4
+        # H200 tuning (attngen/tuned/): (128, 64, 8 warps, 4 stages) wins at 4k and 16k non-causal.
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
     elif d <= 128:
-        bm, bn, warps = 128, 64, 8
+        # H200 tuning: (128, 128, 8 warps, 3 stages) wins for every d=128 spec at 4k and 16k.
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     else:
         bm, bn, warps = 64, 32, 4
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": 2 if d > 128 else 3}
@@ -64,12 +66,17 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
     d = spec.head_dim_padded
     if spec.dtype is DType.FP32:
         dq = dkdv = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    elif d <= 64:
+    # From benchmarks/experiments/config_sweeps.py on an H200 (bf16, N=4096; results/h200_config_sweeps_v1.json):
+    # the causal kernels do fewer blocks per program and prefer smaller tiles.
+    elif d <= 64 and spec.mask.is_causal:
         dq = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
         dkdv = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    elif d <= 64:
+        dq = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+        dkdv = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     elif d <= 128:
         dq = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-        dkdv = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+        dkdv = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3 if spec.mask.is_causal else 2}
     else:
         dq = dkdv = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"attn_bwd_dq": dict(dq), "attn_bwd_dkdv": dict(dkdv)}
@@ -78,11 +85,23 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
 def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     """Decoding over a KV cache: few query rows (a decode tile holds the GROUP heads of one key/value
     head), so small BLOCK_M; the cache streams through BLOCK_N keys at a time. Pages looked up once
-    per tile bound BLOCK_N (the generated launcher enforces it)."""
+    per tile bound BLOCK_N (the generated launcher enforces it).
+
+    A paged kernel spends pipeline stages on its block-table load: compiled for sm_90 it buffers one
+    K/V tile pair at num_stages 3-4, two at 5-6, three at 7. Measured on an H200 (bf16, 32/8 heads,
+    d=128; results/h200_config_sweeps_v1.json): contiguous BLOCK_N=128 with 3 stages, 16-token pages
+    128 with 5, per-tile pages (>= 64 tokens) 64 with 7 bring paged to 0.96-0.98x of contiguous."""
     if interpreter:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     d = spec.head_dim_padded
-    return {"BLOCK_M": 16, "BLOCK_N": 64 if d <= 128 else 32, "num_warps": 4, "num_stages": 3 if d <= 128 else 2}
+    if d > 128:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    page = spec.kv_layout.page_size if spec.kv_layout.paged else None
+    if page is None:
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    if page < 64:
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 5}
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 7}
 
 
 def search_space(spec: Spec) -> dict[str, tuple[int, ...]]:

@@ -10,6 +10,10 @@ the element size, fitted to what Triton 3.6 allocates for the generated forward 
     `num_stages - 1` (the cp.async pipeline keeps one in registers); with one stage, one tile.
   * Without wgmma, P goes through shared memory to change layout: ELEM * BLOCK_M * BLOCK_N, plus
     up to 128 bytes of alignment.
+  * A paged kernel's K/V loads wait on a block-table load, which takes pipeline stages of its own:
+    it buffers one K/V pair at num_stages 3-4, two at 5-6, three at 7 (sm_90 compiles of the
+    generated decode kernels), i.e. it behaves as `1 + max(1, (num_stages - 1) // 2)` stages, plus
+    up to 1 KB for the page indices.
 
 Registers are estimated from the fp32 values each thread keeps live across the key loop (the
 accumulator and the score tile); a configuration needing more than the 255 a thread can have would
@@ -74,10 +78,11 @@ def uses_wgmma(elem_bytes: int, block_m: int, target: Target) -> bool:
 
 
 def shared_bytes(head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int, num_stages: int,
-                 target: Target) -> int:
+                 target: Target, paged: bool = False) -> int:
+    stages = 1 + max(1, (num_stages - 1) // 2) if paged else num_stages
     values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
-              sym.BLOCK_N: block_n, STAGES: num_stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
-    return int(SHARED_BYTES.subs(values))
+              sym.BLOCK_N: block_n, STAGES: stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
+    return int(SHARED_BYTES.subs(values)) + (1024 if paged else 0)
 
 
 def registers(head_dim_padded: int, block_m: int, block_n: int, num_warps: int) -> float:
@@ -90,7 +95,7 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
     target = target or Target.current()
     dp, elem = spec.head_dim_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
-    smem = shared_bytes(dp, elem, bm, bn, stages, target)
+    smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged)
     if smem > target.shared_limit:
         path = "wgmma" if uses_wgmma(elem, bm, target) else "mma"
         return (f"needs {smem:,} bytes of shared memory but sm_{target.capability[0]}{target.capability[1]} "

@@ -35,7 +35,7 @@ GENERATOR = "attngen 0.1.0"
 DTYPE = torch.float16
 HEAD_DIM = 64
 HEAD_DIM_PADDED = 64
-DEFAULT_CONFIG = {'BLOCK_M': 128, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 3}
+DEFAULT_CONFIG = {'BLOCK_M': 128, 'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 4}
 
 
 @triton.jit(do_not_specialize=["B", "N_Q", "N_K"])

@@ -35,7 +35,7 @@ GENERATOR = "attngen 0.1.0"
 DTYPE = torch.bfloat16
 HEAD_DIM = 128
 HEAD_DIM_PADDED = 128
-DEFAULT_CONFIG = {'BLOCK_M': 128, 'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3}
+DEFAULT_CONFIG = {'BLOCK_M': 128, 'BLOCK_N': 128, 'num_warps': 8, 'num_stages': 3}
 
 
 @triton.jit(do_not_specialize=["B", "N_Q", "N_K"])

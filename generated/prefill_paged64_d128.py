@@ -36,7 +36,7 @@ DTYPE = torch.bfloat16
 HEAD_DIM = 128
 HEAD_DIM_PADDED = 128
 PAGE_SIZE = 64
-DEFAULT_CONFIG = {'BLOCK_M': 16, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 3}
+DEFAULT_CONFIG = {'BLOCK_M': 16, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 7}
 
 
 @triton.jit(do_not_specialize=["B", "N_Q"])

@@ -25,6 +25,15 @@ def test_shared_memory_matches_hand_computed(dp, elem, bm, bn, stages, target, e
     assert shared_bytes(dp, elem, bm, bn, stages, target) == expected
 
 
+@pytest.mark.parametrize("stages,real", [(3, 39168), (5, 72192), (7, 105216)])
+def test_paged_kernels_buffer_fewer_tiles(stages, real):
+    """sm_90 compiles of the generated 16-token-page decode kernel (BLOCK_M=16, BLOCK_N=64, d=128):
+    the model is an upper bound within 1 KB plus alignment."""
+    model = shared_bytes(128, 2, 16, 64, stages, H100, paged=True)
+    assert real <= model <= real + 2048
+    assert model < shared_bytes(128, 2, 16, 64, stages, H100)
+
+
 def test_registers_estimate():
     assert registers(128, 128, 64, 8) == (128 * 128 + 128 * 64) / 256
 
