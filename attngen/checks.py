@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from .errors import KernelInputError
-from .spec import Spec
+from .spec import MIN_SCALE, Spec
 
 INT32_MAX = 2**31 - 1
 # CUDA's limit on the second and third grid dimensions, which carry heads and batch.
@@ -27,7 +27,15 @@ MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 def _runtime_device_ok(name: str, t: torch.Tensor) -> None:
     from .runtime import interpreting
 
-    if t.device.type == "cuda" or (t.device.type == "cpu" and interpreting()):
+    if t.device.type == "cuda":
+        current = torch.cuda.current_device()
+        if t.device.index is not None and t.device.index != current:
+            raise KernelInputError(
+                f"{name} is on {t.device} but the current CUDA device is cuda:{current}; Triton launches "
+                f"on the current device: call the kernel under torch.cuda.device({name}.device)"
+            )
+        return
+    if t.device.type == "cpu" and interpreting():
         return
     if t.device.type == "cpu":
         raise KernelInputError(
@@ -112,7 +120,8 @@ def check_grid(batch: int, heads: int, name: str) -> None:
 
 
 def check_scale(scale, spec: Spec | None = None) -> float:
-    """A finite Python or numpy real number (not a bool or a tensor); None means the spec's scale."""
+    """A finite positive Python or numpy real number (not a bool or a tensor) in the range the
+    kernels compute correctly; None means the spec's scale."""
     if scale is None and spec is not None:
         return spec.softmax_scale
     if isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real):
@@ -120,8 +129,13 @@ def check_scale(scale, spec: Spec | None = None) -> float:
     value = float(scale)
     if not math.isfinite(value):
         raise KernelInputError(f"scale must be finite; got {value}")
-    if abs(value) > MAX_SCALE:
-        raise KernelInputError(f"scale = {value:g} overflows float32 inside the kernel; |scale| must be below {MAX_SCALE:.3g}")
+    if value > MAX_SCALE:
+        raise KernelInputError(f"scale = {value:g} overflows float32 inside the kernel; it must be below {MAX_SCALE:.3g}")
+    if value < MIN_SCALE:
+        # NOTE: the kernels scale scores after masking them to -inf and after taking their row
+        # maximum (fold-scale pass): a zero scale gives -inf * 0 = NaN, and a negative one makes that
+        # maximum the minimum. A scale too small for fp32 is zero there.
+        raise KernelInputError(f"scale = {value:g} is not supported; attngen kernels take a scale of at least {MIN_SCALE:g}")
     return value
 
 

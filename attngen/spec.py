@@ -31,6 +31,9 @@ MAX_NAME_LENGTH = 64
 # entries would otherwise take the LALR parser ten seconds, and deep nesting overflows the stack.
 MAX_TOKENS = 2000
 MAX_NESTING = 8
+# The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
+# non-zero fp32 number (see checks.check_scale).
+MIN_SCALE = 1e-30
 
 
 class Direction(enum.Enum):
@@ -458,8 +461,8 @@ def _scale(v: Value) -> float | None:
     if v.kind != "number":
         raise _err(v, f"scale takes a positive number or default; got '{_shown(v)}'")
     value = float(v.text)
-    if not (math.isfinite(value) and 0.0 < value <= 1e4):
-        raise _err(v, f"scale = {_short(v.text)} is out of range; expected a number in (0, 10000]")
+    if not (math.isfinite(value) and MIN_SCALE <= value <= 1e4):
+        raise _err(v, f"scale = {_short(v.text)} is out of range; expected a number from {MIN_SCALE:g} to 10000")
     return value
 
 

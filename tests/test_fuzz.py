@@ -32,10 +32,11 @@ from attngen.codegen import render
 from attngen.features import check_supported
 from attngen.passes import compile_program
 from attngen.resources import check_spec_tiles
-from attngen.spec import MAX_SPEC_BYTES, Spec, parse
-from conftest import shipped_specs
+from attngen.spec import MAX_SPEC_BYTES, Spec, load_file, parse
+from conftest import ROOT, shipped_specs
 
 SCALE = float(os.environ.get("ATTNGEN_FUZZ_SCALE", "1"))
+GENERATED = os.path.join(ROOT, "generated")
 
 
 def fuzz_settings(examples: int):
@@ -62,8 +63,16 @@ def assert_located(e: SpecError, data: str | bytes, filename: str) -> None:
     assert "\n" not in str(e) and len(str(e)) < 400, str(e)[:500]
 
 
-@functools.lru_cache(maxsize=None)
 def _program(spec: Spec):
+    """The final IR of a spec. Tiles and the scale are launch-time values (constexprs and a float
+    argument), not part of the IR, and the name only labels it: specs differing only in those share
+    one compilation, which keeps the fuzzers in their time budget (a backward takes seconds)."""
+    return _compiled(spec.replace(name=NEUTRAL, scale=None, block_m=None, block_n=None, num_warps=None,
+                                  num_stages=None))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(spec: Spec):
     return compile_program(spec)
 
 
@@ -128,15 +137,23 @@ def _normal(text: str, spec: Spec) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> tuple[set, set, set]:
-    """Every identifier, string and comment the generator writes for a family of ordinary specs
-    (all masks, dtypes, padded and unpadded head dims), spec name and hash normalised."""
-    names, strings, comments = set(), set(), set()
+    """Every identifier, string and comment the generator writes for ordinary specs, spec name and
+    hash normalised: the committed golden modules (forward and backward), and forward modules for
+    every mask and dtype, padded and unpadded head dims."""
+    sources = []
+    for path in shipped_specs():
+        spec = load_file(path)
+        with open(os.path.join(GENERATED, f"{spec.name}.py")) as f:
+            sources.append((spec, f.read()))
     for mask in ("none", "causal(top_left)", "causal(bottom_right)"):
         for dtype, head_dim in (("fp16", 64), ("bf16", 80), ("fp32", 32)):
             spec = parse(f"kernel {NEUTRAL} {{ mask = {mask} dtype = {dtype} head_dim = {head_dim} }}")
-            for kind, text in _tokens(render(spec, _program(spec))):
-                {tokenize.NAME: names, tokenize.STRING: strings, tokenize.COMMENT: comments}.get(
-                    kind, set()).add(_normal(text, spec))
+            sources.append((spec, render(spec, _program(spec))))
+    names, strings, comments = set(), set(), set()
+    for spec, source in sources:
+        for kind, text in _tokens(source):
+            {tokenize.NAME: names, tokenize.STRING: strings, tokenize.COMMENT: comments}.get(
+                kind, set()).add(_normal(text, spec))
     return names, strings, comments
 
 

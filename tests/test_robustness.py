@@ -26,8 +26,8 @@ import torch
 import attngen
 from attngen import cache, reference
 from attngen.api import sdpa_spec
-from attngen.check import ATOL, FUDGE, Case, compare
-from attngen.spec import DType, Mask
+from attngen.check import ATOL, FUDGE, Case, compare, compare_grads, validate
+from attngen.spec import MIN_SCALE, DType, Mask
 from conftest import DEVICE, ROOT, spec_text
 
 
@@ -137,7 +137,7 @@ COMMON_CASES = [
     ("q-rank5", _set("q", lambda t, a: t[None]), ValueError, r"{q} must"),
     ("q-list", _set("q", lambda t, a: t.tolist()), TypeError, r"{q} must be a torch.Tensor, not list"),
     ("k-none", _set("k", lambda t, a: None), TypeError, r"{k} must be a torch.Tensor, not NoneType"),
-    ("v-numpy", _set("v", lambda t, a: t.numpy()), TypeError, r"{v} must be a torch.Tensor, not ndarray"),
+    ("v-numpy", _set("v", lambda t, a: t.cpu().numpy()), TypeError, r"{v} must be a torch.Tensor, not ndarray"),
     ("q-float64", _set("q", lambda t, a: t.double()), ValueError, r"dtype"),
     ("k-sparse", _set("k", lambda t, a: t.to_sparse()), ValueError, r"{k} is a torch.sparse_coo tensor"),
     ("heads-not-divisible", _heads("q", 3), ValueError, r"{q} has 3 heads, which is not a multiple of the 2 heads of {k} and {v}"),
@@ -151,6 +151,9 @@ COMMON_CASES = [
     ("scale-nan", _kwarg("scale", float("nan")), ValueError, r"scale must be finite"),
     ("scale-inf", _kwarg("scale", -float("inf")), ValueError, r"scale must be finite"),
     ("scale-overflows", _kwarg("scale", 1e39), ValueError, r"scale = 1e\+39 overflows float32"),
+    ("scale-negative", _kwarg("scale", -0.5), ValueError, r"scale = -0.5 is not supported; .* at least 1e-30"),
+    ("scale-zero", _kwarg("scale", 0), ValueError, r"scale = 0 is not supported"),
+    ("scale-tiny", _kwarg("scale", 1e-300), ValueError, r"scale = 1e-300 is not supported"),
     ("int32-offsets", _set("q", _on_meta_with_strides((2**40, 2**36, 2**29, 1))), ValueError,
      r"{q} spans [\d,]+ elements within one \(batch, head\) slice.*32-bit"),
     ("seq-too-long", _set("q", _expanded(2, 4, 2**30 + 1, 32)), ValueError, r"{q} has sequence length 1,073,741,825"),
@@ -164,7 +167,8 @@ KERNEL_CASES = [
     ("k-head-dim", _set("k", lambda t, a: t[..., :16]), ValueError, r"k has head_dim 16; kernel 'robust_checked' takes head_dim 32"),
     ("heads-vs-spec", _heads("q", 6), ValueError, r"q has 6 heads; kernel 'robust_checked' takes heads = 4"),
     ("kv-heads-vs-spec", _both(lambda t: t[:, :1]), ValueError, r"k has 1 heads; kernel 'robust_checked' takes kv_heads = 2"),
-    ("requires-grad", _set("q", lambda t, a: t.float().half().requires_grad_()), ValueError, r"q requires grad.*forward-only"),
+    ("requires-grad", _set("q", lambda t, a: t.float().half().requires_grad_()), ValueError,
+     r"requires grad, but kernel 'robust_checked' is forward-only"),
     ("out-list", _kwarg("out", []), TypeError, r"out must be a torch.Tensor, not list"),
     ("out-shape", _kwarg("out", lambda a, n: torch.empty(2, 4, 8, 16, dtype=torch.float16, device=DEVICE)),
      ValueError, r"out must be \(2, 4, 8, 32\) torch.float16"),
@@ -183,6 +187,29 @@ SDPA_CASES = [
     ("gqa-off", _kwarg("enable_gqa", False), ValueError, r"query has 4 heads and key 2; pass enable_gqa=True"),
     ("attn-mask", _kwarg("attn_mask", torch.ones(1)), ValueError, r"attn_mask is not supported"),
     ("dropout", _kwarg("dropout_p", 0.1), ValueError, r"dropout_p must be 0.0"),
+]
+
+
+def _grads(make):
+    """A case that passes grads=make(args) to the backward: where it writes dq, dk and dv."""
+    def spoil(args, names):
+        fresh = {n: torch.empty_like(args[n]) for n in ("q", "k", "v")}
+        args["grads"] = make(args, fresh)
+    return spoil
+
+
+BACKWARD_CASES = [
+    ("do-list", _set("do", lambda t, a: t.tolist()), TypeError, r"do must be a torch.Tensor, not list"),
+    ("do-dtype", _set("do", lambda t, a: t.float()), ValueError, r"do must be \(2, 4, 8, 32\) torch.float16 .*torch.float32"),
+    ("do-shape", _set("do", lambda t, a: t[:, :, :5]), ValueError, r"do must be \(2, 4, 8, 32\)"),
+    ("out-shape", _set("out", lambda t, a: t[..., :16]), ValueError, r"out must be \(2, 4, 8, 32\)"),
+    ("lse-dtype", _set("lse", lambda t, a: t.half()), ValueError, r"lse must be a float32 tensor of shape \(2, 4, 8\)"),
+    ("lse-none", _set("lse", lambda t, a: None), ValueError, r"lse must be a float32 tensor"),
+    ("dq-is-q", _grads(lambda a, g: (a["q"], g["k"], g["v"])), ValueError, r"dq shares memory with q"),
+    ("dq-is-do", _grads(lambda a, g: (a["do"], g["k"], g["v"])), ValueError, r"dq shares memory with do"),
+    ("dv-is-dk", _grads(lambda a, g: (g["q"], g["k"], g["k"])), ValueError, r"dv shares memory with dk"),
+    ("dq-expanded", _grads(lambda a, g: (g["q"][:, :, :1].expand_as(g["q"]), g["k"], g["v"])), ValueError, r"dq has strides"),
+    ("dk-dtype", _grads(lambda a, g: (g["q"], g["k"].float(), g["v"])), ValueError, r"dk must be .* torch.float16"),
 ]
 
 
@@ -205,6 +232,40 @@ def test_sdpa_refuses_bad_arguments_before_launch(case, no_launch):
     assert_refused(_sdpa_family(), *case[1:])
 
 
+@pytest.fixture(scope="module")
+def train_kernel():
+    return attngen.load(spec_text("robust_train", 32, "fp16", "causal", heads=4, kv_heads=2,
+                                  direction="forward+backward"))
+
+
+@pytest.fixture(scope="module")
+def backward_family(train_kernel) -> Family:
+    """Kernel.backward on the output of a real forward (run here, before any launch guard)."""
+    q, k, v, do = rand(2, 4, 8, 32), rand(2, 2, 8, 32), rand(2, 2, 8, 32), rand(2, 4, 8, 32)
+    out, lse = train_kernel.forward(q, k, v, train_kernel.spec.softmax_scale)
+    valid = dict(q=q, k=k, v=v, out=out, lse=lse, do=do)
+
+    def call(a):
+        a = dict(a)
+        tensors = [a.pop(n) for n in ("q", "k", "v", "out", "lse", "do")]
+        return train_kernel.backward(*tensors, **a)
+
+    return Family("backward", lambda: {n: t.clone() for n, t in valid.items()}, call, {n: n for n in valid})
+
+
+@pytest.mark.parametrize("case", COMMON_CASES + BACKWARD_CASES, ids=lambda c: c[0])
+def test_backward_refuses_bad_arguments_before_launch(case, backward_family, no_launch):
+    assert_refused(backward_family, *case[1:])
+
+
+def test_forward_only_kernels_refuse_gradients(checked_kernel, train_kernel, no_launch):
+    q, k, v = rand(1, 4, 8, 32), rand(1, 2, 8, 32), rand(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="kernel 'robust_checked' is forward-only"):
+        checked_kernel.backward(q, k, v, q, torch.zeros(1, 4, 8), q)
+    with pytest.raises(ValueError, match="out= and config= are not supported when recording for autograd"):
+        train_kernel(q.requires_grad_(), k, v, out=torch.empty_like(q))
+
+
 @pytest.mark.parametrize("family", ["kernel", "sdpa"])
 def test_cpu_tensors_outside_the_interpreter_are_refused(family, checked_kernel, no_launch, monkeypatch):
     fam = _kernel_family(checked_kernel) if family == "kernel" else _sdpa_family()
@@ -212,6 +273,14 @@ def test_cpu_tensors_outside_the_interpreter_are_refused(family, checked_kernel,
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=f"{fam.names['q']} is on the CPU.*TRITON_INTERPRET=1"):
         fam.call(args)
+
+
+@pytest.mark.gpu
+def test_tensors_on_another_gpu_than_the_current_one_are_refused(checked_kernel, no_launch, monkeypatch):
+    fam = _kernel_family(checked_kernel)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # as if cuda:1 were current
+    with pytest.raises(ValueError, match=r"q is on cuda:0 but the current CUDA device is cuda:1"):
+        fam.call(fam.make())
 
 
 def test_valid_call_does_launch(checked_kernel, monkeypatch):
@@ -236,12 +305,12 @@ def test_empty_dimensions_return_without_launch(checked_kernel, no_launch):
 
 
 def test_accepted_unusual_arguments_compute_the_right_thing(checked_kernel):
-    """What is not refused must be right: numpy and int scales, negative and zero scales,
+    """What is not refused must be right: numpy and int scales, the smallest scale,
     stride-0 (expanded) inputs, and an output with free strides that overlaps nothing."""
     q = rand(1, 4, 1, 32).expand(1, 4, 24, 32)                      # every query row the same
     k, v = rand(1, 2, 1, 32).expand(1, 2, 40, 32), rand(1, 2, 40, 32)
     out = torch.full((1, 24, 4, 32), float("nan"), dtype=torch.float16, device=DEVICE).transpose(1, 2)
-    for scale in (np.float32(0.3), 2, -0.7, 0.0):
+    for scale in (np.float32(0.3), 2, MIN_SCALE):
         out.fill_(float("nan"))
         got, lse = checked_kernel(q, k, v, scale=scale, out=out, return_lse=True)
         assert got.data_ptr() == out.data_ptr()
@@ -316,6 +385,14 @@ def test_fp16_large_logits_stay_finite_and_accurate(size, logit):
     assert lse_err <= FUDGE * low_lse_err + ATOL[DType.FP16], (lse_err, low_lse_err)
 
 
+def test_validation_measures_huge_scores_against_fp32():
+    """With scale 1e4 the scores pass fp16's range: the same-precision baseline of `validate` would
+    overflow, leaving a NaN (always failing) or inf (never failing) tolerance."""
+    kernel = attngen.load(spec_text("edge_huge_scale", 16, "fp16", "causal", scale="1e4"))
+    for result in validate(kernel, [Case(1, 2, 2, 13, 29)], seed=0):
+        assert math.isfinite(result.tol) and math.isfinite(result.lse_tol) and result.ok, result
+
+
 def _rows_with_nonfinite(out):
     """(b, h, row) indices of rows with any non-finite element."""
     return {tuple(i) for i in (~torch.isfinite(out)).any(-1).nonzero().tolist()}
@@ -388,6 +465,59 @@ def test_nonfinite_value_poisons_rows_that_see_it_and_never_corrupts_silently(si
     ref, ref_lse = reference.attention(q, k, clean_v, Mask.CAUSAL_TOP_LEFT)
     finite = torch.isfinite(out).all(-1)
     assert (out.double() - ref)[finite].abs().max().item() < 1e-2
+
+
+def _train(name, d, mask="causal"):
+    return attngen.load(spec_text(f"edge_train_{name}_d{d}_{_MASK_TAGS[mask]}", d, "fp16", mask,
+                                  direction="forward+backward"))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_backward_of_fully_masked_rows_is_zero(size):
+    b, h, n, d = size["b"], size["h"], size["n"], size["d"]
+    kernel = _train("masked", d, "causal(bottom_right)")
+    n_k = n // 3 + 1
+    q, k, v, do = rand(b, h, n, d), rand(b, h, n_k, d), rand(b, h, n_k, d), rand(b, h, n, d)
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    dq, dk, dv = kernel.backward(q, k, v, out, lse, do, grads=poisoned)
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+    assert (dq[:, :, : n - n_k] == 0).all()
+    results = compare_grads(kernel.spec, q, k, v, do, (dq, dk, dv))
+    assert all(r.ok for r in results), results
+    dq, dk, dv = kernel.backward(q, k[:, :, :0], v[:, :, :0], torch.zeros_like(q), torch.full_like(lse, -math.inf), do)
+    assert (dq == 0).all() and dk.shape == (b, h, 0, d)
+
+
+@pytest.mark.parametrize("size", [pytest.param(dict(b=1, h=2, n=80, d=32, block=16), id="small"),
+                                  pytest.param(dict(b=2, h=8, n=1500, d=128, block=64), id="gpu", marks=pytest.mark.gpu)])
+def test_backward_nan_query_row(size):
+    """A NaN in query row i: dq is NaN in row i only; dK and dV are NaN for every key row i sees,
+    may be NaN for other keys of the tiles row i's tile visits, are finite beyond them, and are
+    right wherever finite."""
+    b, h, n, d, block = size["b"], size["h"], size["n"], size["d"], size["block"]
+    kernel = _train("qnan", d)
+    q, k, v, do = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
+    i = block + 4
+    clean_q = q.clone()
+    q[0, 1, i, 2] = float("nan")
+    tiles = {name: dict(BLOCK_M=block, BLOCK_N=block, num_warps=4) for name in ("attn_bwd_dq", "attn_bwd_dkdv")}
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale, config=dict(BLOCK_M=block, BLOCK_N=block, num_warps=4))
+    dq, dk, dv = kernel.backward(q, k, v, out, lse, do, config=tiles)
+    assert _rows_with_nonfinite(dq) == {(0, 1, i)}
+    seen = {(0, 1, j) for j in range(i + 1)}
+    for g in (dk, dv):
+        bad = _rows_with_nonfinite(g)
+        assert seen <= bad and all(hi == 1 and j < (i // block + 1) * block for _, hi, j in bad), bad
+    # Finite entries are right: row i's query does not reach them, so zeroing it changes nothing there.
+    clean_q[0, 1, i] = 0
+    clean_out, clean_lse = kernel.forward(clean_q, k, v, kernel.spec.softmax_scale)
+    leaves = [t.double().requires_grad_() for t in (clean_q, k, v)]
+    ref, _ = reference.attention(*leaves, Mask.CAUSAL_TOP_LEFT, kernel.spec.softmax_scale)
+    ref.backward(do.double())
+    for got, want in zip((dq, dk, dv), (t.grad for t in leaves)):
+        finite = torch.isfinite(got).all(-1)
+        assert (got.double() - want)[finite].abs().max().item() < 2e-2
 
 
 # -- the disk cache -------------------------------------------------------------------------------------
