@@ -29,6 +29,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from .errors import AttnGenError
 from .version import __version__
 
 
@@ -105,14 +106,18 @@ def _private_fallback(kind: str) -> Path:
     uid = os.getuid() if hasattr(os, "getuid") else None
     root = Path(tempfile.gettempdir()) / f"attngen-{uid if uid is not None else 'user'}"
     try:
-        root.mkdir(mode=0o700, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(root)  # lstat: a symlink planted in /tmp is not a directory of ours
         if stat.S_ISDIR(info.st_mode) and (uid is None or info.st_uid == uid) and not info.st_mode & 0o022:
             if _usable(root / kind):
                 return root / kind
     except OSError:
         pass
-    return Path(tempfile.mkdtemp(prefix=f"attngen-{kind}-"))
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"attngen-{kind}-"))
+    except OSError as e:
+        raise AttnGenError(f"no writable directory for attngen's {kind} cache ({root}: {e.strerror}); "
+                           "set ATTNGEN_CACHE_DIR to a writable directory") from None
 
 
 def digest(text: str) -> str:

@@ -119,23 +119,23 @@ def check_grid(batch: int, heads: int, name: str) -> None:
         )
 
 
-def check_scale(scale, spec: Spec | None = None) -> float:
+def check_scale(scale, spec: Spec | None = None, name: str = "scale") -> float:
     """A finite positive Python or numpy real number (not a bool or a tensor) in the range the
     kernels compute correctly; None means the spec's scale."""
     if scale is None and spec is not None:
         return spec.softmax_scale
     if isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a Python number, not {type(scale).__name__}")
+        raise TypeError(f"{name} must be a Python number, not {type(scale).__name__}")
     value = float(scale)
     if not math.isfinite(value):
-        raise KernelInputError(f"scale must be finite; got {value}")
+        raise KernelInputError(f"{name} must be finite; got {value}")
     if value > MAX_SCALE:
-        raise KernelInputError(f"scale = {value:g} overflows float32 inside the kernel; it must be below {MAX_SCALE:.3g}")
+        raise KernelInputError(f"{name} = {value:g} overflows float32 inside the kernel; it must be below {MAX_SCALE:.3g}")
     if value < MIN_SCALE:
         # NOTE: the kernels scale scores after masking them to -inf and after taking their row
         # maximum (fold-scale pass): a zero scale gives -inf * 0 = NaN, and a negative one makes that
         # maximum the minimum. A scale too small for fp32 is zero there.
-        raise KernelInputError(f"scale = {value:g} is not supported; attngen kernels take a scale of at least {MIN_SCALE:g}")
+        raise KernelInputError(f"{name} = {value:g} is not supported; attngen kernels take a scale of at least {MIN_SCALE:g}")
     return value
 
 

@@ -12,8 +12,11 @@ counts keep this file near a minute in CI; set ATTNGEN_FUZZ_SCALE=10 for a longe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import io
+import keyword
 import os
 import re
 import tempfile
@@ -29,10 +32,9 @@ from attngen import SpecError
 from attngen.check import Case, validate
 from attngen.cli import main
 from attngen.codegen import render
-from attngen.features import check_supported
 from attngen.passes import compile_program
 from attngen.resources import check_spec_tiles
-from attngen.spec import MAX_SPEC_BYTES, Spec, load_file, parse
+from attngen.spec import MAX_SPEC_BYTES, KVLayout, Spec, load_file, parse
 from conftest import ROOT, shipped_specs
 
 SCALE = float(os.environ.get("ATTNGEN_FUZZ_SCALE", "1"))
@@ -88,7 +90,6 @@ def generate(data: str | bytes, filename: str = "f.attn"):
         return e
     assert time.perf_counter() - start < PARSE_SECONDS, "parsing took too long"
     try:
-        check_supported(spec)
         check_spec_tiles(spec)
     except SpecError as e:
         assert_located(e, data, filename)
@@ -136,10 +137,10 @@ def _normal(text: str, spec: Spec) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _vocabulary() -> tuple[set, set, set]:
-    """Every identifier, string and comment the generator writes for ordinary specs, spec name and
-    hash normalised: the committed golden modules (forward and backward), and forward modules for
-    every mask and dtype, padded and unpadded head dims."""
+def _vocabulary() -> tuple[set, set]:
+    """The identifiers and the short (non-doc) string constants the generator writes, spec name and
+    hash normalised: from the committed golden modules (forward, backward, decoding) and forward
+    modules for every mask and dtype, padded and unpadded head dims."""
     sources = []
     for path in shipped_specs():
         spec = load_file(path)
@@ -149,19 +150,34 @@ def _vocabulary() -> tuple[set, set, set]:
         for dtype, head_dim in (("fp16", 64), ("bf16", 80), ("fp32", 32)):
             spec = parse(f"kernel {NEUTRAL} {{ mask = {mask} dtype = {dtype} head_dim = {head_dim} }}")
             sources.append((spec, render(spec, _program(spec))))
-    names, strings, comments = set(), set(), set()
+    names, strings = set(), set()
     for spec, source in sources:
         for kind, text in _tokens(source):
-            {tokenize.NAME: names, tokenize.STRING: strings, tokenize.COMMENT: comments}.get(
-                kind, set()).add(_normal(text, spec))
-    return names, strings, comments
+            if kind == tokenize.NAME:
+                names.add(text)
+            elif kind == tokenize.STRING and not text.startswith('"""'):
+                strings.add(_normal(text, spec))
+    return names, strings
+
+
+_PLAIN = re.compile(r"[ -~\n]*")  # printable ASCII
 
 
 def assert_only_expected_tokens(source: str, spec: Spec) -> None:
-    """The module for `spec` is token for token the module for the same spec under a neutral name,
-    except for strings and comments that differ exactly by the name and hash; and the neutral
-    module holds only identifiers, strings and comments the generator writes for ordinary specs
-    (comments quoting the canonical spec are checked for a plain `key = value` shape)."""
+    """Nothing from the spec reaches the module but validated identifiers and numbers:
+
+    * the spec's values are typed (numbers, booleans, enums): no text of the spec's but its name;
+    * the module is token for token the module of the same spec under a neutral name, except for
+      strings and comments that differ by exactly the name and hash: the name is never code;
+    * the neutral module's identifiers and short strings are ones the generator writes for ordinary
+      specs; its docstrings and comments are printable ASCII, and the comments quoting the canonical
+      spec have a plain `key = value` shape."""
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name == "name":
+            assert value.isascii() and value.isidentifier() and not keyword.iskeyword(value), value
+        elif field.name not in ("filename", "where"):
+            assert value is None or isinstance(value, (bool, int, float, enum.Enum, KVLayout)), (field.name, value)
     neutral_spec = spec.replace(name=NEUTRAL)
     neutral = _tokens(render(neutral_spec, _program(spec)))
     ours = _tokens(source)
@@ -171,15 +187,16 @@ def assert_only_expected_tokens(source: str, spec: Spec) -> None:
         if text != n_text:
             assert kind in (tokenize.STRING, tokenize.COMMENT), (tokenize.tok_name[kind], text)
             assert n_text.replace(NEUTRAL, spec.name).replace(neutral_spec.hash, spec.hash) == text
-    names, strings, comments = _vocabulary()
+    names, strings = _vocabulary()
     for kind, text in neutral:
-        text = _normal(text, neutral_spec)
         if kind == tokenize.NAME:
             assert text in names, f"unexpected identifier {text!r} in the generated module"
-        elif kind == tokenize.STRING:
-            assert text in strings, f"unexpected string {text!r} in the generated module"
-        elif kind == tokenize.COMMENT:
-            assert text in comments or _CANONICAL_LINE.fullmatch(text), f"unexpected comment {text!r}"
+        elif kind == tokenize.STRING and not text.startswith('"""'):
+            assert _normal(text, neutral_spec) in strings, f"unexpected string {text!r} in the generated module"
+        elif kind in (tokenize.STRING, tokenize.COMMENT):
+            assert _PLAIN.fullmatch(text), f"unexpected characters in {text!r}"
+            if kind == tokenize.COMMENT and text.startswith("#     "):
+                assert _CANONICAL_LINE.fullmatch(text), f"unexpected comment {text!r}"
 
 
 # Attempts to break out of an identifier, a number, a string or the template.

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import attngen
+import attngen.decode
 from attngen import cache, reference
 from attngen.api import sdpa_spec
 from attngen.check import ATOL, FUDGE, Case, compare, compare_grads, validate
@@ -264,6 +265,70 @@ def test_forward_only_kernels_refuse_gradients(checked_kernel, train_kernel, no_
         checked_kernel.backward(q, k, v, q, torch.zeros(1, 4, 8), q)
     with pytest.raises(ValueError, match="out= and config= are not supported when recording for autograd"):
         train_kernel(q.requires_grad_(), k, v, out=torch.empty_like(q))
+
+
+def _decode_family() -> Family:
+    """attention_with_kvcache on a page pool: q (B, S_q, H, D), pages (num_pages, page_size, H_KV, D)."""
+    pool = dict(k_cache=rand(6, 16, 2, 32), v_cache=rand(6, 16, 2, 32))
+
+    def make():
+        return dict(q=rand(2, 1, 4, 32), **{n: t.clone() for n, t in pool.items()},
+                    cache_seqlens=torch.tensor([20, 5], dtype=torch.int32, device=DEVICE),
+                    block_table=torch.tensor([[4, 1], [0, 5]], dtype=torch.int32, device=DEVICE))
+
+    return Family("decode", make, lambda a: attngen.attention_with_kvcache(**a),
+                  dict(q="q", k="k_cache", v="v_cache", out="out"))
+
+
+def _out_view_of(role):
+    """out= a view of the memory of the argument playing `role`."""
+    def spoil(args, names):
+        src = args[names[role]]
+        args["out"] = src if src.shape == args[names["q"]].shape else src.reshape(-1)[: args[names["q"]].numel()].view_as(args[names["q"]])
+    return spoil
+
+
+# attention_with_kvcache checks its own layouts (tests/test_decode.py lists those errors); these are
+# the cases the shared checks add, and each must be refused before any launch.
+DECODE_CASES = [
+    ("scale-bool", _kwarg("softmax_scale", True), TypeError, r"softmax_scale must be a Python number, not bool"),
+    ("scale-negative", _kwarg("softmax_scale", -1.0), ValueError, r"softmax_scale = -1 is not supported"),
+    ("scale-zero", _kwarg("softmax_scale", 0.0), ValueError, r"softmax_scale = 0 is not supported"),
+    ("scale-nan", _kwarg("softmax_scale", float("nan")), ValueError, r"softmax_scale must be finite"),
+    ("out-is-q", _out_view_of("q"), ValueError, r"out shares memory with q"),
+    ("out-in-pool", _out_view_of("v"), ValueError, r"out shares memory with v_cache"),
+    ("out-expanded", _kwarg("out", lambda a, n: torch.empty(2, 1, 1, 32, dtype=torch.float16, device=DEVICE).expand(2, 1, 4, 32)),
+     ValueError, r"out has strides"),
+    ("table-int64", _set("block_table", lambda t, a: t.long()), ValueError, r"block_table must be int32"),
+    ("table-on-meta", _set("block_table", lambda t, a: t.to("meta")), ValueError, r"block_table is on meta"),
+    ("seqlens-bool", _set("cache_seqlens", lambda t, a: True), TypeError, r"cache_seqlens must be an int32 tensor or an int, not bool"),
+    ("seqlens-negative", _set("cache_seqlens", lambda t, a: -1), ValueError, r"cache_seqlens = -1 does not fit"),
+    ("q-list", _set("q", lambda t, a: t.tolist()), TypeError, r"q must be a torch.Tensor, not list"),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
+def test_decode_refuses_bad_arguments_before_launch(case, no_launch):
+    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))  # generated outside the guard
+    family = _decode_family()
+    family.names.update(block_table="block_table", cache_seqlens="cache_seqlens")
+    assert_refused(family, *case[1:])
+
+
+@pytest.mark.parametrize("problem,pattern", [
+    (lambda a: a["block_table"].__setitem__((0, 1), 6), r"block_table\[0\] names pages outside the pool of 6"),
+    (lambda a: a["block_table"].__setitem__((1, 0), -1), r"block_table\[1\] names pages outside the pool"),
+    (lambda a: a.__setitem__("cache_seqlens", a["cache_seqlens"] + 13), r"cache_seqlens must lie in \[0, 32\]"),
+])
+def test_decode_debug_mode_checks_values_before_launch(problem, pattern, no_launch, monkeypatch):
+    """Page indices and lengths are the caller's contract (checking them costs a device sync per
+    call); ATTNGEN_CHECK_KVCACHE=1 checks them."""
+    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
+    args = _decode_family().make()
+    problem(args)
+    monkeypatch.setenv("ATTNGEN_CHECK_KVCACHE", "1")
+    with pytest.raises(ValueError, match=pattern):
+        attngen.attention_with_kvcache(**args)
 
 
 @pytest.mark.parametrize("family", ["kernel", "sdpa"])
@@ -518,6 +583,46 @@ def test_backward_nan_query_row(size):
     for got, want in zip((dq, dk, dv), (t.grad for t in leaves)):
         finite = torch.isfinite(got).all(-1)
         assert (got.double() - want)[finite].abs().max().item() < 2e-2
+
+
+DECODE_SIZES = [pytest.param(dict(lengths=[0, 37, 16, 1], page=16, h=4, h_kv=2, d=32, s_q=1), id="small"),
+                pytest.param(dict(lengths=[0, 4093, 1024, 1], page=64, h=32, h_kv=8, d=128, s_q=3), id="gpu",
+                             marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("size", DECODE_SIZES)
+@pytest.mark.parametrize("paged", [True, False])
+def test_cache_garbage_beyond_the_lengths_never_leaks(size, paged):
+    """Every cache slot no sequence owns is NaN: pages outside the block table, slots past
+    cache_seqlens in a last page, a contiguous cache past each length. The output is exactly right
+    anyway; a zero-length sequence gives 0 and lse -inf; nothing is NaN."""
+    lengths, page, h, h_kv, d, s_q = (size[k] for k in ("lengths", "page", "h", "h_kv", "d", "s_q"))
+    batch = len(lengths)
+    per_seq = max(-(-n // page) for n in lengths)
+    q = rand(batch, s_q, h, d)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    if paged:
+        pool = torch.full((batch * per_seq + 3, page, h_kv, d), float("nan"), dtype=torch.float16, device=DEVICE)
+        k_cache, v_cache = pool, pool.clone()
+        order = torch.randperm(pool.shape[0], device=DEVICE)[: batch * per_seq].view(batch, per_seq)
+        table = order.to(torch.int32)
+        for b, n in enumerate(lengths):
+            for i in range(n):
+                for cache in (k_cache, v_cache):
+                    cache[order[b, i // page], i % page] = rand(h_kv, d)
+    else:
+        k_cache = torch.full((batch, per_seq * page, h_kv, d), float("nan"), dtype=torch.float16, device=DEVICE)
+        v_cache = k_cache.clone()
+        for b, n in enumerate(lengths):
+            k_cache[b, :n], v_cache[b, :n] = rand(n, h_kv, d), rand(n, h_kv, d)
+        table = None
+    out = torch.full_like(q, float("nan"))
+    out, lse = attngen.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    ref, ref_lse = reference.kvcache_attention(q, k_cache, v_cache, seqlens.cpu(), None if table is None else table.cpu())
+    assert (out[1:].double() - ref[1:]).abs().max().item() < 1e-2
+    assert (lse[1:].double() - ref_lse[1:]).abs().max().item() < 1e-2
 
 
 # -- the disk cache -------------------------------------------------------------------------------------
