@@ -133,6 +133,7 @@ def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None) -> Result:
 def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResult, ...]:
     """Gradients against float64 autograd of the reference, by the same rule as the outputs."""
     scale = spec.softmax_scale if scale is None else scale
+
     def reference_grads(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out, _ = reference.attention(*leaves, spec.mask, scale, dtype=dtype)
