@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from .checks import check_attention_inputs, check_scale
 from .errors import KernelInputError
 from .spec import Spec, parse
 
@@ -68,17 +69,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise KernelInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
                                "pass enable_gqa=True for grouped-query attention")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise KernelInputError(f"scale must be a finite number; got {scale!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else check_scale(scale)
     from . import autograd  # noqa: F401  (registers the custom ops)
 
-    if query.shape[0] != key.shape[0] or key.shape != value.shape or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+    # The op checks again when it runs; checking here names SDPA's arguments and fails before it is
+    # dispatched. While torch.compile traces, the spec cannot be parsed (the loader does not trace),
+    # so only the shapes are checked here.
+    if not torch.compiler.is_compiling():
+        check_attention_inputs(sdpa_spec(_DTYPES[query.dtype], head_dim, bool(is_causal)), query, key, value,
+                               names=("query", "key", "value"))
+    elif query.shape[0] != key.shape[0] or key.shape != value.shape or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    # The spec is parsed and devices are checked inside the op: tracing must not run the loader.
     op_key = f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}"
     out, _ = torch.ops.attngen.forward(op_key, query, key, value, float(scale))
     return out.squeeze(0) if squeeze else out

@@ -8,21 +8,28 @@ the hash of its content: a truncated or edited file is detected, reported once a
 rewritten. Files are written to a temporary name and renamed into place, so concurrent processes
 never see half a file; they write identical bytes, so whichever rename lands last changes nothing.
 
+The sidecar is written before the file it vouches for: a process that finds the file finds its
+hash too, so a concurrent writer is never mistaken for damage.
+
 The cache directory is `$ATTNGEN_CACHE_DIR`, else `$XDG_CACHE_HOME/attngen`, else
 `~/.cache/attngen`; if it cannot be written, a per-user temporary directory is used instead, with a
-warning.
+warning. That directory must belong to this user and be closed to others' writes (anyone who can
+plant a file with its hash there chooses the code this process imports); if it is not, a fresh
+private one is made.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 import warnings
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from .errors import AttnGenError
 from .version import __version__
 
 
@@ -86,12 +93,31 @@ def cache_dir(kind: str = "kernels") -> Path:
     path = Path(base) / kind
     if _usable(path):
         return path
-    fallback = Path(tempfile.gettempdir()) / f"attngen-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / kind
+    fallback = _private_fallback(kind)
     if str(path) not in _fallback_warned:
         _fallback_warned.add(str(path))
         warnings.warn(f"attngen: cache directory {path} is not writable; using {fallback}", CacheWarning, stacklevel=3)
-    fallback.mkdir(parents=True, exist_ok=True)
     return fallback
+
+
+def _private_fallback(kind: str) -> Path:
+    """`<tmp>/attngen-<uid>/<kind>` if that is this user's own directory and nobody else can write
+    it; else a fresh private temporary directory (shared with no other process)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    root = Path(tempfile.gettempdir()) / f"attngen-{uid if uid is not None else 'user'}"
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(root)  # lstat: a symlink planted in /tmp is not a directory of ours
+        if stat.S_ISDIR(info.st_mode) and (uid is None or info.st_uid == uid) and not info.st_mode & 0o022:
+            if _usable(root / kind):
+                return root / kind
+    except OSError:
+        pass
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"attngen-{kind}-"))
+    except OSError as e:
+        raise AttnGenError(f"no writable directory for attngen's {kind} cache ({root}: {e.strerror}); "
+                           "set ATTNGEN_CACHE_DIR to a writable directory") from None
 
 
 def digest(text: str) -> str:
@@ -103,7 +129,7 @@ def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -117,16 +143,30 @@ def write_atomic(path: Path, text: str) -> None:
 def read_verified(path: Path) -> str | None:
     """The file's text if it and its `.sha256` sidecar agree; None if either is missing or wrong."""
     try:
-        text = path.read_text()
-        expected = path.with_name(path.name + ".sha256").read_text().strip()
+        text = path.read_text(encoding="utf-8")
+        expected = _sidecar(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return text if digest(text) == expected else None
 
 
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def store(path: Path, text: str) -> None:
+    # Sidecar first: whoever sees the new file also sees its hash (see the module docstring).
+    write_atomic(_sidecar(path), digest(text) + "\n")
     write_atomic(path, text)
-    write_atomic(path.with_name(path.name + ".sha256"), digest(text) + "\n")
+
+
+def damage(path: Path) -> str | None:
+    """Why an existing cached file failed verification, for the warning; None if there is no file."""
+    if not path.exists():
+        return None
+    if not _sidecar(path).exists():
+        return "its content hash file is missing"
+    return "content hash mismatch"
 
 
 def generated_path(name: str, canonical_spec: str) -> Path:
@@ -140,8 +180,9 @@ def cached_source(name: str, canonical_spec: str, generate) -> tuple[Path, str]:
     text = read_verified(path)
     if text is not None:
         return path, text
-    if path.exists():
-        warnings.warn(f"attngen: cached kernel {path} is damaged (content hash mismatch); regenerating it",
+    problem = damage(path)
+    if problem:
+        warnings.warn(f"attngen: cached kernel {path} is damaged ({problem}); regenerating it",
                       CacheWarning, stacklevel=3)
     text = generate()
     try:

@@ -27,7 +27,7 @@ from functools import lru_cache
 import torch
 
 from .api import _DTYPES
-from .checks import _runtime_device_ok, check_tensor
+from .checks import _runtime_device_ok, check_out, check_scale, check_tensor
 from .errors import KernelInputError
 from .spec import Spec, parse
 
@@ -136,16 +136,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
             raise KernelInputError(f"cache_seqlens = {cache_seqlens} does not fit a cache of {capacity} tokens")
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-        raise KernelInputError(f"softmax_scale must be a finite number; got {softmax_scale!r}")
+    softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
     if out is None:
         out = torch.empty_like(q)
-    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise KernelInputError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+    else:
+        check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
         _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0], page_size or 1)
 

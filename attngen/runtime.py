@@ -194,7 +194,7 @@ class Kernel:
         from .checks import check_out
 
         if out is not None:
-            check_out(out, q)
+            check_out(out, q, inputs={"q": q, "k": k, "v": v})
         else:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
@@ -211,19 +211,21 @@ class Kernel:
 
         `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
         """
-        from .checks import check_attention_inputs, check_out, check_scale
+        from .checks import check_attention_inputs, check_like, check_out, check_scale
 
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
-        check_out(out, q, "out")
-        check_out(do, q, "do")
+        check_like(out, q, "out")
+        check_like(do, q, "do")  # read only: an expanded gradient (from out.sum()) is fine
         if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):
             raise KernelInputError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
         sm_scale = check_scale(scale, self.spec)
         if grads is not None:
+            read = {"q": q, "k": k, "v": v, "out": out, "do": do, "lse": lse}
             for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-                check_out(g, like, name)
+                check_out(g, like, name, inputs=read)
+                read[name] = g
             dq, dk, dv = grads
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -15,6 +15,7 @@ import enum
 import hashlib
 import keyword
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -25,6 +26,14 @@ from .errors import SpecError, UnsupportedError
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_NAME_LENGTH = 64
+# A spec setting every key is about 60 tokens and nests one call deep. These bounds keep the parser's
+# work (and the recursion of Lark's tree transformer) small whatever the input: a 1 MiB file of
+# entries would otherwise take the LALR parser ten seconds, and deep nesting overflows the stack.
+MAX_TOKENS = 2000
+MAX_NESTING = 8
+# The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
+# non-zero fp32 number (see checks.check_scale).
+MIN_SCALE = 1e-30
 
 
 class Direction(enum.Enum):
@@ -283,16 +292,18 @@ def _describe(token) -> str:
 
 def parse(text: str | bytes, filename: str = "<spec>") -> Spec:
     """Parse and check one spec. Raises `SpecError` pointing at the first problem."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"spec is {len(text):,} {'bytes' if isinstance(text, bytes) else 'characters'} long; "
+                        f"the limit is {MAX_SPEC_BYTES:,}", filename)
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             line = text[: e.start].count(b"\n") + 1
             raise SpecError("spec is not valid UTF-8 text", filename, line, 1) from None
-    if len(text) > MAX_SPEC_BYTES:
-        raise SpecError(f"spec is {len(text)} characters long; the limit is {MAX_SPEC_BYTES}", filename)
     if not text.strip():
         raise SpecError("empty spec: expected 'kernel NAME { ... }'", filename)
+    _check_extent(text, filename)
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedCharacters as e:
@@ -301,26 +312,54 @@ def parse(text: str | bytes, filename: str = "<spec>") -> Spec:
             f"unexpected character {ch!r}; expected {_expected(e.allowed)}", filename, e.line, e.column
         ) from None
     except lark.exceptions.UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
-        raise SpecError(
-            f"unexpected end of file; expected {_expected(e.expected)}", filename, len(lines), len(lines[-1]) + 1
-        ) from None
+        line, col = _end(text)
+        raise SpecError(f"unexpected end of file; expected {_expected(e.expected)}", filename, line, col) from None
     except lark.exceptions.UnexpectedToken as e:
         line, col = (e.line, e.column) if e.line not in (None, -1) else (1, 1)
         # `accepts` is what the parser could really shift here; `expected` is LALR's looser set.
         expected = getattr(e, "accepts", None) or e.expected
         if e.token.type == "$END":
-            lines = text.splitlines() or [""]
-            line, col = len(lines), len(lines[-1]) + 1
+            line, col = _end(text)
             if text.count("{") > text.count("}"):
                 raise SpecError("unexpected end of file; expected '}' to close the kernel", filename, line, col) from None
         raise SpecError(
             f"unexpected {_describe(e.token)}; expected {_expected(expected)}", filename, line, col
         ) from None
-    except RecursionError:
-        raise SpecError("spec is nested too deeply", filename) from None
     header = _ToEntries().transform(tree)
     return _build(header, filename)
+
+
+# Comments, then runs of name/number characters, then any other single character: at least as many
+# tokens as Lark's lexer finds, so the bound below holds for the parser too.
+_ROUGH_TOKEN = re.compile(r"#[^\n]*|[A-Za-z0-9_.]+|\S")
+
+
+def _check_extent(text: str, filename: str) -> None:
+    """Refuse, before parsing, a spec with too many tokens or calls nested too deeply."""
+    count = depth = 0
+    for m in _ROUGH_TOKEN.finditer(text):
+        token = m.group()
+        if token[0] == "#":
+            continue
+        count += 1
+        depth += (token == "(") - (token == ")")
+        if count > MAX_TOKENS:
+            raise SpecError(f"spec has more than {MAX_TOKENS} tokens; a spec is a few dozen",
+                            filename, *_line_col(text, m.start()))
+        if depth > MAX_NESTING:
+            raise SpecError(f"values are nested more than {MAX_NESTING} calls deep",
+                            filename, *_line_col(text, m.start()))
+
+
+def _line_col(text: str, pos: int) -> tuple[int, int]:
+    """1-based line and column of offset `pos`, counting lines by '\\n' as Lark does."""
+    return text.count("\n", 0, pos) + 1, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+def _end(text: str) -> tuple[int, int]:
+    """Where to report an unexpected end of file: just after the last character that is not a
+    line break (`str.splitlines` would also break at form feeds and U+2028, which Lark does not)."""
+    return _line_col(text, len(text.rstrip("\r\n")))
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -340,15 +379,16 @@ def _word(v: Value, key: str, choices) -> str:
         raise _err(v, f"{key} takes one of {', '.join(choices)}; got '{_shown(v)}'")
     if v.text not in choices:
         hint = _did_you_mean(v.text, choices)
-        raise _err(v, f"unknown {key} '{v.text}'; expected one of {', '.join(choices)}{hint}")
+        raise _err(v, f"unknown {key} '{_short(v.text)}'; expected one of {', '.join(choices)}{hint}")
     return v.text
 
 
 def _shown(v: Value) -> str:
+    """A value as written, cut short: messages stay one readable line whatever the input."""
     if v.kind == "call":
-        inner = ", ".join((f"{k}={_shown(a)}" if k else _shown(a)) for k, a in v.args)
-        return f"{v.text}({inner})"
-    return v.text
+        inner = ", ".join((f"{k}={_shown(a)}" if k else _shown(a)) for k, a in v.args[:4])
+        return _short(f"{v.text}({inner}{', ...' if len(v.args) > 4 else ''})")
+    return _short(v.text)
 
 
 def _did_you_mean(text: str, choices) -> str:
@@ -363,11 +403,11 @@ def _int(v: Value, key: str, lo: int, hi: int, *, auto: bool = False, any_: bool
     if v.kind != "number":
         extra = f" or {allowed}" if allowed else ""
         raise _err(v, f"{key} takes a whole number{extra}; got '{_shown(v)}'")
-    try:
-        number = int(v.text)
-    except ValueError:
-        raise _err(v, f"{key} takes a whole number; got '{v.text}'") from None
-    if not lo <= number <= hi:
+    if not re.fullmatch(r"[+-]?[0-9]+", v.text):
+        raise _err(v, f"{key} takes a whole number; got '{_short(v.text)}'")
+    # A long digit string is out of range anyway; int() of it would cost time or hit Python's limit.
+    number = int(v.text) if len(v.text) <= 24 else None
+    if number is None or not lo <= number <= hi:
         raise _err(v, f"{key} = {_short(v.text)} is out of range; expected {lo} to {hi}")
     return number
 
@@ -421,8 +461,8 @@ def _scale(v: Value) -> float | None:
     if v.kind != "number":
         raise _err(v, f"scale takes a positive number or default; got '{_shown(v)}'")
     value = float(v.text)
-    if not (math.isfinite(value) and 0.0 < value <= 1e4):
-        raise _err(v, f"scale = {_short(v.text)} is out of range; expected a number in (0, 10000]")
+    if not (math.isfinite(value) and MIN_SCALE <= value <= 1e4):
+        raise _err(v, f"scale = {_short(v.text)} is out of range; expected a number from {MIN_SCALE:g} to 10000")
     return value
 
 
