@@ -585,7 +585,7 @@ def test_backward_nan_query_row(size):
         assert (got.double() - want)[finite].abs().max().item() < 2e-2
 
 
-DECODE_SIZES = [pytest.param(dict(lengths=[0, 37, 16, 1], page=16, h=4, h_kv=2, d=32, s_q=1), id="small"),
+DECODE_SIZES = [pytest.param(dict(lengths=[0, 37, 16, 1], page=16, h=4, h_kv=2, d=32, s_q=2), id="small"),
                 pytest.param(dict(lengths=[0, 4093, 1024, 1], page=64, h=32, h_kv=8, d=128, s_q=3), id="gpu",
                              marks=pytest.mark.gpu)]
 
@@ -622,7 +622,11 @@ def test_cache_garbage_beyond_the_lengths_never_leaks(size, paged):
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     ref, ref_lse = reference.kvcache_attention(q, k_cache, v_cache, seqlens.cpu(), None if table is None else table.cpu())
     assert (out[1:].double() - ref[1:]).abs().max().item() < 1e-2
-    assert (lse[1:].double() - ref_lse[1:]).abs().max().item() < 1e-2
+    # Rows with no visible key (more queries than keys, bottom-right) have lse -inf in both.
+    got, want = lse[1:].double(), ref_lse[1:].to(lse.device)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    assert (got[finite] - want[finite]).abs().max().item() < 1e-2
 
 
 # -- the disk cache -------------------------------------------------------------------------------------
