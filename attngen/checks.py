@@ -25,15 +25,11 @@ MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 def _runtime_device_ok(name: str, t: torch.Tensor) -> None:
+    """A CUDA tensor on any GPU (the launch paths switch to its device: `on_other_gpu`), or a CPU
+    tensor under Triton's interpreter."""
     from .runtime import interpreting
 
     if t.device.type == "cuda":
-        current = torch.cuda.current_device()
-        if t.device.index is not None and t.device.index != current:
-            raise KernelInputError(
-                f"{name} is on {t.device} but the current CUDA device is cuda:{current}; Triton launches "
-                f"on the current device: call the kernel under torch.cuda.device({name}.device)"
-            )
         return
     if t.device.type == "cpu" and interpreting():
         return
@@ -43,6 +39,13 @@ def _runtime_device_ok(name: str, t: torch.Tensor) -> None:
             "(set TRITON_INTERPRET=1 to run them, slowly, in Triton's CPU interpreter)"
         )
     raise KernelInputError(f"{name} is on {t.device}; attngen kernels run on CUDA GPUs")
+
+
+def on_other_gpu(t: torch.Tensor) -> bool:
+    """Whether `t` is on a CUDA device other than the current one. Triton launches on the current
+    device, so the launch paths then run under `torch.cuda.device(t.device)`; on the usual path
+    (one GPU, or the tensor's GPU current) this costs one comparison."""
+    return t.is_cuda and t.device.index != torch.cuda.current_device()
 
 
 def check_tensor(name: str, t, dims: int, what: str) -> torch.Tensor:
@@ -55,20 +58,76 @@ def check_tensor(name: str, t, dims: int, what: str) -> torch.Tensor:
     return t
 
 
-def check_indexing(name: str, t: torch.Tensor, inner_dims: int = 2) -> None:
-    """The kernels address the last `inner_dims` dimensions of a tensor (one (batch, head) slice)
-    with 32-bit integers and the leading ones with 64-bit: a slice must span fewer than 2**31
-    elements, or offsets would wrap around and read or write the wrong memory."""
-    sizes, strides = t.shape[-inner_dims:], t.stride()[-inner_dims:]
-    if sizes[0] > MAX_SEQ:
-        raise KernelInputError(f"{name} has sequence length {sizes[0]:,}; the limit is {MAX_SEQ:,}")
-    span = sum((n - 1) * s for n, s in zip(sizes, strides) if n > 0)
+def check_span(name: str, shown: torch.Tensor, sizes, strides, where: str, remedy: str) -> None:
+    """The kernel addresses the elements of `sizes` x `strides` (a part of `shown`, named in the
+    message) with 32-bit offsets: their span must stay below 2**31 elements, or offsets wrap around
+    and read or write the wrong memory."""
+    span = 0
+    for n, s in zip(sizes, strides):
+        if n > 0:
+            span += (n - 1) * s
     if span > INT32_MAX:
         raise KernelInputError(
-            f"{name} spans {span + 1:,} elements within one (batch, head) slice (shape {tuple(t.shape)}, "
-            f"strides {t.stride()}); the kernel indexes a slice with 32-bit offsets, so it must span fewer "
-            f"than 2**31: make the sequence dimension denser (e.g. {name}.contiguous()) or split it"
+            f"{name} spans {span + 1:,} elements within {where} (shape {tuple(shown.shape)}, "
+            f"strides {shown.stride()}); the kernel indexes it with 32-bit offsets, so it must span fewer "
+            f"than 2**31: {remedy}"
         )
+
+
+def check_indexing(name: str, t: torch.Tensor) -> None:
+    """The kernels address one (batch, head) slice of a (batch, heads, seq, head_dim) tensor with
+    32-bit integers and the leading dimensions with 64-bit: a slice must span fewer than 2**31
+    elements, or offsets would wrap around and read or write the wrong memory."""
+    if t.shape[-2] > MAX_SEQ:
+        raise KernelInputError(f"{name} has sequence length {t.shape[-2]:,}; the limit is {MAX_SEQ:,}")
+    check_span(name, t, t.shape[-2:], t.stride()[-2:], "one (batch, head) slice",
+               f"make the sequence dimension denser (e.g. {name}.contiguous()) or split it")
+
+
+def check_packed_indexing(name: str, t: torch.Tensor, group: int, shown: torch.Tensor | None = None,
+                          remedy: str = "pass fewer queries per call") -> None:
+    """Packed-GQA kernels (decoding specs, `pack_gqa = true`) give one program the `group` query heads
+    of a K/V head: its rows, (query, head) pairs, are numbered in 32 bits, and the heads, queries and
+    head dim of one group of `t` (batch, heads, seq, head_dim) are addressed with 32-bit offsets.
+    `shown` is the tensor the caller passed, when `t` is a view of it."""
+    shown = t if shown is None else shown
+    rows = group * t.shape[2]
+    if rows > MAX_SEQ:
+        raise KernelInputError(
+            f"{name} has {t.shape[2]:,} queries x {group} query heads per K/V head = {rows:,} rows for one "
+            f"program's tiles; the limit is {MAX_SEQ:,} (32-bit row numbers): {remedy}")
+    check_span(name, shown, (group, t.shape[2], t.shape[3]), (t.stride(1), t.stride(2), t.stride(3)),
+               f"one group of {group} query heads sharing a K/V head", remedy)
+
+
+def check_split_launch(batch: int, heads: int, kv_heads: int, seqlen_q: int, head_dim: int, splits: int,
+                       q_name: str = "q", k_name: str = "k", splits_name: str = "num_splits") -> None:
+    """The launches of a packed-GQA (decoding) kernel with `splits` key/value splits: the partial
+    kernel's grid is (row blocks, kv_heads, batch x splits); with more than one split, the merge
+    kernel's is (query blocks, heads, batch), and it addresses one sequence's partial outputs
+    (splits x heads x seqlen_q x head_dim float32, the split index 32-bit) with 32-bit offsets."""
+    if kv_heads > GRID_YZ_MAX:
+        raise KernelInputError(f"{k_name} has {kv_heads} heads; at most {GRID_YZ_MAX} (a CUDA grid dimension)")
+    if batch * splits > GRID_YZ_MAX:
+        if splits == 1:
+            raise KernelInputError(f"{q_name} has batch {batch}; at most {GRID_YZ_MAX} (a CUDA grid dimension): "
+                                   "split the batch")
+        raise KernelInputError(
+            f"{q_name} has batch {batch} and {splits_name} = {splits}: the kernel's grid runs batch x splits = "
+            f"{batch * splits:,} programs along one axis, at most {GRID_YZ_MAX} (a CUDA grid dimension): pass a "
+            f"smaller {splits_name} or split the batch")
+    if splits > 1:
+        if heads > GRID_YZ_MAX:
+            raise KernelInputError(
+                f"{q_name} has {heads} heads; with {splits_name} = {splits} the merge kernel runs one program per "
+                f"head along a grid axis of at most {GRID_YZ_MAX}: pass {splits_name}=1 or split the heads")
+        span = (splits - 1) * heads * seqlen_q * head_dim + seqlen_q * head_dim - 1
+        if span > INT32_MAX:
+            raise KernelInputError(
+                f"{q_name} with {splits_name} = {splits}: the merge kernel reads {splits} x {heads} heads x "
+                f"{seqlen_q:,} queries x {head_dim} partial results per sequence with 32-bit offsets, "
+                f"{span + 1:,} elements, over 2**31: pass a smaller {splits_name} (1 needs no merge) or fewer "
+                "queries per call")
 
 
 def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
@@ -93,6 +152,26 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
         raise KernelInputError(f"{qn} has batch {q.shape[0]} but {kn} and {vn} have batch {k.shape[0]}")
     check_heads(spec, q.shape[1], k.shape[1], qn, kn, vn)
     check_grid(q.shape[0], q.shape[1], qn)
+    if spec.packs_gqa:
+        check_packed_indexing(qn, q, q.shape[1] // k.shape[1])
+        if spec.is_split and spec.split_kv is not None:
+            # NOTE: `split_kv = auto` splits only launches that leave the GPU mostly idle (a small
+            # batch x heads x queries: attngen/splits.py), far from these limits.
+            check_split_launch(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], spec.split_kv, qn, kn,
+                               "split_kv")
+
+
+def check_backward_indexing(q: torch.Tensor, do: torch.Tensor, lse: torch.Tensor) -> None:
+    """The dK/dV kernel loops over the query heads of a K/V head: it addresses q, do, lse and delta
+    (allocated like lse) within one batch entry, all heads, with 32-bit offsets."""
+    remedy = "split the batch entry's heads over several calls, or use a (batch, seq, heads, head_dim) layout"
+    for name, t in (("q", q), ("do", do)):
+        check_span(name, t, t.shape[1:], t.stride()[1:], "one batch entry (the dK/dV kernel reads every query head)",
+                   remedy)
+    check_span("lse", lse, lse.shape[1:], lse.stride()[1:], "one batch entry", remedy)
+    if lse.shape[1] * lse.shape[2] - 1 > INT32_MAX:
+        raise KernelInputError(f"q has {lse.shape[1]} heads x {lse.shape[2]:,} queries per batch entry, over 2**31 "
+                               f"(the dK/dV kernel's 32-bit offsets into its row statistics): {remedy}")
 
 
 def check_heads(spec: Spec, heads: int, kv_heads: int, q_name: str, k_name: str, v_name: str = "v") -> None:

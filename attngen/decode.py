@@ -8,7 +8,10 @@ It writes the spec it needs (one per dtype, head dim, mask and page size, with s
 loads it, and calls the generated module's `forward_kvcache` on (batch, heads, seq, d) views of the
 same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
 a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
-TypeError naming it, before anything is launched.
+TypeError naming it, before anything is launched: layouts, dtypes and devices, and what the
+generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`).
+There is no backward: inputs that require grad are refused while grad mode is on. Tensors may be on
+any GPU; the launch then runs under `torch.cuda.device(q.device)`.
 
 What is not checked on the way (it would need the values, i.e. a GPU->host copy): that
 cache_seqlens[b] fits the cache and that block-table entries name pages inside the pool. Set
@@ -27,7 +30,8 @@ from functools import lru_cache
 import torch
 
 from .api import _DTYPES
-from .checks import _runtime_device_ok, check_out, check_scale, check_tensor
+from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_out, check_packed_indexing, check_scale,
+                     check_span, check_split_launch, check_tensor, on_other_gpu)
 from .errors import KernelInputError
 from .spec import Spec, parse
 
@@ -96,10 +100,22 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     from .runtime import load
 
     q = _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    if on_other_gpu(q):
+        # Triton launches on the current device: make q's current for this call.
+        with torch.cuda.device(q.device):
+            return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale,
+                                          num_splits, return_softmax_lse, out=out)
     paged = block_table is not None
     cache_layout = "(num_pages, page_size, kv_heads, head_dim)" if paged else "(batch, seqlen_max, kv_heads, head_dim)"
     k_cache = _tensor("k_cache", k_cache, 4, cache_layout)
     v_cache = _tensor("v_cache", v_cache, 4, cache_layout)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        # No backward: a result silently detached from the autograd graph would train on nothing.
+        needs = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if t.requires_grad]
+        raise KernelInputError(
+            f"{' and '.join(needs)} {'requires' if len(needs) == 1 else 'require'} grad, but attention_with_kvcache "
+            "has no backward (decoding is inference only): call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached tensors; for gradients use attngen.attention")
     if q.dtype not in _DTYPES:
         raise KernelInputError(f"q has dtype {q.dtype}; supported are float16, bfloat16 and float32")
     batch, seqlen_q, heads, head_dim = q.shape
@@ -139,23 +155,78 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
+    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
+    q4 = q.transpose(1, 2)
+    k4, v4 = (k_cache, v_cache) if paged else (k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2))
+    _check_indexing(q4, q, k_cache, v_cache, block_table, capacity, page_size)
+    if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        if out.stride() != q.stride():
+            check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out,
+                                  "pass a denser out (e.g. torch.empty_like(q)) or fewer queries per call")
     if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
         _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0], page_size or 1)
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
-    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
-    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
-    q4, out4 = q.transpose(1, 2), out.transpose(1, 2)
-    k4, v4 = (k_cache, v_cache) if paged else (k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2))
     if q.numel():
         config = _rows_config(kernel, q4, k4, seqlen_q * (heads // kv_heads))
-        kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out4, lse,
-                                      num_splits, config)
+        # Resolve the split count here (as the module would: attngen/splits.py) so that the launch
+        # it implies is checked before it happens.
+        num_splits = num_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads, seqlen_q, capacity,
+                                                q.device)
+        check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
+    if out is None:
+        out = torch.empty_like(q)
+        if out.stride() != q.stride():  # q is expanded: out is laid out afresh
+            check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out)
+    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
+    if q.numel():
+        kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out.transpose(1, 2),
+                                      lse, num_splits, config)
     return (out, lse) if return_softmax_lse else out
+
+
+def _auto_splits(module, config: dict, batch: int, heads: int, kv_heads: int, seqlen_q: int, capacity: int,
+                 device) -> int:
+    """The split count the generated module's `forward_kvcache(num_splits=0)` picks."""
+    config = dict(module.DEFAULT_CONFIG, **config)
+    programs = batch * kv_heads * -(-seqlen_q * (heads // kv_heads) // config["BLOCK_M"])
+    return module.choose_num_splits(programs, -(-capacity // config["BLOCK_N"]), module.multiprocessors(device))
+
+
+def _check_indexing(q4, q, k_cache, v_cache, block_table, capacity: int, page_size: int | None) -> None:
+    """What the decode kernels address with 32-bit integers (read off generated/decode_d128.py and
+    generated/decode_paged16_d128.py); batch, K/V head, split and page index are 64-bit.
+
+    - q (and out): one program reads the GROUP query heads of one K/V head, all seqlen_q queries,
+      at 32-bit offsets from the group's first head (rows numbered GROUP * seqlen_q in 32 bits);
+    - key positions (offs_n, start_n, ...) are 32-bit: the capacity (a contiguous cache's seqlen_max,
+      or max_pages x page_size) is at most MAX_SEQ;
+    - contiguous cache: position x stride and head dim x stride within one (sequence, K/V head);
+    - page pool: slot-in-page x stride and head dim x stride within one (page, K/V head) (page index
+      x page stride is 64-bit, so the pool itself may be any size);
+    - block table: page number x stride within one sequence's row.
+    """
+    # NOTE: this runs on every decoding step: the common layouts (a dense q and block table, K and V
+    # caches of one layout) take the cheap paths, and only a suspect tensor gets the full check.
+    if not (q.is_contiguous() and q.numel() <= INT32_MAX + 1):  # else every part of q spans less
+        check_packed_indexing("q", q4, q.shape[2] // k_cache.shape[2], q)
+    if capacity > MAX_SEQ:
+        what = (f"block_table holds {block_table.shape[1]:,} pages of {page_size} tokens per sequence"
+                if page_size else f"k_cache holds sequences of up to {capacity:,} tokens")
+        raise KernelInputError(f"{what}, {capacity:,} key positions; the limit is {MAX_SEQ:,} (32-bit positions)")
+    shape, strides = k_cache.shape, k_cache.stride()
+    if (shape[1] - 1) * strides[1] + (shape[3] - 1) * strides[3] > INT32_MAX or v_cache.stride() != strides:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if page_size:
+                check_span(name, t, (t.shape[1], t.shape[3]), (t.stride(1), t.stride(3)), "one (page, K/V head)",
+                           f"make its pages denser (e.g. {name}.contiguous())")
+            else:
+                check_span(name, t, (t.shape[1], t.shape[3]), (t.stride(1), t.stride(3)), "one (sequence, K/V head)",
+                           f"make its sequence dimension denser (e.g. {name}.contiguous()) or split it")
+    if block_table is not None and not block_table.is_contiguous():  # a contiguous row spans max_pages < 2**30
+        check_span("block_table", block_table, block_table.shape[1:], block_table.stride()[1:], "one sequence's row",
+                   "pass a denser block table (e.g. block_table.contiguous())")
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):

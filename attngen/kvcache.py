@@ -21,6 +21,7 @@ launch of a small Triton kernel (`_append_kv`), given the destination slot of ea
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -138,6 +139,8 @@ class PagedKVCache:
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected:
                 raise KernelInputError(f"{name} must be (sequences, tokens, kv_heads, head_dim) = {expected}")
+            if t.layout is not torch.strided:
+                raise KernelInputError(f"{name} is a {t.layout} tensor; append takes dense (strided) tensors")
             if t.dtype != self.k_pages.dtype or t.device != self.k_pages.device:
                 raise KernelInputError(f"{name} must be {self.k_pages.dtype} on {self.k_pages.device}")
         tokens = k.shape[1]
@@ -150,15 +153,21 @@ class PagedKVCache:
             slots.append(self._claim(seq, start, start + tokens))
         slots = torch.cat(slots).to(self.k_pages.device, non_blocking=True)
         width = self.k_pages.shape[2] * self.k_pages.shape[3]
-        k_rows, v_rows = k.reshape(-1, width), v.reshape(-1, width)
+        # The kernel reads each token's row (kv_heads x head_dim) at unit stride: a view with a
+        # strided head dim (k[..., ::2]) is copied first.
+        k_rows, v_rows = (t.reshape(-1, width) for t in (k, v))
+        k_rows, v_rows = (t if t.stride(1) == 1 else t.contiguous() for t in (k_rows, v_rows))
         n = k_rows.shape[0]
+        from .checks import on_other_gpu
         from .runtime import interpreting
 
         # The interpreter pays per program, not per element: one program per call there.
         block_t = min(1024 if interpreting() else 64, triton.next_power_of_2(n))
-        _append_kv[(triton.cdiv(n, block_t),)](
-            k_rows, v_rows, self.k_pages, self.v_pages, slots, n, width, k_rows.stride(0), v_rows.stride(0),
-            BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)))
+        # Triton launches on the current device: the pool's, for this launch.
+        with torch.cuda.device(self.k_pages.device) if on_other_gpu(self.k_pages) else contextlib.nullcontext():
+            _append_kv[(triton.cdiv(n, block_t),)](
+                k_rows, v_rows, self.k_pages, self.v_pages, slots, n, width, k_rows.stride(0), v_rows.stride(0),
+                BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)))
 
     def _pages_needed(self, seq: int, tokens: int) -> int:
         length, held = self._lengths[seq], len(self._pages[seq])

@@ -191,12 +191,21 @@ class Kernel:
 
     def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None):
         """Run the forward on checked inputs; returns (out, lse). No autograd."""
-        from .checks import check_out
+        from .checks import check_indexing, check_out, check_packed_indexing, on_other_gpu
 
+        if on_other_gpu(q):
+            # Triton launches on the current device: make q's current for this call (the tuning
+            # lookup, the launch and the stream it runs on).
+            with torch.cuda.device(q.device):
+                return self.forward(q, k, v, scale, out=out, config=config)
         if out is not None:
             check_out(out, q, inputs={"q": q, "k": k, "v": v})
         else:
             out = torch.empty_like(q)
+        if out.stride() != q.stride():  # else q's checks cover out (empty_like(q) differs when q is expanded)
+            check_indexing("out", out)
+            if self.spec.packs_gqa:
+                check_packed_indexing("out", out, q.shape[1] // k.shape[1])
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         if q.numel() and q.shape[2]:
             launch = dict(self.config(q, k))
@@ -211,7 +220,8 @@ class Kernel:
 
         `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
         """
-        from .checks import check_attention_inputs, check_like, check_out, check_scale
+        from .checks import (check_attention_inputs, check_backward_indexing, check_indexing, check_like, check_out,
+                             check_scale, on_other_gpu)
 
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
@@ -220,7 +230,13 @@ class Kernel:
         check_like(do, q, "do")  # read only: an expanded gradient (from out.sum()) is fine
         if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):
             raise KernelInputError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
+        if lse.layout is not torch.strided or lse.device != q.device:
+            raise KernelInputError(f"lse must be a dense tensor on {q.device}; got a {lse.layout} tensor on {lse.device}")
+        check_backward_indexing(q, do, lse)
         sm_scale = check_scale(scale, self.spec)
+        if on_other_gpu(q):
+            with torch.cuda.device(q.device):
+                return self.backward(q, k, v, out, lse, do, scale, config, grads)
         if grads is not None:
             read = {"q": q, "k": k, "v": v, "out": out, "do": do, "lse": lse}
             for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
@@ -229,6 +245,9 @@ class Kernel:
             dq, dk, dv = grads
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+                if g.stride() != like.stride():  # laid out afresh: `like` is expanded
+                    check_indexing(name, g)
         if q.numel() == 0 or k.numel() == 0:
             # Nothing attends: every gradient is zero (and no kernel can be launched on an empty grid).
             return dq.zero_(), dk.zero_(), dv.zero_()

@@ -194,6 +194,27 @@ def test_bad_arguments_are_named_before_any_launch(change, match):
         attngen.attention_with_kvcache(**args)
 
 
+@pytest.mark.parametrize("grads,match", [
+    (("q",), r"^q requires grad, but attention_with_kvcache has no backward .*torch.no_grad\(\) or torch.inference_mode\(\)"),
+    (("k_cache", "v_cache"), r"^k_cache and v_cache require grad, but attention_with_kvcache has no backward"),
+], ids=["q", "caches"])
+def test_inputs_that_require_grad_are_refused_unless_grad_is_off(grads, match):
+    """Decoding has no backward: a result silently detached from the graph would be wrong for
+    training, so it is refused; under no_grad or inference_mode the same call runs."""
+    args = _args()
+    for name in grads:
+        args[name] = args[name].clone().requires_grad_()
+    with pytest.raises(KernelInputError, match=match):
+        attngen.attention_with_kvcache(**args)
+    with torch.no_grad():
+        plain, lse = attngen.attention_with_kvcache(**args, return_softmax_lse=True)
+    with torch.inference_mode():
+        assert torch.equal(attngen.attention_with_kvcache(**args), plain)
+    assert not plain.requires_grad
+    d = {n: t.detach() for n, t in args.items()}
+    check(plain, lse, d["q"], d["k_cache"], d["v_cache"], d["cache_seqlens"], d["block_table"], causal=True)
+
+
 def test_contiguous_cache_shorter_batch_and_debug_value_checks(monkeypatch):
     args = _args()
     k = rand(1, 30, 2, 32)

@@ -56,6 +56,20 @@ def test_append_allocates_on_demand_and_writes_every_token():
     assert cache.free_pages == 8 and cache.utilization() == pytest.approx(13 / 16)
 
 
+def test_append_takes_any_strides():
+    """Rows are read at unit stride by the append kernel: a view with a strided head dim (or
+    transposed heads) is copied first instead of being read as garbage."""
+    cache = PagedKVCache(num_pages=4, page_size=4, kv_heads=2, head_dim=16, device=DEVICE)
+    shadow, gen = Shadow(), torch.Generator(DEVICE).manual_seed(3)
+    s = cache.new_sequence()
+    wide = rand(5, 2, 32, gen=gen)
+    heads_last = rand(5, 16, 2, gen=gen)
+    for k, v in ((wide[..., ::2], wide[..., 1::2]), (heads_last.transpose(1, 2), rand(5, 2, 16, gen=gen))):
+        cache.append(s, k, v)
+        shadow.append(s, k, v)
+    assert_holds(cache, shadow, s)
+
+
 def test_fork_shares_pages_and_copies_the_partial_page_on_write():
     cache = PagedKVCache(num_pages=10, page_size=4, kv_heads=1, head_dim=16, device=DEVICE)
     shadow, gen = Shadow(), torch.Generator(DEVICE).manual_seed(1)

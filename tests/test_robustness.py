@@ -9,6 +9,7 @@ paged cache, the backward pass) adds a family and its own cases, and reuses the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import attngen
+import attngen.checks
 import attngen.decode
 from attngen import cache, reference
 from attngen.api import sdpa_spec
@@ -211,6 +213,7 @@ BACKWARD_CASES = [
     ("dv-is-dk", _grads(lambda a, g: (g["q"], g["k"], g["k"])), ValueError, r"dv shares memory with dk"),
     ("dq-expanded", _grads(lambda a, g: (g["q"][:, :, :1].expand_as(g["q"]), g["k"], g["v"])), ValueError, r"dq has strides"),
     ("dk-dtype", _grads(lambda a, g: (g["q"], g["k"].float(), g["v"])), ValueError, r"dk must be .* torch.float16"),
+    ("lse-on-meta", _set("lse", lambda t, a: t.to("meta")), ValueError, r"lse must be a dense tensor on \w+.*on meta"),
 ]
 
 
@@ -340,12 +343,226 @@ def test_cpu_tensors_outside_the_interpreter_are_refused(family, checked_kernel,
         fam.call(args)
 
 
+# -- limits of the decode kernels' grids and 32-bit offsets --------------------------------------------
+# Huge shapes cost no memory: stride-0 (expanded) views, or fake tensors (torch's FakeTensorMode: shapes
+# and strides without storage) for huge strides. Each case must be refused before any launch.
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def _strided(shape, strides, dtype=torch.float16):
+    """A tensor with these strides and no storage to speak of (call inside _fake_mode())."""
+    return torch.empty_strided(shape, strides, dtype=dtype, device="cpu")
+
+
+def _wide(*shape, dtype=torch.float16):
+    """A (possibly huge) expanded view of one element."""
+    return torch.zeros((1,) * len(shape), dtype=dtype, device=DEVICE).expand(*shape)
+
+
+def _decode_args(q, k=None, table=None, **kw):
+    k = _wide(6, 16, 2, 32) if k is None else k
+    if table is None:
+        table = _wide(q.shape[0], 2, dtype=torch.int32)
+    lens = _wide(q.shape[0], dtype=torch.int32) if "cache_seqlens" not in kw else kw.pop("cache_seqlens")
+    return dict(q=q, k_cache=k, v_cache=k, cache_seqlens=lens, block_table=table, **kw)
+
+
+# (case id, make the arguments (called inside a fake mode when `fake`), fake, message pattern)
+DECODE_LIMIT_CASES = [
+    ("batch-x-splits", lambda: _decode_args(_wide(2048, 1, 4, 32), num_splits=64), False,
+     r"q has batch 2048 and num_splits = 64: .* 131,072 programs .* at most 65535.* smaller num_splits"),
+    ("batch-over-grid", lambda: _decode_args(_wide(70_000, 1, 4, 32)), False, r"q has batch 70000; at most 65535"),
+    ("kv-heads-over-grid", lambda: _decode_args(_wide(2, 1, 70_000, 32), k=_wide(6, 16, 70_000, 32)), False,
+     r"k_cache has 70000 heads; at most 65535"),
+    ("heads-over-merge-grid", lambda: _decode_args(_wide(2, 1, 131_072, 32), num_splits=2), False,
+     r"q has 131072 heads; with num_splits = 2 the merge kernel .* at most 65535"),
+    ("merge-offsets", lambda: _decode_args(_wide(1, 2**18, 4, 32), num_splits=128), False,
+     r"q with num_splits = 128: the merge kernel reads 128 x 4 heads x 262,144 queries .* over 2\*\*31"),
+    ("rows", lambda: _decode_args(_wide(1, 2**29, 8, 32)), False,
+     r"q has 536,870,912 queries x 4 query heads per K/V head = 2,147,483,648 rows"),
+    ("paged-capacity", lambda: _decode_args(_wide(2, 1, 4, 32), table=_wide(2, 2**26 + 1, dtype=torch.int32)), False,
+     r"block_table holds 67,108,865 pages of 16 tokens per sequence, 1,073,741,840 key positions; the limit"),
+    ("contiguous-capacity", lambda: _decode_args(_wide(2, 1, 4, 32), k=_wide(2, 2**30 + 1, 2, 32), table=False), False,
+     r"k_cache holds sequences of up to 1,073,741,825 tokens"),
+    # q (batch, seqlen_q, heads, d) with 2**30 between heads: a group of 2 heads spans under 2**31, 4 over.
+    ("q-group-offsets", lambda: _decode_args(_strided((1, 1, 4, 32), (2**32, 2**32, 2**30, 1)),
+                                             k=_strided((6, 16, 1, 32), (512, 32, 32, 1))), True,
+     r"q spans 3,221,225,504 elements within one group of 4 query heads sharing a K/V head .*32-bit"),
+    ("pages-slot-offsets", lambda: _decode_args(_strided((2, 1, 4, 32), (128, 128, 32, 1)),
+                                                k=_strided((6, 16, 2, 32), (2**40, 2**28, 32, 1))), True,
+     r"k_cache spans [\d,]+ elements within one \(page, K/V head\).*32-bit.*k_cache.contiguous\(\)"),
+    ("contiguous-cache-offsets", lambda: _decode_args(_strided((2, 1, 4, 32), (128, 128, 32, 1)),
+                                                      k=_strided((2, 64, 2, 32), (2**40, 2**26, 32, 1)), table=False),
+     True, r"k_cache spans [\d,]+ elements within one \(sequence, K/V head\)"),
+    ("block-table-offsets", lambda: _decode_args(_strided((2, 1, 4, 32), (128, 128, 32, 1)),
+                                                 table=_strided((2, 3), (1, 2**30), torch.int32)), True,
+     r"block_table spans 2,147,483,649 elements within one sequence's row"),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_LIMIT_CASES, ids=lambda c: c[0])
+def test_decode_refuses_launches_past_grid_and_offset_limits(case, no_launch):
+    """attention_with_kvcache checks what its kernels' grids (partial kernel: row blocks x K/V heads x
+    batch*splits; merge kernel: query blocks x heads x batch) and 32-bit offsets can take."""
+    _, make, fake, pattern = case
+    for page_size in (16, None):
+        attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, page_size))  # generated outside the guard
+    with _fake_mode() if fake else contextlib.nullcontext():
+        args = make()
+        if args["block_table"] is False:
+            args["block_table"] = None
+        with pytest.raises(attngen.KernelInputError, match=pattern):
+            attngen.attention_with_kvcache(**args)
+
+
+def test_decode_checks_the_span_of_out(no_launch, monkeypatch):
+    """out is written like q is read: one group of query heads at 32-bit offsets. (Fake tensors have
+    no data pointers to tell apart, so the test says they do not overlap.)"""
+    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
+    monkeypatch.setattr(attngen.checks, "shares_memory", lambda a, b: False)
+    with _fake_mode():
+        q = _strided((1, 2, 4, 32), (256, 128, 32, 1))
+        out = _strided((1, 2, 4, 32), (2**33, 2**31, 32, 1))
+        with pytest.raises(attngen.KernelInputError, match=r"out spans [\d,]+ elements within one group of 2 query heads"
+                                                            r".*pass a denser out"):
+            attngen.attention_with_kvcache(**_decode_args(q, out=out))
+
+
+def test_decode_limits_are_not_stricter_than_the_kernels(monkeypatch):
+    """Page index x page stride is 64-bit in the kernel, so a pool of any size passes; and the
+    split count the checks see is the one that is launched (auto included)."""
+    from attngen.decode import kvcache_spec
+
+    module = attngen.load(kvcache_spec("fp16", 32, True, 16)).module
+    launched = []
+    monkeypatch.setattr(module, "forward_kvcache", lambda *a: launched.append(a[8]))
+    with _fake_mode():
+        q = _strided((2, 1, 4, 32), (128, 128, 32, 1))
+        pool = _strided((6, 16, 2, 32), (2**40, 64, 32, 1))  # pages 2**40 elements apart
+        attngen.attention_with_kvcache(**_decode_args(q, k=pool, num_splits=3))
+        attngen.attention_with_kvcache(**_decode_args(q, k=pool, num_splits=0))
+    assert launched[0] == 3 and 1 <= launched[1] <= 128
+
+
+def test_packed_and_split_specs_check_their_own_grids(no_launch):
+    """Kernel.__call__ on a packed-GQA spec checks the q span of a head group (which a
+    (batch, head) kernel never addresses in 32 bits), and a fixed split_kv its batch x splits."""
+    packed = attngen.load(spec_text("robust_packed", 32, "fp16", "none", heads=4, kv_heads=1, pack_gqa="true"))
+    split = attngen.load(spec_text("robust_split", 32, "fp16", "none", split_kv=4))
+    with _fake_mode():
+        q = _strided((1, 4, 2, 32), (2**33, 2**30, 32, 1))
+        k = _strided((1, 1, 8, 32), (256, 256, 32, 1))
+        with pytest.raises(attngen.KernelInputError, match=r"q spans [\d,]+ elements within one group of 4 query heads"):
+            packed(q, k, k)
+    with pytest.raises(attngen.KernelInputError, match=r"q has batch 20000 and split_kv = 4: .* 80,000 programs"):
+        split(_wide(20_000, 1, 1, 32), _wide(20_000, 1, 8, 32), _wide(20_000, 1, 8, 32))
+
+
+def test_backward_refuses_heads_x_queries_past_32_bits(train_kernel, no_launch):
+    """The dK/dV kernel addresses every query head of a batch entry with 32-bit offsets: a
+    (batch, heads, seq, d)-contiguous q of 4 heads x (2**24 + 1) queries x 32 spans past 2**31 there,
+    though each (batch, head) slice is only about 2**29. 2**24 queries are exactly the limit."""
+    with _fake_mode():
+        for n, refused in ((2**24 + 1, True), (2**24, False)):
+            q = torch.empty(1, 4, n, 32, dtype=torch.float16)
+            k = torch.empty(1, 2, n, 32, dtype=torch.float16)
+            lse = torch.empty(1, 4, n)
+            exc, pattern = ((attngen.KernelInputError, r"q spans 2,147,483,776 elements within one batch entry")
+                            if refused else (AssertionError, "a kernel was launched"))
+            with pytest.raises(exc, match=pattern):
+                train_kernel.backward(q, k, k, q, lse, q)
+
+
+# -- several GPUs ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch):
+    """Without GPUs: fake tensors on cuda:0 and cuda:1, a current device that torch.cuda.device(...)
+    switches, and a log of the current device at each launch (`launch()` records it)."""
+    state = {"current": 0, "switches": 0}
+
+    @contextlib.contextmanager
+    def device(d):
+        index = torch.device(d).index
+        state["switches"] += 1
+        saved, state["current"] = state["current"], index
+        try:
+            yield
+        finally:
+            state["current"] = saved
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    launches = []
+    state["launches"] = launches
+    state["launch"] = lambda *a, **kw: launches.append(state["current"])
+    with _fake_mode():
+        yield state
+
+
+@pytest.mark.parametrize("gpu", [1, 0])
+def test_tensors_on_another_gpu_launch_on_that_gpu(gpu, checked_kernel, train_kernel, two_fake_gpus, monkeypatch):
+    """A CUDA tensor need not be on the current device (a drop-in for SDPA must work on cuda:1): every
+    launch path switches to the tensors' device, and only when it is not the current one."""
+    from attngen.decode import kvcache_spec
+
+    state = two_fake_gpus
+    dev = f"cuda:{gpu}"
+    decode = attngen.load(kvcache_spec("fp16", 32, True, 16)).module
+    for module, name in ((checked_kernel.module, "forward"), (train_kernel.module, "backward"),
+                         (decode, "forward_kvcache")):
+        monkeypatch.setattr(module, name, state["launch"])
+    q, k = torch.empty(2, 4, 8, 32, dtype=torch.float16, device=dev), torch.empty(2, 2, 8, 32, dtype=torch.float16, device=dev)
+    checked_kernel(q, k, k)
+    lse = torch.empty(2, 4, 8, device=dev)
+    train_kernel.backward(q, k, k, q, lse, q)
+    pool = torch.empty(6, 16, 2, 32, dtype=torch.float16, device=dev)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    attngen.attention_with_kvcache(q.transpose(1, 2), pool, pool, torch.zeros(2, dtype=torch.int32, device=dev), table,
+                                   num_splits=2)
+    cache = attngen.PagedKVCache(4, 16, 2, 32, torch.float16, dev)
+    monkeypatch.setattr(attngen.kvcache, "_append_kv", {(1,): state["launch"]})
+    cache.append(cache.new_sequence(), torch.empty(3, 2, 32, dtype=torch.float16, device=dev),
+                 torch.empty(3, 2, 32, dtype=torch.float16, device=dev))
+    assert state["launches"] == [gpu] * 4
+    assert state["current"] == 0 and state["switches"] == (4 if gpu else 0)  # restored; no switch on cuda:0
+    # Still one device per call.
+    with pytest.raises(attngen.KernelInputError, match=r"q, k and v must be on one device; got cuda:1, cuda:0"):
+        checked_kernel(q.to("cuda:1"), k.to("cuda:0"), k.to("cuda:1"))
+    with pytest.raises(attngen.KernelInputError, match=r"k_cache is on cuda:0 but q is on cuda:1"):
+        attngen.attention_with_kvcache(q.transpose(1, 2).to("cuda:1"), pool.to("cuda:0"), pool.to("cuda:1"), 0,
+                                       table.to("cuda:1"))
+    assert len(state["launches"]) == 4
+
+
 @pytest.mark.gpu
-def test_tensors_on_another_gpu_than_the_current_one_are_refused(checked_kernel, no_launch, monkeypatch):
-    fam = _kernel_family(checked_kernel)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # as if cuda:1 were current
-    with pytest.raises(ValueError, match=r"q is on cuda:0 but the current CUDA device is cuda:1"):
-        fam.call(fam.make())
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_attention_and_decoding_on_cuda1_while_cuda0_is_current():
+    torch.cuda.set_device(0)
+    gen = torch.Generator("cuda:1").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 300, 64, generator=gen, device="cuda:1", dtype=torch.float16) for _ in range(3))
+    q.requires_grad_()
+    out = attngen.attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.device == q.device and (out.float() - ref).abs().max().item() < 2e-2
+    out.sum().backward()
+    assert q.grad.device == q.device and torch.isfinite(q.grad).all()
+    with torch.no_grad():
+        dec = attngen.attention_with_kvcache(q[:, :, -1:].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 300)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:].float(), k.float(), v.float())
+    assert (dec.transpose(1, 2).float() - ref).abs().max().item() < 2e-2
+    cache = attngen.PagedKVCache(8, 64, 8, 64, torch.float16, "cuda:1")
+    s = cache.new_sequence()
+    cache.append(s, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    stored = reference.gather_cache(cache.k_pages.cpu(), 300, cache.block_table([s], device="cpu")[0])
+    assert torch.equal(stored, k[0].transpose(0, 1).cpu())
+    assert torch.cuda.current_device() == 0
 
 
 def test_valid_call_does_launch(checked_kernel, monkeypatch):
