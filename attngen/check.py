@@ -135,10 +135,7 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResul
     scale = spec.softmax_scale if scale is None else scale
 
     def reference_grads(dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, _ = reference.attention(*leaves, spec.mask, scale, dtype=dtype)
-        out.backward(do.to(dtype))
-        return [t.grad for t in leaves]
+        return reference.attention_grads(q, k, v, do, spec.mask, scale, dtype=dtype)
 
     refs, lows = reference_grads(torch.float64), reference_grads(spec.dtype.torch)
     if not all((torch.isfinite(low) | ~torch.isfinite(ref)).all() for ref, low in zip(refs, lows)):

@@ -161,19 +161,6 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
                                "split_kv")
 
 
-def check_backward_indexing(q: torch.Tensor, do: torch.Tensor, lse: torch.Tensor) -> None:
-    """The dK/dV kernel loops over the query heads of a K/V head: it addresses q, do, lse and delta
-    (allocated like lse) within one batch entry, all heads, with 32-bit offsets."""
-    remedy = "split the batch entry's heads over several calls, or use a (batch, seq, heads, head_dim) layout"
-    for name, t in (("q", q), ("do", do)):
-        check_span(name, t, t.shape[1:], t.stride()[1:], "one batch entry (the dK/dV kernel reads every query head)",
-                   remedy)
-    check_span("lse", lse, lse.shape[1:], lse.stride()[1:], "one batch entry", remedy)
-    if lse.shape[1] * lse.shape[2] - 1 > INT32_MAX:
-        raise KernelInputError(f"q has {lse.shape[1]} heads x {lse.shape[2]:,} queries per batch entry, over 2**31 "
-                               f"(the dK/dV kernel's 32-bit offsets into its row statistics): {remedy}")
-
-
 def check_heads(spec: Spec, heads: int, kv_heads: int, q_name: str, k_name: str, v_name: str = "v") -> None:
     if kv_heads == 0 or heads % kv_heads:
         raise KernelInputError(

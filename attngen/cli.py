@@ -4,7 +4,7 @@
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
     attngen bench [--suite prefill|decode|all] ...   attngen against the peers on this GPU
-    attngen tune SPEC... [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
+    attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
 no candidate passed validation) exits 1; a bug in attngen exits 3 with a short report. No user
@@ -183,6 +183,17 @@ def cmd_explain(args) -> int:
     problem = infeasible(spec, config, target)
     if problem:
         print(f"  does not fit: {problem}")
+    if spec.backward:
+        from .configs import backward_config
+        from .resources import infeasible_backward, shared_bytes_backward
+
+        for name, cfg in backward_config(spec).items():
+            smem = shared_bytes_backward(name, spec.head_dim_padded, spec.dtype.bytes, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                         cfg["num_stages"], target)
+            print(f"  {name} (default config {cfg}): shared memory {smem:,} of {target.shared_limit:,} bytes")
+            problem = infeasible_backward(spec, name, cfg, target)
+            if problem:
+                print(f"  does not fit: {problem}")
     return EXIT_OK
 
 
@@ -221,6 +232,13 @@ def _positive(text: str, what: str) -> int:
     return int(text)
 
 
+def _whole(text: str, what: str) -> int:
+    """A whole number >= 0 (which keys take 0 is checked against the kernel's space)."""
+    if not text.isdigit():
+        raise TuneError(f"{what} takes whole numbers; got '{text}'")
+    return int(text)
+
+
 def _seqlen(text: str) -> tuple[int, int]:
     """'4096' (N_Q = N_K) or '512:4096' (N_Q:N_K)."""
     n_q, sep, n_k = text.partition(":")
@@ -233,28 +251,63 @@ def _values(items) -> dict:
         key, sep, choice = item.partition("=")
         if not sep or not key.strip():
             raise TuneError(f"--values takes KEY=V1,V2,... (e.g. block_n=32,64); got '{item}'")
-        values[key.strip()] = tuple(_positive(v.strip(), f"--values {key.strip()}") for v in choice.split(","))
+        values[key.strip()] = tuple(_whole(v.strip(), f"--values {key.strip()}") for v in choice.split(","))
     return values
 
 
-def _tune_shapes(spec, args, interpreted: bool) -> list:
-    """The shapes to tune at: every --seqlens x --batch x --heads, with defaults by device."""
+DEFAULT_SEQLENS = {  # (on a GPU, in the interpreter), as --seqlens takes them
+    "forward": (["1024", "4096", "16384"], ["64"]),
+    "backward": (["1024", "4096", "16384"], ["64"]),
+    "decode": (["1:8192", "1:32768"], ["1:64"]),           # one new token against the cache's capacity
+    "chunked": (["512:4096", "512:16384"], ["16:64"]),     # a paged cache without split: chunked prefill
+}
+DECODE_BATCHES = ([1, 16, 64], [2])
+
+
+def _tune_shapes(spec, args, interpreted: bool, kind: str) -> list:
+    """The shapes to tune one kind of kernel at: every --seqlens x --batch x --heads, with defaults
+    by kind and device."""
     from .tuning import Shape
 
+    if kind == "decode" and not spec.is_split:
+        kind = "chunked"
     group = spec.group or 1
-    seqlens = [_seqlen(t) for t in (args.seqlens or (["64"] if interpreted else ["1024", "4096", "16384"]))]
-    default_heads = spec.heads or (2 * group if interpreted else max(group, HIDDEN // spec.head_dim // group * group))
+    seqlens = [_seqlen(t) for t in (args.seqlens or DEFAULT_SEQLENS[kind][interpreted])]
     shapes = []
-    for heads in args.heads or [default_heads]:
-        if heads < 1 or heads % group or (spec.heads and heads != spec.heads):
-            fixed = f"heads = {spec.heads}" if spec.heads else f"group = {group}: heads must be a multiple"
-            raise TuneError(f"--heads {heads} does not fit kernel '{spec.name}' ({fixed})")
+    for heads, kv_heads in [_heads(t) for t in args.heads] if args.heads else [_default_heads(spec, interpreted, kind)]:
+        kv_heads = kv_heads or spec.kv_heads or heads // group
+        if (heads < 1 or kv_heads < 1 or heads % kv_heads or (spec.heads and heads != spec.heads)
+                or (spec.kv_heads and kv_heads != spec.kv_heads) or (spec.group and heads != kv_heads * spec.group)):
+            fixed = ", ".join(f"{k} = {getattr(spec, k)}" for k in ("heads", "kv_heads", "group") if getattr(spec, k))
+            raise TuneError(f"--heads {heads}:{kv_heads} does not fit kernel '{spec.name}'"
+                            + (f" ({fixed})" if fixed else " (query heads must be a multiple of kv heads)"))
         for n_q, n_k in seqlens:
-            for batch in args.batch or [1 if interpreted else max(1, TOKENS // n_k)]:
+            default_batch = DECODE_BATCHES[interpreted] if kind == "decode" else [1 if interpreted else max(1, TOKENS // n_k)]
+            for batch in args.batch or default_batch:
                 if batch < 1:
                     raise TuneError(f"--batch takes positive whole numbers; got {batch}")
-                shapes.append(Shape(batch, heads, heads // group, n_q, n_k))
+                shapes.append(Shape(batch, heads, kv_heads, n_q, n_k))
     return shapes
+
+
+def _heads(text: str) -> tuple[int, int | None]:
+    """'32' or '32:8' (query heads : key/value heads)."""
+    heads, sep, kv_heads = text.partition(":")
+    return _positive(heads, "--heads"), _positive(kv_heads, "--heads") if sep else None
+
+
+def _default_heads(spec, interpreted: bool, kind: str) -> tuple[int, int | None]:
+    """The spec's heads; else, decoding, 32 query heads on 8 key/value heads (Llama-style GQA, as
+    `attngen bench`); else hidden 2048 / head_dim, in the spec's group."""
+    group = spec.group or 1
+    if spec.heads:
+        return spec.heads, None
+    if kind in ("decode", "chunked") and not spec.kv_heads and not spec.group and not interpreted:
+        return 32, 8
+    return (2 * group if interpreted else max(group, HIDDEN // spec.head_dim // group * group)), None
+
+
+KINDS = ("forward", "backward", "decode")
 
 
 def cmd_tune(args) -> int:
@@ -273,12 +326,17 @@ def cmd_tune(args) -> int:
     plans = []
     for path in args.specs:  # every spec and argument is checked before anything is tuned
         kernel = load(_spec(path))
-        restrict(kernel.tuning_space(), values)
-        plans.append((kernel, _tune_shapes(kernel.spec, args, interpreted)))
+        parts = [part for part in kernel.tuning_kernels() if not args.kind or part.kind in args.kind]
+        if not parts:
+            have = sorted({part.kind for part in kernel.tuning_kernels()})
+            raise TuneError(f"--kind {' '.join(args.kind)}: kernel '{kernel.spec.name}' has only {', '.join(have)}")
+        for part in parts:
+            restrict(part.tuning_space(), values)
+            plans.append((part, _tune_shapes(kernel.spec, args, interpreted, part.kind)))
     failed = 0
-    for kernel, shapes in plans:
-        outcome = tune(kernel, shapes, values=values, budget=args.max_configs, rep_ms=args.rep, seed=args.seed,
-                       progress=Progress(kernel.spec.name))
+    for part, shapes in plans:
+        outcome = tune(part, shapes, values=values, budget=args.max_configs, rep_ms=args.rep, seed=args.seed,
+                       progress=Progress(getattr(part, "label", part.spec.name)))
         print(format_outcome(outcome), flush=True)
         if not outcome.ok:
             failed += 1
@@ -329,11 +387,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="search the tile configs of each spec for this GPU and cache the best")
     p.add_argument("specs", nargs="+", metavar="SPEC")
+    p.add_argument("--kind", nargs="+", choices=KINDS, default=None,
+                   help="which of the spec's kernels to tune (default: all: the forward, a forward+backward "
+                        "spec's two backward kernels, or a split/paged spec's decode kernel)")
     p.add_argument("--seqlens", nargs="+", metavar="N|NQ:NK",
-                   help="sequence lengths to tune at (default: 1024 4096 16384 on a GPU, 64 in the interpreter)")
-    p.add_argument("--batch", nargs="+", type=int, metavar="B", help=f"batch sizes (default: {TOKENS} // N_K)")
-    p.add_argument("--heads", nargs="+", type=int, metavar="H",
-                   help=f"query heads (default: the spec's, else {HIDDEN} // head_dim)")
+                   help="sequence lengths to tune at (default on a GPU: 1024 4096 16384; for decoding, "
+                        "1:8192 1:32768, new tokens : cache capacity; 64 or 1:64 in the interpreter)")
+    p.add_argument("--batch", nargs="+", type=int, metavar="B",
+                   help=f"batch sizes (default: {TOKENS} // N_K; for decoding 1 16 64)")
+    p.add_argument("--heads", nargs="+", metavar="H|H:H_KV",
+                   help=f"query heads, or query : key/value heads (default: the spec's, else {HIDDEN} // head_dim; "
+                        "for decoding 32:8)")
     p.add_argument("--values", nargs="+", metavar="KEY=V1,V2",
                    help="narrow the values tried for keys the spec leaves auto, e.g. block_n=32,64")
     p.add_argument("--max-configs", type=int, default=None, metavar="N",

@@ -22,6 +22,13 @@ plus a fourth pipeline stage. The resource model prunes what cannot fit before a
 every best forward config at 64 and 128."""
 
 
+DECODE_SPACE = {"BLOCK_N": (16, 32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4, 5, 7),
+                "num_splits": (0, 1, 2, 4, 8, 16, 32, 64)}
+"""The autotuner's values for a kernel over a KV cache (attngen/tuning/decoding.py): BLOCK_M follows
+the call's rows; a paged kernel spends stages on its block-table load (5 and 7 buffer two and three
+K/V tiles); `num_splits` (for `split_kv = auto`) 0 is the run-time heuristic of attngen/splits.py."""
+
+
 def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     """A reasonable config for a GPU (or the interpreter), before any tuning."""
     if spec.is_split or spec.kv_layout.paged:

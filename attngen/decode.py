@@ -76,14 +76,6 @@ def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, pag
                 raise KernelInputError(f"block_table[{b}] names pages outside the pool of {num_pages}: {used.tolist()}")
 
 
-def _rows_config(kernel, q4, k4, rows: int) -> dict:
-    config = dict(kernel.config(q4, k4))
-    if kernel.spec.block_m is None:
-        # A decode tile holds GROUP heads x seqlen_q rows: no more rows than that, at least 16 (tl.dot).
-        config["BLOCK_M"] = min(64, max(16, 1 << max(0, rows - 1).bit_length()))
-    return config
-
-
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
                            num_splits=0, return_softmax_lse=False, *, out=None):
     """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
@@ -92,8 +84,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     (B, max_pages) int32 page pools (num_pages, page_size, H_KV, D) with page_size a power of two
     from 1 to 256. `causal` aligns the mask bottom-right (query i of S_q sees keys up to
     cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
-    (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` picks the
-    Flash-Decoding split count from the batch, the heads and the GPU's multiprocessors.
+    (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` takes the
+    Flash-Decoding split count tuned for this GPU and shape bucket (`attngen tune`), else picks it
+    from the batch, the heads and the GPU's multiprocessors.
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
@@ -169,11 +162,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
     if q.numel():
-        config = _rows_config(kernel, q4, k4, seqlen_q * (heads // kv_heads))
-        # Resolve the split count here (as the module would: attngen/splits.py) so that the launch
-        # it implies is checked before it happens.
-        num_splits = num_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads, seqlen_q, capacity,
-                                                q.device)
+        from .tuning import Shape
+
+        tuner = kernel.tuner("kvcache")
+        config = tuner.config(Shape(batch, heads, kv_heads, seqlen_q, capacity), q.device.index)
+        # Resolve the split count here (tuned for this shape bucket, else as the module would:
+        # attngen/splits.py) so that the launch it implies is checked before it happens.
+        tuned_splits = config.pop("num_splits", 0)
+        num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
+                                                                seqlen_q, capacity, q.device)
         check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
     if out is None:
         out = torch.empty_like(q)
@@ -181,8 +178,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
             check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out)
     lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
     if q.numel():
-        kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out.transpose(1, 2),
-                                      lse, num_splits, config)
+        tuner.launch(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out.transpose(1, 2), lse, config,
+                     num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -13,21 +13,26 @@ import torch
 from .spec import Mask
 
 
-def causal_keep(n_q: int, n_k: int, mask: Mask, device=None) -> torch.Tensor | None:
-    """Boolean (n_q, n_k) of the (query, key) pairs a mask keeps; None for no mask."""
+def causal_keep(n_q: int, n_k: int, mask: Mask, device=None, first_row: int = 0,
+                total_rows: int | None = None) -> torch.Tensor | None:
+    """Boolean (n_q, n_k) of the (query, key) pairs a mask keeps; None for no mask. The rows may be
+    rows first_row .. first_row + n_q - 1 of a problem of `total_rows` query rows (default n_q)."""
     if mask is Mask.NONE:
         return None
-    offset = 0 if mask is Mask.CAUSAL_TOP_LEFT else n_k - n_q
+    total_rows = n_q if total_rows is None else total_rows
+    offset = first_row + (0 if mask is Mask.CAUSAL_TOP_LEFT else n_k - total_rows)
     i = torch.arange(n_q, device=device)[:, None]
     j = torch.arange(n_k, device=device)[None, :]
     return j <= i + offset
 
 
-def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64):
+def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64,
+              first_row: int = 0, total_rows: int | None = None):
     """Reference attention for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D); returns (out, lse).
 
     Computed in `dtype` (float64 by default; a lower precision gives the error a same-precision
-    PyTorch computation makes, which the tolerances are measured against).
+    PyTorch computation makes, which the tolerances are measured against). `first_row` and
+    `total_rows` place q's rows inside a longer query sequence, for the causal mask.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -37,7 +42,7 @@ def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype
         kd = kd.repeat_interleave(heads // kv_heads, dim=1)
         vd = vd.repeat_interleave(heads // kv_heads, dim=1)
     scores = (qd @ kd.transpose(-1, -2)) * scale
-    keep = causal_keep(q.shape[2], k.shape[2], mask, q.device)
+    keep = causal_keep(q.shape[2], k.shape[2], mask, q.device, first_row, total_rows)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -45,6 +50,27 @@ def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     out = probs @ vd
     return out, lse
+
+
+def attention_grads(q, k, v, do, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64,
+                    max_scores: int = 1 << 26):
+    """(dq, dk, dv) of sum(attention(q, k, v) * do), in `dtype`, by autograd through `attention`.
+
+    Query rows are taken in chunks so that about `max_scores` scores are alive at once: each chunk's
+    dq is its own, and dk, dv accumulate over the chunks (exact: rows are independent given k and v).
+    That bounds the memory of the float64 reference at training shapes (N = 16k).
+    """
+    n_q, n_k = q.shape[2], k.shape[2]
+    kd, vd = (t.detach().to(dtype).requires_grad_() for t in (k, v))
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    rows = max(1, min(n_q, max_scores // max(1, q.shape[0] * q.shape[1] * n_k)))
+    for r0 in range(0, n_q, rows):
+        qc = q[:, :, r0:r0 + rows].detach().to(dtype).requires_grad_()
+        out, _ = attention(qc, kd, vd, mask, scale, dtype, first_row=r0, total_rows=n_q)
+        out.backward(do[:, :, r0:r0 + rows].to(dtype))
+        dq[:, :, r0:r0 + rows] = qc.grad
+    zeros = torch.zeros_like
+    return dq, zeros(kd) if kd.grad is None else kd.grad, zeros(vd) if vd.grad is None else vd.grad
 
 
 def gather_cache(cache, seqlen: int, table_row=None) -> torch.Tensor:

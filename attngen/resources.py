@@ -15,6 +15,21 @@ the element size, fitted to what Triton 3.6 allocates for the generated forward 
     generated decode kernels), i.e. it behaves as `1 + max(1, (num_stages - 1) // 2)` stages, plus
     up to 1 KB for the page indices.
 
+The backward kernels (attngen/passes/recompute.py) follow the same pattern with the roles swapped
+(fitted to sm_90 compiles of the generated `attn_bwd_dq` and `attn_bwd_dkdv`, every block size
+16-128 and 1-4 stages: tests/test_resources.py). Each keeps two tiles of R rows resident and
+streams two tiles of S rows per pipeline stage:
+
+  * `attn_bwd_dq`: Q and dO resident (R = BLOCK_M), K and V streamed (S = BLOCK_N);
+  * `attn_bwd_dkdv`: K and V resident (R = BLOCK_N), Q and dO streamed (S = BLOCK_M), with the
+    BLOCK_M fp32 values of the log-sum-exp and delta beside them.
+
+  The wgmma path (16-bit inputs, R >= 64) buffers `num_stages` streamed pairs; the older MMA path
+  `num_stages - 1` (at least one), plus the P tile through shared memory. A single-stage MMA
+  dK/dV kernel stages its operands differently (no derivation: the largest of the three terms
+  below matches every compile); a single-stage MMA dQ kernel needs up to 40% less than the model
+  says (an upper bound there, as nothing near the limit runs one stage on that path).
+
 Registers are estimated from the fp32 values each thread keeps live across the key loop (the
 accumulator and the score tile); a configuration needing more than the 255 a thread can have would
 spill heavily, and is pruned.
@@ -42,6 +57,22 @@ REGISTERS = (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (3
 """Lower bound on 32-bit registers per thread: the fp32 accumulator and score tile."""
 
 MAX_REGISTERS = 255
+
+ROWS_RESIDENT, ROWS_STREAMED, STAT_BYTES = sym.size("R"), sym.size("S"), sympy.Symbol("STAT_BYTES")
+_PAIRS = sympy.Piecewise((STAGES, sympy.Eq(WGMMA, 1)), (sympy.Max(1, STAGES - 1), True))
+_MMA_P = sympy.Piecewise(  # the MMA path's P tile in shared memory (see the module docstring)
+    (sympy.Max(ELEM * sym.BLOCK_M * sym.BLOCK_N, sym.BLOCK_M * sym.HEAD_DIM_PADDED, 16 * ELEM * sym.HEAD_DIM_PADDED),
+     sympy.And(sympy.Gt(STAT_BYTES, 0), sympy.Lt(STAGES, 2))),
+    (ELEM * sym.BLOCK_M * sym.BLOCK_N + 128, True))
+SHARED_BYTES_BACKWARD = (2 * ELEM * ROWS_RESIDENT * sym.HEAD_DIM_PADDED
+                         + _PAIRS * (2 * ELEM * ROWS_STREAMED * sym.HEAD_DIM_PADDED + STAT_BYTES * ROWS_STREAMED)
+                         + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (_MMA_P, True)))
+"""Shared memory of a backward kernel, in bytes (R, S: resident and streamed rows; STAT_BYTES: the
+bytes of row statistics streamed per row, 8 for dK/dV and 0 for dQ)."""
+
+REGISTERS_BACKWARD = {"attn_bwd_dq": (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS),
+                      "attn_bwd_dkdv": (2 * sym.BLOCK_N * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)}
+"""Lower bounds on 32-bit registers per thread: the fp32 accumulators (dQ; dK and dV) and one score tile."""
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide, table of limits).
 SHARED_LIMIT = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376,
@@ -132,3 +163,37 @@ def check_spec_tiles(spec, target: Target | None = None) -> None:
     key = next(f for k, f in _SPEC_FIELDS.items() if k in fixed)
     # Report the least demanding completion: its numbers show how far off the spec is.
     raise spec.error(key, f"these tiles cannot fit: the smallest choice {min(problems, key=len)}")
+
+
+BACKWARD_KERNELS = ("attn_bwd_dq", "attn_bwd_dkdv")
+
+
+def shared_bytes_backward(kernel_name: str, head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int,
+                          num_stages: int, target: Target) -> int:
+    resident, streamed, stats = (block_m, block_n, 0) if kernel_name == "attn_bwd_dq" else (block_n, block_m, 8)
+    values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m, sym.BLOCK_N: block_n,
+              STAGES: num_stages, ROWS_RESIDENT: resident, ROWS_STREAMED: streamed, STAT_BYTES: stats,
+              WGMMA: int(uses_wgmma(elem_bytes, resident, target))}
+    return int(SHARED_BYTES_BACKWARD.subs(values))
+
+
+def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | None = None) -> str | None:
+    """Why `config` cannot run the backward kernel `kernel_name` of `spec` on `target`, or None."""
+    if kernel_name not in BACKWARD_KERNELS:
+        raise ValueError(f"no backward kernel '{kernel_name}'; the backward kernels are {', '.join(BACKWARD_KERNELS)}")
+    target = target or Target.current()
+    dp, elem = spec.head_dim_padded, spec.dtype.bytes
+    bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
+    smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target)
+    if smem > target.shared_limit:
+        return (f"{kernel_name} needs {smem:,} bytes of shared memory but sm_{target.capability[0]}"
+                f"{target.capability[1]} allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, "
+                f"head_dim {dp} padded, {elem}-byte elements, num_stages={stages})")
+    regs = float(REGISTERS_BACKWARD[kernel_name].subs({sym.HEAD_DIM_PADDED: dp, sym.BLOCK_M: bm, sym.BLOCK_N: bn,
+                                                        WARPS: warps}))
+    if regs > MAX_REGISTERS:
+        held = "dQ" if kernel_name == "attn_bwd_dq" else "dK and dV"
+        return (f"{kernel_name} keeps at least {regs:.0f} fp32 registers per thread live (the {held} "
+                f"accumulator{'s' if held != 'dQ' else ''} and a block_m={bm} x block_n={bn} score tile over "
+                f"{32 * warps} threads); a thread has {MAX_REGISTERS}")
+    return None

@@ -108,6 +108,7 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
 
                 _LOADED[variant] = copy.copy(kernel)
                 _LOADED[variant].autotune = autotune
+                _LOADED[variant]._tuners = {}  # its own, which follow its own autotune setting
                 register(_LOADED[variant])
             kernel = _LOADED[variant]
         return kernel
@@ -129,9 +130,15 @@ class Kernel:
         self.path = path
         self.module = module
         self._program = program
+        self._tuners: dict = {}
 
     @property
     def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def label(self) -> str:
+        """What the tuner calls it (its backward kernels and KV-cache entry have labels of their own)."""
         return self.spec.name
 
     @property
@@ -145,13 +152,54 @@ class Kernel:
         return f"<attngen.Kernel {self.spec.name} [{self.spec.hash}] from {self.path}>"
 
     # -- configuration -----------------------------------------------------------------------------
+    @property
+    def kvcache(self) -> bool:
+        """Whether the spec is a kernel over a KV cache (split-KV or paged): `forward_kvcache`."""
+        return self.spec.is_split or self.spec.kv_layout.paged
+
+    def tuner(self, part: str):
+        """The object the autotuner drives for one launch of this kernel: "forward" (this kernel),
+        "attn_bwd_dq" / "attn_bwd_dkdv" (attngen/tuning/backward.py), "kvcache"
+        (attngen/tuning/decoding.py). One object per part, so run-time lookups memoise on it."""
+        if part == "forward":
+            return self
+        found = self._tuners.get(part)
+        if found is None:
+            if part == "kvcache":
+                from .tuning.decoding import KVCacheKernel
+
+                found = KVCacheKernel(self)
+            else:
+                from .tuning.backward import BackwardPart
+
+                found = BackwardPart(self, part)
+            found = self._tuners.setdefault(part, found)
+        return found
+
+    def tuning_kernels(self) -> list:
+        """Everything of this kernel the autotuner can tune, each with its `kind`: the forward (or,
+        for a spec over a KV cache, `forward_kvcache`), and a forward+backward spec's two backward
+        kernels."""
+        from .tuning.backward import PARTS
+
+        if self.kvcache:
+            return [self.tuner("kvcache")]
+        return [self] + ([self.tuner(part) for part in PARTS] if self.spec.backward else [])
+
+    kind = "forward"
+
     def config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
         """The launch configuration for these inputs: the tuned one for this GPU and shape bucket
         (this process's tuning > the user's cache > the table shipped in the package; the nearest
         tuned bucket if this one has none), else the heuristic of attngen/configs.py."""
         from . import tuning
 
-        return tuning.launch_config(self, tuning.Shape.of(q, k), q.device.index)
+        shape = tuning.Shape.of(q, k)
+        if self.kvcache:  # full caches through `forward`: the kvcache kernel's config, split by heuristic
+            config = self.tuner("kvcache").config(shape, q.device.index)
+            config.pop("num_splits", None)
+            return config
+        return tuning.launch_config(self, shape, q.device.index)
 
     @property
     def key(self) -> str:
@@ -160,8 +208,12 @@ class Kernel:
         return key if self.autotune is None else f"{key}:autotune={self.autotune}"
 
     def backward_config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
-        """Launch configurations of the backward kernels, by kernel name."""
-        return configs.backward_config(self.spec, interpreter=interpreting())
+        """Launch configurations of the backward kernels, by kernel name: tuned as the forward's."""
+        from . import tuning
+        from .tuning.backward import PARTS
+
+        shape = tuning.Shape.of(q, k)
+        return {part: tuning.launch_config(self.tuner(part), shape, q.device.index) for part in PARTS}
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
@@ -220,7 +272,7 @@ class Kernel:
 
         `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
         """
-        from .checks import (check_attention_inputs, check_backward_indexing, check_indexing, check_like, check_out,
+        from .checks import (check_attention_inputs, check_indexing, check_like, check_out,
                              check_scale, on_other_gpu)
 
         if not self.spec.backward:
@@ -232,7 +284,6 @@ class Kernel:
             raise KernelInputError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
         if lse.layout is not torch.strided or lse.device != q.device:
             raise KernelInputError(f"lse must be a dense tensor on {q.device}; got a {lse.layout} tensor on {lse.device}")
-        check_backward_indexing(q, do, lse)
         sm_scale = check_scale(scale, self.spec)
         if on_other_gpu(q):
             with torch.cuda.device(q.device):

@@ -22,6 +22,7 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=4096)  # called per decoding step: a few dictionary lookups, not ~30 us of Python
 def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
     """Splits for a launch of `programs` (batch x heads x query blocks) over `key_blocks` key tiles.
 

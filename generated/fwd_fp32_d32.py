@@ -38,7 +38,7 @@ HEAD_DIM_PADDED = 32
 DEFAULT_CONFIG = {'BLOCK_M': 64, 'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3}
 
 
-@triton.jit(do_not_specialize=["B", "N_Q", "N_K"])
+@triton.jit(do_not_specialize=["B", "N_Q", "N_K", "stride_lse_b", "stride_lse_h"])
 def attn_fwd(
     Q,
     K,

@@ -39,7 +39,7 @@ PAGE_SIZE = 64
 DEFAULT_CONFIG = {'BLOCK_M': 16, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 7}
 
 
-@triton.jit(do_not_specialize=["B", "N_Q"])
+@triton.jit(do_not_specialize=["B", "N_Q", "stride_lse_b", "stride_lse_h"])
 def attn_fwd(
     Q,
     K,

@@ -39,7 +39,7 @@ DEFAULT_CONFIG = {'BLOCK_M': 128, 'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 4
 DEFAULT_BACKWARD_CONFIG = {'attn_bwd_dq': {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 3}, 'attn_bwd_dkdv': {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 3}}
 
 
-@triton.jit(do_not_specialize=["B", "N_Q", "N_K"])
+@triton.jit(do_not_specialize=["B", "N_Q", "N_K", "stride_lse_b", "stride_lse_h"])
 def attn_fwd(
     Q,
     K,
@@ -155,7 +155,7 @@ def launch_attn_fwd(q, k, v, o, lse, sm_scale, *, BLOCK_M, BLOCK_N, num_warps, n
     )
 
 
-@triton.jit(do_not_specialize=["B", "N_Q", "N_K"])
+@triton.jit(do_not_specialize=["B", "N_Q", "N_K", "stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h"])
 def attn_bwd_dq(
     Q,
     K,
@@ -290,7 +290,7 @@ def launch_attn_bwd_dq(q, k, v, o, do, lse, delta, dq, sm_scale, *, BLOCK_M, BLO
     )
 
 
-@triton.jit(do_not_specialize=["B", "N_Q", "N_K"])
+@triton.jit(do_not_specialize=["B", "N_Q", "N_K", "stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h"])
 def attn_bwd_dkdv(
     Q,
     K,
@@ -368,11 +368,11 @@ def attn_bwd_dkdv(
         for start_m in range(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + start_n - BLOCK_M), BLOCK_M), tl.minimum(N_Q, tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + start_n - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + N_K, -1 + start_n + BLOCK_N)), BLOCK_M))), BLOCK_M):  # diagonal blocks: masked
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(q_base + (g + hkv*GROUP) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            do = tl.load(do_base + (g + hkv*GROUP) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            lse_tile = tl.load(lse_base + (g + hkv*GROUP) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
+            q = tl.load(q_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            do = tl.load(do_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            lse_tile = tl.load(lse_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
-            delta = tl.load(delta_base + (g + hkv*GROUP) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
+            delta = tl.load(delta_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
             keep = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < N_Q)
             s_t = tl.where(keep, tl.dot(k, tl.trans(q)), float("-inf"))
             p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
@@ -383,11 +383,11 @@ def attn_bwd_dkdv(
         for start_m in range(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + start_n - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + N_K, -1 + start_n + BLOCK_N)), BLOCK_M)), tl.maximum(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + start_n - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + N_K, -1 + start_n + BLOCK_N)), BLOCK_M)), BLOCK_M*(N_Q // BLOCK_M)), BLOCK_M):  # full blocks: no mask
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(q_base + (g + hkv*GROUP) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d)
-            do = tl.load(do_base + (g + hkv*GROUP) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d)
-            lse_tile = tl.load(lse_base + (g + hkv*GROUP) * stride_lse_h + offs_m * stride_lse_n)
+            q = tl.load(q_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d)
+            do = tl.load(do_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d)
+            lse_tile = tl.load(lse_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_lse_h + offs_m * stride_lse_n)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
-            delta = tl.load(delta_base + (g + hkv*GROUP) * stride_delta_h + offs_m * stride_delta_n)
+            delta = tl.load(delta_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_delta_h + offs_m * stride_delta_n)
             s_t = tl.dot(k, tl.trans(q))
             p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])
             dv = tl.dot(p_t.to(tl.bfloat16), do, dv)
@@ -397,11 +397,11 @@ def attn_bwd_dkdv(
         for start_m in range(tl.maximum(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + start_n - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + N_K, -1 + start_n + BLOCK_N)), BLOCK_M)), BLOCK_M*(N_Q // BLOCK_M)), N_Q, BLOCK_M):  # diagonal blocks: masked
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(q_base + (g + hkv*GROUP) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            do = tl.load(do_base + (g + hkv*GROUP) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            lse_tile = tl.load(lse_base + (g + hkv*GROUP) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
+            q = tl.load(q_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            do = tl.load(do_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            lse_tile = tl.load(lse_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
-            delta = tl.load(delta_base + (g + hkv*GROUP) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
+            delta = tl.load(delta_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)
             keep = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < N_Q)
             s_t = tl.where(keep, tl.dot(k, tl.trans(q)), float("-inf"))
             p_t = tl.math.exp2(s_t * qk_scale - lse[None, :])

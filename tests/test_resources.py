@@ -3,7 +3,8 @@
 import pytest
 
 from attngen import load
-from attngen.resources import SHARED_LIMIT, Target, infeasible, registers, shared_bytes
+from attngen.resources import (SHARED_LIMIT, Target, infeasible, infeasible_backward, registers, shared_bytes,
+                               shared_bytes_backward)
 from attngen.spec import parse
 from conftest import spec_text
 
@@ -75,4 +76,63 @@ def test_model_matches_the_real_sm90_compiler(case, compiled):
     padded = 1 << (head_dim - 1).bit_length()
     model = shared_bytes(padded, 4 if dtype == "fp32" else 2, bm, bn, stages, H100)
     # Exact for 16-bit inputs; for fp32 the model may round the P buffer up by its alignment slack.
+    assert result["shared"] <= model <= result["shared"] + 2048, (result, model)
+
+
+# -- the backward kernels ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel,dp,elem,bm,bn,stages,target,expected", [
+    # dQ on wgmma: Q and dO resident, num_stages x (K tile + V tile)
+    ("attn_bwd_dq", 128, 2, 128, 64, 3, H100, 2 * 2 * 128 * 128 + 3 * 2 * 2 * 64 * 128),          # 163840
+    ("attn_bwd_dq", 128, 2, 128, 128, 3, H100, 2 * 2 * 128 * 128 + 3 * 2 * 2 * 128 * 128),        # 262144: too big
+    # dK/dV on wgmma: K and V resident, num_stages x (Q tile + dO tile + lse and delta rows)
+    ("attn_bwd_dkdv", 128, 2, 64, 128, 3, H100, 2 * 2 * 128 * 128 + 3 * (2 * 2 * 64 * 128 + 8 * 64)),
+    # dK/dV on mma (block_n 16 < 64): num_stages - 1 streamed pairs, and P through shared memory
+    ("attn_bwd_dkdv", 64, 2, 64, 16, 3, H100, 2 * 2 * 16 * 64 + 2 * (2 * 2 * 64 * 64 + 8 * 64) + 2 * 64 * 16 + 128),
+    ("attn_bwd_dq", 128, 2, 128, 64, 3, A100, 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 128 * 64 + 128),
+])
+def test_backward_shared_memory_matches_hand_computed(kernel, dp, elem, bm, bn, stages, target, expected):
+    assert shared_bytes_backward(kernel, dp, elem, bm, bn, stages, target) == expected
+
+
+def test_backward_infeasible_names_the_kernel_and_the_numbers():
+    spec = parse(spec_text(head_dim=128, dtype="bf16", direction="forward+backward"))
+    why = infeasible_backward(spec, "attn_bwd_dq", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), H100)
+    assert why.startswith("attn_bwd_dq needs 262,144 bytes of shared memory") and "232,448" in why
+    why = infeasible_backward(spec, "attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), H100)
+    assert "attn_bwd_dkdv keeps at least 320 fp32 registers" in why  # (2*128*128 + 64*128) / 128
+    assert infeasible_backward(spec, "attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+                               H100) is None
+    with pytest.raises(ValueError, match="no backward kernel 'attn_bwd'"):
+        infeasible_backward(spec, "attn_bwd", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2), H100)
+
+
+BACKWARD_PROBES = [  # (kernel, head_dim, dtype, block_m, block_n, stages): both paths, one and several stages
+    ("attn_bwd_dq", 128, "bf16", 128, 64, 2), ("attn_bwd_dq", 64, "fp16", 16, 64, 3),
+    ("attn_bwd_dkdv", 128, "bf16", 64, 128, 3), ("attn_bwd_dkdv", 80, "fp16", 64, 16, 1),
+    ("attn_bwd_dkdv", 32, "fp32", 64, 32, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_backward():
+    from probe import probe
+
+    jobs = []
+    for name, head_dim, dtype, bm, bn, stages in BACKWARD_PROBES:
+        kernel = load(spec_text(f"probe_bwd_{head_dim}_{dtype}", head_dim, dtype, "causal", direction="forward+backward"))
+        jobs.append(dict(path=str(kernel.path), kernel=name, num_warps=4, num_stages=stages,
+                         constexprs=dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=kernel.spec.head_dim_padded,
+                                         BLOCK_M=bm, BLOCK_N=bn),
+                         ptr_dtypes={"LSE": "*fp32", "DELTA": "*fp32"}, unit_strides=("stride_lse_n", "stride_delta_n")))
+    return dict(zip(BACKWARD_PROBES, probe(jobs)))
+
+
+@pytest.mark.parametrize("case", BACKWARD_PROBES)
+def test_backward_model_matches_the_real_sm90_compiler(case, compiled_backward):
+    name, head_dim, dtype, bm, bn, stages = case
+    result = compiled_backward[case]
+    assert "error" not in result, result
+    padded = 1 << (head_dim - 1).bit_length()
+    model = shared_bytes_backward(name, padded, 4 if dtype == "fp32" else 2, bm, bn, stages, H100)
     assert result["shared"] <= model <= result["shared"] + 2048, (result, model)

@@ -266,23 +266,23 @@ def test_user_cache_overrides_the_shipped_table_bucket_by_bucket(tmp_path, monke
 
 
 def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
-    """Tables in attngen/tuned/ parse without a warning, name a GPU, hold only problems of specs in
-    specs/ (a changed spec leaves a stale problem: re-tune, or drop it), and only entries that fit
-    their spec on that GPU."""
+    """Tables in attngen/tuned/ parse without a warning, name a GPU, hold only problems of the
+    kernels of specs in specs/ (forward, backward, decode; a changed spec leaves a stale problem:
+    re-tune, or drop it), and only entries that fit their kernel on that GPU."""
+    parts = {problem_key(part.tuning_problem()): part
+             for spec in map(load_file, shipped_specs()) for part in attngen.load(spec).tuning_kernels()}
     for table in SHIPPED_TABLES:
-        specs = {key_of(s): s for s in map(load_file, shipped_specs())}
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
             data = store.read(table)
         device = Device.from_header(data)
         assert not device.interpreter and table.name == f"{device.slug}.json", table.name
-        stale = set(data["problems"]) - set(specs)
+        stale = set(data["problems"]) - set(parts)
         assert not stale, f"{table.name}: problems of no spec in specs/: {stale}; re-tune (attngen/tuned/README.md)"
         target = Target(device.capability, SHARED_LIMIT[device.capability], device.name)
         for key, problem in data["problems"].items():
-            kernel = attngen.load(specs[key])
             for name, entry in problem["buckets"].items():
-                assert store.entry_problem(kernel, name, entry, target) is None, (table.name, kernel.spec.name, name)
+                assert store.entry_problem(parts[key], name, entry, target) is None, (table.name, parts[key].label, name)
 
 
 def test_wheel_ships_the_tuned_tables_and_the_tuning_package(tmp_path):
@@ -443,7 +443,9 @@ def test_validation_slices_are_exact_and_still_catch_errors(mask, n_q, n_k):
     (["--values", "block_q=16"], "no tile key 'block_q'"),
     (["--values", "block_m"], "--values takes KEY=V1,V2"),
     (["--max-configs", "0"], "positive whole numbers"),
-    (["--heads", "3", "--values", "block_m=64"], "--heads 3 does not fit"),
+    (["--heads", "3", "--values", "block_m=64"], "--heads 3:8 does not fit kernel 'fwd_gqa_d128' (heads = 32, kv_heads = 8, group = 4)"),
+    (["--heads", "32:4"], "--heads 32:4 does not fit"),
+    (["--heads", "32:x"], "--heads takes positive whole numbers"),
     (["--write-table", "tables"], "run it on that GPU"),
 ])
 def test_tune_argument_errors_exit_2_without_a_traceback(args, message, capsys):

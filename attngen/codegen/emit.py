@@ -34,6 +34,9 @@ def stride_names(buffer: Buffer) -> list[str]:
     return [f"stride_{buffer.name.lower()}_{label}" for label in labels]
 
 
+ROW_STATISTICS = ("LSE", "DELTA", "LSE_PART")  # one float32 per query row
+
+
 @dataclass
 class GridAxis:
     var: sympy.Symbol
@@ -67,7 +70,13 @@ class KernelCode:
 
     @property
     def unspecialized(self) -> list[str]:
-        return [str(d.symbol) for d in self.sizes if not d.specialize]
+        """Arguments Triton must not specialise on (value 1, divisibility by 16): the sizes that
+        vary per call, and the batch and head strides of per-row statistics (log-sum-exp, delta),
+        which are multiples of the query length: specialised, a length that is not a multiple of
+        16 would compile a second binary. The tiles' own strides stay specialised (they are
+        multiples of the head dim, and their divisibility lets loads vectorise)."""
+        sizes = [str(d.symbol) for d in self.sizes if not d.specialize]
+        return sizes + [n for p, names in self.strides if p.name in ROW_STATISTICS for n in names[:-1]]
 
     def size_source(self, decl: ir.SymbolDecl) -> str:
         """Host code computing a size symbol from the launcher's tensors."""
@@ -248,12 +257,13 @@ class KernelEmitter:
         fixed = self._grid_part(part)
         name = self.bases.get((buffer.name, fixed))
         base = name if name is not None else f"({self._base_code(buffer, fixed)})"
-        # Coordinates that vary inside the program (a serial loop's variable) are added at the use.
+        # Coordinates that vary inside the program (a serial loop's variable, e.g. the query head of
+        # a GQA group) are added at the use, in 64 bits like the base: head x head stride can pass 2**31.
         strides = self.strides[buffer.name]
         for dim, item in part:
             if (dim, item) not in fixed:
-                text = exprs.device(item)
-                base += f" + {text if isinstance(item, sympy.Symbol) else exprs.parenthesized(text)} * {strides[dim]}"
+                # NOTE: tl.cast, not .to(): in the interpreter a loop variable is a Python int.
+                base += f" + tl.cast({exprs.device(item)}, tl.int64) * {strides[dim]}"
         return base
 
     # -- spans -------------------------------------------------------------------------------------

@@ -6,16 +6,22 @@
 
 The modules: `key` (device, problem identity, shape buckets), `space` (candidates, pruning by the
 resource model, the budget), `search` (compile, validate, time), `store` (the JSON files and the
-lookup), `report` (progress bar and table).
+lookup), `report` (progress bar and table); and the kernel kinds beyond the forward: `backward`
+(the dQ and dK/dV kernels of a forward+backward spec, one at a time) and `decoding` (the
+`forward_kvcache` entry of a split-KV or paged spec, with its split count).
 
 ## The protocol a kernel object provides
 
 The tuner knows nothing about attention: it drives any kernel object with these methods, so every
 kind the generator emits (forward, backward, split-KV decode, paged) is tuned the same way. The
-forward `Kernel` in attngen/runtime.py implements them.
+forward `Kernel` in attngen/runtime.py implements them, and `Kernel.tuning_kernels()` lists the
+objects for each launch of a spec: itself, `backward.BackwardPart` x 2, or
+`decoding.KVCacheKernel` (`Kernel.tuner(part)` gives one, the same object on every call).
 
     spec
         The kernel's spec (its name labels entries; its fixed tile keys are checked).
+    kind, label
+        "forward", "backward" or "decode" (`attngen tune --kind`), and the name reports use.
     tuning_problem() -> str
         What the kernel computes, as text: its entries are stored under the hash. Build it with
         `key.problem_text(spec, kind, ignore)`: the kind ("forward"; e.g. "backward" for the
@@ -42,10 +48,15 @@ forward `Kernel` in attngen/runtime.py implements them.
         shapes check a slice (some batch entries, heads, query rows), as `validate.check_attention`.
     tuning_flops(shape) -> float
         FLOPs of one call by the FlashAttention convention, for the TFLOP/s column.
+    tuning_bytes(shape) -> float | None   (optional)
+        Bytes one call must read, for a memory-bound kernel (decoding): reports show GB/s.
+    tuning_graph: bool   (optional)
+        True: time CUDA-graph replays of `tuning_run` (a kernel shorter than its Python launch).
 
-At run time, the kernel's launch path calls `launch_config(kernel, shape, device_index)`; a kind
-whose inputs are not (q, k) builds its `Shape` from its own tensors' sizes (a decode kernel: the
-KV cache's capacity, not the device-side cache_seqlens), never from device data.
+At run time, the kernel's launch path calls `launch_config(kernel, shape, device_index)` (or
+`launch_choice`, which also says whether the entry was tuned for this very bucket); a kind whose
+inputs are not (q, k) builds its `Shape` from its own tensors' sizes (a decode kernel: the KV
+cache's capacity, not the device-side cache_seqlens), never from device data.
 """
 
 from __future__ import annotations
@@ -64,7 +75,7 @@ from .key import Device, Shape, bucket, problem_key
 from .search import Outcome, tune
 from .space import TuneError
 
-__all__ = ["Device", "Outcome", "Shape", "TuneError", "launch_config", "save", "tune"]
+__all__ = ["Device", "Outcome", "Shape", "TuneError", "launch_choice", "launch_config", "save", "tune"]
 
 
 def save(outcome: Outcome, path=None) -> str | None:
@@ -103,15 +114,21 @@ def launch_config(kernel, shape: Shape, device_index: int | None = None) -> dict
     the nearest tuned bucket, else the default. No tuning happens here unless autotuning is on and
     this bucket has no entry of its own; then it is tuned once per process, on random inputs of
     the call's shape, and saved to the user's cache."""
+    return launch_choice(kernel, shape, device_index)[0]
+
+
+def launch_choice(kernel, shape: Shape, device_index: int | None = None) -> tuple[dict, bool]:
+    """`launch_config`, and whether the config was tuned for this very bucket (not the nearest one
+    or the default): keys that only suit the shapes they were measured at need to know."""
     # NOTE: this runs on every call; the memo makes it a handful of dictionary operations.
     memo_key = (store.generation(), interpreting(), device_index, kernel, shape.batch * shape.heads,
                 shape.n_q, shape.n_k)
-    config = _MEMO.get(memo_key)
-    if config is None:
+    found = _MEMO.get(memo_key)
+    if found is None:
         if len(_MEMO) > 4096:
             _MEMO.clear()
-        config = _MEMO[memo_key] = _launch_config(kernel, shape, device_index)
-    return dict(config)
+        found = _MEMO[memo_key] = _launch_config(kernel, shape, device_index)
+    return dict(found.config), found.exact
 
 
 _MEMO: dict = {}
@@ -122,9 +139,9 @@ def _launch_config(kernel, shape: Shape, device_index: int | None) -> dict:
     key = (problem_key(kernel.tuning_problem()), bucket(shape))
     found = store.tables(device).find(kernel, *key)
     if found.exact or not autotune_enabled(kernel) or all(len(v) == 1 for v in kernel.tuning_space().values()):
-        return found.config
+        return found
     if not interpreting() and torch.cuda.is_current_stream_capturing():
-        return found.config  # tuning would break the CUDA graph being captured
+        return found  # tuning would break the CUDA graph being captured
     with _TUNING:
         if (device, key) not in _ATTEMPTED:
             _ATTEMPTED.add((device, key))
@@ -135,7 +152,7 @@ def _launch_config(kernel, shape: Shape, device_index: int | None) -> dict:
             else:
                 warnings.warn(f"attngen: autotuning {kernel.spec.name} at {shape} found no config that passed "
                               f"validation; using {found.source}", CacheWarning, stacklevel=3)
-    return store.tables(device).find(kernel, *key).config
+    return store.tables(device).find(kernel, *key)
 
 
 def describe_config(kernel, shape: Shape, device_index: int | None = None) -> tuple[dict, str]:

@@ -32,12 +32,12 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def format_outcome(outcome) -> str:
-    spec, lines = outcome.spec, []
+    lines = []
     total = 1
     for values in outcome.space.values():
         total *= len(values)
     varying = {k: v for k, v in outcome.space.items() if len(v) > 1}
-    lines.append(f"{spec.name} on {outcome.device}")
+    lines.append(f"{outcome.label} on {outcome.device}")
     if varying:
         sizes = " x ".join(f"{len(v)} {k.lower()}" for k, v in varying.items())
         lines.append(f"  search space: {sizes} = {total} candidates "
@@ -56,10 +56,12 @@ def format_outcome(outcome) -> str:
     for trial in outcome.trials:
         if trial.status != "ok":
             lines.append(f"    {trial.status} {describe(trial.config)}: {trial.reason}")
-    rows = [["shape", "best config", "median ms", "TFLOP/s", "rel err", "vs default"]]
+    bandwidth = any(b.gbps is not None for b in outcome.best)
+    rows = [["shape", "best config", "median ms", "GB/s" if bandwidth else "TFLOP/s", "rel err", "vs default"]]
     for b in outcome.best:
         speedup = f"{b.default_ms / b.ms:.2f}x" if b.default_ms and b.ms > 0 else "-"
-        rows.append([f"{b.shape} ({b.bucket})", describe(b.trial.config), f"{b.ms:.4f}", f"{b.tflops:.1f}",
+        rate = f"{b.gbps:.0f}" if bandwidth else f"{b.tflops:.1f}"
+        rows.append([f"{b.shape} ({b.bucket})", describe(b.trial.config), f"{b.ms:.4f}", rate,
                      f"{b.trial.rel[b.bucket]:.1e}", speedup])
     for shape in outcome.missing:
         rows.append([str(shape), "no candidate passed", "-", "-", "-", "-"])

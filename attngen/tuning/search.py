@@ -6,7 +6,8 @@ candidate (`kernel.tuning_inputs`):
      compile error, Triton's OutOfResources, a launch failure) skips the candidate with its reason;
   2. validate the outputs against the float64 reference (`kernel.tuning_check`). A candidate that
      computes a wrong result at any shape is rejected and reported, and never chosen;
-  3. time it: `triton.testing.do_bench(..., return_mode="median")` on CUDA; in Triton's
+  3. time it: `triton.testing.do_bench(..., return_mode="median")` on CUDA (of a CUDA-graph replay
+     for kernels that ask for it with `tuning_graph = True`: decoding); in Triton's
      interpreter, which has no CUDA events, a wall-clock median (meaningless as a speed, and the
      report says so; the path, the gate and the cache are the real ones).
 The best config per bucket is the passing candidate with the lowest median.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..check import format_result
+from ..check import Result, format_result
 from ..version import __version__
 from . import space as space_
 from .key import Device, Shape, bucket
@@ -49,6 +50,7 @@ class Best:
     trial: Trial
     tflops: float
     default_ms: float | None  # the untuned default's median on the same inputs, if it was tried
+    gbps: float | None = None  # for kernels that report bytes read (decoding): GB/s
 
     @property
     def ms(self) -> float:
@@ -57,6 +59,7 @@ class Best:
 
 @dataclass
 class Outcome:
+    label: str            # what was tuned: the spec's name, with the kernel's part if it has several
     spec: object
     problem: str          # the kernel's tuning_problem()
     device: Device
@@ -83,6 +86,7 @@ class Outcome:
         for b in self.best:
             out.append((b.bucket, {
                 "config": dict(b.trial.config), "ms": round(b.ms, 5), "tflops": round(b.tflops, 2),
+                **({} if b.gbps is None else {"gbps": round(b.gbps, 1)}),
                 "rel_err": float(f"{b.trial.rel[b.bucket]:.3g}"),
                 "default_ms": None if b.default_ms is None else round(b.default_ms, 5),
                 "shape": b.shape.as_dict(), "tried": len(self.trials),
@@ -108,6 +112,18 @@ def bench(fn, rep_ms: int, cuda: bool) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph: its replay. For kernels whose GPU time is shorter than the Python
+    that launches them (a decoding step: tens of microseconds), timing the eager call would measure
+    the host, and rank candidates by noise; serving engines replay decode steps as graphs anyway."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _error(e: BaseException) -> str:
@@ -169,12 +185,15 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
             missing.append(shape)
             continue
         winner = min(passed, key=lambda t: t.ms[b])
-        best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / max(winner.ms[b] * 1e-3, 1e-12) / 1e12,
-                         default_trial.ms[b] if default_trial else None))
+        seconds = max(winner.ms[b] * 1e-3, 1e-12)
+        moved = getattr(kernel, "tuning_bytes", lambda shape: None)(shape)  # bytes, for memory-bound kernels
+        gbps = None if moved is None else moved / seconds / 1e9
+        best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / seconds / 1e12,
+                         default_trial.ms[b] if default_trial else None, gbps))
     timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement)" if cuda else
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
-    return Outcome(kernel.spec, kernel.tuning_problem(), device, space, pruned, len(feasible), trials, best, missing, timing,
+    return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space, pruned, len(feasible), trials, best, missing, timing,
                    time.perf_counter() - started)
 
 
@@ -192,9 +211,13 @@ def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, time
     trial.rel[b] = result.rel
     if not result.ok:
         trial.status = "rejected"
-        trial.reason = "wrong result: " + format_result(result).removeprefix("FAIL").strip()
+        shown = format_result(result) if isinstance(result, Result) else str(result)
+        trial.reason = "wrong result: " + shown.removeprefix("FAIL").strip()
         return
     try:
-        trial.ms[b] = timer(lambda: kernel.tuning_run(inputs, config), rep_ms, cuda)
+        fn = lambda: kernel.tuning_run(inputs, config)  # noqa: E731
+        if cuda and getattr(kernel, "tuning_graph", False):
+            fn = graphed(fn)
+        trial.ms[b] = timer(fn, rep_ms, cuda)
     except Exception as e:  # noqa: BLE001
         trial.status, trial.reason = "failed", _error(e)

@@ -48,8 +48,10 @@ def restrict(space: dict[str, tuple], values: dict[str, tuple[int, ...]] | None)
         if len(space[key]) == 1:
             raise TuneError(f"--values: {key.lower()} is fixed to {space[key][0]} by the spec; "
                             "write it as auto in the spec to search it")
-        if not choice or any(not isinstance(v, int) or v < 1 for v in choice):
-            raise TuneError(f"--values: {key.lower()} takes positive whole numbers; got {choice}")
+        least = 0 if 0 in space[key] else 1
+        if not choice or any(not isinstance(v, int) or v < least for v in choice):
+            what = "whole numbers from 0" if least == 0 else "positive whole numbers"
+            raise TuneError(f"--values: {key.lower()} takes {what}; got {choice}")
         space[key] = tuple(dict.fromkeys(choice))
     return space
 

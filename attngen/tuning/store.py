@@ -225,8 +225,8 @@ def entry_problem(kernel, bucket: str, entry, target=None) -> str | None:
     space = kernel.tuning_space()
     if not isinstance(config, dict) or set(config) != set(space):
         return f"its config must set exactly {', '.join(space)}"
-    if any(type(v) is not int or v < 1 for v in config.values()):
-        return "its config values must be positive whole numbers"
+    if any(type(v) is not int or v < (0 if 0 in space[k] else 1) for k, v in config.items()):
+        return "its config values must be positive whole numbers (0 only where the key allows it)"
     fixed = {k: v[0] for k, v in space.items() if len(v) == 1 and config[k] != v[0]}
     if fixed:
         return f"the spec fixes {', '.join(f'{k}={v}' for k, v in fixed.items())}"

@@ -1,0 +1,139 @@
+"""The backward kernels of a forward+backward spec, as the tuner sees them.
+
+The backward is two launches (attngen/passes/recompute.py): `attn_bwd_dq`, which also computes
+delta = rowsum(dO * O), then `attn_bwd_dkdv`, which reads it. Each has its own launch config, so
+each is tuned as a kernel of its own (`BackwardPart`), with the other at its current config:
+
+  * validation runs the whole backward with every gradient poisoned (NaN) first, and compares dq,
+    dk and dv with the float64 reference on one batch entry and one key/value head with its group
+    of query heads (exact: those are independent of the rest), so a candidate that breaks any
+    gradient is rejected;
+  * timing launches this part alone, on the inputs the validation run left (the dK/dV kernel reads
+    the delta the dQ kernel wrote there), so the other part's time does not blur the comparison.
+
+The spec's tile keys (block_m, ...) describe the forward kernel; the spec language has none for the
+backward kernels, so all four keys are searched and the problem text leaves the spec's tiles out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import configs
+from .key import problem_text
+
+PARTS = ("attn_bwd_dq", "attn_bwd_dkdv")
+_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class GradsCheck:
+    """The validation of one backward run: the per-gradient results of attngen.check.compare_grads."""
+
+    grads: tuple
+
+    @property
+    def ok(self) -> bool:
+        return all(g.ok for g in self.grads)
+
+    @property
+    def rel(self) -> float:
+        return max(g.rel for g in self.grads)
+
+    def __str__(self) -> str:
+        return "; ".join(f"{g.name} rel {g.rel:.2e} (tol {g.rel_tol:.0e}) max|err| {g.err:.3e} (tol {g.tol:.2e})"
+                         + (f" {g.problem}" if g.problem else "") for g in self.grads if not g.ok)
+
+
+class BackwardPart:
+    """One of the two backward kernels of `kernel` (a loaded forward+backward `Kernel`)."""
+
+    kind = "backward"
+
+    def __init__(self, kernel, name: str):
+        if name not in PARTS:
+            raise ValueError(f"no backward kernel '{name}'; the backward kernels are {', '.join(PARTS)}")
+        self.kernel, self.name, self.spec = kernel, name, kernel.spec
+
+    def __repr__(self) -> str:
+        return f"<backward kernel {self.name} of {self.spec.name}>"
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.name} backward {self.name}"
+
+    @property
+    def autotune(self):
+        return self.kernel.autotune
+
+    def tuning_problem(self) -> str:
+        return problem_text(self.spec, f"backward {self.name}", ignore=("direction",) + _TILE_KEYS)
+
+    def tuning_space(self) -> dict:
+        return dict(configs.SEARCH_SPACE)
+
+    def tuning_default(self) -> dict:
+        from ..runtime import interpreting
+
+        return configs.backward_config(self.spec, interpreter=interpreting())[self.name]
+
+    def tuning_infeasible(self, config: dict, target) -> str | None:
+        from ..resources import infeasible_backward
+
+        return infeasible_backward(self.spec, self.name, config, target)
+
+    def tuning_inputs(self, shape, device, generator) -> dict:
+        from ..check import Case, random_inputs
+
+        case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
+        q, k, v = random_inputs(self.spec, case, device, generator)
+        do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+        out, lse = self.kernel.forward(q, k, v, self.spec.softmax_scale)
+        return {"q": q, "k": k, "v": v, "out": out, "lse": lse, "do": do, "delta": torch.zeros_like(lse),
+                "dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
+
+    def tuning_run(self, inputs: dict, config: dict, *, poison: bool = False):
+        """With `poison`: the whole backward, gradients NaN-filled first (for validation). Without:
+        this part alone (for timing)."""
+        x, module, scale = inputs, self.kernel.module, self.spec.softmax_scale
+        if poison:
+            for name in ("dq", "dk", "dv"):
+                x[name].fill_(float("nan"))
+            other = next(p for p in PARTS if p != self.name)
+            launch = {self.name: dict(config), other: self._current_config(other, x)}
+            module.backward(x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"], scale,
+                            dq=x["dq"], dk=x["dk"], dv=x["dv"], config=launch)
+            # The dK/dV kernel timed alone reads delta = rowsum(dO * O), as the dQ kernel writes it.
+            x["delta"].copy_((x["do"].float() * x["out"].float()).sum(-1))
+        elif self.name == "attn_bwd_dq":
+            module.launch_attn_bwd_dq(q=x["q"], k=x["k"], v=x["v"], o=x["out"], do=x["do"], lse=x["lse"],
+                                      delta=x["delta"], dq=x["dq"], sm_scale=scale, **config)
+        else:
+            module.launch_attn_bwd_dkdv(q=x["q"], k=x["k"], v=x["v"], do=x["do"], lse=x["lse"], delta=x["delta"],
+                                        dk=x["dk"], dv=x["dv"], sm_scale=scale, **config)
+        return x["dq"], x["dk"], x["dv"]
+
+    def _current_config(self, part: str, inputs: dict) -> dict:
+        """The config a call of this shape would launch `part` with now (never tuning it)."""
+        from . import Shape, describe_config
+
+        shape = Shape.of(inputs["q"], inputs["k"])
+        return describe_config(self.kernel.tuner(part), shape, inputs["q"].device.index)[0]
+
+    def tuning_check(self, inputs: dict, outputs) -> GradsCheck:
+        from ..check import compare_grads
+
+        group = inputs["q"].shape[1] // inputs["k"].shape[1]
+        sliced = [t[:1, :group] if name in ("q", "do", "dq") else t[:1, :1]
+                  for name, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
+                                     (inputs["q"], inputs["k"], inputs["v"], inputs["do"], *outputs))]
+        q, k, v, do, dq, dk, dv = sliced
+        return GradsCheck(compare_grads(self.spec, q, k, v, do, (dq, dk, dv)))
+
+    def tuning_flops(self, shape) -> float:
+        from ..cost import evaluate, fa_flops
+
+        sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
+        return 2.5 * evaluate(fa_flops(self.spec.mask.is_causal), sizes)

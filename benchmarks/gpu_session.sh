@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One lent-GPU session's work in one call (the device tool's METHOD.md: batch the runs, logs under
+# $OUT, a short table last). Stages, run in the order given:
+#   tests    the whole test suite at real sizes (tests marked gpu included)
+#   tune     the shipped tables: every kernel of every spec in specs/ (--write-table attngen/tuned)
+#   tunenew  only the kernels that have no entry in this GPU's shipped table yet (backward, decode)
+#   compare  benchmarks/tuned_vs_default.py: tuned vs default vs FlexAttention, d=128 N=4096
+#   compile  benchmarks/compile_time.py: first call, cached second process, one binary for all lengths
+#   decode   attngen bench --suite decode (contiguous, paged 16 and 64, cuDNN, SDPA flash)
+#   prefill  attngen bench --suite prefill, both directions, d=64 and 128, N 512..16384
+# usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
+#   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
+set -uo pipefail
+OUT=${OUT:-/tmp/attngen-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SLUG=$(python3 -c "import torch,re;print(re.sub(r'[^a-z0-9]+','_',torch.cuda.get_device_name().lower()).strip('_'))")
+START=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$OUT/summary.txt"; }
+TUNE="python3 -m attngen tune --max-configs 10 --rep 10 --write-table attngen/tuned"
+for stage in "$@"; do
+  stamp "start $stage"
+  case $stage in
+    tests)
+      timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/tests.txt" | tail -3 ;;
+    tune)
+      timeout 560 $TUNE specs/*.attn > "$OUT/tune.txt" 2> "$OUT/tune_progress.txt"
+      mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/" ;;
+    tunenew)
+      timeout 150 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn specs/prefill_paged64_d128.attn \
+        --kind decode > "$OUT/tune.txt" 2> "$OUT/tune_progress.txt"
+      timeout 330 $TUNE specs/train_causal_d64.attn specs/train_gqa_d128.attn specs/train_d128.attn --kind backward \
+        --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      timeout 70 $TUNE specs/train_d128.attn --kind forward --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
+      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-200 | tail -60 ;;
+    compare)
+      timeout 120 python3 benchmarks/tuned_vs_default.py -o "$OUT/tuned_vs_default_$SLUG.json" 2>&1 | tail -8 ;;
+    compile)
+      timeout 150 python3 benchmarks/compile_time.py -o "$OUT/compile_$SLUG.json" 2>&1 | tail -12 ;;
+    decode|prefill)
+      mkdir -p "$OUT/bench"; cp "benchmarks/results/$SLUG.json" "$OUT/bench/" 2>/dev/null
+      timeout 400 python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
+      tail -40 "$OUT/bench_$stage.txt" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  stamp "done $stage (exit $?)"
+done

@@ -1,0 +1,237 @@
+"""Autotuning the backward kernels and the kernels over a KV cache, and the chunked float64 gradient
+reference the backward's validation gate uses. In Triton's interpreter, with tiny spaces and shapes:
+the timings mean nothing (tests that need an order pass their own timer), the paths are the real ones.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import attngen
+from attngen import check, reference, tuning
+from attngen.cli import main
+from attngen.decode import _auto_splits, kvcache_spec
+from attngen.spec import Mask, load_file
+from attngen.tuning import Shape, save, store, tune
+from attngen.tuning.key import Device, problem_key
+from attngen.tuning.report import format_outcome
+from conftest import DEVICE, SPECS, spec_text
+from test_tune import TINY, fresh_tuning_state  # noqa: F401 - the autouse fixture: a fresh cache per test
+
+SHAPE = Shape(1, 2, 2, 48, 80)  # seq_q != seq_k, neither a multiple of the tiles
+DECODE = {"block_n": (32,), "num_warps": (4,), "num_stages": (1,)}
+
+
+def rand(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32).half()
+
+
+def train_kernel(name, mask="causal"):
+    return attngen.load(spec_text(name, 32, "fp16", mask, direction="forward+backward"))
+
+
+def order(fast):
+    """A timer under which the configs `fast(config)` says are fast win, whatever the interpreter says."""
+    seen = []
+
+    def timer(fn, rep_ms, cuda):
+        fn()
+        return 0.001 if fast(seen[-1]) else 1.0
+
+    return seen, timer
+
+
+def spy(kernel, seen):
+    """Record the config of every tuning_run (tune() runs candidates through it)."""
+    real = kernel.tuning_run
+
+    def run(inputs, config, poison=False):
+        seen.append(dict(config))
+        return real(inputs, config, poison=poison)
+
+    return run
+
+
+# -- the chunked gradient reference --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask,n_q,n_k", [(Mask.CAUSAL_TOP_LEFT, 37, 53), (Mask.CAUSAL_BOTTOM_RIGHT, 53, 37),
+                                          (Mask.NONE, 29, 41)])
+def test_chunked_gradient_reference_equals_autograd_in_one_piece(mask, n_q, n_k):
+    q, k, v, do = (torch.randn(2, 4, n, 16, dtype=torch.float64) for n in (n_q, n_k, n_k, n_q))
+    k, v = k[:, :2], v[:, :2]  # GQA: two query heads per key/value head
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = reference.attention(*leaves, mask, 0.3)
+    out.backward(do)
+    chunked = reference.attention_grads(q, k, v, do, mask, 0.3, max_scores=2 * 4 * n_k * 5)  # 5 rows at a time
+    for got, leaf in zip(chunked, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+# -- the backward kernels ------------------------------------------------------------------------
+
+
+def test_the_backward_kernels_are_two_problems_of_their_own():
+    kernel = train_kernel("parts")
+    kinds = [(part.kind, part.label) for part in kernel.tuning_kernels()]
+    assert kinds == [("forward", "parts"), ("backward", "parts backward attn_bwd_dq"),
+                     ("backward", "parts backward attn_bwd_dkdv")]
+    keys = {problem_key(part.tuning_problem()) for part in kernel.tuning_kernels()}
+    assert len(keys) == 3
+    # The spec's tile keys describe the forward: fixing one changes the forward's problem only.
+    fixed = attngen.load(spec_text("parts2", 32, "fp16", "causal", direction="forward+backward", block_m=64))
+    assert problem_key(fixed.tuning_problem()) != problem_key(kernel.tuning_problem())
+    assert problem_key(fixed.tuner("attn_bwd_dq").tuning_problem()) == problem_key(kernel.tuner("attn_bwd_dq").tuning_problem())
+    assert attngen.load(spec_text("fwdonly", 32, "fp16", "causal")).tuning_kernels()[1:] == []
+
+
+def test_a_tuned_backward_kernel_serves_the_backward_and_gradients_stay_right(monkeypatch):
+    kernel = train_kernel("bwdtune")
+    dq_part = kernel.tuner("attn_bwd_dq")
+    launches = []
+    for name in ("launch_attn_bwd_dq", "launch_attn_bwd_dkdv"):
+        real = getattr(kernel.module, name)
+        monkeypatch.setattr(kernel.module, name, lambda *a, _real=real, _name=name, **kw: launches.append(_name) or _real(*a, **kw))
+    seen, timer = order(lambda config: config["BLOCK_M"] == 32)
+    monkeypatch.setattr(dq_part, "tuning_run", spy(dq_part, seen))
+    outcome = tune(dq_part, [SHAPE], values=TINY, timer=timer)
+    assert outcome.ok and outcome.best[0].trial.config["BLOCK_M"] == 32
+    assert "bwdtune backward attn_bwd_dq on Triton interpreter" in format_outcome(outcome)
+    # Validation ran the whole backward; timing (timer calls fn once) only the dQ kernel.
+    assert launches == ["launch_attn_bwd_dq", "launch_attn_bwd_dkdv", "launch_attn_bwd_dq"] * 2
+    save(outcome)
+
+    q, k, v = (rand(1, 2, n, 32).requires_grad_() for n in (48, 80, 80))
+    shape = Shape.of(q, k)
+    used = kernel.backward_config(q, k)
+    assert used["attn_bwd_dq"] == outcome.best[0].trial.config
+    assert used["attn_bwd_dkdv"] == kernel.tuner("attn_bwd_dkdv").tuning_default()
+    assert tuning.describe_config(dq_part, shape)[1] == "this process"
+    do = rand(1, 2, 48, 32)
+    kernel(q, k, v).backward(do)
+    results = check.compare_grads(kernel.spec, q.detach(), k.detach(), v.detach(), do, (q.grad, k.grad, v.grad))
+    assert all(r.ok for r in results), results
+
+
+def test_a_backward_candidate_that_breaks_a_gradient_is_rejected(monkeypatch):
+    kernel = train_kernel("bwdgate", "none")
+    part = kernel.tuner("attn_bwd_dkdv")
+    wrong = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+    real = part.tuning_run
+
+    def run(inputs, config, poison=False):
+        dq, dk, dv = real(inputs, config, poison=poison)
+        if config == wrong:
+            dv[:, :, 3] += 0.5  # one key row of dV is off
+        return dq, dk, dv
+
+    monkeypatch.setattr(part, "tuning_run", run)
+    outcome = tune(part, [SHAPE], values=dict(TINY, block_n=(64,)))
+    (rejected,) = [t for t in outcome.trials if t.status == "rejected"]
+    assert rejected.config == wrong and "wrong result: dv rel" in rejected.reason
+    assert outcome.ok and outcome.best[0].trial.config != wrong
+
+
+# -- kernels over a KV cache ---------------------------------------------------------------------
+
+
+def decode_kernel(page_size=None):
+    return attngen.load(kvcache_spec("fp16", 32, True, page_size))
+
+
+def test_the_split_count_is_searched_for_split_auto_specs_only():
+    kernel = decode_kernel()
+    (part,) = kernel.tuning_kernels()
+    assert part.kind == "decode" and "BLOCK_M" not in part.tuning_space()
+    assert part.tuning_space()["num_splits"][0] == 0 and part.tuning_default()["num_splits"] == 0
+    fixed = attngen.load(spec_text("split4", 32, "fp16", "causal(bottom_right)", split_kv=4))
+    assert "num_splits" not in fixed.tuner("kvcache").tuning_space()
+    paged = decode_kernel(64)  # pages of 64 tokens are looked up once per tile: BLOCK_N <= 64
+    reason = paged.tuner("kvcache").tuning_infeasible({"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "num_splits": 0}, None)
+    assert "block_n=128 crosses a page" in reason
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_a_tuned_split_count_serves_its_own_bucket_and_the_heuristic_the_rest(monkeypatch, page_size):
+    kernel = decode_kernel(page_size)
+    part = kernel.tuner("kvcache")
+    seen, timer = order(lambda config: config["num_splits"] == 3)
+    monkeypatch.setattr(part, "tuning_run", spy(part, seen))
+    shape = Shape(2, 4, 2, 1, 96)
+    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1, 3)), timer=timer)
+    assert outcome.ok and outcome.best[0].trial.config["num_splits"] == 3
+    assert outcome.best[0].gbps is not None and "GB/s" in format_outcome(outcome)
+    save(outcome)
+    monkeypatch.undo()
+
+    splits = []
+    real = kernel.module.forward_kvcache
+    monkeypatch.setattr(kernel.module, "forward_kvcache",
+                        lambda *a: splits.append((a[8], dict(a[9]))) or real(*a))
+    heuristic = _auto_splits(kernel.module, {"BLOCK_M": 16, "BLOCK_N": 32}, 8, 4, 2, 1, 96, torch.device(DEVICE))
+    assert heuristic != 3
+    for batch, expected in ((2, 3), (8, heuristic)):  # its own bucket; BH=32 takes the nearest bucket's tiles only
+        q = rand(batch, 1, 4, 32)
+        if page_size:
+            k, v = rand(batch * 6 + 3, page_size, 2, 32), rand(batch * 6 + 3, page_size, 2, 32)
+            table = torch.randperm(batch * 6 + 3, dtype=torch.int32)[: batch * 6].view(batch, 6)
+        else:
+            k, v, table = rand(batch, 96, 2, 32), rand(batch, 96, 2, 32), None
+        lens = torch.randint(1, 97, (batch,), dtype=torch.int32)
+        out = attngen.attention_with_kvcache(q, k, v, lens, table, causal=True)
+        assert splits[-1][0] == expected and splits[-1][1]["BLOCK_N"] == 32 and splits[-1][1]["BLOCK_M"] == 16
+        ref, _ = reference.kvcache_attention(q, k, v, lens, table, causal=True)
+        assert (out.double() - ref).abs().max().item() < 5e-3
+
+
+def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
+    part = decode_kernel(16).tuner("kvcache")
+    real = part.tuning_run
+
+    def run(inputs, config, poison=False):
+        out, lse = real(inputs, config, poison=poison)
+        if config["num_splits"] == 2:
+            out[1] *= 1.01  # the second sequence is off: the check looks past the first
+        return out, lse
+
+    monkeypatch.setattr(part, "tuning_run", run)
+    outcome = tune(part, [Shape(2, 4, 2, 1, 64)], values=dict(DECODE, num_splits=(0, 2)))
+    (rejected,) = [t for t in outcome.trials if t.status == "rejected"]
+    assert rejected.config["num_splits"] == 2 and outcome.best[0].trial.config["num_splits"] == 0
+
+
+def test_a_stored_split_count_must_be_one_the_kernel_takes():
+    part = decode_kernel().tuner("kvcache")
+    good = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "num_splits": 0}
+    assert store.entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": good}) is None
+    assert "positive whole numbers" in store.entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": dict(good, BLOCK_N=0)})
+    assert "positive whole numbers" in store.entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": dict(good, num_splits=-1)})
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_tune_kind_picks_the_kernels_and_refuses_one_the_spec_lacks(tmp_path, capsys):
+    path = tmp_path / "both.attn"
+    path.write_text(spec_text("both", 32, "fp16", "causal", direction="forward+backward"))
+    assert main(["tune", str(path), "--kind", "backward", "--seqlens", "40:72", "--values", "block_m=32,64",
+                 "block_n=32", "num_warps=4", "num_stages=1"]) == 0
+    out = capsys.readouterr().out
+    assert "both backward attn_bwd_dq on" in out and "both backward attn_bwd_dkdv on" in out
+    assert "both on" not in out  # the forward was not asked for
+    data = json.loads(store.user_path(Device.current()).read_text())
+    assert sorted(p["problem"].split(";")[0] for p in data["problems"].values()) == [
+        "kind = backward attn_bwd_dkdv", "kind = backward attn_bwd_dq"]
+
+    assert main(["tune", str(path), "--kind", "decode"]) == 2
+    assert "kernel 'both' has only backward, forward" in capsys.readouterr().err
+
+
+def test_the_shipped_decode_specs_are_the_problems_attention_with_kvcache_solves():
+    """So the tables tuned for specs/decode_*.attn serve attngen.attention_with_kvcache()."""
+    for name, page_size in (("decode_d128", None), ("decode_paged16_d128", 16)):
+        spec = load_file(os.path.join(SPECS, f"{name}.attn"))
+        assert (attngen.load(spec).tuner("kvcache").tuning_problem()
+                == attngen.load(kvcache_spec("bf16", 128, True, page_size)).tuner("kvcache").tuning_problem())
