@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One lent-GPU session's work in one call (the device tool's METHOD.md: batch the runs, logs under
 # $OUT, a short table last). Stages, run in the order given:
-#   tests    the whole test suite at real sizes (tests marked gpu included)
+#   tests    the test suite at real sizes (tests marked gpu included); $TESTS narrows it
 #   tune     the shipped tables: every kernel of every spec in specs/ (--write-table attngen/tuned)
-#   tunenew  only the kernels that have no entry in this GPU's shipped table yet (backward, decode)
+#   tunedecode, tunebackward   the KV-cache kernels / the backward kernels and train_d128's forward
 #   compare  benchmarks/tuned_vs_default.py: tuned vs default vs FlexAttention, d=128 N=4096
 #   compile  benchmarks/compile_time.py: first call, cached second process, one binary for all lengths
 #   decode   attngen bench --suite decode (contiguous, paged 16 and 64, cuDNN, SDPA flash)
@@ -22,18 +22,21 @@ for stage in "$@"; do
   stamp "start $stage"
   case $stage in
     tests)
-      timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=15 2>&1 | tee "$OUT/tests.txt" | tail -3 ;;
+      timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider --durations=15 ${TESTS:-} 2>&1 | tee "$OUT/tests.txt" | tail -3 ;;
     tune)
       timeout 560 $TUNE specs/*.attn > "$OUT/tune.txt" 2> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/" ;;
-    tunenew)
-      timeout 150 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn specs/prefill_paged64_d128.attn \
-        --kind decode > "$OUT/tune.txt" 2> "$OUT/tune_progress.txt"
-      timeout 330 $TUNE specs/train_causal_d64.attn specs/train_gqa_d128.attn specs/train_d128.attn --kind backward \
-        --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
-      timeout 70 $TUNE specs/train_d128.attn --kind forward --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+    tunedecode)
+      timeout 120 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn specs/prefill_paged64_d128.attn \
+        --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
-      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-200 | tail -60 ;;
+      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-160 | tail -30 ;;
+    tunebackward)
+      timeout 60 $TUNE specs/train_d128.attn --kind forward --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      timeout 330 $TUNE --max-configs 8 specs/train_causal_d64.attn specs/train_gqa_d128.attn specs/train_d128.attn \
+        --kind backward --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
+      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-160 | tail -40 ;;
     compare)
       timeout 120 python3 benchmarks/tuned_vs_default.py -o "$OUT/tuned_vs_default_$SLUG.json" 2>&1 | tail -8 ;;
     compile)

@@ -16,6 +16,10 @@ import sys
 
 STYLE = {"attngen": ("tab:red", "o"), "flex": ("tab:blue", "s"), "sdpa_flash": ("tab:green", "^"),
          "sdpa_cudnn": ("tab:purple", "D"), "sdpa_efficient": ("tab:orange", "v"), "naive": ("tab:gray", "x")}
+# attngen's decode variants, in reds and browns, apart from the peers' colours above.
+DECODE_COLORS = {"attngen_contiguous_graph": "tab:red", "attngen_paged_16_graph": "darkred",
+                 "attngen_contiguous": "salmon", "attngen_paged_16": "rosybrown", "attngen_paged_64": "sienna",
+                 "attngen_contig_1_split": "orange"}
 
 
 def _style(provider):
@@ -70,7 +74,7 @@ def plot_decode(rows, device, slug, out_dir):
             if pts:
                 color, marker = _style(provider)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=provider,
-                        color=None if provider.startswith("attngen") else color,
+                        color=DECODE_COLORS.get(provider, "black") if provider.startswith("attngen") else color,
                         linewidth=2.2 if provider.startswith("attngen") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_title(f"batch {batch}")

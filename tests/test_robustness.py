@@ -31,7 +31,7 @@ from attngen import cache, reference
 from attngen.api import sdpa_spec
 from attngen.check import ATOL, FUDGE, Case, compare, compare_grads, validate
 from attngen.spec import MIN_SCALE, DType, Mask
-from conftest import DEVICE, ROOT, spec_text
+from conftest import DEVICE, HAS_GPU, ROOT, spec_text
 
 
 def rand(*shape, dtype=torch.float16, device=DEVICE):
@@ -356,7 +356,7 @@ def _fake_mode():
 
 def _strided(shape, strides, dtype=torch.float16):
     """A tensor with these strides and no storage to speak of (call inside _fake_mode())."""
-    return torch.empty_strided(shape, strides, dtype=dtype, device="cpu")
+    return torch.empty_strided(shape, strides, dtype=dtype, device=DEVICE)
 
 
 def _wide(*shape, dtype=torch.float16):
@@ -469,10 +469,10 @@ def test_backward_takes_heads_x_queries_past_32_bits(train_kernel, no_launch):
     heads together span past 2**31 elements is launched, as long as each (batch, head) slice fits."""
     assert "tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h" in train_kernel.source
     with _fake_mode():
-        q = torch.empty(1, 4, 2**24 + 1, 32, dtype=torch.float16)
-        k = torch.empty(1, 2, 2**24 + 1, 32, dtype=torch.float16)
+        q = torch.empty(1, 4, 2**24 + 1, 32, dtype=torch.float16, device=DEVICE)
+        k = torch.empty(1, 2, 2**24 + 1, 32, dtype=torch.float16, device=DEVICE)
         with pytest.raises(AssertionError, match="a kernel was launched"):
-            train_kernel.backward(q, k, k, q, torch.empty(1, 4, 2**24 + 1), q)
+            train_kernel.backward(q, k, k, q, torch.empty(1, 4, 2**24 + 1, device=DEVICE), q)
 
 
 # -- several GPUs ---------------------------------------------------------------------------------------
@@ -503,6 +503,8 @@ def two_fake_gpus(monkeypatch):
         yield state
 
 
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2,
+                    reason="fake tensors on cuda:1 need no GPU (all fake) or two real ones")
 @pytest.mark.parametrize("gpu", [1, 0])
 def test_tensors_on_another_gpu_launch_on_that_gpu(gpu, checked_kernel, train_kernel, two_fake_gpus, monkeypatch):
     """A CUDA tensor need not be on the current device (a drop-in for SDPA must work on cuda:1): every
@@ -946,6 +948,7 @@ def test_unwritable_entry_falls_back_with_a_warning(tmp_path, monkeypatch):
 LOADER = """
 import os, sys, time
 import attngen, torch
+from attngen.runtime import interpreting
 ready, count = sys.argv[2], int(sys.argv[3])
 if count > 1:  # a barrier: every process has imported torch before any of them loads the spec
     open(os.path.join(ready, str(os.getpid())), "w").close()
@@ -953,7 +956,7 @@ if count > 1:  # a barrier: every process has imported torch before any of them 
     while len(os.listdir(ready)) < count and time.time() < deadline:
         time.sleep(0.005)
 kernel = attngen.load(sys.argv[1])
-q = torch.randn(1, 2, 5, 32).half()
+q = torch.randn(1, 2, 5, 32, device="cpu" if interpreting() else "cuda").half()
 out = kernel(q, q, q)
 assert torch.isfinite(out).all()
 print(kernel.path, kernel.source.count(chr(10)))
@@ -963,7 +966,8 @@ print(kernel.path, kernel.source.count(chr(10)))
 def _loaders(cache_dir, text, count=1):
     ready = cache_dir.parent / f"ready-{uuid.uuid4().hex[:8]}"
     ready.mkdir()
-    env = dict(os.environ, ATTNGEN_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="1", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, ATTNGEN_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="0" if HAS_GPU else "1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
     procs = [subprocess.Popen([sys.executable, "-c", LOADER, text, str(ready), str(count)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for _ in range(count)]
     outputs = [p.communicate(timeout=180) for p in procs]

@@ -98,7 +98,7 @@ def test_a_tuned_backward_kernel_serves_the_backward_and_gradients_stay_right(mo
     monkeypatch.setattr(dq_part, "tuning_run", spy(dq_part, seen))
     outcome = tune(dq_part, [SHAPE], values=TINY, timer=timer)
     assert outcome.ok and outcome.best[0].trial.config["BLOCK_M"] == 32
-    assert "bwdtune backward attn_bwd_dq on Triton interpreter" in format_outcome(outcome)
+    assert format_outcome(outcome).startswith("bwdtune backward attn_bwd_dq on ")
     # Validation ran the whole backward; timing (timer calls fn once) only the dQ kernel.
     assert launches == ["launch_attn_bwd_dq", "launch_attn_bwd_dkdv", "launch_attn_bwd_dq"] * 2
     save(outcome)
@@ -157,11 +157,15 @@ def test_the_split_count_is_searched_for_split_auto_specs_only():
 def test_a_tuned_split_count_serves_its_own_bucket_and_the_heuristic_the_rest(monkeypatch, page_size):
     kernel = decode_kernel(page_size)
     part = kernel.tuner("kvcache")
-    seen, timer = order(lambda config: config["num_splits"] == 3)
+    # The run-time heuristic's count for the other batch below (it depends on the GPU's SMs), and a
+    # tuned count that differs from it.
+    heuristic = _auto_splits(kernel.module, {"BLOCK_M": 16, "BLOCK_N": 32}, 8, 4, 2, 1, 96, torch.device(DEVICE))
+    tuned = 3 if heuristic != 3 else 5
+    seen, timer = order(lambda config: config["num_splits"] == tuned)
     monkeypatch.setattr(part, "tuning_run", spy(part, seen))
     shape = Shape(2, 4, 2, 1, 96)
-    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1, 3)), timer=timer)
-    assert outcome.ok and outcome.best[0].trial.config["num_splits"] == 3
+    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1, tuned)), timer=timer)
+    assert outcome.ok and outcome.best[0].trial.config["num_splits"] == tuned
     assert outcome.best[0].gbps is not None and "GB/s" in format_outcome(outcome)
     save(outcome)
     monkeypatch.undo()
@@ -170,16 +174,14 @@ def test_a_tuned_split_count_serves_its_own_bucket_and_the_heuristic_the_rest(mo
     real = kernel.module.forward_kvcache
     monkeypatch.setattr(kernel.module, "forward_kvcache",
                         lambda *a: splits.append((a[8], dict(a[9]))) or real(*a))
-    heuristic = _auto_splits(kernel.module, {"BLOCK_M": 16, "BLOCK_N": 32}, 8, 4, 2, 1, 96, torch.device(DEVICE))
-    assert heuristic != 3
-    for batch, expected in ((2, 3), (8, heuristic)):  # its own bucket; BH=32 takes the nearest bucket's tiles only
+    for batch, expected in ((2, tuned), (8, heuristic)):  # its own bucket; BH=32 takes the nearest bucket's tiles only
         q = rand(batch, 1, 4, 32)
         if page_size:
             k, v = rand(batch * 6 + 3, page_size, 2, 32), rand(batch * 6 + 3, page_size, 2, 32)
-            table = torch.randperm(batch * 6 + 3, dtype=torch.int32)[: batch * 6].view(batch, 6)
+            table = torch.randperm(batch * 6 + 3, dtype=torch.int32, device=DEVICE)[: batch * 6].view(batch, 6)
         else:
             k, v, table = rand(batch, 96, 2, 32), rand(batch, 96, 2, 32), None
-        lens = torch.randint(1, 97, (batch,), dtype=torch.int32)
+        lens = torch.randint(1, 97, (batch,), dtype=torch.int32, device=DEVICE)
         out = attngen.attention_with_kvcache(q, k, v, lens, table, causal=True)
         assert splits[-1][0] == expected and splits[-1][1]["BLOCK_N"] == 32 and splits[-1][1]["BLOCK_M"] == 16
         ref, _ = reference.kvcache_attention(q, k, v, lens, table, causal=True)

@@ -25,6 +25,7 @@ from .. import configs
 from .key import problem_text
 
 PARTS = ("attn_bwd_dq", "attn_bwd_dkdv")
+PRODUCTS = {"attn_bwd_dq": 3, "attn_bwd_dkdv": 4}  # matrix products per (query block, key block) pair
 _TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
@@ -133,7 +134,11 @@ class BackwardPart:
         return GradsCheck(compare_grads(self.spec, q, k, v, do, (dq, dk, dv)))
 
     def tuning_flops(self, shape) -> float:
+        """This kernel's own matrix-product FLOPs, so its TFLOP/s compares with the GPU's peak: dQ
+        recomputes S = QK^T and dP = dO V^T and forms dS K (3 products, 1.5x the forward's two);
+        dK/dV recomputes S^T and dP^T and forms P^T dO and dS^T Q (4 products, 2x). The whole
+        backward is 3.5x the forward, which the FlashAttention convention counts as 2.5x."""
         from ..cost import evaluate, fa_flops
 
         sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
-        return 2.5 * evaluate(fa_flops(self.spec.mask.is_causal), sizes)
+        return PRODUCTS[self.name] / 2 * evaluate(fa_flops(self.spec.mask.is_causal), sizes)
