@@ -136,6 +136,8 @@ class Kernel:
     def name(self) -> str:
         return self.spec.name
 
+    kind = "forward"  # for the tuner (attngen tune --kind)
+
     @property
     def label(self) -> str:
         """What the tuner calls it (its backward kernels and KV-cache entry have labels of their own)."""
@@ -185,8 +187,6 @@ class Kernel:
         if self.kvcache:
             return [self.tuner("kvcache")]
         return [self] + ([self.tuner(part) for part in PARTS] if self.spec.backward else [])
-
-    kind = "forward"
 
     def config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
         """The launch configuration for these inputs: the tuned one for this GPU and shape bucket

@@ -89,10 +89,9 @@ class KVCacheKernel:
                num_splits: int = 0):
         """forward_kvcache on (batch, heads, seq, d) views; `num_splits` (if not 0) overrides the config's."""
         config = dict(config)
-        splits = num_splits or config.pop("num_splits", 0)
-        config.pop("num_splits", None)
+        splits = config.pop("num_splits", 0)
         return self.kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, scale, out4, lse,
-                                                  splits, config)
+                                                  num_splits or splits, config)
 
     # -- the tuner's protocol (attngen/tuning/__init__.py) -----------------------------------------
     def tuning_problem(self) -> str:

@@ -193,8 +193,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement)" if cuda else
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
-    return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space, pruned, len(feasible), trials, best, missing, timing,
-                   time.perf_counter() - started)
+    return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space,
+                   pruned, len(feasible), trials, best, missing, timing, time.perf_counter() - started)
 
 
 def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, timer) -> None:
