@@ -14,6 +14,11 @@ zeros), triton.testing.do_bench medians:
                          contiguous cache viewed (B, 8, ctx, 128), enable_gqa=True (or, where a
                          backend refuses GQA, the K/V heads repeated to 32: noted as "expanded"),
                          timed as CUDA-graph replays
+  ... [layers]           one decoding step of a model: L layers' attention back to back in one CUDA
+                         graph, each layer on its own cache (L = 256 MB / one layer's K/V, 1 to 16,
+                         so the caches do not fit in L2 together), time / L. A replay of one call
+                         alone also counts the graph's launch latency (about 10 us on an H200,
+                         common to every provider), which a model pays once per step, not per layer
 Bandwidth = K/V bytes of the cache, 2 * B * ctx * H_kv * d * 2, over the time. Every attngen
 variant is checked against the contiguous one. Then one decode step (B=16, 8k, paged 16) is
 captured in a CUDA graph, replayed on new query data, and compared with an eager call.
@@ -56,6 +61,24 @@ def bench_graph(fn) -> float:
     return bench(graph.replay)
 
 
+def layer_count(batch: int, ctx: int) -> int:
+    """Layers of the [layers] measurement: enough caches for 256 MB of K/V, 1 to 16."""
+    per_layer = 2 * batch * ctx * H_KV * D * DTYPE.itemsize
+    return max(1, min(16, -(-(256 << 20) // per_layer)))
+
+
+def bench_layers(calls) -> float:
+    """Per-call time of `calls` (one per layer, each on its own data) replayed as one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return bench(graph.replay) / len(calls)
+
+
 def gbps(batch: int, ctx: int, ms: float) -> float:
     return 2 * batch * ctx * H_KV * D * DTYPE.itemsize / (ms * 1e-3) / 1e9
 
@@ -68,34 +91,37 @@ def paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor) -> torch.Tens
     return pool
 
 
-def sdpa(backend, q, k, v):
+def sdpa(backend, q, k, v, caches=None):
+    """Time torch SDPA with one backend as CUDA-graph replays: one call on (k, v), or with `caches`
+    (a list of (k, v), one per layer) the per-layer time of all of them in one graph. GQA through
+    enable_gqa, or, where the backend refuses it, with the K/V heads repeated ("expanded")."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kind = getattr(SDPBackend, backend)
-    q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q4 = q.transpose(1, 2)
 
-    def gqa():
-        with sdpa_kernel(kind):
-            return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
+    def call(kl, vl, expand):
+        k4, v4 = kl.transpose(1, 2), vl.transpose(1, 2)
+        if expand:
+            k4, v4 = k4.repeat_interleave(H // H_KV, dim=1), v4.repeat_interleave(H // H_KV, dim=1)
 
-    try:
-        bench(gqa)
-        return bench_graph(gqa), "gqa, CUDA graph"
-    except Exception:  # noqa: BLE001 - the backend may refuse enable_gqa: repeat the heads
-        pass
-    ke, ve = k4.repeat_interleave(H // H_KV, dim=1), v4.repeat_interleave(H // H_KV, dim=1)
+        def fn():
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=not expand)
+        return fn
 
-    def expanded():
-        with sdpa_kernel(kind):
-            return F.scaled_dot_product_attention(q4, ke, ve)
-
-    try:
-        bench(expanded)
-        return bench_graph(expanded), "expanded heads, CUDA graph"
-    except Exception as e:  # noqa: BLE001
-        return None, f"error: {type(e).__name__}: {str(e)[:100]}"
-    finally:
-        del ke, ve
+    error = None
+    for expand in (False, True):
+        try:
+            fns = [call(kl, vl, expand) for kl, vl in (caches or [(k, v)])]
+            bench(fns[0])  # raises where the backend refuses these inputs
+            ms = bench_layers(fns) if caches else bench_graph(fns[0])
+            return ms, ("expanded heads" if expand else "gqa") + ", CUDA graph"
+        except Exception as e:  # noqa: BLE001 - the backend may refuse enable_gqa: repeat the heads
+            error = e
+        finally:
+            fns = None
+    return None, f"error: {type(error).__name__}: {str(error)[:100]}"
 
 
 def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
@@ -132,7 +158,22 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
     for backend, name in (("FLASH_ATTENTION", "sdpa flash"), ("CUDNN_ATTENTION", "sdpa cudnn")):
         ms, note = sdpa(backend, q, k, v)
         record(name, ms, note)
-    del q, k, v
+    layers = layer_count(batch, ctx)
+    caches = [(k, v)] + [(torch.randn(k.shape, device="cuda", dtype=DTYPE, generator=gen),
+                          torch.randn(v.shape, device="cuda", dtype=DTYPE, generator=gen)) for _ in range(layers - 1)]
+    note = f"{layers} layers in one CUDA graph"
+    record("attngen contiguous [layers]", bench_layers([
+        (lambda kl=kl, vl=vl: attngen.attention_with_kvcache(q, kl, vl, seqlens)) for kl, vl in caches]), note)
+    perm = torch.randperm(batch * ctx // 16, device="cuda", generator=gen)
+    table = perm.view(batch, ctx // 16).to(torch.int32)
+    pools = [(paged_copy(kl, 16, perm), paged_copy(vl, 16, perm)) for kl, vl in caches]
+    record("attngen paged 16 [layers]", bench_layers([
+        (lambda kp=kp, vp=vp: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)) for kp, vp in pools]), note)
+    del pools
+    for backend, name in (("FLASH_ATTENTION", "sdpa flash [layers]"), ("CUDNN_ATTENTION", "sdpa cudnn [layers]")):
+        ms, why = sdpa(backend, q, k, v, caches)
+        record(name, ms, f"{note}; {why}")
+    del q, k, v, caches
     torch.cuda.empty_cache()
     return row
 

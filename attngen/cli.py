@@ -98,7 +98,9 @@ def cmd_check(args) -> int:
 
 
 def _parse_shape(text: str | None, spec) -> dict:
-    sizes = {"B": 1, "H": spec.heads or 16, "N_Q": 4096, "N_K": 4096}
+    # A split-KV spec is for decoding: one new token against an 8k cache, unless told otherwise.
+    n_q, n_k = (1, 8192) if spec.is_split else (4096, 4096)
+    sizes = {"B": 1, "H": spec.heads or 16, "N_Q": n_q, "N_K": n_k}
     if text:
         for part in text.split(","):
             key, sep, value = part.partition("=")
@@ -146,6 +148,8 @@ def cmd_explain(args) -> int:
         programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
         sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
+    if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load
+        sizes["BLOCK_S"] = last.attr("combine_block_s")
     forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
     directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:
@@ -258,7 +262,7 @@ def _values(items) -> dict:
 DEFAULT_SEQLENS = {  # (on a GPU, in the interpreter), as --seqlens takes them
     "forward": (["1024", "4096", "16384"], ["64"]),
     "backward": (["1024", "4096", "16384"], ["64"]),
-    "decode": (["1:8192", "1:32768"], ["1:64"]),           # one new token against the cache's capacity
+    "decode": (["1:1024", "1:8192", "1:32768"], ["1:64"]),  # one new token against the cache's capacity
     "chunked": (["512:4096", "512:16384"], ["16:64"]),     # a paged cache without split: chunked prefill
 }
 DECODE_BATCHES = ([1, 16, 64], [2])
@@ -372,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("--pass", dest="pass_name", default=None, metavar="NAME", help="print only the IR after this pass")
     p.add_argument("--shape", default=None, metavar="B=1,H=16,N=4096",
-                   help="sizes to evaluate the cost formulas at (B, H, H_KV, N, N_Q, N_K)")
+                   help="sizes to evaluate the cost formulas at (B, H, H_KV, N, N_Q, N_K; default B=1, H=16 "
+                        "or the spec's, N=4096, or N_Q=1 N_K=8192 for a split-KV spec)")
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")

@@ -143,6 +143,8 @@ class Op(enum.Enum):
     LOG2 = "log2"
     ROWMAX = "rowmax"
     ROWSUM = "rowsum"
+    COLMAX = "colmax"      # over the first axis: a [S, D] tile -> [D], a [S] vector -> a scalar
+    COLSUM = "colsum"
     CAST = "cast"          # to the dtype in `Call.dtype`
     FINITE_OR_ZERO = "finite_or_zero"  # x where x > -inf else 0: keeps exp(-inf - -inf) out
     ONE_IF_ZERO = "one_if_zero"        # x where x != 0 else 1: normalising an empty row
@@ -173,10 +175,12 @@ class Sym:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Read `buffer[index]` from HBM; out-of-bounds elements (see `Span.limit`) read as 0."""
+    """Read `buffer[index]` from HBM; out-of-bounds elements (see `Span.limit`) read as `fill`
+    (0, or -inf for a log-sum-exp that must weigh nothing)."""
 
     buffer: Buffer
     index: tuple[IndexItem, ...]
+    fill: float = 0.0
 
 
 class PredKind(enum.Enum):
@@ -463,6 +467,8 @@ def shape_of(expr: Expr) -> tuple[sympy.Expr, ...]:
         return (a[1], a[0])
     if op in (Op.ROWMAX, Op.ROWSUM):
         return shape_of(args[0])[:1]
+    if op in (Op.COLMAX, Op.COLSUM):
+        return shape_of(args[0])[1:]
     shapes = [shape_of(a) for a in args]
     return max(shapes, key=len)
 
@@ -526,7 +532,8 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Sym):
         return _e(e.expr)
     if isinstance(e, Load):
-        return f"load {e.buffer.name}{format_index(e.index)}"
+        fill = f" (else {format_expr(Num(e.fill))})" if e.fill != 0.0 else ""
+        return f"load {e.buffer.name}{format_index(e.index)}{fill}"
     if isinstance(e, Masked):
         preds = " and ".join(format_pred(p) for p in e.preds)
         fill = format_expr(Num(e.fill))

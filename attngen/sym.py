@@ -45,6 +45,8 @@ class FloorDiv(sympy.Function):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) // int(b))
         # (k * b) // b == k for a symbolic b
+        if a.has(sympy.Min, sympy.Max, FloorDiv, CeilDiv):
+            return None  # no polynomial quotient through min/max/division; cancel() there is slow
         q = sympy.cancel(a / b)
         if q.is_polynomial() and sympy.denom(sympy.together(q)) == 1 and q.is_integer:
             return q
@@ -74,6 +76,8 @@ class CeilDiv(sympy.Function):
             return sympy.Integer(0)
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(-(-int(a) // int(b)))
+        if a.has(sympy.Min, sympy.Max, FloorDiv, CeilDiv):
+            return None  # no polynomial quotient through min/max/division; cancel() there is slow
         q = sympy.cancel(a / b)
         if q.is_polynomial() and sympy.denom(sympy.together(q)) == 1 and q.is_integer:
             return q
@@ -141,6 +145,8 @@ PAGE_SIZE = size("PAGE_SIZE")     # tokens per page
 MAX_PAGES = size("MAX_PAGES")     # block-table entries per sequence
 h_kv = index("h_kv")              # the key/value head a packed program serves
 split = index("split")            # which slice of the keys a partial program reduces
+BLOCK_S = size("BLOCK_S")         # splits the combine kernel merges per step (a compile-time size)
+m = index("m")                    # one query row (the combine kernel's grid)
 n_k = index("n_k")                # this sequence's key count (loaded from SEQLENS)
 keys_per_split = index("keys_per_split")
 split_start = index("split_start")

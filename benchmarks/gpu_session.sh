@@ -3,7 +3,7 @@
 # $OUT, a short table last). Stages, run in the order given:
 #   tests    the test suite at real sizes (tests marked gpu included); $TESTS narrows it
 #   tune     the shipped tables: every kernel of every spec in specs/ (--write-table attngen/tuned)
-#   tunedecode, tunebackward   the KV-cache kernels / the backward kernels and train_d128's forward
+#   tunedecode, tunebackward   the KV-cache kernels (a wide search) / the backward kernels and train_d128's forward
 #   compare  benchmarks/tuned_vs_default.py: tuned vs default vs FlexAttention, d=128 N=4096
 #   compile  benchmarks/compile_time.py: first call, cached second process, one binary for all lengths
 #   decode   attngen bench --suite decode (contiguous, paged 16 and 64, cuDNN, SDPA flash)
@@ -27,8 +27,10 @@ for stage in "$@"; do
       timeout 560 $TUNE specs/*.attn > "$OUT/tune.txt" 2> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/" ;;
     tunedecode)
-      timeout 120 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn specs/prefill_paged64_d128.attn \
-        --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      # decode kernels take microseconds: search BLOCK_N x stages x every split count, not the 10 nearest
+      timeout 240 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 64 \
+        --values block_n=64,128 num_warps=4 num_stages=3,4,5,6 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      timeout 60 $TUNE specs/prefill_paged64_d128.attn --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
       grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-160 | tail -30 ;;
     tunebackward)

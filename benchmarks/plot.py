@@ -19,11 +19,12 @@ STYLE = {"attngen": ("tab:red", "o"), "flex": ("tab:blue", "s"), "sdpa_flash": (
 # attngen's decode variants, in reds and browns, apart from the peers' colours above.
 DECODE_COLORS = {"attngen_contiguous_graph": "tab:red", "attngen_paged_16_graph": "darkred",
                  "attngen_contiguous": "salmon", "attngen_paged_16": "rosybrown", "attngen_paged_64": "sienna",
-                 "attngen_contig_1_split": "orange"}
+                 "attngen_contig_1_split": "orange", "attngen_contiguous_layers": "crimson",
+                 "attngen_paged_16_layers": "maroon"}
 
 
 def _style(provider):
-    base = provider.split("[")[0]
+    base = provider.split("[")[0].removesuffix("_layers").removesuffix("_graph")
     return STYLE.get(base, ("black", "."))
 
 
@@ -74,6 +75,7 @@ def plot_decode(rows, device, slug, out_dir):
             if pts:
                 color, marker = _style(provider)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=provider,
+                        linestyle="--" if provider.endswith("_layers") else "-",
                         color=DECODE_COLORS.get(provider, "black") if provider.startswith("attngen") else color,
                         linewidth=2.2 if provider.startswith("attngen") else 1.2)
         ax.set_xscale("log", base=2)

@@ -38,6 +38,7 @@ GENERATOR = "attngen 0.1.0"
 DTYPE = torch.bfloat16
 HEAD_DIM = 128
 HEAD_DIM_PADDED = 128
+COMBINE_BLOCK_S = 32
 DEFAULT_CONFIG = {'BLOCK_M': 16, 'BLOCK_N': 128, 'num_warps': 4, 'num_stages': 3}
 
 
@@ -199,50 +200,49 @@ def attn_combine(
     N_Q,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """merge the splits' outputs by log-sum-exp, one program per (batch, head, block of BLOCK_M queries)"""
+    """merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)"""
     # -- which tile this program computes --
     b = tl.program_id(2)
     h = tl.program_id(1)
-    start_m = tl.program_id(0) * BLOCK_M
+    m = tl.program_id(0)
     # -- base pointers of this program's rows --
-    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + h.to(tl.int64) * stride_lse_part_h
-    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + h.to(tl.int64) * stride_o_part_h
-    o_base = O + b.to(tl.int64) * stride_o_b + h.to(tl.int64) * stride_o_h
-    lse_base = LSE + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
-    # -- the largest log-sum-exp over the splits (-inf: no split saw a key of this row) --
-    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for split in range(0, NUM_SPLITS, 1):  # every split
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        lse_part = tl.load(lse_part_base + tl.cast(split, tl.int64) * stride_lse_part_split + offs_m * stride_lse_part_n, mask=(offs_m < N_Q), other=0.0)
-        lse_max = tl.maximum(lse_max, lse_part)
-    lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    # -- each split's output weighted by its share exp(lse_s - lse_max) of the softmax mass --
-    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for split in range(0, NUM_SPLITS, 1):  # every split
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        lse_part = tl.load(lse_part_base + tl.cast(split, tl.int64) * stride_lse_part_split + offs_m * stride_lse_part_n, mask=(offs_m < N_Q), other=0.0)
-        weight = tl.exp(lse_part - lse_use)
-        l_sum = l_sum + weight
+    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + h.to(tl.int64) * stride_lse_part_h + m.to(tl.int64) * stride_lse_part_n
+    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + h.to(tl.int64) * stride_o_part_h + m.to(tl.int64) * stride_o_part_n
+    o_base = O + b.to(tl.int64) * stride_o_b + h.to(tl.int64) * stride_o_h + m.to(tl.int64) * stride_o_n
+    lse_base = LSE + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + m.to(tl.int64) * stride_lse_n
+    # -- merge BLOCK_S splits at a time: running max, rescaled sum and accumulator --
+    m_run = tl.full([], float("-inf"), dtype=tl.float32)
+    l_run = tl.full([], 0.0, dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for split in range(0, NUM_SPLITS, BLOCK_S):  # chunks of BLOCK_S splits
+        split = tl.multiple_of(split, BLOCK_S)
+        offs_s = split + tl.arange(0, BLOCK_S)
+        lse_s = tl.load(lse_part_base + offs_s * stride_lse_part_split, mask=(offs_s < NUM_SPLITS), other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_use)
+        weight = tl.exp(lse_s - m_use)
+        l_run = l_run * alpha + tl.sum(weight, 0)
         offs_d = tl.arange(0, HEAD_DIM)
-        o_part = tl.load(o_part_base + tl.cast(split, tl.int64) * stride_o_part_split + offs_m[:, None] * stride_o_part_n + offs_d[None, :] * stride_o_part_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-        acc = acc + weight[:, None] * o_part
-    l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+        o_part = tl.load(o_part_base + offs_s[:, None] * stride_o_part_split + offs_d[None, :] * stride_o_part_d, mask=(offs_s[:, None] < NUM_SPLITS), other=0.0)
+        acc = acc * alpha + tl.sum(weight[:, None] * o_part, 0)
+        m_run = m_new
+    # -- a row no split saw a key of gives 0 and a log-sum-exp of -inf --
+    l_safe = tl.where(l_run == 0.0, 1.0, l_run)
     offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(o_base + offs_m[:, None] * stride_o_n + offs_d[None, :] * stride_o_d, (acc / l_safe[:, None]).to(tl.bfloat16), mask=(offs_m[:, None] < N_Q))
-    tl.store(lse_base + offs_m * stride_lse_n, lse_max + tl.log(l_safe), mask=(offs_m < N_Q))
+    tl.store(o_base + offs_d * stride_o_d, (acc / l_safe).to(tl.bfloat16))
+    tl.store(lse_base, m_run + tl.log(l_safe))
 
 
-def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_M, num_warps, num_stages):
+def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_stages):
     """Launch `attn_combine` on tensors o_part, lse_part, o, lse."""
     B = o_part.shape[0]
     H = o_part.shape[2]
     NUM_SPLITS = o_part.shape[1]
     N_Q = o_part.shape[3]
-    grid = (triton.cdiv(N_Q, BLOCK_M), H, B)
+    grid = (N_Q, H, B)
     attn_combine[grid](
         o_part, lse_part, o, lse,
         *o_part.stride(),
@@ -252,7 +252,7 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_M, num_warps, num_sta
         B, H, NUM_SPLITS, N_Q,
         HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PADDED=HEAD_DIM_PADDED,
-        BLOCK_M=BLOCK_M,
+        BLOCK_S=BLOCK_S,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -329,8 +329,7 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
     o_part = torch.empty((B, num_splits, H, N_Q, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((B, num_splits, H, N_Q), device=q.device, dtype=torch.float32)
     launch_attn_fwd(q, k_cache, v_cache, o_part, lse_part, cache_seqlens, sm_scale, **config)
-    launch_attn_combine(o_part, lse_part, out, lse, BLOCK_M=min(16, triton.next_power_of_2(N_Q)), num_warps=4,
-                        num_stages=1)
+    launch_attn_combine(o_part, lse_part, out, lse, BLOCK_S=COMBINE_BLOCK_S, num_warps=4, num_stages=1)
     return out, lse
 
 

@@ -57,6 +57,15 @@ def test_explain_prints_every_pass_and_the_costs(capsys):
     assert "shared memory" in out
 
 
+@pytest.mark.parametrize("name", ["decode_d128", "prefill_paged64_d128", "train_gqa_d128"])
+def test_explain_evaluates_the_costs_of_every_kernel_kind(name, capsys):
+    """Decoding (split partials and their combine), paged and backward specs: every size symbol the
+    final kernels use gets a value, so the cost table prints."""
+    assert main(["explain", os.path.join(SPECS, f"{name}.attn")]) == 0
+    out = capsys.readouterr().out
+    assert "forward  generated" in out and "GFLOP" in out
+
+
 def test_explain_single_pass_and_bad_shape(capsys):
     spec = os.path.join(SPECS, "fwd_d64.attn")
     assert main(["explain", spec, "--pass", "tiling"]) == 0

@@ -90,6 +90,20 @@ def test_contiguous_cache_with_splits_gqa_and_dtypes(dtype, causal):
         check(out, lse, q, k, v, seqlens, None, causal)
 
 
+def test_more_splits_than_one_combine_step():
+    """The combine kernel merges COMBINE_BLOCK_S splits per load and carries a running max across
+    steps: 40 splits of a 1100-key sequence (35 non-empty in the interpreter's 32-key tiles, so the
+    second step holds real splits), an empty sequence and a short one whose later splits are empty."""
+    gen = torch.Generator(DEVICE).manual_seed(17)
+    lengths = [1100, 0, 37]
+    k, v = rand(3, 1100, 1, 64, gen=gen), rand(3, 1100, 1, 64, gen=gen)
+    q = rand(3, 1, 3, 64, gen=gen)
+    k[0, 1060:] = (q[0, :, :1].float().mean(1, keepdim=True) * 3).to(k.dtype)  # the largest scores in the last splits
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out, lse = run(q, k, v, seqlens, num_splits=40)
+    check(out, lse, q, k, v, seqlens, None, causal=True)
+
+
 def test_chunked_prefill_with_queries_longer_than_the_cache():
     """Bottom-right causal: with seqlen_q > cache_seqlens, the first rows see no key (0, -inf)."""
     gen = torch.Generator(DEVICE).manual_seed(3)

@@ -67,8 +67,11 @@ def test_split_kv_adds_a_grid_axis_and_a_combine_kernel():
     assert "for start_n in [split_start, split_stop) step BLOCK_N:" in text
     assert "store O_PART[b, split, packed(" in text and "store LSE_PART[b, split, packed(" in text
     combine = ir.format_kernel(program.kernel("attn_combine"))
-    assert "lse_use: reg fp32[BLOCK_M] = finite_or_zero(lse_max)" in combine
-    assert "store LSE[b, h, start_m:+BLOCK_M (<N_Q)] = lse_max + log(l_safe)" in combine
+    # The combine merges BLOCK_S splits per load; splits past the count weigh nothing (-inf).
+    assert "load LSE_PART[b, split:+BLOCK_S (<NUM_SPLITS), h, m] (else -inf)" in combine
+    assert "for split in [0, NUM_SPLITS) step BLOCK_S:" in combine
+    assert "store LSE[b, h, m] = m_run + log(l_safe)" in combine
+    assert program.attr("combine_block_s") == 32  # d=128: a [32, 128] float32 chunk
     # split_kv = 1 is the plain kernel: no split axis, no combine.
     single = stages(decode_text(split_kv=1))["split-kv"]
     assert [k.name for k in single.kernels] == ["attn_fwd"] and "split" not in ir.format_program(single)

@@ -59,6 +59,8 @@ def render(spec: Spec, program: ir.Program) -> str:
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
+    if program.attr("combine_block_s") is not None:
+        constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,

@@ -343,7 +343,7 @@ class KernelEmitter:
         ptr, mask = self.address(e.buffer, e.index)
         if mask is None:
             return f"tl.load({ptr})"
-        return f"tl.load({ptr}, mask={mask}, other=0.0)"
+        return f"tl.load({ptr}, mask={mask}, other={_literal(e.fill)})"
 
     # -- expressions -------------------------------------------------------------------------------
     def hoist_loads(self, e: ir.Expr) -> dict:
@@ -383,6 +383,10 @@ class KernelEmitter:
             return f"tl.max({self.expr(args[0], loads)[0]}, 1)", 3
         if op is Op.ROWSUM:
             return f"tl.sum({self.expr(args[0], loads)[0]}, 1)", 3
+        if op is Op.COLMAX:
+            return f"tl.max({self.expr(args[0], loads)[0]}, 0)", 3
+        if op is Op.COLSUM:
+            return f"tl.sum({self.expr(args[0], loads)[0]}, 0)", 3
         if op is Op.TRANS:
             return f"tl.trans({self.expr(args[0], loads)[0]})", 3
         if op is Op.CAST:
@@ -483,8 +487,8 @@ class KernelEmitter:
                     self.line(f"{target.name} = tl.zeros([{dims}], dtype={target.dtype.triton})")
                 else:
                     self.line(f"{target.name} = tl.full([{dims}], {_literal(value.value)}, dtype={target.dtype.triton})")
-            else:
-                self.line(f"{target.name} = {_literal(value.value)}")
+            else:  # a typed scalar: a plain literal would change type when a loop reassigns it
+                self.line(f"{target.name} = tl.full([], {_literal(value.value)}, dtype={target.dtype.triton})")
             return
         if isinstance(value, Load):
             self.line(f"{target.name} = {self.load(value)}")

@@ -7,7 +7,7 @@ multiprocessors, or the spec fixes it). Split `split` of a sequence with n_k key
 [split_start, split_stop): slices of `keys_per_split` keys, a multiple of BLOCK_N, so every split
 starts on a block boundary and causal-skip can still split its range into full and masked blocks.
 Each split writes its own normalised output and log-sum-exp (O_PART, LSE_PART, float32); a second
-kernel, `attn_combine`, merges them: with lse_max the largest split LSE,
+kernel, `attn_combine`, merges them, BLOCK_S splits per load: with lse_max the largest split LSE,
 
     O = sum_s exp(lse_s - lse_max) O_s / sum_s exp(lse_s - lse_max),  LSE = lse_max + log(sum ...)
 
@@ -76,38 +76,49 @@ def _to_partial(body, partials: dict):
 
 
 def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, lse_part: Buffer) -> ir.Kernel:
-    """attn_combine: O and LSE from the splits' partial outputs, one program per query block."""
-    rows = Span("offs_m", sym.start_m, sym.BLOCK_M, sym.N_Q)
-    dims = tile_spans(program)["offs_d"]
-    vec = lambda name: Buffer(name, (sym.BLOCK_M,), DT.F32, Space.REG)  # noqa: E731
-    lse_max, lse_use, weight, l_sum, l_safe = (vec(n) for n in ("lse_max", "lse_use", "weight", "l_sum", "l_safe"))
-    acc = Buffer("acc", (sym.BLOCK_M, dims.size), DT.F32, Space.REG)
-    lse_s = Load(replace(lse_part, role=Role.INPUT), (sym.b, sym.split, sym.h, rows))
-    o_s = Load(replace(o_part, role=Role.INPUT), (sym.b, sym.split, sym.h, rows, dims))
+    """attn_combine: O and LSE from the splits' partial outputs, one program per query row.
 
-    def every_split(body):
-        return Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.ONE, body, LoopKind.SERIAL, "every split")
+    The splits are merged BLOCK_S at a time: one load brings a chunk's BLOCK_S log-sum-exps
+    (splits past NUM_SPLITS read -inf: weight 0) and one its [BLOCK_S, D] outputs, and chunks merge
+    online like key blocks in the forward (running max, rescaled sum and accumulator). Loading one
+    split at a time instead costs a memory round trip per split: measured 7% of a batch-1 decoding
+    step at 16 splits (benchmarks/NOTES.md, v4)."""
+    dims = tile_spans(program)["offs_d"]
+    splits = Span("offs_s", sym.split, sym.BLOCK_S, sym.NUM_SPLITS)
+    scalar = lambda name: Buffer(name, (), DT.F32, Space.REG)  # noqa: E731
+    chunk = lambda name: Buffer(name, (sym.BLOCK_S,), DT.F32, Space.REG)  # noqa: E731
+    m_run, m_new, m_use, alpha, l_run, l_safe = (scalar(n) for n in ("m_run", "m_new", "m_use", "alpha", "l_run", "l_safe"))
+    lse_s, weight = chunk("lse_s"), chunk("weight")
+    acc = Buffer("acc", (dims.size,), DT.F32, Space.REG)
+    lse_load = Load(replace(lse_part, role=Role.INPUT), (sym.b, splits, sym.h, sym.m), fill=float("-inf"))
+    o_load = Load(replace(o_part, role=Role.INPUT), (sym.b, splits, sym.h, sym.m, dims))
+
+    def rescaled(old: Buffer, new: ir.Expr) -> ir.Expr:
+        return Call(Op.ADD, (Call(Op.MUL, (Ref(old), Ref(alpha))), new))
 
     body = (
-        ir.Comment("the largest log-sum-exp over the splits (-inf: no split saw a key of this row)"),
-        Assign(lse_max, Num(float("-inf"))),
-        every_split((Assign(lse_max, Call(Op.MAX, (Ref(lse_max), lse_s))),)),
-        Assign(lse_use, Call(Op.FINITE_OR_ZERO, (Ref(lse_max),))),
-        ir.Comment("each split's output weighted by its share exp(lse_s - lse_max) of the softmax mass"),
-        Assign(l_sum, Num(0.0)),
+        ir.Comment("merge BLOCK_S splits at a time: running max, rescaled sum and accumulator"),
+        Assign(m_run, Num(float("-inf"))),
+        Assign(l_run, Num(0.0)),
         Assign(acc, Num(0.0)),
-        every_split((
-            Assign(weight, Call(Op.EXP, (Call(Op.SUB, (lse_s, Ref(lse_use))),))),
-            Assign(l_sum, Call(Op.ADD, (Ref(l_sum), Ref(weight)))),
-            Assign(acc, Call(Op.ADD, (Ref(acc), Call(Op.MUL, (Ref(weight), o_s))))),
-        )),
-        Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_sum),))),
-        Store(o, (sym.b, sym.h, rows, dims), Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
-        Store(lse, (sym.b, sym.h, rows), Call(Op.ADD, (Ref(lse_max), Call(Op.LOG, (Ref(l_safe),))))),
+        Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.BLOCK_S, (
+            Assign(lse_s, lse_load),
+            Assign(m_new, Call(Op.MAX, (Ref(m_run), Call(Op.COLMAX, (Ref(lse_s),))))),
+            Assign(m_use, Call(Op.FINITE_OR_ZERO, (Ref(m_new),))),
+            Assign(alpha, Call(Op.EXP, (Call(Op.SUB, (Ref(m_run), Ref(m_use))),))),
+            Assign(weight, Call(Op.EXP, (Call(Op.SUB, (Ref(lse_s), Ref(m_use))),))),
+            Assign(l_run, rescaled(l_run, Call(Op.COLSUM, (Ref(weight),)))),
+            Assign(acc, rescaled(acc, Call(Op.COLSUM, (Call(Op.MUL, (Ref(weight), o_load)),)))),
+            Assign(m_run, Ref(m_new)),
+        ), LoopKind.SERIAL, "chunks of BLOCK_S splits", aligned=True),
+        ir.Comment("a row no split saw a key of gives 0 and a log-sum-exp of -inf"),
+        Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_run),))),
+        Store(o, (sym.b, sym.h, sym.m, dims), Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
+        Store(lse, (sym.b, sym.h, sym.m), Call(Op.ADD, (Ref(m_run), Call(Op.LOG, (Ref(l_safe),))))),
     )
     grid = Loop(sym.b, sym.ZERO, sym.B, sym.ONE, (
         Loop(sym.h, sym.ZERO, sym.H, sym.ONE, (
-            Loop(sym.start_m, sym.ZERO, sym.N_Q, sym.BLOCK_M, body, LoopKind.GRID, "query blocks", aligned=True),
+            Loop(sym.m, sym.ZERO, sym.N_Q, sym.ONE, body, LoopKind.GRID, "query rows"),
         ), LoopKind.GRID),
     ), LoopKind.GRID)
     symbols = (
@@ -117,11 +128,11 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
         ir.SymbolDecl(sym.N_Q, ir.SymKind.SIZE, "query length", specialize=False),
         ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
         ir.SymbolDecl(sym.HEAD_DIM_PADDED, ir.SymKind.CONSTEXPR, "head dim rounded up to a power of two"),
-        ir.SymbolDecl(sym.BLOCK_M, ir.SymKind.CONSTEXPR, "query rows per program"),
+        ir.SymbolDecl(sym.BLOCK_S, ir.SymKind.CONSTEXPR, "splits merged per step"),
     )
     params = (replace(o_part, role=Role.INPUT), replace(lse_part, role=Role.INPUT), o, lse)
     return ir.Kernel("attn_combine", params, symbols, (grid,),
-                     doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, block of BLOCK_M queries)")
+                     doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)")
 
 
 def applies(program: ir.Program) -> bool:
@@ -147,4 +158,6 @@ def run(program: ir.Program) -> ir.Program:
         doc=kernel.doc.replace("one program per (batch, ", "one program per (batch, split, ", 1),
     )
     combine = combine_kernel(program, o, lse, partials["O"], partials["LSE"])
-    return replace(program, kernels=(kernel, combine))
+    # A chunk of [BLOCK_S, D] float32 outputs: 32 values a thread at 4 warps, at most 32 splits.
+    block_s = max(1, min(32, 4096 // program.attr("head_dim_padded")))
+    return replace(program, kernels=(kernel, combine)).with_attrs(combine_block_s=block_s)
