@@ -1,10 +1,11 @@
 """The drop-in for `torch.nn.functional.scaled_dot_product_attention`.
 
 `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` checks its arguments the way SDPA
-does and runs the custom op `torch.ops.attngen.forward` (attngen/autograd.py) with a key naming the
-spec it needs (one per dtype, head dim and mask: sequence lengths, batch and heads are run-time
-arguments of one compiled kernel). The op loads that spec on first use, has a registered backward,
-and keeps `torch.compile` inside one graph.
+does and runs the kernels of the spec it needs (one per dtype, head dim and mask: sequence lengths,
+batch and heads are run-time arguments of one compiled kernel) through
+`attngen.autograd.attention_forward`: the custom op `torch.ops.attngen.forward` while torch.compile
+traces (it keeps the call and its registered backward inside one graph), a plain autograd.Function
+in eager mode. The spec is loaded on first use.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise KernelInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
                                "pass enable_gqa=True for grouped-query attention")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else check_scale(scale)
-    from . import autograd  # noqa: F401  (registers the custom ops)
+    from . import autograd  # also registers the custom ops torch.compile traces
 
     # The op checks again when it runs; checking here names SDPA's arguments and fails before it is
     # dispatched. While torch.compile traces, the spec cannot be parsed (the loader does not trace),
@@ -83,5 +84,5 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
     op_key = f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}"
-    out, _ = torch.ops.attngen.forward(op_key, query, key, value, float(scale))
+    out, _ = autograd.attention_forward(op_key, query, key, value, float(scale))
     return out.squeeze(0) if squeeze else out

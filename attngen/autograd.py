@@ -7,6 +7,10 @@ q, k and v (any subset requiring grad) and `torch.compile` keeps both in one gra
 a loaded kernel's registry key (`Kernel.key`), or `sdpa:<dtype>:<head_dim>:<causal|full>` for
 `attngen.attention`, which loads its spec inside the op so that tracing never runs attngen's
 loader. The log-sum-exp output carries no gradient.
+
+Outside `torch.compile`, `attention_forward` runs the same kernels through a plain
+`torch.autograd.Function` instead: a custom op's first call imports torch._dynamo (seconds in a
+fresh process, more than the cached kernels take to load), and eager calls gain nothing from it.
 """
 
 from __future__ import annotations
@@ -79,6 +83,38 @@ def _backward(ctx, d_out, d_lse):
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The forward op and its autograd formula, for eager calls (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, scale):
+        out, lse = resolve(key).forward(q, k, v, scale)
+        ctx.key, ctx.scale = key, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            return None, None, None, None, None
+        dq, dk, dv = resolve(ctx.key).backward(q, k, v, out, lse, d_out, ctx.scale)
+        need = ctx.needs_input_grad
+        return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
+
+
+def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k or v
+    require grad: through the custom op while torch.compile traces, else directly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.attngen.forward(key, q, k, v, scale)
+    if needs_grad(q, k, v):
+        return _Eager.apply(key, q, k, v, scale)
+    return resolve(key).forward(q, k, v, scale)
 
 
 def needs_grad(*tensors) -> bool:

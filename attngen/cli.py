@@ -189,11 +189,12 @@ def cmd_explain(args) -> int:
         print(f"  does not fit: {problem}")
     if spec.backward:
         from .configs import backward_config
+        from .passes.tma import reads_through_descriptors
         from .resources import infeasible_backward, shared_bytes_backward
 
         for name, cfg in backward_config(spec).items():
             smem = shared_bytes_backward(name, spec.head_dim_padded, spec.dtype.bytes, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                         cfg["num_stages"], target)
+                                         cfg["num_stages"], target, tma=reads_through_descriptors(spec, name))
             print(f"  {name} (default config {cfg}): shared memory {smem:,} of {target.shared_limit:,} bytes")
             problem = infeasible_backward(spec, name, cfg, target)
             if problem:

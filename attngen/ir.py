@@ -176,11 +176,14 @@ class Sym:
 @dataclass(frozen=True, slots=True)
 class Load:
     """Read `buffer[index]` from HBM; out-of-bounds elements (see `Span.limit`) read as `fill`
-    (0, or -inf for a log-sum-exp that must weigh nothing)."""
+    (0, or -inf for a log-sum-exp that must weigh nothing). `descriptor`: the tile is read
+    through a TMA tensor descriptor of the buffer when the launcher could make one (a bulk
+    asynchronous copy, no per-element addresses), else through pointers (passes/tma.py)."""
 
     buffer: Buffer
     index: tuple[IndexItem, ...]
     fill: float = 0.0
+    descriptor: bool = False
 
 
 class PredKind(enum.Enum):
@@ -533,7 +536,8 @@ def format_expr(e: Expr) -> str:
         return _e(e.expr)
     if isinstance(e, Load):
         fill = f" (else {format_expr(Num(e.fill))})" if e.fill != 0.0 else ""
-        return f"load {e.buffer.name}{format_index(e.index)}{fill}"
+        via = " via descriptor" if e.descriptor else ""
+        return f"load {e.buffer.name}{format_index(e.index)}{fill}{via}"
     if isinstance(e, Masked):
         preds = " and ".join(format_pred(p) for p in e.preds)
         fill = format_expr(Num(e.fill))

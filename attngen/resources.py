@@ -64,15 +64,34 @@ _MMA_P = sympy.Piecewise(  # the MMA path's P tile in shared memory (see the mod
     (sympy.Max(ELEM * sym.BLOCK_M * sym.BLOCK_N, sym.BLOCK_M * sym.HEAD_DIM_PADDED, 16 * ELEM * sym.HEAD_DIM_PADDED),
      sympy.And(sympy.Gt(STAT_BYTES, 0), sympy.Lt(STAGES, 2))),
     (ELEM * sym.BLOCK_M * sym.BLOCK_N + 128, True))
+TMA = sympy.Symbol("TMA")  # 1 when the streamed tiles come through TMA descriptors, else 0
 SHARED_BYTES_BACKWARD = (2 * ELEM * ROWS_RESIDENT * sym.HEAD_DIM_PADDED
                          + _PAIRS * (2 * ELEM * ROWS_STREAMED * sym.HEAD_DIM_PADDED + STAT_BYTES * ROWS_STREAMED)
-                         + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (_MMA_P, True)))
+                         + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (_MMA_P, True))
+                         + TMA * (1024 + 8 * STAGES))
 """Shared memory of a backward kernel, in bytes (R, S: resident and streamed rows; STAT_BYTES: the
-bytes of row statistics streamed per row, 8 for dK/dV and 0 for dQ)."""
+bytes of row statistics streamed per row, 8 for dK/dV and 0 for dQ). Tiles that TMA writes are
+aligned to 1 KB and each stage has an 8-byte barrier: sm_90 compiles of the dK/dV kernel with
+descriptor loads take 8-1024 bytes more than without."""
 
 REGISTERS_BACKWARD = {"attn_bwd_dq": (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS),
                       "attn_bwd_dkdv": (2 * sym.BLOCK_N * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)}
 """Lower bounds on 32-bit registers per thread: the fp32 accumulators (dQ; dK and dV) and one score tile."""
+
+_LAMBDIFIED: dict = {}
+
+
+def _value(expr: sympy.Expr, values: dict):
+    """`expr` at `values` (symbol -> number). The formulas stay sympy (explain and the tests read
+    them); each is evaluated through a lambdified copy, since `subs` takes milliseconds and tuned-table
+    lookups evaluate them on a process's first call."""
+    compiled = _LAMBDIFIED.get(expr)
+    if compiled is None:
+        symbols = sorted(expr.free_symbols, key=str)
+        compiled = _LAMBDIFIED[expr] = (symbols, sympy.lambdify(symbols, expr, modules="math"))
+    symbols, fn = compiled
+    return fn(*(values[s] for s in symbols))
+
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide, table of limits).
 SHARED_LIMIT = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376,
@@ -113,12 +132,12 @@ def shared_bytes(head_dim_padded: int, elem_bytes: int, block_m: int, block_n: i
     stages = 1 + max(1, (num_stages - 1) // 2) if paged else num_stages
     values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
               sym.BLOCK_N: block_n, STAGES: stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
-    return int(SHARED_BYTES.subs(values)) + (1024 if paged else 0)
+    return int(_value(SHARED_BYTES, values)) + (1024 if paged else 0)
 
 
 def registers(head_dim_padded: int, block_m: int, block_n: int, num_warps: int) -> float:
-    return float(REGISTERS.subs({sym.HEAD_DIM_PADDED: head_dim_padded, sym.BLOCK_M: block_m,
-                                 sym.BLOCK_N: block_n, WARPS: num_warps}))
+    return float(_value(REGISTERS, {sym.HEAD_DIM_PADDED: head_dim_padded, sym.BLOCK_M: block_m,
+                                    sym.BLOCK_N: block_n, WARPS: num_warps}))
 
 
 def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
@@ -169,12 +188,13 @@ BACKWARD_KERNELS = ("attn_bwd_dq", "attn_bwd_dkdv")
 
 
 def shared_bytes_backward(kernel_name: str, head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int,
-                          num_stages: int, target: Target) -> int:
+                          num_stages: int, target: Target, tma: bool = False) -> int:
+    """`tma`: the kernel reads its streamed tiles through TMA descriptors (passes/tma.py)."""
     resident, streamed, stats = (block_m, block_n, 0) if kernel_name == "attn_bwd_dq" else (block_n, block_m, 8)
     values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m, sym.BLOCK_N: block_n,
               STAGES: num_stages, ROWS_RESIDENT: resident, ROWS_STREAMED: streamed, STAT_BYTES: stats,
-              WGMMA: int(uses_wgmma(elem_bytes, resident, target))}
-    return int(SHARED_BYTES_BACKWARD.subs(values))
+              WGMMA: int(uses_wgmma(elem_bytes, resident, target)), TMA: int(tma and target.capability >= (9, 0))}
+    return int(_value(SHARED_BYTES_BACKWARD, values))
 
 
 def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | None = None) -> str | None:
@@ -184,13 +204,16 @@ def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | N
     target = target or Target.current()
     dp, elem = spec.head_dim_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
-    smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target)
+    from .passes.tma import reads_through_descriptors
+
+    smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target,
+                                 tma=reads_through_descriptors(spec, kernel_name))
     if smem > target.shared_limit:
         return (f"{kernel_name} needs {smem:,} bytes of shared memory but sm_{target.capability[0]}"
                 f"{target.capability[1]} allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, "
                 f"head_dim {dp} padded, {elem}-byte elements, num_stages={stages})")
-    regs = float(REGISTERS_BACKWARD[kernel_name].subs({sym.HEAD_DIM_PADDED: dp, sym.BLOCK_M: bm, sym.BLOCK_N: bn,
-                                                        WARPS: warps}))
+    regs = float(_value(REGISTERS_BACKWARD[kernel_name], {sym.HEAD_DIM_PADDED: dp, sym.BLOCK_M: bm, sym.BLOCK_N: bn,
+                                                           WARPS: warps}))
     if regs > MAX_REGISTERS:
         held = "dQ" if kernel_name == "attn_bwd_dq" else "dK and dV"
         return (f"{kernel_name} keeps at least {regs:.0f} fp32 registers per thread live (the {held} "

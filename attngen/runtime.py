@@ -236,7 +236,7 @@ class Kernel:
                     "write direction = forward+backward in its spec (or call it under torch.no_grad())")
             if out is not None or config is not None:
                 raise KernelInputError("out= and config= are not supported when recording for autograd")
-            out, lse = torch.ops.attngen.forward(self.key, q, k, v, sm_scale)
+            out, lse = autograd.attention_forward(self.key, q, k, v, sm_scale)
         else:
             out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)
         return (out, lse) if return_lse else out

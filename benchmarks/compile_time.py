@@ -77,12 +77,20 @@ def binaries(kernel):
 
 torch.cuda.init()
 torch.randn(1, device="cuda")  # CUDA's random generator starts here, not inside the timed call
+profile_to = sys.argv[2] if len(sys.argv) > 2 else ""
+if profile_to:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
 t1 = time.perf_counter()
 kernel = attngen.load(sys.argv[1])
 t_load = time.perf_counter() - t1
 decoding = kernel.spec.is_split or kernel.spec.kv_layout.paged
 call(kernel, 1 if decoding else 1024, 1024)
 t_first = time.perf_counter() - t1
+if profile_to:
+    profiler.disable()
+    profiler.dump_stats(profile_to)
 lengths = [(1, 77), (1, 4096), (1, 1000)] if decoding else [(77, 77), (1000, 1000), (4096, 4096), (300, 2000)]
 for n_q, n_k in lengths:
     call(kernel, n_q, n_k)
@@ -99,8 +107,9 @@ print(json.dumps({"import_s": t_import, "load_s": t_load, "first_result_s": t_fi
 """
 
 
-def run(spec: str, env: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, env=env, cwd=ROOT)
+def run(spec: str, env: dict, profile_to: str = "") -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, spec, profile_to], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"{spec}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -112,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("specs", nargs="*", default=DEFAULT_SPECS)
     parser.add_argument("-o", "--output", default=None)
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="cProfile the cached process's load and first call; write DIR/<spec>.prof and print "
+                             "the functions that took the most of it")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     rows = []
@@ -119,12 +131,21 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, ATTNGEN_CACHE_DIR=f"{tmp}/attngen", TRITON_CACHE_DIR=f"{tmp}/triton")
             env.pop("TRITON_INTERPRET", None)
-            cold, warm = run(spec, env), run(spec, env)
+            profile_to = os.path.join(args.profile, Path(spec).stem + ".prof") if args.profile else ""
+            if profile_to:
+                os.makedirs(args.profile, exist_ok=True)
+            cold, warm = run(spec, env), run(spec, env, profile_to)
         rows.append({"spec": spec, "gpu": gpu, "cold": cold, "warm": warm})
         print(f"{Path(spec).stem:24s} cold: load {cold['load_s']:.2f} s, first result {cold['first_result_s']:.2f} s | "
               f"cached process: first result {warm['first_result_s']:.3f} s (+ import {warm['import_s']:.2f} s) | "
               f"binaries per kernel after {len(cold['lengths'])} lengths: {cold['binaries_after_all_lengths']} "
               f"({cold['forward_configs_used']} distinct forward configs)", flush=True)
+        if profile_to:
+            import pstats
+
+            print(f"  where the cached process's load + first call went ({profile_to}):")
+            stats = pstats.Stats(profile_to)
+            stats.sort_stats("cumulative").print_stats(r"(attngen|triton|torch)/.*\.py", 25)
     output = args.output or ROOT / "benchmarks" / "results" / f"compile_{gpu.lower().replace(' ', '_')}.json"
     Path(output).write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {output}")

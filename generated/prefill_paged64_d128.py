@@ -36,6 +36,7 @@ DTYPE = torch.bfloat16
 HEAD_DIM = 128
 HEAD_DIM_PADDED = 128
 PAGE_SIZE = 64
+MAX_BLOCK_N = 64
 DEFAULT_CONFIG = {'BLOCK_M': 16, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 7}
 
 
@@ -189,7 +190,7 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
         return out, lse
     config = dict(DEFAULT_CONFIG, **(config or {}))
     # Pages are looked up once per key tile: a tile must not cross a page.
-    config["BLOCK_N"] = min(config["BLOCK_N"], 64)
+    config["BLOCK_N"] = min(config["BLOCK_N"], MAX_BLOCK_N)
     launch_attn_fwd(q, k_cache, v_cache, out, lse, cache_seqlens, block_table, sm_scale, **config)
     return out, lse
 

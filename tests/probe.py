@@ -37,9 +37,15 @@ def _compile(job):
     io = _PTR[str(getattr(module, "DTYPE", "float16")).removeprefix("torch.")]  # hand-written kernels: fp16
     special = job.get("ptr_dtypes", {})
     sig, const, attrs = {}, dict(job["constexprs"]), {}
+    if "USE_TMA" in fn.arg_names:  # descriptor loads (passes/tma.py): compiled as the GPU runs them unless told
+        const.setdefault("USE_TMA", True)
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
             sig[arg] = "constexpr"
+        elif arg.endswith("_DESC") and const["USE_TMA"]:  # [1, 1, BLOCK_M, D] blocks of a (B, H, N, D) tensor
+            sig[arg] = f"tensordesc<{io[1:]}[1, 1, {const['BLOCK_M']}, {const['HEAD_DIM']}]>"
+        elif arg.endswith("_DESC"):
+            sig[arg], const[arg] = "constexpr", None
         elif arg.startswith("stride_") and (arg.endswith("_d") or arg in job.get("unit_strides", ("stride_lse_n",))):
             sig[arg], const[arg] = "constexpr", 1
         elif arg.startswith("stride_"):

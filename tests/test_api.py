@@ -104,3 +104,28 @@ def test_torch_compile_keeps_one_graph():
     assert counter.frame_count == 1
     assert (out.double() - (sdpa64(q * 2, k, v, is_causal=True) + 1)).abs().max().item() < 5e-3
     assert torch.ops.attngen.forward.default._schema.name == "attngen::forward"
+
+
+def test_eager_calls_do_not_import_dynamo():
+    """Eager calls, with gradients too, go through a plain autograd.Function: a custom op's first
+    call imports torch._dynamo, which took seconds of a cached process's first result (GPU
+    machine, benchmarks/compile_time.py --profile). Checked in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, torch, attngen\n"
+        "q, k, v = (torch.randn(1, 2, 24, 32, device=sys.argv[1], requires_grad=True) for _ in range(3))\n"
+        "out = attngen.attention(q, k, v, is_causal=True)\n"
+        "out.sum().backward()\n"
+        "with torch.no_grad():\n"
+        "    attngen.attention(q, k, v)\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)\n"
+        "assert (out.double() - ref).abs().max().item() < 1e-4 and q.grad is not None and v.grad is not None\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, DEVICE], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"

@@ -1,12 +1,14 @@
 """The resource model: hand-computed shared memory, the real compiler, and pruning messages."""
 
+import os
+
 import pytest
 
 from attngen import load
 from attngen.resources import (SHARED_LIMIT, Target, infeasible, infeasible_backward, registers, shared_bytes,
                                shared_bytes_backward)
 from attngen.spec import parse
-from conftest import spec_text
+from conftest import ROOT, spec_text
 
 H100 = Target((9, 0), SHARED_LIMIT[(9, 0)], "H100")
 A100 = Target((8, 0), SHARED_LIMIT[(8, 0)], "A100")
@@ -95,6 +97,14 @@ def test_backward_shared_memory_matches_hand_computed(kernel, dp, elem, bm, bn, 
     assert shared_bytes_backward(kernel, dp, elem, bm, bn, stages, target) == expected
 
 
+def test_tma_descriptor_loads_add_alignment_and_barriers_on_hopper_only():
+    plain = shared_bytes_backward("attn_bwd_dkdv", 128, 2, 64, 128, 3, H100)
+    assert shared_bytes_backward("attn_bwd_dkdv", 128, 2, 64, 128, 3, H100, tma=True) == plain + 1024 + 8 * 3
+    # the launcher never builds descriptors below sm_90: the kernel runs its pointer loads there
+    assert shared_bytes_backward("attn_bwd_dkdv", 128, 2, 64, 128, 3, A100, tma=True) == \
+        shared_bytes_backward("attn_bwd_dkdv", 128, 2, 64, 128, 3, A100)
+
+
 def test_backward_infeasible_names_the_kernel_and_the_numbers():
     spec = parse(spec_text(head_dim=128, dtype="bf16", direction="forward+backward"))
     why = infeasible_backward(spec, "attn_bwd_dq", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), H100)
@@ -134,5 +144,23 @@ def test_backward_model_matches_the_real_sm90_compiler(case, compiled_backward):
     result = compiled_backward[case]
     assert "error" not in result, result
     padded = 1 << (head_dim - 1).bit_length()
-    model = shared_bytes_backward(name, padded, 4 if dtype == "fp32" else 2, bm, bn, stages, H100)
+    tma = False  # these probes are causal specs: no descriptor loads (passes/tma.py)
+    model = shared_bytes_backward(name, padded, 4 if dtype == "fp32" else 2, bm, bn, stages, H100, tma=tma)
     assert result["shared"] <= model <= result["shared"] + 2048, (result, model)
+
+
+def test_backward_model_covers_tma_descriptor_loads():
+    """The non-causal d=128 dK/dV kernel reads Q and dO through TMA descriptors (passes/tma.py):
+    the model's alignment and barrier term keeps it an upper bound of the real sm_90 compile."""
+    from probe import probe
+
+    jobs = [dict(path=os.path.join(ROOT, "generated", "train_d128.py"), kernel="attn_bwd_dkdv", num_warps=w, num_stages=s,
+                 constexprs=dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, BLOCK_M=bm, BLOCK_N=bn),
+                 ptr_dtypes={"LSE": "*fp32", "DELTA": "*fp32"}, unit_strides=("stride_lse_n", "stride_delta_n"))
+            for bm, bn, w, s in ((64, 128, 8, 3), (64, 64, 4, 2))]
+    for job, result in zip(jobs, probe(jobs)):
+        assert "error" not in result, result
+        c = job["constexprs"]
+        model = shared_bytes_backward("attn_bwd_dkdv", 128, 2, c["BLOCK_M"], c["BLOCK_N"], job["num_stages"], H100,
+                                      tma=True)
+        assert result["shared"] <= model <= result["shared"] + 2048, (job, result, model)

@@ -59,6 +59,8 @@ def render(spec: Spec, program: ir.Program) -> str:
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
+    if program.attr("max_block_n") is not None:  # the runtime reads it without rebuilding the program
+        constants["MAX_BLOCK_N"] = program.attr("max_block_n")
     if program.attr("combine_block_s") is not None:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
     context = dict(

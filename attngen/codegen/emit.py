@@ -57,15 +57,20 @@ class KernelCode:
     grid: list[GridAxis]
     body: str
     derived: list[tuple[str, str]] = field(default_factory=list)
+    descriptors: list[tuple[Buffer, list[str]]] = field(default_factory=list)
+    """Buffers some loads read through TMA descriptors, each with its block shape (host code)."""
 
     @property
     def signature(self) -> list[str]:
         out = [p.name for p in self.params]
+        out.extend(f"{p.name}_DESC" for p, _ in self.descriptors)
         for _, names in self.strides:
             out.extend(names)
         out.extend(str(d.symbol) for d in self.sizes)
         out.extend(str(d.symbol) for d in self.floats)
         out.extend(f"{d.symbol}: tl.constexpr" for d in self.constexprs)
+        if self.descriptors:
+            out.append("USE_TMA: tl.constexpr")
         return out
 
     @property
@@ -163,8 +168,22 @@ class KernelEmitter:
             constexprs=[d for d in decls if d.kind is SymKind.CONSTEXPR],
             grid=sorted(grid, key=lambda g: g.axis),
             body="\n".join(self.lines),
+            descriptors=self._descriptors(),
         )
         return code
+
+    def _descriptors(self) -> list[tuple[Buffer, list[str]]]:
+        """The buffers read through descriptors, with the block shape their loads read."""
+        found = {}
+        for st in ir.walk_stmts(self.kernel.body):
+            if isinstance(st, Assign):
+                for e in ir.walk_expr(st.value):
+                    if isinstance(e, Load) and e.descriptor:
+                        block = [exprs.host(it.size) if isinstance(it, Span) else "1" for it in e.index]
+                        if found.setdefault(e.buffer.name, (e.buffer, block))[1] != block:
+                            raise InternalError(f"{self.kernel.name}: {e.buffer.name} read through descriptors "
+                                                "with two block shapes")
+        return [found[p.name] for p in self.kernel.params if p.name in found]
 
     def _grid_axis(self, axis: int, loops: list[Loop]) -> GridAxis:
         """One launch-grid axis for one grid loop, or for several folded (mixed radix, inner fastest)."""
@@ -342,8 +361,16 @@ class KernelEmitter:
     def load(self, e: Load) -> str:
         ptr, mask = self.address(e.buffer, e.index)
         if mask is None:
-            return f"tl.load({ptr})"
-        return f"tl.load({ptr}, mask={mask}, other={_literal(e.fill)})"
+            pointers = f"tl.load({ptr})"
+        else:
+            pointers = f"tl.load({ptr}, mask={mask}, other={_literal(e.fill)})"
+        if not e.descriptor:
+            return pointers
+        # The block lies inside the tensor (passes/tma.py); its corner, and the tile without the
+        # descriptor's unit dimensions. The launcher picks the form (USE_TMA).
+        corner = ", ".join(exprs.device(it.start) if isinstance(it, Span) else exprs.device(it) for it in e.index)
+        tile = ", ".join(exprs.device(it.size) for it in e.index if isinstance(it, Span))
+        return f"{e.buffer.name}_DESC.load([{corner}]).reshape({tile}) if USE_TMA else {pointers}"
 
     # -- expressions -------------------------------------------------------------------------------
     def hoist_loads(self, e: ir.Expr) -> dict:

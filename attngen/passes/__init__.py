@@ -11,8 +11,9 @@
     split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
+    tma             (training, head dim >= 128) dK/dV's streamed Q and dO tiles through TMA descriptors
 
-The decoding passes (marked) are no-ops for specs that do not ask for them.
+The passes marked with a condition are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.
 """
 
@@ -23,9 +24,10 @@ from typing import Callable
 from .. import ir
 from ..spec import Spec
 from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute,
-               split_kv, tiling)
+               split_kv, tiling, tma)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged)
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged,
+            tma)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

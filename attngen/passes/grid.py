@@ -33,7 +33,7 @@ def map_indices(body: tuple, fn) -> tuple:
     def expr(e):
         if isinstance(e, ir.Load):
             buffer, index = fn(e.buffer, e.index)
-            return ir.Load(buffer, index)
+            return replace(e, buffer=buffer, index=index)
         return e
 
     def stmt(st):

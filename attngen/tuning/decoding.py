@@ -116,7 +116,9 @@ class KVCacheKernel:
     def tuning_infeasible(self, config: dict, target) -> str | None:
         from ..resources import infeasible
 
-        page_tile = self.kernel.program.attr("max_block_n")
+        # from the generated module, not the program: rebuilding the program (sympy in the passes)
+        # for a tuned-table lookup took seconds of a cached process's first call
+        page_tile = getattr(self.kernel.module, "MAX_BLOCK_N", None)
         if page_tile is not None and config["BLOCK_N"] > page_tile:
             return (f"block_n={config['BLOCK_N']} crosses a page: pages of {page_tile} tokens are looked up "
                     "once per key tile, so block_n must not exceed the page size")
