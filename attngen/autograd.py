@@ -73,13 +73,19 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
 
 
-def _backward(ctx, d_out, d_lse):
+def _gradients(ctx, d_out, backward):
+    """The forward's input gradients (key, q, k, v, scale) from `backward(key, d_out, q, k, v, out, lse,
+    scale) -> (dq, dk, dv)`: the backward op (traceable) or the kernel's own method (eager)."""
     q, k, v, out, lse = ctx.saved_tensors
     if d_out is None:
         return None, None, None, None, None
-    dq, dk, dv = torch.ops.attngen.backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale)
+    dq, dk, dv = backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale)
     need = ctx.needs_input_grad
     return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
+
+
+def _backward(ctx, d_out, d_lse):
+    return _gradients(ctx, d_out, torch.ops.attngen.backward)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -90,20 +96,15 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key, q, k, v, scale):
-        out, lse = resolve(key).forward(q, k, v, scale)
-        ctx.key, ctx.scale = key, scale
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        output = resolve(key).forward(q, k, v, scale)
+        _setup_context(ctx, (key, q, k, v, scale), output)
+        ctx.mark_non_differentiable(output[1])
+        return output
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if d_out is None:
-            return None, None, None, None, None
-        dq, dk, dv = resolve(ctx.key).backward(q, k, v, out, lse, d_out, ctx.scale)
-        need = ctx.needs_input_grad
-        return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
+        return _gradients(ctx, d_out, lambda key, do, q, k, v, out, lse, scale:
+                          resolve(key).backward(q, k, v, out, lse, do, scale))
 
 
 def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
