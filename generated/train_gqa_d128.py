@@ -396,8 +396,8 @@ def attn_bwd_dkdv(
         for start_m in range(BLOCK_M*(N_Q // BLOCK_M), N_Q, BLOCK_M):  # sequence end: masked
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(q_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
-            do = tl.load(do_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            q = Q_DESC.load([b, g + hkv*GROUP, start_m, 0]).reshape(BLOCK_M, HEAD_DIM) if USE_TMA else tl.load(q_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_q_h + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < N_Q), other=0.0)
+            do = DO_DESC.load([b, g + hkv*GROUP, start_m, 0]).reshape(BLOCK_M, HEAD_DIM) if USE_TMA else tl.load(do_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_do_h + offs_m[:, None] * stride_do_n + offs_d[None, :] * stride_do_d, mask=(offs_m[:, None] < N_Q), other=0.0)
             lse_tile = tl.load(lse_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_lse_h + offs_m * stride_lse_n, mask=(offs_m < N_Q), other=0.0)
             lse = tl.where(lse_tile == float("-inf"), float("inf"), lse_tile) * 1.4426950408889634
             delta = tl.load(delta_base + tl.cast(g + hkv*GROUP, tl.int64) * stride_delta_h + offs_m * stride_delta_n, mask=(offs_m < N_Q), other=0.0)

@@ -74,15 +74,17 @@ def test_non_contiguous_inputs_and_grad_output():
     assert all(r.ok for r in compare_grads(kernel.spec, q.contiguous(), k, v, do.contiguous(), grads))
 
 
-def test_tma_descriptor_loads_match_pointer_loads_and_float64():
-    """d=128 16-bit dK/dV reads Q and dO through TMA descriptors (passes/tma.py; the interpreter
-    emulates them): two full query blocks and a tail, GQA, seq_q != seq_k; the same numbers with
-    pointers; an input TMA cannot read (a row stride that is not a multiple of 16 bytes) falls
-    back to pointers."""
-    kernel = train_spec("tma_d128", 128, "bf16", "none", heads=4, kv_heads=2)
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_tma_descriptor_loads_match_pointer_loads_and_float64(head_dim):
+    """16-bit dK/dV without a mask reads Q and dO through TMA descriptors (passes/tma.py; the
+    interpreter emulates them): two full query blocks and a tail whose rows past the end read as
+    zeros, GQA, seq_q != seq_k; the same numbers with pointers; an input TMA cannot read (a row
+    stride that is not a multiple of 16 bytes) falls back to pointers."""
+    d = head_dim
+    kernel = train_spec(f"tma_d{d}", d, "bf16", "none", heads=4, kv_heads=2)
     module, scale = kernel.module, kernel.spec.softmax_scale
-    q, k, v, do = rand(1, 4, 140, 128, dtype=torch.bfloat16), rand(1, 2, 75, 128, dtype=torch.bfloat16), \
-        rand(1, 2, 75, 128, dtype=torch.bfloat16), rand(1, 4, 140, 128, dtype=torch.bfloat16)
+    q, k, v, do = rand(1, 4, 140, d, dtype=torch.bfloat16), rand(1, 2, 75, d, dtype=torch.bfloat16), \
+        rand(1, 2, 75, d, dtype=torch.bfloat16), rand(1, 4, 140, d, dtype=torch.bfloat16)
     config = {"attn_bwd_dkdv": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)}
     out, lse = kernel.forward(q, k, v, scale)
     assert module.tma_readable(q, do)
@@ -95,8 +97,8 @@ def test_tma_descriptor_loads_match_pointer_loads_and_float64():
     module.launch_attn_bwd_dkdv(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dk=dk, dv=dv, sm_scale=scale,
                                 use_tma=False, **config["attn_bwd_dkdv"])
     assert torch.equal(dk, grads[1]) and torch.equal(dv, grads[2])
-    wide = rand(1, 4, 140, 129, dtype=torch.bfloat16)
-    q_odd = wide[..., :128].copy_(q)  # 258-byte rows
+    wide = rand(1, 4, 140, d + 1, dtype=torch.bfloat16)
+    q_odd = wide[..., :d].copy_(q)  # rows of 2 * (d + 1) bytes
     assert not module.tma_readable(q_odd, do)
     odd = kernel.backward(q_odd, k, v, out, lse, do, scale, config=config)
     assert all(torch.equal(a, b) for a, b in zip(odd, grads))

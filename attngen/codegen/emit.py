@@ -366,8 +366,8 @@ class KernelEmitter:
             pointers = f"tl.load({ptr}, mask={mask}, other={_literal(e.fill)})"
         if not e.descriptor:
             return pointers
-        # The block lies inside the tensor (passes/tma.py); its corner, and the tile without the
-        # descriptor's unit dimensions. The launcher picks the form (USE_TMA).
+        # The block's corner, and the tile without the descriptor's unit dimensions; rows past the
+        # tensor's end read as 0 either way (passes/tma.py). The launcher picks the form (USE_TMA).
         corner = ", ".join(exprs.device(it.start) if isinstance(it, Span) else exprs.device(it) for it in e.index)
         tile = ", ".join(exprs.device(it.size) for it in e.index if isinstance(it, Span))
         return f"{e.buffer.name}_DESC.load([{corner}]).reshape({tile}) if USE_TMA else {pointers}"

@@ -11,7 +11,7 @@
     split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
-    tma             (training, no mask, 16-bit, head dim >= 128) dK/dV's streamed Q and dO tiles via TMA descriptors
+    tma             (training, no mask, 16-bit, head dim >= 64) dK/dV's streamed Q and dO tiles via TMA descriptors
 
 The passes marked with a condition are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.

@@ -1,23 +1,27 @@
 """tma: the dK/dV kernel reads its streamed Q and dO tiles through TMA tensor descriptors.
 
 The dK/dV kernel keeps two [BLOCK_N, D] fp32 accumulators, which leave its threads no registers
-to spare (sm_90 compiles: 255 registers and spills at every BLOCK_N = 128 config). Its inner loop
-streams a Q and a dO tile per step. Through a tensor descriptor (Hopper's Tensor Memory
+to spare (sm_90 compiles: 255 registers and spills at every BLOCK_N = 128 config). Its inner loops
+stream a Q and a dO tile per step. Through a tensor descriptor (Hopper's Tensor Memory
 Accelerator) each tile is one bulk asynchronous copy into shared memory: no per-element
-addresses, no load instructions issued by the warps that run the products. On an H200 this took
-the kernel from 486 to 529 TFLOP/s at d=128 (64 x 64 tiles, 4 warps, 2 stages), and from 454 to
-471 at its old 64 x 128 / 8 warps config; at d=64 it lost 5% (388 against 408 at its best config),
-and the whole causal d=128 backward lost 4-8% in `attngen bench` (its dK/dV kernel at 64 x 128 / 8
-warps / 3 stages), so the pass applies to unmasked specs from a head dim of 128
-(benchmarks/experiments/backward_variants.py, benchmarks/NOTES.md v5).
+addresses (no [BLOCK_M, D] pointer tensors held in registers), no load instructions issued by the
+warps that run the products. Measured on an H200 (benchmarks/NOTES.md v5, v6):
+- d=128, mask-free loop only: 486 -> 529 TFLOP/s (64 x 64 tiles, 4 warps, 2 stages);
+- every query loop, the sequence-end loop too (v6, benchmarks/experiments/backward_tma_causal.py):
+  d=128 the same (spills 344 -> 112 bytes in the sm_90 compile), d=64 403 -> 434 at its old best
+  config and 450 at 64 x 64 / 4 warps / 3 stages (the pointer form's best there: 421);
+- causal specs lost: d=128 391-448 against 448 (64 x 128 / 8 warps / 3 stages), d=64 389-395
+  against 413, in every loop arrangement tried, so causal specs keep pointers.
 
-The rewrite marks the Q and dO loads of the mask-free query loop (every span in bounds: the block
-lies inside the tensor) as descriptor loads. The generated kernel keeps the pointer form beside
-it, chosen by a constexpr: the launcher builds 4-D descriptors of (B, H, N, D) with blocks
-[1, 1, BLOCK_M, D] when the GPU has TMA (sm_90+; the interpreter emulates it) and the tensors
-meet its rules (16-byte aligned base and strides, unit last stride), and uses pointers otherwise.
+The rewrite marks the Q and dO loads of the dK/dV kernel's query loops as descriptor loads when
+the tile is a plain (batch, head, rows, dims) block whose only bound is the tensor's own end along
+the rows: a descriptor reads zeros past the end of the tensor, which is what the masked load
+fills in. The generated kernel keeps the pointer form beside it, chosen by a constexpr: the
+launcher builds 4-D descriptors of (B, H, N, D) with blocks [1, 1, BLOCK_M, D] when the GPU has
+TMA (sm_90+; the interpreter emulates it) and the tensors meet its rules (16-byte aligned base
+and strides, unit last stride), and uses pointers otherwise.
 
-Applies to forward+backward specs without a mask, with 16-bit inputs and a head dim of at least 128
+Applies to forward+backward specs without a mask, with 16-bit inputs and a head dim of at least 64
 that needs no padding.
 """
 
@@ -32,7 +36,7 @@ NAME = "tma"
 
 KERNEL = "attn_bwd_dkdv"
 STREAMED = ("Q", "DO")
-MIN_HEAD_DIM = 128
+MIN_HEAD_DIM = 64
 
 
 def _rule(backward: bool, causal: bool, elem_bytes: int, head_dim: int, head_dim_padded: int) -> bool:
@@ -52,11 +56,15 @@ def reads_through_descriptors(spec, kernel_name: str) -> bool:
                                            spec.head_dim_padded)
 
 
-def _in_bounds_tile(load: Load) -> bool:
-    """A plain (batch, head, rows, dims) tile whose spans all lie inside the tensor."""
-    spans = [it for it in load.index if isinstance(it, Span)]
+def _descriptor_tile(load: Load) -> bool:
+    """A plain (batch, head, rows, dims) tile that a descriptor reads as the load would: its spans
+    are in bounds or bounded by the tensor's own extent (read as 0, what a descriptor returns past
+    the end), and nothing but whole rows and columns."""
     plain = not any(isinstance(it, (ir.Paged, ir.Packed)) for it in load.index)
-    return plain and len(load.index) == 4 and len(spans) == 2 and all(s.limit is None for s in spans)
+    if not plain or len(load.index) != 4 or load.fill != 0.0:
+        return False
+    spans = [(dim, it) for dim, it in enumerate(load.index) if isinstance(it, Span)]
+    return len(spans) == 2 and all(s.limit is None or s.limit == load.buffer.shape[dim] for dim, s in spans)
 
 
 def run(program: ir.Program) -> ir.Program:
@@ -65,7 +73,7 @@ def run(program: ir.Program) -> ir.Program:
     kernel = program.kernel(KERNEL)
 
     def mark(e):
-        if isinstance(e, Load) and e.buffer.name in STREAMED and _in_bounds_tile(e):
+        if isinstance(e, Load) and e.buffer.name in STREAMED and _descriptor_tile(e):
             return replace(e, descriptor=True)
         return e
 

@@ -6,13 +6,15 @@
 
 Compiles through Triton (specialised as a launch would be, like tests/probe.py), then runs Triton's
 bundled ptxas -v on the PTX. Optional keys: "dtype" ("*bf16" default), "ptr_dtypes", "desc_rank"
-(4: descriptor arguments read [1, 1, BLOCK_M, D] blocks; 2: [BLOCK_M, D]). Prints JSON. Run without
+(4: descriptor arguments read [1, 1, BLOCK_M, D] blocks; 2: [BLOCK_M, D]), "desc_dtypes"
+({"DQA_DESC": "fp32"}: element types of descriptor arguments other than dtype's). Prints JSON. Run without
 TRITON_INTERPRET. Used for benchmarks/NOTES.md v5 (the dK/dV kernel's spills)."""
 import importlib.util, json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-def compile_stats(path, kernel, constexprs, num_warps, num_stages, dtype="*bf16", ptr_dtypes=None, desc_rank=4):
+def compile_stats(path, kernel, constexprs, num_warps, num_stages, dtype="*bf16", ptr_dtypes=None, desc_rank=4,
+                  desc_dtypes=None):
     spec = importlib.util.spec_from_file_location(f"m{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
     fn = getattr(module, kernel)
@@ -22,7 +24,8 @@ def compile_stats(path, kernel, constexprs, num_warps, num_stages, dtype="*bf16"
         if arg in const: sig[arg] = "constexpr"
         elif arg.endswith("_DESC"):
             bm, hd = const.get("BLOCK_M"), const.get("HEAD_DIM")
-            sig[arg] = f"tensordesc<{dtype[1:]}[1, 1, {bm}, {hd}]>" if desc_rank == 4 else f"tensordesc<{dtype[1:]}[{bm}, {hd}]>"
+            ddt = (desc_dtypes or {}).get(arg, dtype[1:])
+            sig[arg] = f"tensordesc<{ddt}[1, 1, {bm}, {hd}]>" if desc_rank == 4 else f"tensordesc<{ddt}[{bm}, {hd}]>"
         elif arg.startswith("stride_") and (arg.endswith("_d") or arg in ("stride_lse_n","stride_delta_n")):
             sig[arg], const[arg] = "constexpr", 1
         elif arg.startswith("stride_"):
