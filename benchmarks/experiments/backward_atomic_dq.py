@@ -36,7 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from backward_variants import IMPORT, patch  # noqa: E402
-from common import build_variants  # noqa: E402
+from common import build_variants, error_text, rel_err  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.api import sdpa_spec  # noqa: E402
@@ -120,10 +120,6 @@ def atomic_backward(module, q, k, v, out, lse, do, scale, config, dqa, delta):
     return dq, dk, dv
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def interpret_check():
     """CPU, Triton's interpreter: the ptr variant against the two-kernel backward at odd sizes."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -141,7 +137,7 @@ def interpret_check():
         ref = kern.backward(q, k, v, out, lse, do, scale)
         got = atomic_backward(mods["ptr"], q, k, v, out, lse, do, scale, cfg,
                               torch.empty(q.shape, dtype=torch.float32), torch.empty_like(lse))
-        errs = [rel(g, r) for g, r in zip(got, ref)]
+        errs = [rel_err(g, r) for g, r in zip(got, ref)]
         print(f"d={d} causal={causal}: rel err dq/dk/dv {errs}")
         assert max(errs) < 1e-2, errs
 
@@ -190,12 +186,11 @@ def main(out_dir):
                         try:
                             got = run()
                             torch.cuda.synchronize()
-                            row.update(err_dq=rel(got[0], ref[0]), err_dk=rel(got[1], ref[1]), err_dv=rel(got[2], ref[2]))
+                            row.update(err_dq=rel_err(got[0], ref[0]), err_dk=rel_err(got[1], ref[1]), err_dv=rel_err(got[2], ref[2]))
                             ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                             row.update(ms=ms, tflops=flops / ms / 1e9)
                         except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-                            msg = str(e).strip().splitlines()
-                            row["error"] = f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+                            row["error"] = error_text(e)
                         rows.append(row)
                 print(f"d={d} causal={causal} N={n} done", flush=True)
                 del q, k, v, do, out, lse, ref, dqa

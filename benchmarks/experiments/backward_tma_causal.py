@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from backward_variants import _desc_args, _dkdv_bounds  # noqa: E402
-from common import build_variants  # noqa: E402
+from common import build_variants, error_text, rel_err  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.api import sdpa_spec  # noqa: E402
@@ -106,13 +106,11 @@ def main(out_dir):
                     try:
                         run()
                         torch.cuda.synchronize()
-                        row["err"] = max(((dk.float() - dk0.float()).norm() / dk0.float().norm()).item(),
-                                         ((dv.float() - dv0.float()).norm() / dv0.float().norm()).item())
+                        row["err"] = max(rel_err(dk, dk0), rel_err(dv, dv0))
                         ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                         row.update(ms=ms, tflops=flops / ms / 1e9)
                     except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-                        msg = str(e).strip().splitlines()
-                        row["error"] = f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+                        row["error"] = error_text(e)
                     rows.append(row)
             print(f"d={d} causal={causal} N={n} done", flush=True)
             del q, k, v, do, out, lse, dq, dk0, dv0

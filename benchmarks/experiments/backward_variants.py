@@ -26,7 +26,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_variants  # noqa: E402
+from common import build_variants, error_text, rel_err  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMPORT = "from triton.tools.tensor_descriptor import TensorDescriptor\n"
@@ -156,13 +156,12 @@ def main(out_dir):
                 try:
                     run()
                     torch.cuda.synchronize()
-                    row["err_dk"] = ((dk.float() - dk0.float()).norm() / dk0.float().norm()).item()
-                    row["err_dv"] = ((dv.float() - dv0.float()).norm() / dv0.float().norm()).item()
+                    row["err_dk"] = rel_err(dk, dk0)
+                    row["err_dv"] = rel_err(dv, dv0)
                     ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
-                    msg = str(e).strip().splitlines()
-                    row["error"] = f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+                    row["error"] = error_text(e)
                 rows.append(row)
             print(f"d={d} {vname} done", flush=True)
     with open(os.path.join(out_dir, "backward_variants.json"), "w") as f:

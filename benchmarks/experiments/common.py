@@ -42,3 +42,14 @@ def quick_graph(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+
+
+def error_text(e: Exception, width: int = 160) -> str:
+    """A failed variant's row entry: the exception's type and the last line of its message."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[-1][:width] if msg else ''}"
+
+
+def rel_err(got, want) -> float:
+    """Relative Frobenius error of `got` against `want`, in float32."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()

@@ -25,6 +25,8 @@ import triton
 import attngen
 from attngen.api import sdpa_spec
 
+from common import error_text, rel_err  # noqa: E402 (this script's folder is on sys.path)
+
 
 def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
@@ -60,13 +62,11 @@ def main(out_dir):
             try:
                 run()
                 torch.cuda.synchronize()
-                row["err"] = max(((dk.float() - dk0.float()).norm() / dk0.float().norm()).item(),
-                                 ((dv.float() - dv0.float()).norm() / dv0.float().norm()).item())
+                row["err"] = max(rel_err(dk, dk0), rel_err(dv, dv0))
                 ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
                 row.update(ms=ms, tflops=flops / ms / 1e9)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
-                msg = str(e).strip().splitlines()
-                row["error"] = f"{type(e).__name__}: {msg[-1][:120] if msg else ''}"
+                row["error"] = error_text(e, 120)
                 torch.cuda.empty_cache()
             rows.append(row)
         print(f"causal={causal} done: tuned {tuned['attn_bwd_dkdv']}", flush=True)

@@ -23,6 +23,8 @@ import triton
 import attngen
 from attngen.api import sdpa_spec
 
+from common import error_text  # noqa: E402 (this script's folder is on sys.path)
+
 CONFIGS = {
     64: [(128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 16, 3), (256, 64, 16, 4), (256, 128, 16, 2),
          (256, 128, 16, 3), (256, 64, 8, 3)],
@@ -52,8 +54,7 @@ def main(out_dir, n=4096):
                                                  warmup=25, rep=100, return_mode="median")
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
-                    msg = str(e).strip().splitlines()
-                    row["error"] = f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+                    row["error"] = error_text(e)
                 rows.append(row)
                 print(row, flush=True)
     with open(os.path.join(out_dir, "forward_configs.json"), "w") as f:

@@ -66,7 +66,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_variants, load  # noqa: E402
+from common import build_variants, error_text, load  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.api import sdpa_spec  # noqa: E402
@@ -273,8 +273,7 @@ def main(out_dir, dev="cuda"):
                             ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                             row.update(ms=ms, tflops=flops / ms / 1e9)
                         except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
-                            msg = str(e).strip().splitlines()
-                            row["error"] = f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+                            row["error"] = error_text(e)
                         rows.append(row)
                     cells = " ".join(f"{r['variant']}={r.get('tflops', float('nan')):.0f}"
                                      for r in rows[-len(modules):])

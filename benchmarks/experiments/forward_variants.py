@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from common import error_text  # noqa: E402 (this script's folder is on sys.path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -145,7 +147,7 @@ def main(out_dir):
                                                  return_mode="median")
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
-                    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+                    row["error"] = error_text(e)
                 rows.append(row)
             print(f"causal={causal} {vname} done", flush=True)
     with open(os.path.join(out_dir, "variants.json"), "w") as f:
