@@ -13,6 +13,7 @@ from .errors import AttnGenError, KernelInputError, SpecError, UnsupportedError
 from .runtime import Kernel, load
 from .spec import Spec, parse
 from .version import __version__
+from .warmup import start as _start_warmup
 
 __all__ = [
     "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
@@ -28,3 +29,7 @@ def __getattr__(name):
 
         return PagedKVCache
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+
+
+# Triton's start-up hash, on a thread from here on (attngen/warmup.py says why and how to turn it off).
+_start_warmup()

@@ -8,9 +8,11 @@ a loaded kernel's registry key (`Kernel.key`), or `sdpa:<dtype>:<head_dim>:<caus
 `attngen.attention`, which loads its spec inside the op so that tracing never runs attngen's
 loader. The log-sum-exp output carries no gradient.
 
-Outside `torch.compile`, `attention_forward` runs the same kernels through a plain
-`torch.autograd.Function` instead: a custom op's first call imports torch._dynamo (seconds in a
-fresh process, more than the cached kernels take to load), and eager calls gain nothing from it.
+The ops live in attngen/ops.py, imported the first time torch.compile traces a call: registering
+them took 0.1 s of a cached process's first result on the lent H200. Outside `torch.compile`,
+`attention_forward` runs the same kernels through a plain `torch.autograd.Function` instead: a
+custom op's first call imports torch._dynamo (seconds in a fresh process, more than the cached
+kernels take to load), and eager calls gain nothing from it.
 """
 
 from __future__ import annotations
@@ -41,31 +43,6 @@ def resolve(key: str):
     raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
 
 
-@torch.library.custom_op("attngen::forward", mutates_args=())
-def forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from .checks import check_attention_inputs
-
-    kernel = resolve(key)
-    check_attention_inputs(kernel.spec, q, k, v)
-    return kernel.forward(q, k, v, scale)
-
-
-@forward_op.register_fake
-def _forward_fake(key, q, k, v, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("attngen::backward", mutates_args=())
-def backward_op(key: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return resolve(key).backward(q, k, v, out, lse, do, scale)
-
-
-@backward_op.register_fake
-def _backward_fake(key, do, q, k, v, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 def _setup_context(ctx, inputs, output):
     key, q, k, v, scale = inputs
     out, lse = output
@@ -82,13 +59,6 @@ def _gradients(ctx, d_out, backward):
     dq, dk, dv = backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale)
     need = ctx.needs_input_grad
     return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
-
-
-def _backward(ctx, d_out, d_lse):
-    return _gradients(ctx, d_out, torch.ops.attngen.backward)
-
-
-forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _Eager(torch.autograd.Function):
@@ -112,6 +82,8 @@ def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k or v
     require grad: through the custom op while torch.compile traces, else directly."""
     if torch.compiler.is_compiling():
+        from . import ops  # noqa: F401 - registers the ops (torch.compile imports it, it does not trace it)
+
         return torch.ops.attngen.forward(key, q, k, v, scale)
     if needs_grad(q, k, v):
         return _Eager.apply(key, q, k, v, scale)

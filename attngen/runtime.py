@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from . import cache, configs
+from . import cache, configs, warmup
 from .codegen import render
 from .errors import KernelInputError
 from .passes import compile_program
@@ -263,6 +263,7 @@ class Kernel:
             launch = dict(self.config(q, k))
             if config:
                 launch.update(config)
+            warmup.wait()
             self.module.forward(q, k, v, scale, out=out, lse=lse, config=launch)
         return out, lse
 
@@ -305,6 +306,7 @@ class Kernel:
         launch = self.backward_config(q, k)
         for name, extra in (config or {}).items():
             launch[name] = dict(launch[name], **extra)
+        warmup.wait()
         return self.module.backward(q, k, v, out, lse, do, sm_scale, dq=dq, dk=dk, dv=dv, config=launch)
 
     # -- autotuning protocol (attngen/tuning/__init__.py describes it) ----------------------------
@@ -337,6 +339,7 @@ class Kernel:
         if poison:
             inputs["out"].fill_(float("nan"))
             inputs["lse"].fill_(float("nan"))
+        warmup.wait()
         return self.module.forward(inputs["q"], inputs["k"], inputs["v"], self.spec.softmax_scale,
                                    out=inputs["out"], lse=inputs["lse"], config=config)
 

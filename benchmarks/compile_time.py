@@ -8,7 +8,8 @@ For each spec, in fresh, empty attngen and Triton caches:
      seq_q != seq_k), counting the binaries Triton holds per kernel: one each means no length
      triggered a recompile;
   2. a second process on the same caches: load + first result, and how long `import attngen` took
-     (Python and torch start-up, which no cache removes).
+     (Python and torch start-up, which no cache removes) and CUDA's initialisation; `from_start_s`
+     adds the three (attngen/warmup.py's thread, started by the import, overlaps the latter two).
 A forward+backward spec's first call includes its backward (both compile); a split or paged spec
 runs its own `forward_kvcache`. Also recorded: the distinct launch configs the calls used (tuned
 per shape bucket): a binary per config, never per length, is what "one kernel for all lengths"
@@ -77,6 +78,7 @@ def binaries(kernel):
 
 torch.cuda.init()
 torch.randn(1, device="cuda")  # CUDA's random generator starts here, not inside the timed call
+t_cuda = time.perf_counter() - t0 - t_import
 profile_to = sys.argv[2] if len(sys.argv) > 2 else ""
 if profile_to:
     import cProfile
@@ -101,7 +103,8 @@ def config_of(n_q, n_k):  # the forward (or kvcache) launch config a call of the
     return str(sorted(config.items()))
 
 configs = {config_of(n_q, n_k) for n_q, n_k in [(1 if decoding else 1024, 1024)] + lengths}
-print(json.dumps({"import_s": t_import, "load_s": t_load, "first_result_s": t_first,
+print(json.dumps({"import_s": t_import, "cuda_s": t_cuda, "load_s": t_load, "first_result_s": t_first,
+                  "from_start_s": t_import + t_cuda + t_first,
                   "binaries_after_all_lengths": binaries(kernel), "forward_configs_used": len(configs),
                   "lengths": [[1024, 1024]] + lengths}))
 """
@@ -137,7 +140,8 @@ def main() -> None:
             cold, warm = run(spec, env), run(spec, env, profile_to)
         rows.append({"spec": spec, "gpu": gpu, "cold": cold, "warm": warm})
         print(f"{Path(spec).stem:24s} cold: load {cold['load_s']:.2f} s, first result {cold['first_result_s']:.2f} s | "
-              f"cached process: first result {warm['first_result_s']:.3f} s (+ import {warm['import_s']:.2f} s) | "
+              f"cached process: first result {warm['first_result_s']:.3f} s (+ import {warm['import_s']:.2f} s, "
+              f"CUDA init {warm['cuda_s']:.2f} s) | "
               f"binaries per kernel after {len(cold['lengths'])} lengths: {cold['binaries_after_all_lengths']} "
               f"({cold['forward_configs_used']} distinct forward configs)", flush=True)
         if profile_to:

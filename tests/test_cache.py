@@ -60,3 +60,31 @@ def test_unwritable_cache_dir_falls_back_with_a_warning(tmp_path, monkeypatch):
     with pytest.warns(cache.CacheWarning, match="not writable"):
         d = cache.cache_dir("kernels")
     assert not str(d).startswith(str(locked)) and d.exists()
+
+
+WARMUP_CHILD = r"""
+import os, sys
+import attngen  # starts the hash
+from attngen import warmup
+from triton.runtime.cache import triton_key
+thread = warmup._THREAD
+attngen.load(sys.argv[1])  # compiled mode, nothing launched: load does not wait
+warmup.wait()
+done_in_background = triton_key.cache_info().currsize == 1
+print(thread is not None, done_in_background and triton_key() == triton_key.__wrapped__())
+"""
+
+
+@pytest.mark.parametrize("env, expected", [({"ATTNGEN_WARMUP": "1"}, "True True"), ({"ATTNGEN_WARMUP": "0"}, "False False"),
+                                           ({"ATTNGEN_WARMUP": "1", "TRITON_INTERPRET": "1"}, "False False")])
+def test_import_computes_tritons_startup_hash_in_the_background(tmp_path, env, expected):
+    """Triton's start-up hash (its sources and libtriton.so) was a third of a cached process's time
+    to its first result: `import attngen` computes it on a thread, and the key it leaves in Triton's
+    cache is the one Triton computes itself. Off in the interpreter (nothing compiles) and on request
+    (on by default with a CUDA or ROCm torch; forced on here, where torch may be a CPU build)."""
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNGEN_WARMUP")}
+    child_env.update(env, ATTNGEN_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", WARMUP_CHILD, spec_text("warm", 64, "fp16", "causal")],
+                          capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == expected

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import configs
+from .. import configs, warmup
 from .key import problem_text
 
 PARTS = ("attn_bwd_dq", "attn_bwd_dkdv")
@@ -99,6 +99,7 @@ class BackwardPart:
         """With `poison`: the whole backward, gradients NaN-filled first (for validation). Without:
         this part alone (for timing)."""
         x, module, scale = inputs, self.kernel.module, self.spec.softmax_scale
+        warmup.wait()
         if poison:
             for name in ("dq", "dk", "dv"):
                 x[name].fill_(float("nan"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import configs
+from .. import configs, warmup
 from .key import Shape, problem_text
 
 
@@ -90,6 +90,7 @@ class KVCacheKernel:
         """forward_kvcache on (batch, heads, seq, d) views; `num_splits` (if not 0) overrides the config's."""
         config = dict(config)
         splits = config.pop("num_splits", 0)
+        warmup.wait()
         return self.kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, scale, out4, lse,
                                                   num_splits or splits, config)
 

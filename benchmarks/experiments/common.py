@@ -53,3 +53,97 @@ def error_text(e: Exception, width: int = 160) -> str:
 def rel_err(got, want) -> float:
     """Relative Frobenius error of `got` against `want`, in float32."""
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+FORWARD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def bench_forward_variants(variants: dict, tag: str, seq_lens, head_dims, neighbours, tokens=16384, hidden=2048,
+                           dev: str = "cuda"):
+    """Time variants of the prefill forward that `attngen.attention()` runs (the sdpa spec of bf16 /
+    head dim / mask). `variants` maps a name to its rewrite steps of the generated source (the first
+    name is the base). Cases: batch tokens/N, heads hidden/d, causal and not; each variant at the tuned
+    config and at `neighbours` (BLOCK_M, BLOCK_N, num_warps, num_stages); do_bench median. Each output
+    is checked against the base's at the same config (relative Frobenius, lse max abs; `flag` above
+    1e-2 / 1e-3; `equal_to_base` bit for bit) and the base against torch SDPA. Returns (rows, cases)."""
+    import torch
+    import triton
+
+    import attngen
+    from attngen.api import sdpa_spec
+
+    rows, cases, base = [], [], next(iter(variants))
+    for d in head_dims:
+        for causal in (False, True):
+            kernel = attngen.load(sdpa_spec("bf16", d, causal))
+            modules = build_variants(kernel.source, variants, f"{tag}{d}{'c' if causal else 'f'}")
+            for n in seq_lens:
+                b, h = tokens // n, hidden // d
+                gen = torch.Generator(device=dev).manual_seed(d + causal + n)
+                q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+                scale = d ** -0.5
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                tuned = kernel.config(q, k)
+                configs = [tuple(tuned[key] for key in FORWARD_KEYS)]
+                configs += [c for c in neighbours if c not in configs]
+                out = torch.empty_like(q)
+                lse = torch.empty(q.shape[:3], device=dev, dtype=torch.float32)
+                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+                for ci, cfg in enumerate(configs):
+                    config = dict(zip(FORWARD_KEYS, cfg))
+                    base_out = base_lse = None
+                    for vname, module in modules.items():
+                        row = dict(n=n, head_dim=d, causal=causal, batch=b, heads=h, variant=vname, config=cfg,
+                                   tuned=ci == 0)
+
+                        def run(module=module, config=config):
+                            module.launch_attn_fwd(q=q, k=k, v=v, o=out, lse=lse, sm_scale=scale, **config)
+
+                        try:
+                            out.fill_(float("nan"))
+                            lse.fill_(float("nan"))
+                            run()
+                            torch.cuda.synchronize()
+                            if vname == base:
+                                base_out, base_lse = out.clone(), lse.clone()
+                                row["err_vs_sdpa"] = rel_err(out, sdpa)
+                            elif base_out is not None:
+                                row["err_vs_base"] = rel_err(out, base_out)
+                                row["lse_err_vs_base"] = (lse - base_lse).abs().max().item()
+                                row["equal_to_base"] = torch.equal(out, base_out) and torch.equal(lse, base_lse)
+                                row["flag"] = not (row["err_vs_base"] <= 1e-2 and row["lse_err_vs_base"] <= 1e-3)
+                            ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+                            row.update(ms=ms, tflops=flops / ms / 1e9)
+                        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
+                            row["error"] = error_text(e)
+                        rows.append(row)
+                    cells = " ".join(f"{r['variant']}={r.get('tflops', float('nan')):.0f}" for r in rows[-len(modules):])
+                    print(f"N={n} d={d} causal={causal} {cfg}{' tuned' if ci == 0 else ''}: {cells}", flush=True)
+                cases.append(dict(n=n, head_dim=d, causal=causal, tuned=configs[0]))
+                del q, k, v, out, lse, sdpa
+    return rows, cases
+
+
+def print_forward_variants(title: str, names, rows, cases, width: int = 9) -> None:
+    """The table of bench_forward_variants' rows: TFLOP/s per case, config and variant; * marks the
+    tuned config, ! an output that differs from the base's, = one bitwise equal to it."""
+    print(f"\n{title}; * = tuned config, ! = output differs from base's by > 1e-2 (or lse by > 1e-3), "
+          f"= bitwise equal to base")
+    print(f"{'N':>6} {'d':>4} {'mask':>6} {'config':>18} " + " ".join(f"{v:>{width}}" for v in names) + "  max_err")
+    for c in cases:
+        sel = [r for r in rows if r["n"] == c["n"] and r["head_dim"] == c["head_dim"] and r["causal"] == c["causal"]]
+        for cfg in dict.fromkeys(r["config"] for r in sel):
+            cells, errs = [], []
+            for vname in names:
+                r = next(r for r in sel if r["config"] == cfg and r["variant"] == vname)
+                cell = f"{r['tflops']:.1f}" if "tflops" in r else "err"
+                mark = "!" if r.get("flag") else ("=" if r.get("equal_to_base") else "")
+                cells.append(f"{cell + mark:>{width}}")
+                if "err_vs_base" in r:
+                    errs.append(r["err_vs_base"])
+            star = "*" if cfg == c["tuned"] else " "
+            print(f"{c['n']:>6} {c['head_dim']:>4} {'causal' if c['causal'] else 'full':>6} {str(cfg) + star:>18} "
+                  + " ".join(cells) + f"  {max(errs) if errs else float('nan'):.1e}")
+    for r in rows:
+        if "error" in r:
+            print(f"  N={r['n']} d={r['head_dim']} causal={r['causal']} {r['variant']} {r['config']}: {r['error']}")

@@ -66,7 +66,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_variants, error_text, load  # noqa: E402
+from common import bench_forward_variants, build_variants, load, print_forward_variants, rel_err  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.api import sdpa_spec  # noqa: E402
@@ -145,7 +145,6 @@ def poly_all(t):
 VARIANTS = {"base": [], "poly_half": [poly_half], "poly_quarter": [poly_quarter], "poly_all": [poly_all]}
 NEIGHBOURS = [(128, 128, 8, 3), (128, 64, 8, 4)]
 TOKENS, HIDDEN, SEQ_LENS, HEAD_DIMS = 16384, 2048, (4096, 16384), (64, 128)
-KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 ACCURACY_KERNEL = '''
 
@@ -181,11 +180,6 @@ def poly_accuracy(device: str) -> dict:
                 nonfinite_outputs=int((~torch.isfinite(y)).sum()))
 
 
-def _fro(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def interpret_check():
     """Every variant against the base kernel in Triton's interpreter on CPU, at sizes that are not
     multiples of the blocks; asserts errors < 1e-2 and the polynomial's accuracy."""
@@ -216,8 +210,8 @@ def interpret_check():
                         lse = torch.empty(q.shape[:3], dtype=torch.float32)
                         module.launch_attn_fwd(q=q, k=k, v=v, o=out, lse=lse, sm_scale=scale, **config)
                         outs[name] = out
-                    errs = {name: _fro(o, outs["base"]) for name, o in outs.items() if name != "base"}
-                    exact = {name: _fro(o, ref) for name, o in outs.items()}
+                    errs = {name: rel_err(o, outs["base"]) for name, o in outs.items() if name != "base"}
+                    exact = {name: rel_err(o, ref) for name, o in outs.items()}
                     worst = max(worst, *errs.values())
                     print(f"d={d} causal={causal} N_Q={n_q} N_K={n_k} {bm}x{bn}: vs float64 "
                           + " ".join(f"{k}={e:.2e}" for k, e in exact.items()) + "; vs base "
@@ -227,83 +221,18 @@ def interpret_check():
     print(f"interpret check passed: worst variant-vs-base error {worst:.2e}")
 
 
-def main(out_dir, dev="cuda"):
+def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    device = torch.cuda.get_device_name() if dev == "cuda" else dev
-    accuracy = poly_accuracy(dev)
-    print(f"polynomial on {dev}:", accuracy, flush=True)
-    rows, checks = [], []
-    for d in HEAD_DIMS:
-        for causal in (False, True):
-            kernel = attngen.load(sdpa_spec("bf16", d, causal))
-            modules = build_variants(kernel.source, VARIANTS, f"exp2poly{d}{'c' if causal else 'f'}")
-            for n in SEQ_LENS:
-                b, h = TOKENS // n, HIDDEN // d
-                gen = torch.Generator(device=dev).manual_seed(d + causal + n)
-                q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
-                scale = d ** -0.5
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                tuned = kernel.config(q, k)
-                configs = [tuple(tuned[key] for key in KEYS)]
-                configs += [c for c in NEIGHBOURS if c not in configs]
-                out = torch.empty_like(q)
-                lse = torch.empty(q.shape[:3], device=dev, dtype=torch.float32)
-                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-                for ci, cfg in enumerate(configs):
-                    config = dict(zip(KEYS, cfg))
-                    base_out = None
-                    for vname, module in modules.items():
-                        row = dict(n=n, head_dim=d, causal=causal, batch=b, heads=h, variant=vname, config=cfg,
-                                   tuned=ci == 0)
-
-                        def run(module=module, config=config):
-                            module.launch_attn_fwd(q=q, k=k, v=v, o=out, lse=lse, sm_scale=scale, **config)
-
-                        try:
-                            out.fill_(float("nan"))
-                            run()
-                            if dev == "cuda":
-                                torch.cuda.synchronize()
-                            if vname == "base":
-                                base_out = out.clone()
-                                row["err_vs_sdpa"] = _fro(out, sdpa)
-                            if base_out is not None:
-                                row["err_vs_base"] = _fro(out, base_out)
-                                row["flag"] = not (row["err_vs_base"] <= 1e-2)
-                            ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
-                            row.update(ms=ms, tflops=flops / ms / 1e9)
-                        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
-                            row["error"] = error_text(e)
-                        rows.append(row)
-                    cells = " ".join(f"{r['variant']}={r.get('tflops', float('nan')):.0f}"
-                                     for r in rows[-len(modules):])
-                    print(f"N={n} d={d} causal={causal} {cfg}{' tuned' if ci == 0 else ''}: {cells}", flush=True)
-                checks.append(dict(n=n, head_dim=d, causal=causal, tuned=configs[0]))
-                del q, k, v, out, lse, sdpa
+    device = torch.cuda.get_device_name()
+    accuracy = poly_accuracy("cuda")
+    print("polynomial on cuda:", accuracy, flush=True)
+    rows, cases = bench_forward_variants(VARIANTS, "exp2poly", SEQ_LENS, HEAD_DIMS, NEIGHBOURS, TOKENS, HIDDEN)
     with open(os.path.join(out_dir, "forward_exp2poly.json"), "w") as f:
         json.dump(dict(device=device, triton=triton.__version__, torch=torch.__version__, coeffs=COEFFS,
-                       poly_accuracy=accuracy, cases=checks, rows=rows), f, indent=1)
-    names = list(VARIANTS)
-    print(f"\n{device}: forward TFLOP/s, bf16, batch {TOKENS}/N, hidden {HIDDEN}; * = tuned config, "
-          f"! = output differs from base's by > 1e-2")
-    print(f"{'N':>6} {'d':>4} {'mask':>6} {'config':>18} " + " ".join(f"{v:>13}" for v in names) + "  max_err")
-    for c in checks:
-        sel = [r for r in rows if r["n"] == c["n"] and r["head_dim"] == c["head_dim"] and r["causal"] == c["causal"]]
-        for cfg in dict.fromkeys(r["config"] for r in sel):
-            cells, errs = [], []
-            for vname in names:
-                r = next(r for r in sel if r["config"] == cfg and r["variant"] == vname)
-                cell = f"{r['tflops']:.1f}" if "tflops" in r else "err"
-                cells.append(f"{cell + ('!' if r.get('flag') else ''):>13}")
-                if vname != "base" and "err_vs_base" in r:
-                    errs.append(r["err_vs_base"])
-            star = "*" if cfg == c["tuned"] else " "
-            print(f"{c['n']:>6} {c['head_dim']:>4} {'causal' if c['causal'] else 'full':>6} {str(cfg) + star:>18} "
-                  + " ".join(cells) + f"  {max(errs) if errs else float('nan'):.1e}")
+                       poly_accuracy=accuracy, cases=cases, rows=rows), f, indent=1)
+    print_forward_variants(f"{device}: forward TFLOP/s, bf16, batch {TOKENS}/N, hidden {HIDDEN}", list(VARIANTS),
+                           rows, cases, width=13)
     print(f"polynomial max rel err {accuracy['max_rel_err']:.2e} (x >= -125), -inf -> {accuracy['neg_inf_gives']}")
-    for r in rows:
-        if "error" in r:
-            print(f"  N={r['n']} d={r['head_dim']} causal={r['causal']} {r['variant']} {r['config']}: {r['error']}")
 
 
 if __name__ == "__main__":
