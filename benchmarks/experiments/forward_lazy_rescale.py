@@ -17,7 +17,8 @@ head dim / mask), in the unmasked key loop only (the masked loops are a block or
   base    unchanged
   lazy0   one block-wide test per key block: rescale acc, l and m (exactly as base) only if some
           row's max grew; otherwise alpha would be 1 for every row and the skip changes nothing
-          (the same result as base, bit for bit)
+          (the same result as base: bit for bit in the interpreter; on the GPU within 1.2e-5, as
+          the compiler contracts l * alpha + sum into an FMA in base only)
   lazy8   the same test with threshold 8: a row's stale max may lag the true one by up to 8
           (p <= 256), so after the first block the rescale almost never runs
 Prediction: +5-10% at d=128 and +8-15% at d=64 for lazy8 if the FP32 pipe bounds the loop; lazy0
