@@ -13,9 +13,14 @@ Python work that holds the GIL, and the hash needs the GIL between Triton's 1 MB
 is not a daemon: a process that exits within the hash's time waits for it (a daemon thread inside
 buffered I/O at interpreter shutdown can abort the process).
 
-On by default where kernels compile: a CUDA or ROCm build of torch, outside Triton's interpreter.
-`ATTNGEN_WARMUP=0` turns it off, `ATTNGEN_WARMUP=1` on (on any build: the tests use it). Nothing
-happens when Triton has no lru-cached `triton_key` (another version).
+On by default where kernels will compile: a CUDA or ROCm build of torch, a GPU driver's device node
+(/dev/nvidiactl, /dev/kfd), and Triton's interpreter not selected. Starting it imports Triton, and
+Triton fixes interpreted or compiled mode for its own library when it is imported, so it must not
+start where the CLI will switch to the interpreter after `import attngen` (a machine without a GPU);
+the device node says so without initialising CUDA (which would break CUDA in forked children).
+`ATTNGEN_WARMUP=0` turns it off, `ATTNGEN_WARMUP=1` on regardless (then select the interpreter,
+if at all, before importing attngen). Nothing happens when Triton has no lru-cached `triton_key`
+(another version).
 """
 
 from __future__ import annotations
@@ -23,36 +28,30 @@ from __future__ import annotations
 import os
 import threading
 
+DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's (ROCm) drivers
 _THREAD: threading.Thread | None = None
-_STARTED = False
-_LOCK = threading.Lock()
 
 
 def start() -> None:
-    """Begin computing Triton's start-up hash in the background (once per process)."""
-    global _THREAD, _STARTED
-    if _STARTED:
+    """Begin computing Triton's start-up hash in the background. Called once, by `import attngen`."""
+    global _THREAD
+    if _THREAD is not None or not wanted():
         return
-    with _LOCK:
-        if _STARTED:
-            return
-        _STARTED = True
-        if not _wanted():
-            return
-        try:
-            # NOTE: imported here, on the calling thread: two threads importing triton at once can
-            # see each other's half-initialised modules.
-            from triton.runtime import cache as triton_cache
-        except Exception:  # noqa: BLE001 - no usable triton: loading reports that itself
-            return
-        key = getattr(triton_cache, "triton_key", None)
-        if key is None or getattr(key, "cache_info", None) is None or key.cache_info().currsize:
-            return  # not the lru-cached function this module knows, or already computed
-        _THREAD = threading.Thread(target=_compute, args=(key,), name="attngen-triton-key")
-        _THREAD.start()
+    try:
+        # NOTE: imported here, on the importing thread: two threads importing triton at once can
+        # see each other's half-initialised modules.
+        from triton.runtime import cache as triton_cache
+    except Exception:  # noqa: BLE001 - no usable triton: loading reports that itself
+        return
+    key = getattr(triton_cache, "triton_key", None)
+    if key is None or getattr(key, "cache_info", None) is None or key.cache_info().currsize:
+        return  # not the lru-cached function this module knows, or already computed
+    _THREAD = threading.Thread(target=_compute, args=(key,), name="attngen-triton-key")
+    _THREAD.start()
 
 
-def _wanted() -> bool:
+def wanted() -> bool:
+    """Whether `start` runs here (see the module docstring)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     setting = os.environ.get("ATTNGEN_WARMUP", "")
@@ -60,7 +59,7 @@ def _wanted() -> bool:
         return setting == "1"
     import torch
 
-    return bool(torch.version.cuda or torch.version.hip)
+    return bool(torch.version.cuda or torch.version.hip) and any(os.path.exists(p) for p in DEVICE_NODES)
 
 
 def _compute(key) -> None:

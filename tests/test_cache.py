@@ -88,3 +88,23 @@ def test_import_computes_tritons_startup_hash_in_the_background(tmp_path, env, e
                           capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.parametrize("build, nodes, expected", [("12.8", {"/dev/nvidiactl"}, True), ("12.8", set(), False),
+                                                    (None, {"/dev/nvidiactl"}, False)])
+def test_startup_hash_runs_by_default_only_where_kernels_will_compile(monkeypatch, build, nodes, expected):
+    """Starting the hash imports Triton, which fixes interpreted or compiled mode for its own
+    library: on a machine without a GPU (no driver device node), where the CLI switches to the
+    interpreter after `import attngen`, it must not start; nor with a CPU build of torch."""
+    import torch
+
+    from attngen import warmup
+
+    for name in ("TRITON_INTERPRET", "ATTNGEN_WARMUP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", build)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(warmup.os.path, "exists", lambda path: path in nodes)
+    assert warmup.wanted() is expected
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert warmup.wanted() is False
