@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import torch
 
+from . import autograd
 from .checks import check_attention_inputs, check_scale
 from .errors import KernelInputError
 from .spec import Spec, parse
@@ -71,8 +72,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise KernelInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
                                "pass enable_gqa=True for grouped-query attention")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else check_scale(scale)
-    from . import autograd  # also registers the custom ops torch.compile traces
-
     # The op checks again when it runs; checking here names SDPA's arguments and fails before it is
     # dispatched. While torch.compile traces, the spec cannot be parsed (the loader does not trace),
     # so only the shapes are checked here.

@@ -22,6 +22,7 @@ import torch
 from .errors import AttnGenError
 
 _KERNELS: dict = {}
+_SDPA_SPECS: dict = {}
 
 
 def register(kernel) -> str:
@@ -35,11 +36,15 @@ def resolve(key: str):
     if kernel is not None:
         return kernel
     if key.startswith("sdpa:"):
-        from .api import sdpa_spec
         from .runtime import load
 
-        _, dtype, head_dim, mask = key.split(":")
-        return load(sdpa_spec(dtype, int(head_dim), mask == "causal"))
+        spec = _SDPA_SPECS.get(key)
+        if spec is None:
+            from .api import sdpa_spec
+
+            _, dtype, head_dim, mask = key.split(":")
+            spec = _SDPA_SPECS[key] = sdpa_spec(dtype, int(head_dim), mask == "causal")
+        return load(spec)  # a spec object load() has seen: a dictionary lookup
     raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
 
 

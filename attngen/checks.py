@@ -27,10 +27,10 @@ MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 def _runtime_device_ok(name: str, t: torch.Tensor) -> None:
     """A CUDA tensor on any GPU (the launch paths switch to its device: `on_other_gpu`), or a CPU
     tensor under Triton's interpreter."""
+    if t.is_cuda:
+        return
     from .runtime import interpreting
 
-    if t.device.type == "cuda":
-        return
     if t.device.type == "cpu" and interpreting():
         return
     if t.device.type == "cpu":
@@ -78,10 +78,14 @@ def check_indexing(name: str, t: torch.Tensor) -> None:
     """The kernels address one (batch, head) slice of a (batch, heads, seq, head_dim) tensor with
     32-bit integers and the leading dimensions with 64-bit: a slice must span fewer than 2**31
     elements, or offsets would wrap around and read or write the wrong memory."""
-    if t.shape[-2] > MAX_SEQ:
-        raise KernelInputError(f"{name} has sequence length {t.shape[-2]:,}; the limit is {MAX_SEQ:,}")
-    check_span(name, t, t.shape[-2:], t.stride()[-2:], "one (batch, head) slice",
-               f"make the sequence dimension denser (e.g. {name}.contiguous()) or split it")
+    *_, n, d = t.shape
+    if n > MAX_SEQ:
+        raise KernelInputError(f"{name} has sequence length {n:,}; the limit is {MAX_SEQ:,}")
+    *_, s_n, s_d = t.stride()
+    # NOTE: runs three times per call: the arithmetic inline, check_span only for its message
+    if (n - 1) * s_n * (n > 0) + (d - 1) * s_d * (d > 0) > INT32_MAX:
+        check_span(name, t, t.shape[-2:], t.stride()[-2:], "one (batch, head) slice",
+                   f"make the sequence dimension denser (e.g. {name}.contiguous()) or split it")
 
 
 def check_packed_indexing(name: str, t: torch.Tensor, group: int, shown: torch.Tensor | None = None,

@@ -33,6 +33,7 @@ from .api import _DTYPES
 from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_out, check_packed_indexing, check_scale,
                      check_span, check_split_launch, check_tensor, on_other_gpu)
 from .errors import KernelInputError
+from .runtime import load
 from .spec import Spec, parse
 
 
@@ -90,8 +91,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
-    from .runtime import load
-
     q = _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
     if on_other_gpu(q):
         # Triton launches on the current device: make q's current for this call.
@@ -150,7 +149,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
     # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
     q4 = q.transpose(1, 2)
-    k4, v4 = (k_cache, v_cache) if paged else (k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2))
+    if paged:
+        k4, v4 = k_cache, v_cache
+    elif k_cache.shape[0] == batch:
+        k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    else:
+        k4, v4 = k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2)
     _check_indexing(q4, q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
@@ -162,7 +166,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
     if q.numel():
-        from .tuning import Shape
+        from .tuning.key import Shape
 
         tuner = kernel.tuner("kvcache")
         config = tuner.config(Shape(batch, heads, kv_heads, seqlen_q, capacity), q.device.index)

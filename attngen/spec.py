@@ -62,9 +62,16 @@ class DType(enum.Enum):
 
     @property
     def torch(self):
-        import torch
+        found = _TORCH_DTYPES.get(self)
+        if found is None:  # torch is imported on first use, not with the spec module
+            import torch
 
-        return {DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32}[self]
+            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32})
+            found = _TORCH_DTYPES[self]
+        return found
+
+
+_TORCH_DTYPES: dict = {}
 
 
 @dataclass(frozen=True, slots=True)

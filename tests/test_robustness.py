@@ -47,11 +47,14 @@ def no_launch(monkeypatch):
     refused before the GPU, or the interpreter, sees anything."""
     from triton.runtime import interpreter, jit
 
+    from attngen.launch import FastJIT
+
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched for a call that should have been refused")
 
     monkeypatch.setattr(jit.JITFunction, "run", launched)
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", launched)
+    monkeypatch.setattr(FastJIT, "run", launched)  # the short path of repeat launches (attngen/launch.py)
 
 
 @dataclass
@@ -568,11 +571,14 @@ def test_valid_call_does_launch(checked_kernel, monkeypatch):
     """The guard above is real: the unspoilt arguments do reach a launch."""
     from triton.runtime import interpreter, jit
 
+    from attngen.launch import FastJIT
+
     def launched(*args, **kwargs):
         raise RuntimeError("launched")
 
     monkeypatch.setattr(jit.JITFunction, "run", launched)
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", launched)
+    monkeypatch.setattr(FastJIT, "run", launched)
     fam = _kernel_family(checked_kernel)
     with pytest.raises(RuntimeError, match="launched"):
         fam.call(fam.make())

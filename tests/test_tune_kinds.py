@@ -237,3 +237,22 @@ def test_the_shipped_decode_specs_are_the_problems_attention_with_kvcache_solves
         spec = load_file(os.path.join(SPECS, f"{name}.attn"))
         assert (attngen.load(spec).tuner("kvcache").tuning_problem()
                 == attngen.load(kvcache_spec("bf16", 128, True, page_size)).tuner("kvcache").tuning_problem())
+
+
+def test_kvcache_config_is_memoised_and_follows_new_tuning_records():
+    """The per-call config lookup of the KV-cache kernels is memoised (a decoding step should cost
+    dictionary lookups), and a tuning result recorded afterwards still takes effect at once."""
+    from attngen.tuning.key import bucket
+
+    kernel = attngen.load(kvcache_spec("fp16", 32, True, None))
+    tuner = kernel.tuner("kvcache")
+    shape = Shape(1, 4, 2, 1, 256)
+    first = tuner.config(shape)
+    assert tuner.config(shape) == first and len(tuner._configs) >= 1
+    first["BLOCK_N"] = -1  # callers get a copy: mutating it leaves the memo alone
+    assert tuner.config(shape)["BLOCK_N"] != -1
+    wanted = dict(tuner.tuning_default(), BLOCK_N=32 if tuner.config(shape)["BLOCK_N"] != 32 else 64, num_splits=3)
+    store.remember(Device.current(None), tuner.tuning_problem(), kernel.spec.name,
+                   [(bucket(shape), {"config": wanted})])
+    now = tuner.config(shape)
+    assert now["BLOCK_N"] == wanted["BLOCK_N"] and now["num_splits"] == 3

@@ -37,7 +37,7 @@ class _Printer(StrPrinter):
 
     def _print_CeilDiv(self, expr):
         a, b = expr.args
-        fn = "tl.cdiv" if self.device else "triton.cdiv"
+        fn = "tl.cdiv" if self.device else "cdiv"  # the generated module's own: see the template
         return f"{fn}({self._print(a)}, {self._print(b)})"
 
     def _print_Float(self, expr):

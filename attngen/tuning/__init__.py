@@ -120,9 +120,9 @@ def launch_config(kernel, shape: Shape, device_index: int | None = None) -> dict
 def launch_choice(kernel, shape: Shape, device_index: int | None = None) -> tuple[dict, bool]:
     """`launch_config`, and whether the config was tuned for this very bucket (not the nearest one
     or the default): keys that only suit the shapes they were measured at need to know."""
-    # NOTE: this runs on every call; the memo makes it a handful of dictionary operations.
-    memo_key = (store.generation(), interpreting(), device_index, kernel, shape.batch * shape.heads,
-                shape.n_q, shape.n_k)
+    # NOTE: this runs on every call; the memo makes it a handful of dictionary operations. (The
+    # kernel objects are per mode, interpreted or compiled: runtime.load keys them by it.)
+    memo_key = (store.generation(), device_index, kernel, shape.batch * shape.heads, shape.n_q, shape.n_k)
     found = _MEMO.get(memo_key)
     if found is None:
         if len(_MEMO) > 4096:

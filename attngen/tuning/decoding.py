@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import configs, warmup
+from . import store
 from .key import Shape, problem_text
 
 
@@ -41,6 +42,7 @@ class KVCacheKernel:
     def __init__(self, kernel):
         self.kernel, self.spec = kernel, kernel.spec
         self._fits: dict = {}
+        self._configs: dict = {}
 
     def __repr__(self) -> str:
         return f"<kvcache kernel of {self.spec.name}>"
@@ -66,6 +68,17 @@ class KVCacheKernel:
     def config(self, shape: Shape, device_index: int | None = None) -> dict:
         """Tuned (or heuristic) config for a call of this shape, with BLOCK_M set for its rows, and
         `num_splits` (when the spec searches it) 0 unless this very bucket was tuned."""
+        # NOTE: runs on every decoding step: memoised per shape (and tuning-table generation; this
+        # object belongs to one loaded kernel, which is interpreted or compiled, not both).
+        memo_key = (store.generation(), device_index, shape)
+        found = self._configs.get(memo_key)
+        if found is None:
+            if len(self._configs) > 4096:
+                self._configs.clear()
+            found = self._configs[memo_key] = self._config(shape, device_index)
+        return dict(found)
+
+    def _config(self, shape: Shape, device_index: int | None) -> dict:
         from . import launch_choice
 
         found, exact = launch_choice(self, shape, device_index)

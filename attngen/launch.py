@@ -1,0 +1,177 @@
+"""A shorter launch path for the generated kernels' repeat calls.
+
+`kernel[grid](*args, **constexprs)` through Triton's `JITFunction.run` costs tens of microseconds of
+Python per launch (binding ~30 arguments by name, the compile-cache key, a check of the kernel's
+globals, launch metadata for hooks that are not set): at batch 1 a decoding step's GPU work is
+shorter than that. `FastJIT` wraps a generated module's `@triton.jit` function, and the runtime
+puts it in the module's namespace in place of the function (the module's `launch_*` functions
+look it up there), so the generated source stays plain Triton. A call goes:
+
+  * first with a given argument signature: through Triton (`fn[grid](...)`), which compiles or finds
+    the binary and launches it; FastJIT keeps the compiled kernel under that signature;
+  * later with the same signature: straight to the compiled kernel's launcher.
+
+The signature is finer than what Triton specialises a binary on, so a cached binary is never
+launched for arguments it was not compiled for: every non-tensor argument's exact value and type
+(Triton looks at an integer's width and whether it is 1 or a multiple of 16), each tensor's dtype
+and whether its address is a multiple of 16, the keyword values (constexprs, num_warps, num_stages),
+the device and Triton's debug flag. A decoding step repeats the same strides and sizes, so it hits;
+a new sequence length takes Triton's path once. Anything else (a tensor where the first call had a
+scalar or the reverse, a value that is not a plain int, float, bool or None, a launch hook installed,
+e.g. by a profiler, a grid that is a function) takes Triton's own path every time.
+`ATTNGEN_FAST_LAUNCH=0` turns the short path off (read when a module is imported).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+
+
+def enabled() -> bool:
+    return os.environ.get("ATTNGEN_FAST_LAUNCH", "1") not in ("0", "false", "no", "off")
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: None, or (Triton 3.6) a HookChain with no calls, is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _stream_handle(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The current stream's handle: torch's raw getter, as Triton's own launch path uses, where it exists.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_handle)
+
+
+class FastJIT:
+    """Stands in for a `triton.JITFunction` in a generated module: `fast[grid](*args, **kwargs)`
+    launches as `fn[grid](*args, **kwargs)` would. Other attributes are the function's."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        params = fn.params
+        self._constexprs = tuple(p.name for p in params if p.is_constexpr)
+        n = sum(not p.is_constexpr for p in params)
+        # The cached path needs the signature to be (positional params..., constexpr params...),
+        # which is how attngen generates kernels; otherwise every call takes Triton's path.
+        self._ordered = all(not p.is_constexpr for p in params[:n])
+        self._n_positional = n
+        self._tensor_pos: tuple | None = None  # where the first cached call had tensors
+        self._value_pos: tuple = ()
+        self._cache: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __repr__(self) -> str:
+        return f"<FastJIT {self.fn!r}>"
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def signature(self, args: tuple, kwargs: dict) -> tuple:
+        """(cache key, tensors' addresses) of one call. The key: every non-tensor argument's exact
+        value and type (finer than Triton's specialisation, and a few C-level operations), each
+        tensor's dtype and 16-byte alignment, the keyword arguments. Raises AttributeError or
+        TypeError (unhashable) where the call does not fit the layout learned from the first one."""
+        values = self._values(args)
+        tensors = self._tensors(args)
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (values, tuple(map(type, values)), tuple([p % 16 == 0 for p in ptrs]), tuple([t.dtype for t in tensors]),
+               tuple(kwargs.items()))
+        return key, ptrs
+
+    def learn(self, tensor_pos: tuple, n: int) -> None:
+        """Fix the layout: tensors at `tensor_pos`, scalars at the other of `n` positions."""
+        self._tensor_pos = tensor_pos
+        self._value_pos = tuple(i for i in range(n) if i not in tensor_pos)
+        self._tensors, self._values = _getter(self._tensor_pos), _getter(self._value_pos)
+        self._prefix = tensor_pos == tuple(range(len(tensor_pos)))  # tensors first: attngen's kernels
+
+    def _cacheable(self, args: tuple) -> bool:
+        """Whether this call's arguments are tensors where the layout has tensors and plain Python
+        scalars elsewhere (learning the layout on the first call)."""
+        if self._tensor_pos is None:
+            self.learn(tuple(i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), len(args))
+        return (all(isinstance(args[i], torch.Tensor) for i in self._tensor_pos)
+                and all(type(args[i]) in _SCALARS for i in self._value_pos))
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        knobs = _knobs()
+        if (not self._ordered or len(args) != self._n_positional or type(grid) is not tuple
+                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+            return self.fn[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        hit = None
+        if self._tensor_pos is not None:
+            try:
+                key, ptrs = self.signature(args, kwargs)
+                hit = self._cache.get((device, knobs.runtime.debug, key))
+            except (AttributeError, TypeError):  # not a tensor where one was; an unhashable value
+                return self.fn[grid](*args, **kwargs)
+        if hit is None:
+            compiled = self.fn[grid](*args, **kwargs)
+            if self._cacheable(args) and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+                try:
+                    tail = tuple(kwargs[name] for name in self._constexprs)
+                    key, _ = self.signature(args, kwargs)
+                except (KeyError, TypeError):  # a constexpr left to its default; an unhashable value
+                    return compiled
+                if len(self._cache) > 1024:
+                    self._cache.clear()
+                self._cache[(device, knobs.runtime.debug, key)] = (compiled, tail)
+            return compiled
+        compiled, tail = hit
+        # The tensors go in as their addresses: Triton's launcher then skips, per pointer, a method call
+        # and a driver query (cuPointerGetAttribute) that the checks before every launch make moot.
+        if self._prefix:
+            launch_args = (*ptrs, *args[len(ptrs):])
+        else:
+            launch_args = list(args)
+            for i, p in zip(self._tensor_pos, ptrs):
+                launch_args[i] = p
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], grid_1, grid_2, _raw_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *launch_args, *tail)
+        return compiled
+
+
+_SCALARS = (int, float, bool, type(None))
+
+
+def _getter(positions: tuple):
+    """args -> the tuple of args at `positions` (operator.itemgetter, which returns a bare item for one)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
+def _knobs():
+    global _KNOBS
+    if _KNOBS is None:
+        from triton import knobs
+
+        _KNOBS = knobs
+    return _KNOBS
+
+
+_KNOBS = None
+
+
+def install(module) -> None:
+    """Put a FastJIT in place of each `@triton.jit` function of a generated module (compiled mode)."""
+    if not enabled():
+        return
+    from triton.runtime.jit import JITFunction
+
+    for name, value in list(vars(module).items()):
+        if isinstance(value, JITFunction):
+            setattr(module, name, FastJIT(value))

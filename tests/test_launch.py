@@ -1,0 +1,206 @@
+"""The short launch path (attngen/launch.py): a cached binary is only ever launched for arguments
+Triton would have compiled that same binary for, with the arguments in Triton's order."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_GPU, ROOT
+
+from attngen import launch
+from attngen.launch import FastJIT
+
+
+def _triton_specialization(x, specialize: bool = True):
+    """What Triton 3.6's binder records for one non-constexpr argument."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return native_specialize_impl(CUDABackend, x, False, specialize, True)
+
+
+def _scalars():
+    return [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31),
+            -(2**31) - 1, 2**40, 2**63 - 1, 2**63, 2**64 - 16, 0.5, 1.0, 0.0, 3.0, None, True, False]
+
+
+def _tensors():
+    base = torch.empty(64, dtype=torch.bfloat16)
+    return [base, base[1:], base[8:], base[3:], torch.empty(8, dtype=torch.float32),
+            torch.empty(8, dtype=torch.float32)[1:], torch.empty(8, dtype=torch.int32)]
+
+
+def test_signature_never_lumps_together_what_triton_tells_apart():
+    """Two calls share FastJIT's key only when Triton's binder specialises every argument the same
+    way: a key that lumped them together would launch a binary compiled for the other. (Scalars are
+    keyed by value and type, finer than Triton; tensors exactly as Triton does: dtype, alignment.)"""
+    fast = FastJIT.__new__(FastJIT)
+    fast.learn((0,), 2)
+    calls = [(t, x) for t in _tensors() for x in _scalars()]
+    keys = [fast.signature(c, {})[0] for c in calls]
+    specs = [tuple(_triton_specialization(a) for a in c) for c in calls]
+    for i, j in itertools.combinations(range(len(calls)), 2):
+        if keys[i] == keys[j]:
+            assert specs[i] == specs[j], (calls[i][1], calls[j][1], specs[i], specs[j])
+        if calls[i][1] is calls[j][1] or (type(calls[i][1]) is type(calls[j][1]) and calls[i][1] == calls[j][1]):
+            # the same scalar: the keys differ exactly where Triton tells the tensors apart
+            assert (keys[i] == keys[j]) == (specs[i][0] == specs[j][0])
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, *args):
+        self.log.append(("cached", args))
+
+
+class _FakeJIT:
+    """Enough of a triton.JITFunction for FastJIT: params and `fn[grid](...)`."""
+
+    def __init__(self, names, constexprs, do_not_specialize=()):
+        self.params = [SimpleNamespace(name=n, is_constexpr=n in constexprs, do_not_specialize=n in do_not_specialize)
+                       for n in names]
+        self.log, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            self.compiled.append(_FakeCompiled(self.log))
+            return self.compiled[-1]
+        return launch
+
+
+@pytest.fixture
+def no_hooks(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+
+
+def test_repeat_call_goes_to_the_cached_binary_in_triton_argument_order(no_hooks):
+    fn = _FakeJIT(["X", "n", "s", "BLOCK", "D"], constexprs=("BLOCK", "D"))
+    fast = FastJIT(fn)
+    x = torch.empty(64, dtype=torch.float16)
+    fast[(3, 2)](x, 32, 0.5, D=64, BLOCK=16, num_warps=4)
+    assert [e[0] for e in fn.log] == ["triton"]
+    y = torch.empty(64, dtype=torch.float16)
+    fast[(5,)](y, 32, 0.5, D=64, BLOCK=16, num_warps=4)  # another tensor, same dtype and alignment
+    # tensors go to the launcher as their addresses
+    assert fn.log[-1] == ("cached", (5, 1, 1, 1234, "fn", "meta", None, None, None, y.data_ptr(), 32, 0.5, 16, 64))
+    # each change takes Triton's path once (and caches a binary of its own)
+    for args, kwargs in (((x[1:], 32, 0.5), {}), ((x, 48, 0.5), {}), ((x, 1, 0.5), {}), ((x, True, 0.5), {}),
+                         ((x, 1.0, 0.5), {}), ((x, 2**31, 0.5), {}), ((x.float(), 32, 0.5), {}),
+                         ((x, 32, 0.5), {"num_warps": 8}), ((x, 32, 0.5), {"BLOCK": 32})):
+        before = len(fn.compiled)
+        fast[(1,)](*args, **dict(dict(D=64, BLOCK=16, num_warps=4), **kwargs))
+        assert fn.log[-1][0] == "triton" and len(fn.compiled) == before + 1, (args, kwargs)
+        fast[(1,)](*args, **dict(dict(D=64, BLOCK=16, num_warps=4), **kwargs))
+        assert fn.log[-1][0] == "cached" and fn.log[-1][1][9:12] == (args[0].data_ptr(), *args[1:]), (args, kwargs)
+
+
+def test_layout_changes_take_tritons_path(no_hooks):
+    """A scalar where the first call had a tensor, or the reverse, is never served from the cache."""
+    fn = _FakeJIT(["X", "n", "BLOCK"], constexprs=("BLOCK",))
+    fast = FastJIT(fn)
+    x = torch.empty(8)
+    fast[(1,)](x, 16, BLOCK=4)
+    fast[(1,)](x, 16, BLOCK=4)
+    fast[(1,)](16, x, BLOCK=4)
+    fast[(1,)](16, x, BLOCK=4)
+    fast[(1,)](x, x, BLOCK=4)
+    fast[(1,)](x, x, BLOCK=4)
+    fast[(1,)](x, 16, BLOCK=4)
+    assert [e[0] for e in fn.log] == ["triton", "cached", "triton", "triton", "triton", "triton", "cached"]
+    assert len(fast._cache) == 1
+
+
+def test_tensors_after_scalars_go_to_the_launcher_in_place(no_hooks):
+    fn = _FakeJIT(["n", "X", "s", "Y", "BLOCK"], constexprs=("BLOCK",))
+    fast = FastJIT(fn)
+    x, y = torch.empty(8), torch.empty(4, dtype=torch.float16)
+    fast[(2, 3, 4)](7, x, 0.5, y, BLOCK=8)
+    fast[(2, 3, 4)](7, x, 0.5, y, BLOCK=8)
+    assert fn.log[-1] == ("cached", (2, 3, 4, 1234, "fn", "meta", None, None, None, 7, x.data_ptr(), 0.5, y.data_ptr(), 8))
+
+
+def test_hooks_unusual_arguments_and_callable_grids_take_tritons_path(no_hooks, monkeypatch):
+    from triton import knobs
+
+    fn = _FakeJIT(["X", "BLOCK"], constexprs=("BLOCK",))
+    fast = FastJIT(fn)
+    x = torch.empty(8)
+    fast[(1,)](x, BLOCK=4)
+    fast[(1,)](x, BLOCK=4)
+    assert [e[0] for e in fn.log] == ["triton", "cached"]
+    fast[lambda meta: (1,)](x, BLOCK=4)
+    fast[(1,)](object(), BLOCK=4)
+    fast[(1,)](x)  # a constexpr left to its default
+    fast[(1,)](x)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    fast[(1,)](x, BLOCK=4)
+    assert [e[0] for e in fn.log] == ["triton", "cached"] + ["triton"] * 5
+
+
+def test_fast_launch_is_off_in_the_interpreter_and_by_variable(monkeypatch):
+    import attngen
+
+    kernel = attngen.load(f"{ROOT}/specs/decode_d128.attn")
+    assert isinstance(kernel.module.attn_fwd, FastJIT) == HAS_GPU
+    monkeypatch.setenv("ATTNGEN_FAST_LAUNCH", "0")
+    assert not launch.enabled()
+
+
+@pytest.mark.gpu
+def test_cached_launches_compute_what_tritons_path_computes():
+    """On the GPU: the same kernel through FastJIT's cached path and through Triton's, on aligned and
+    misaligned views, gives bit-identical outputs, and the misaligned call got a binary of its own."""
+    import attngen
+
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    q = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(2, 300, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
+    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, None))
+    fast = kernel.module.attn_fwd
+    assert isinstance(fast, FastJIT)
+    first = attngen.attention_with_kvcache(q, k, v, lens)
+    again = attngen.attention_with_kvcache(q, k, v, lens)
+    flat = torch.empty(q.numel() + 1, device=DEVICE, dtype=q.dtype)
+    q_odd = flat[1:].view_as(q).copy_(q)  # 2-byte aligned: not a multiple of 16 bytes
+    odd = attngen.attention_with_kvcache(q_odd, k, v, lens)
+    entries = len(fast._cache)
+    kernel.module.attn_fwd = fast.fn  # Triton's own path
+    try:
+        plain = attngen.attention_with_kvcache(q_odd, k, v, lens)
+    finally:
+        kernel.module.attn_fwd = fast
+    assert torch.equal(first, again) and torch.equal(odd, plain) and torch.equal(odd, first)
+    assert entries >= 2
+
+
+def test_loading_a_seen_spec_object_skips_its_canonical_text(monkeypatch):
+    """`load` of a Spec object it has loaded before is a lookup (a decoding step loads its spec on
+    every call); an equal but new Spec object, or spec text, still finds the same kernel."""
+    import attngen
+    from attngen.spec import Spec
+
+    spec = attngen.parse(open(f"{ROOT}/specs/fwd_d64.attn").read(), "fwd_d64.attn")
+    kernel = attngen.load(spec)
+
+    def canonical(self):
+        raise AssertionError("canonical text rebuilt")
+
+    with monkeypatch.context() as m:
+        m.setattr(Spec, "canonical", canonical)
+        assert attngen.load(spec) is kernel
+    again = attngen.parse(open(f"{ROOT}/specs/fwd_d64.attn").read(), "fwd_d64.attn")
+    assert again is not spec and attngen.load(again) is kernel
+    assert attngen.load(f"{ROOT}/specs/fwd_d64.attn") is kernel
