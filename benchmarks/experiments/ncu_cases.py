@@ -11,6 +11,8 @@ decode). Cases (bf16, fresh random data):
                              attngen.attention_with_kvcache and SDPA's cuDNN backend
   decode64_8k                the same at batch 64 (attngen streams at ~4.5 TB/s there: the reference
                              for what the batch-1 kernel misses)
+  paged1_8k / paged16_8k     attngen's contiguous and 16-token paged decode on the same tokens
+                             (paged at batch 1 trails by a constant ~2.7 us per call)
   fwd128                     prefill forward d=128, B=4, H=16, N=4096, non-causal: attngen,
                              FlexAttention (compiled) and cuDNN
   bwd128                     the backward of the same (attngen's dQ and dK/dV kernels, Flex's, cuDNN's),
@@ -53,6 +55,22 @@ def decode_case(batch: int, ctx: int):
     return {"attngen": lambda: attngen.attention_with_kvcache(q, k, v, seqlens), "cudnn": cudnn}
 
 
+def paged_case(batch: int, ctx: int):
+    """attngen's contiguous and 16-token paged decode on the same tokens (pages in random order)."""
+    from attngen.bench_decode import paged_copy
+
+    gen = torch.Generator("cuda").manual_seed(batch * ctx + 1)
+    q = torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    perm = torch.randperm(batch * ctx // 16, device="cuda", generator=gen)
+    kp, vp = paged_copy(k, 16, perm), paged_copy(v, 16, perm)
+    table = perm.view(batch, ctx // 16).to(torch.int32)
+    return {"contiguous": lambda: attngen.attention_with_kvcache(q, k, v, seqlens),
+            "paged16": lambda: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)}
+
+
 def prefill_case(backward: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
@@ -80,6 +98,8 @@ CASES = {
     "decode1_32k": lambda: decode_case(1, 32768),
     "decode1_8k": lambda: decode_case(1, 8192),
     "decode64_8k": lambda: decode_case(64, 8192),
+    "paged1_8k": lambda: paged_case(1, 8192),
+    "paged16_8k": lambda: paged_case(16, 8192),
     "fwd128": lambda: prefill_case(False),
     "bwd128": lambda: prefill_case(True),
 }

@@ -26,6 +26,7 @@ KEEP = (
     ("Eligible Warps Per Scheduler", "eligible"),
     ("Dynamic Shared Memory Per Block", "smem"),
     ("L2 Hit Rate", "L2hit%"),
+    ("smsp__inst_executed.sum", "inst"),  # asked for with --metrics
 )
 STALL = "smsp__average_warps_issue_stalled_"
 
