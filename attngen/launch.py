@@ -173,5 +173,5 @@ def install(module) -> None:
     from triton.runtime.jit import JITFunction
 
     for name, value in list(vars(module).items()):
-        if isinstance(value, JITFunction):
+        if isinstance(value, JITFunction) and not value.is_gluon():  # Gluon kernels take descriptors: Triton's path
             setattr(module, name, FastJIT(value))

@@ -8,7 +8,9 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 `probe(jobs)`, which runs this file in a subprocess without TRITON_INTERPRET:
     job = {"path": generated .py, "kernel": "attn_fwd", "constexprs": {...}, "num_warps": 4,
            "num_stages": 3, "ptr_dtypes": {"LSE": "*fp32", ...}}
-and returns, per job, {"shared": bytes} or {"error": message}.
+and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
+compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
+and adds {"warps": ..., "wgmma": count, "tma_loads": count}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,34 @@ import subprocess
 import sys
 
 _PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+
+
+def _compile_gluon_ws(module, job):
+    import torch
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    shape, d = module.WS_SHAPE, module.HEAD_DIM
+    t = torch.empty(2, 4, 256, d, dtype=module.DTYPE)  # descriptors carry their block type; CPU memory will do
+
+    def desc(rows, layout):
+        made = module.GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+        return native_specialize_impl(CUDABackend, made, False, True, True)[0]
+
+    q, kv = desc(shape["BLOCK_M"] // 2, module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
+    fn = module.attn_fwd_ws
+    const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+                 OVERLAP=shape["OVERLAP"], CAUSAL=module.WS_CAUSAL)
+    sig = {arg: "constexpr" if arg in const else {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv, "LSE": "*fp32",
+                                                  "sm_scale": "fp32"}.get(arg, "i32") for arg in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={(fn.arg_names.index("LSE"),): [["tt.divisibility", 16]]})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=shape["maxnreg"]))
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared")}
 
 
 def _compile(job):
@@ -33,6 +63,8 @@ def _compile(job):
         spec = importlib.util.spec_from_file_location(f"probe_{abs(hash(job['path']))}", job["path"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+    if job.get("gluon_ws"):
+        return _compile_gluon_ws(module, job)
     fn = getattr(module, job["kernel"])
     io = _PTR[str(getattr(module, "DTYPE", "float16")).removeprefix("torch.")]  # hand-written kernels: fp16
     special = job.get("ptr_dtypes", {})

@@ -55,7 +55,11 @@ def test_generated_files_compile_for_sm90():
         mod_spec.loader.exec_module(module)
         # Every kernel of the module (decoding specs add attn_combine, training specs the backward),
         # each with its own default launch config.
-        kernels = [n for n, f in vars(module).items() if isinstance(f, triton.runtime.KernelInterface)]
+        kernels = [n for n, f in vars(module).items()
+                   if isinstance(f, triton.runtime.KernelInterface) and not getattr(f, "is_gluon", lambda: False)()]
+        if hasattr(module, "WS_SHAPE"):  # the Gluon forward (passes/warp_specialize.py), at its own fixed shape
+            jobs.append(dict(path=golden, gluon_ws=True))
+            names.append(f"{spec.name}.attn_fwd_ws")
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")

@@ -1,0 +1,66 @@
+"""warp-specialize: on Hopper the prefill forward runs as a warp-specialised Gluon kernel.
+
+Triton 3.6 keeps the forward near 500 TFLOP/s at d=128 on an H200 however its source is arranged
+(benchmarks/NOTES.md v1-v8): its software pipeline fills shared memory with cp.async and needs a
+CTA-wide barrier in every key step (Nsight Compute: `barrier` is the top stall), and its
+`warp_specialize` loop option does not act on this loop on Hopper. The layout cuDNN and
+FlashAttention 3 use (a producer warp that moves K and V by TMA, consumer warpgroups that only
+compute, mbarriers between them) is expressible in Gluon, Triton's explicit-layout dialect
+(`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9, `attngen bench`, bf16, H200,
+N = 4096-16384): d=128 607-649 TFLOP/s without a mask and 519-605 causal, against 483-501 and
+427-482 for the Triton kernel and 599-612 / 519-567 for cuDNN; d=64 440-458 and 387-449, against
+423-441 and 380-421.
+
+The rewrite records the decision and the kernel's fixed shape on the program (`warp_specialized`:
+128 query rows per program in two consumer warpgroups of 64, 128-key blocks, 2 stages, the next
+block's scores issued before this block's softmax, the register split between the partitions).
+The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
+Triton kernel, and the module's `forward` takes it where it can run: a CUDA tensor on an sm_90 GPU
+(wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last stride), at
+least one query and one key. Everything else, the interpreter included, runs the Triton kernel,
+which the tuner keeps tuning.
+
+Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
+16-bit inputs and a head dim of 64 or 128. A causal program reads only the key blocks its rows see
+and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
+key) stays on the Triton kernel.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+
+NAME = "warp-specialize"
+
+HEAD_DIMS = (64, 128)
+SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True),
+         ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
+"""The Gluon kernel's fixed launch shape. 12 warps (two consumer warpgroups, one loader warp padded
+to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24, so each
+consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and 64-key
+blocks with 4 stages (NOTES.md v9, experiments/gluon_shapes.py): this one is the best or within 1%
+at d=64 and d=128."""
+
+MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1, (128, True): 1}
+"""Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
+the Triton kernel is faster (H200, NOTES.md v9: 1024 keys 401 TFLOP/s against 366; 2048 keys about
+even without a mask, 354 against 331 causal): each program's fixed cost (barrier set-up, the
+loader's first loads, the epilogue) weighs more against the half-size products of d=64. At d=128
+the Gluon kernel wins from 512 keys on (421 against 318 without a mask, 253 against 190 causal)."""
+
+
+def _rule(kvcache: bool, split: bool, elem_bytes: int, head_dim: int, head_dim_padded: int) -> bool:
+    return not kvcache and not split and elem_bytes == 2 and head_dim == head_dim_padded in HEAD_DIMS
+
+
+def applies(program: ir.Program) -> bool:
+    return _rule(bool(program.attr("kvcache", False)), program.attr("split_kv") is not None,
+                 2 if program.attr("dtype") in ("fp16", "bf16") else 4,
+                 program.attr("head_dim", 0), program.attr("head_dim_padded", 0))
+
+
+def run(program: ir.Program) -> ir.Program:
+    if not applies(program):
+        return program
+    min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
+    return program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys),))

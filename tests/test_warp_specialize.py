@@ -1,0 +1,120 @@
+"""The warp-specialize pass and the Hopper Gluon forward it brings (passes/warp_specialize.py).
+
+On the CPU: which specs get it, that the generated Gluon kernel compiles for sm_90 (Triton's own
+compiler, in a subprocess), and that every call without a Hopper GPU runs the Triton kernel. On a
+Hopper GPU (`gpu`): the Gluon kernel against float64 at odd sizes, GQA and strided inputs, with the
+outputs poisoned first, and the fallback for inputs TMA cannot read.
+"""
+
+import pytest
+import torch
+
+import attngen
+from attngen.check import Case, compare
+from attngen.passes import compile_program, warp_specialize
+from attngen.spec import parse
+from conftest import DEVICE, HAS_GPU, spec_text
+from probe import probe
+
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (spec_text("a", 128, "bf16", "none"), True),
+    (spec_text("b", 64, "fp16", "none"), True),
+    (spec_text("c", 128, "bf16", "none", direction="forward+backward"), True),
+    (spec_text("d", 128, "bf16", "none", heads=32, kv_heads=8), True),
+    (spec_text("e", 128, "bf16", "causal"), True),
+    (spec_text("e2", 64, "fp16", "causal(bottom_right)", heads=8, kv_heads=2), True),
+    (spec_text("f", 128, "fp32", "none"), False),  # wgmma on 16-bit inputs only
+    (spec_text("g", 80, "fp16", "none"), False),  # padded head dim
+    (spec_text("h", 32, "fp16", "none"), False),
+    (spec_text("i", 128, "bf16", "none", kv_layout="contiguous", split_kv=4), False),  # decoding kernels
+])
+def test_which_specs_get_the_gluon_forward(text, expected):
+    program = compile_program(parse(text))
+    assert warp_specialize.applies(program) is expected
+    shape = dict(program.attr("warp_specialized") or ())
+    spec = parse(text)
+    min_keys = warp_specialize.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
+    assert (shape.get("BLOCK_M") == 128 and shape.get("min_keys") == min_keys) is expected
+    kernel = attngen.load(text)
+    assert hasattr(kernel.module, "attn_fwd_ws") is expected
+    assert ("warp-specialize" in kernel.source.split("\n", 3)[2]) is expected  # the "# Passes:" header line
+
+
+def test_the_gluon_kernel_compiles_for_sm90():
+    paths = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)).path
+             for d, dt, mask in ((128, "bf16", "none"), (64, "fp16", "none"), (128, "fp16", "causal(bottom_right)"))]
+    for result in probe([{"path": str(p), "gluon_ws": True} for p in paths]):
+        assert "error" not in result, result
+        # two consumer warpgroups + the loader warp padded to a warpgroup; both products on wgmma, K/V by TMA
+        assert result["warps"] == 12 and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
+        assert result["shared"] <= 232448, result
+
+
+def test_without_hopper_the_triton_kernel_runs(monkeypatch):
+    kernel = attngen.load(spec_text("ws_fallback", 64, "fp16", "none"))
+    q, k, v = (torch.randn(1, 2, n, 64, device=DEVICE).half() for n in (37, 53, 53))
+    if not HOPPER:
+        assert not kernel.module.ws_ready(q, k, v, q)
+    called = []
+    monkeypatch.setattr(kernel.module, "launch_attn_fwd_ws", lambda *a: called.append(a))
+    out, lse = kernel.module.forward(q, k, v, config={"warp_specialized": False})
+    assert not called
+    result = compare(kernel.spec, Case(1, 2, 2, 37, 53), out, lse, q, k, v)
+    assert result.ok, result
+
+
+def _poisoned_run(kernel, q, k, v):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    kernel.module.forward(q, k, v, kernel.spec.softmax_scale, out=out, lse=lse)
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("fp16", 64), ("fp16", 128)])
+@pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
+                                  Case(3, 2, 1, 64, 4097), Case(1, 2, 2, 1000, 77), Case(1, 4, 2, 333, 2111),
+                                  Case(2, 2, 2, 1500, 1500)])
+def test_gluon_forward_against_float64(mask, dtype, head_dim, case):
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"ws_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
+                                    heads=case.heads, kv_heads=case.kv_heads))
+    torch_dtype = kernel.spec.dtype.torch
+    q = torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype)
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
+    gluon = case.n_k >= kernel.module.WS_SHAPE["min_keys"] and (mask != "causal(bottom_right)" or case.n_k >= case.n_q)
+    assert kernel.module.ws_ready(q, k, v, q) is gluon
+    called = []
+    launch = kernel.module.launch_attn_fwd_ws
+    kernel.module.launch_attn_fwd_ws = lambda *a: (called.append(1), launch(*a))
+    try:
+        out, lse = _poisoned_run(kernel, q, k, v)
+    finally:
+        kernel.module.launch_attn_fwd_ws = launch
+    assert bool(called) is gluon
+    result = compare(kernel.spec, case, out, lse, q, k, v)
+    assert result.ok, result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+def test_gluon_forward_strided_inputs_and_the_pointer_fallback():
+    kernel = attngen.load(spec_text("ws_strided", 128, "bf16", "none", heads=4, kv_heads=2))
+    # (B, N, H, D) storage viewed as (B, H, N, D); k and v sliced from one fused buffer: TMA reads these
+    q = torch.randn(2, 301, 4, 128, device="cuda").bfloat16().transpose(1, 2)
+    kv = torch.randn(2, 2, 2, 190, 128, device="cuda").bfloat16()
+    k, v = kv[0], kv[1]
+    assert kernel.module.ws_ready(q, k, v, torch.empty_like(q))
+    out, lse = _poisoned_run(kernel, q, k, v)
+    assert compare(kernel.spec, Case(2, 4, 2, 301, 190), out, lse, q, k, v).ok
+    # a base 2 bytes off 16-byte alignment: TMA cannot read it, the Triton kernel runs
+    buf = torch.randn(2 * 4 * 300 * 128 + 1, device="cuda").bfloat16()
+    q2 = buf[1:].view(2, 4, 300, 128)
+    assert not kernel.module.ws_ready(q2, k, v, torch.empty_like(q2))
+    out, lse = _poisoned_run(kernel, q2, k, v)
+    assert compare(kernel.spec, Case(2, 4, 2, 300, 190), out, lse, q2, k, v).ok
