@@ -562,11 +562,14 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
     tma.store_wait(0)
 
 
+
 @gluon.jit
 def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of the program's block (the worker partitions
+    all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 0)
@@ -577,6 +580,8 @@ def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
                   v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of the program's block (the worker partitions
+    all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 1)
@@ -588,8 +593,8 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ba
                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m + BM, 0], q_bar, q_smem.index(1))
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_bar, q_smem.index(c))
     for j in range(n_blocks):
         s = j % STAGES
         phase = (j // STAGES) & 1
@@ -615,6 +620,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     hkv = h // GROUP
     qk_scale = sm_scale * 1.4426950408889634
     dtype: gl.constexpr = q_desc.dtype
+    # one Q (later output) buffer per consumer; shared allocations have power-of-two shapes
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -629,22 +635,25 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
+    # arrive as tensors
     gl.warp_specialize([
         (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                         BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
         (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                         BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                      v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                      BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                     v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
     ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1}
 WS_CAUSAL = False
-_WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // 2, HEAD_DIM], gl.bfloat16)
+_WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
+                                                    gl.bfloat16)
 _WS_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM], gl.bfloat16)
 _WS_DEVICES = {}
 
@@ -665,7 +674,7 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     """Launch `attn_fwd_ws` on q, k, v, o (B, H, N, D) and lse (B, H, N_Q); check `ws_ready` first."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
-    q_block = [1, 1, WS_SHAPE["BLOCK_M"] // 2, HEAD_DIM]
+    q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
     kv_block = [1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM]
     attn_fwd_ws[(cdiv(N_Q, WS_SHAPE["BLOCK_M"]), H, B)](
         GluonTensorDescriptor(q, list(q.shape), list(q.stride()), q_block, _WS_Q_LAYOUT),

@@ -38,7 +38,7 @@ def _compile_gluon_ws(module, job):
         made = module.GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
         return native_specialize_impl(CUDABackend, made, False, True, True)[0]
 
-    q, kv = desc(shape["BLOCK_M"] // 2, module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
+    q, kv = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
     fn = module.attn_fwd_ws
     const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
                  OVERLAP=shape["OVERLAP"], CAUSAL=module.WS_CAUSAL)

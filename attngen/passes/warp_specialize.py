@@ -33,7 +33,7 @@ from .. import ir
 NAME = "warp-specialize"
 
 HEAD_DIMS = (64, 128)
-SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True),
+SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("consumers", 2),
          ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
 """The Gluon kernel's fixed launch shape. 12 warps (two consumer warpgroups, one loader warp padded
 to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24, so each
