@@ -15,13 +15,14 @@ The rewrite records the decision and the kernel's fixed shape on the program (`w
 128 query rows per program in two consumer warpgroups of 64, 128-key blocks, 2 stages, the next
 block's scores issued before this block's softmax, the register split between the partitions).
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
-Triton kernel, and the module's `forward` takes it where it can run: a CUDA tensor on an sm_90 GPU
-(wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last stride), at
-least one query and one key. Everything else, the interpreter included, runs the Triton kernel,
-which the tuner keeps tuning.
+Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
+sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
+stride), at least one query and MIN_KEYS keys. Everything else, the interpreter included, runs the
+Triton kernel, which the tuner keeps tuning.
 
 Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
-16-bit inputs and a head dim of 64 or 128. A causal program reads only the key blocks its rows see
+16-bit inputs, a head dim of 64 or 128 and the tile keys left `auto` (a spec that fixes its tiles by
+hand gets exactly those, in the Triton kernel). A causal program reads only the key blocks its rows see
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 """
@@ -49,14 +50,10 @@ loader's first loads, the epilogue) weighs more against the half-size products o
 the Gluon kernel wins from 512 keys on (421 against 318 without a mask, 253 against 190 causal)."""
 
 
-def _rule(kvcache: bool, split: bool, elem_bytes: int, head_dim: int, head_dim_padded: int) -> bool:
-    return not kvcache and not split and elem_bytes == 2 and head_dim == head_dim_padded in HEAD_DIMS
-
-
 def applies(program: ir.Program) -> bool:
-    return _rule(bool(program.attr("kvcache", False)), program.attr("split_kv") is not None,
-                 2 if program.attr("dtype") in ("fp16", "bf16") else 4,
-                 program.attr("head_dim", 0), program.attr("head_dim_padded", 0))
+    return (not program.attr("kvcache", False) and program.attr("split_kv") is None
+            and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
+            and program.attr("head_dim") == program.attr("head_dim_padded") in HEAD_DIMS)
 
 
 def run(program: ir.Program) -> ir.Program:
