@@ -653,7 +653,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 4096}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 4096, 'min_scores': 33554432}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)
@@ -663,9 +663,12 @@ _WS_DEVICES = {}
 
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
-    least one query and WS_SHAPE["min_keys"] keys (fewer run faster in the Triton kernel), and layouts
-    TMA can read and write (`tma_readable`)."""
-    if not q.is_cuda or q.shape[2] == 0 or k.shape[2] < WS_SHAPE["min_keys"]:
+    least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
+    (shorter or smaller calls run faster in the Triton kernel), and layouts TMA can read and write
+    (`tma_readable`)."""
+    B, H, N_Q, _ = q.shape
+    N_K = k.shape[2]
+    if not q.is_cuda or N_Q == 0 or N_K < WS_SHAPE["min_keys"] or B * H * N_Q * N_K < WS_SHAPE["min_scores"]:
         return False
     hopper = _WS_DEVICES.get(q.device.index)
     if hopper is None:

@@ -81,10 +81,11 @@ def _poisoned_run(kernel, q, k, v):
 @pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
                                   Case(3, 2, 1, 64, 4097), Case(1, 2, 2, 1000, 77), Case(1, 4, 2, 333, 2111),
                                   Case(2, 2, 2, 1500, 1500)])
-def test_gluon_forward_against_float64(mask, dtype, head_dim, case):
+def test_gluon_forward_against_float64(mask, dtype, head_dim, case, monkeypatch):
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"ws_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
                                     heads=case.heads, kv_heads=case.kv_heads))
+    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)  # these shapes are small: run the Gluon kernel anyway
     torch_dtype = kernel.spec.dtype.torch
     q = torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype)
     k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
@@ -104,8 +105,9 @@ def test_gluon_forward_against_float64(mask, dtype, head_dim, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
-def test_gluon_forward_strided_inputs_and_the_pointer_fallback():
+def test_gluon_forward_strided_inputs_and_the_pointer_fallback(monkeypatch):
     kernel = attngen.load(spec_text("ws_strided", 128, "bf16", "none", heads=4, kv_heads=2))
+    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)
     # (B, N, H, D) storage viewed as (B, H, N, D); k and v sliced from one fused buffer: TMA reads these
     q = torch.randn(2, 301, 4, 128, device="cuda").bfloat16().transpose(1, 2)
     kv = torch.randn(2, 2, 2, 190, 128, device="cuda").bfloat16()
@@ -119,3 +121,15 @@ def test_gluon_forward_strided_inputs_and_the_pointer_fallback():
     assert not kernel.module.ws_ready(q2, k, v, torch.empty_like(q2))
     out, lse = _poisoned_run(kernel, q2, k, v)
     assert compare(kernel.spec, Case(2, 4, 2, 300, 190), out, lse, q2, k, v).ok
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+def test_small_calls_take_the_triton_kernel():
+    """Below min_scores a call is host-bound, and the Gluon launch costs more host time."""
+    kernel = attngen.load(spec_text("ws_small", 128, "bf16", "none"))
+    small = torch.randn(1, 16, 128, 128, device="cuda").bfloat16()
+    big = torch.randn(1, 16, 2048, 128, device="cuda").bfloat16()
+    assert 16 * 128 * 128 < kernel.module.WS_SHAPE["min_scores"] <= 16 * 2048 * 2048
+    assert not kernel.module.ws_ready(small, small, small, small)
+    assert kernel.module.ws_ready(big, big, big, big)

@@ -17,7 +17,7 @@ block's scores issued before this block's softmax, the register split between th
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
 Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
-stride), at least one query and MIN_KEYS keys. Everything else, the interpreter included, runs the
+stride), at least one query, MIN_KEYS keys and MIN_SCORES scores. Everything else, the interpreter included, runs the
 Triton kernel, which the tuner keeps tuning.
 
 Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
@@ -50,6 +50,14 @@ loader's first loads, the epilogue) weighs more against the half-size products o
 the Gluon kernel wins from 512 keys on (421 against 318 without a mask, 253 against 190 causal)."""
 
 
+MIN_SCORES = 1 << 25
+"""Fewest scores (B * H * N_Q * N_K) for which the Gluon kernel runs. Its launch costs about 50 us more
+host time than the Triton kernel's (four TMA descriptors built per call, and Triton's own launcher:
+FastJIT passes descriptors to it; results/h200_host_overhead_v9.json: 79 against 26 us for B=1 H=16
+N=128 d=128, 9.6 us of GPU work either way). Below 2^25 scores (about 30 us of GPU work at d=128) a call
+is host-bound and the Triton kernel finishes first."""
+
+
 def applies(program: ir.Program) -> bool:
     return (not program.attr("kvcache", False) and program.attr("split_kv") is None
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
@@ -60,4 +68,4 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
-    return program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys),))
+    return program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))

@@ -11,7 +11,9 @@ kept); the same call captured in a CUDA graph gives the GPU's.
 Providers: attngen.attention_with_kvcache (auto splits; num_splits=1, one launch; and "triton
 path", the same with Triton's JITFunction.run launching instead of attngen/launch.py's FastJIT,
 swapped in and out around each call), torch SDPA (flash, cuDNN) on the same cache; the prefill
-forward attngen.attention vs SDPA at N=128; one launch of the split kernel alone both ways, and two
+forward attngen.attention vs SDPA at N=128 (d=64 causal; d=128, whose module also holds the Gluon forward
+of pass warp-specialize: its launch alone, forced, against the Triton kernel's path; a call this
+small takes the Triton kernel since the min_scores rule); one launch of the split kernel alone both ways, and two
 torch floors (a small allocation, a small op). Then cProfile of the attngen decode and prefill calls
 (top functions by own and by cumulative time, OUT_DIR/host_profile.txt). Writes host_overhead.json,
 prints a table last. Prediction (NOTES v8): Triton's launcher is about half of each launch's host
@@ -157,13 +159,34 @@ def main() -> int:
             rows.append(row)
             print(row, flush=True)
 
+        # d=128 prefill: the Gluon forward (pass warp-specialize: Triton's own launcher, four TMA descriptors
+        # built per call) against the Triton kernel of the same module (FastJIT)
+        kernel128 = attngen.load(sdpa_spec("bf16", 128, False))
+        qg, kg, vg = (torch.randn(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        og, lseg = torch.empty_like(qg), torch.empty(qg.shape[:3], device="cuda")
+        calls = {"attngen": lambda: attngen.attention(qg, kg, vg),
+                 "Kernel.forward": lambda: kernel128.forward(qg, kg, vg, 128 ** -0.5),
+                 "Kernel.forward, warp_specialized=False": lambda: kernel128.forward(
+                     qg, kg, vg, 128 ** -0.5, config={"warp_specialized": False}),
+                 "launch_attn_fwd_ws (gluon, forced)": lambda: kernel128.module.launch_attn_fwd_ws(
+                     qg, kg, vg, og, lseg, 128 ** -0.5),
+                 "sdpa": lambda: F.scaled_dot_product_attention(qg, kg, vg)}
+        host = host_us(calls)
+        for name, fn in calls.items():
+            row = {"case": "prefill fwd B=1 H=16 N=128 d=128", "provider": name,
+                   "host_us": host[name], "gpu_us": bench_graph(fn) * 1e3}
+            rows.append(row)
+            print(row, flush=True)
+
         q = torch.randn(1, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(1, 1024, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
         seqlens = torch.full((1,), 1024, device="cuda", dtype=torch.int32)
         text = io.StringIO()
         for name, fn in (("decode B=1 ctx=1024", lambda: attngen.attention_with_kvcache(q, k, v, seqlens)),
-                         ("prefill fwd N=128", lambda: attngen.attention(qp, kp, vp, is_causal=True))):
+                         ("prefill fwd N=128", lambda: attngen.attention(qp, kp, vp, is_causal=True)),
+                         ("prefill fwd N=128 d=128 (gluon, forced)",
+                          lambda: kernel128.module.launch_attn_fwd_ws(qg, kg, vg, og, lseg, 128 ** -0.5))):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(500):
