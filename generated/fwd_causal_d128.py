@@ -48,14 +48,19 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def tma_readable(*tensors):
-    """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
-    interpreter emulates it), non-empty, 16-byte aligned base and strides (none 0: an expanded
-    tensor goes through pointers), unit last stride."""
-    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
-        return False
+def tma_layouts(*tensors):
+    """Whether these tensors' layouts meet TMA's rules: non-empty, 16-byte aligned base and strides
+    (none 0: an expanded tensor goes through pointers), unit last stride."""
     return all(t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def tma_readable(*tensors):
+    """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
+    interpreter emulates it) and `tma_layouts`."""
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return tma_layouts(*tensors)
 
 
 @triton.jit(do_not_specialize=["B", "N_Q", "N_K", "stride_lse_b", "stride_lse_h"])
@@ -376,7 +381,7 @@ def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
     (shorter or smaller calls run faster in the Triton kernel), and layouts TMA can read and write
-    (`tma_readable`)."""
+    (`tma_layouts`)."""
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     if not q.is_cuda or N_Q == 0 or N_K < WS_SHAPE["min_keys"] or B * H * N_Q * N_K < WS_SHAPE["min_scores"]:
@@ -384,7 +389,7 @@ def ws_ready(q, k, v, o):
     hopper = _WS_DEVICES.get(q.device.index)
     if hopper is None:
         hopper = _WS_DEVICES[q.device.index] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    return hopper and tma_readable(q, k, v, o)
+    return hopper and tma_layouts(q, k, v, o)
 
 
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):

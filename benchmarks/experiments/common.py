@@ -147,3 +147,15 @@ def print_forward_variants(title: str, names, rows, cases, width: int = 9) -> No
     for r in rows:
         if "error" in r:
             print(f"  N={r['n']} d={r['head_dim']} causal={r['causal']} {r['variant']} {r['config']}: {r['error']}")
+
+
+def variant_cells(rows: list, names, width: int = 8) -> str:
+    """One table line's cells: each named variant's TFLOP/s from `rows` (dicts with "variant"), `!`
+    where its output was NaN or differed from the base's by more than 1e-2, `err` where it failed."""
+    sel = {r["variant"]: r for r in rows}
+    cells = []
+    for name in names:
+        r = sel.get(name, {})
+        bad = r.get("nan") or r.get("err_vs_base", 0) > 1e-2
+        cells.append(f"{r['tflops']:.1f}{'!' if bad else ''}" if "tflops" in r else "err")
+    return " ".join(f"{c:>{width}}" for c in cells)

@@ -24,7 +24,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import error_text, load, rel_err  # noqa: E402
+from common import error_text, load, rel_err, variant_cells  # noqa: E402
 
 THREE = {"consumers": 3, "BLOCK_M": 192, "maxnreg": 128, "consumer_regs": 160}
 VARIANTS = {"base": {}, "c3": THREE, "c3n64": dict(THREE, BLOCK_N=64, STAGES=3)}
@@ -95,13 +95,8 @@ def main() -> None:
     print("\nGluon forward, consumer warpgroups, TFLOP/s (! = differs from base by > 1e-2 or NaN)")
     print(f"{'d':>4} {'mask':>6} {'N':>6} " + " ".join(f"{x:>8}" for x in names))
     for d, causal, n in CASES:
-        sel = {r["variant"]: r for r in rows if (r["head_dim"], r["causal"], r["n"]) == (d, causal, n)}
-        cells = []
-        for x in names:
-            r = sel.get(x, {})
-            bad = r.get("nan") or r.get("err_vs_base", 0) > 1e-2
-            cells.append(f"{r['tflops']:.1f}{'!' if bad else ''}" if "tflops" in r else "err")
-        print(f"{d:>4} {'causal' if causal else 'full':>6} {n:>6} " + " ".join(f"{c:>8}" for c in cells))
+        sel = [r for r in rows if (r["head_dim"], r["causal"], r["n"]) == (d, causal, n)]
+        print(f"{d:>4} {'causal' if causal else 'full':>6} {n:>6} " + variant_cells(sel, names))
     for r in rows:
         if "error" in r:
             print(f"  d={r['head_dim']} causal={r['causal']} N={r['n']} {r['variant']}: {r['error']}")

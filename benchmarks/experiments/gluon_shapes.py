@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import error_text, rel_err  # noqa: E402
+from common import error_text, rel_err, variant_cells  # noqa: E402
 
 VARIANTS = {64: {"base": {}, "m256": {"BLOCK_M": 256}, "n256": {"BLOCK_N": 256}, "s3": {"STAGES": 3},
                  "m256s3": {"BLOCK_M": 256, "STAGES": 3}, "m256n64": {"BLOCK_M": 256, "BLOCK_N": 64, "STAGES": 4}},
@@ -96,13 +96,8 @@ def main() -> None:
         names = list(variants) + ["triton", "cudnn"]
         print(f"{'d':>4} {'N':>6} " + " ".join(f"{x:>8}" for x in names))
         for n in LENGTHS:
-            sel = {r["variant"]: r for r in rows if r["head_dim"] == d and r["n"] == n}
-            cells = []
-            for x in names:
-                r = sel.get(x, {})
-                bad = r.get("nan") or r.get("err_vs_base", 0) > 1e-2
-                cells.append(f"{r['tflops']:.1f}{'!' if bad else ''}" if "tflops" in r else "err")
-            print(f"{d:>4} {n:>6} " + " ".join(f"{c:>8}" for c in cells))
+            sel = [r for r in rows if r["head_dim"] == d and r["n"] == n]
+            print(f"{d:>4} {n:>6} " + variant_cells(sel, names))
     for r in rows:
         if "error" in r:
             print(f"  d={r['head_dim']} N={r['n']} {r['variant']}: {r['error']}")

@@ -63,6 +63,16 @@ def host_us(calls: dict, n: int = 100, rounds: int = 15) -> dict:
     return best
 
 
+def measure(case: str, calls: dict) -> list:
+    """A row per call: host us per call (host_us) and GPU us (one CUDA-graph replay)."""
+    host = host_us(calls)
+    rows = []
+    for name, fn in calls.items():
+        rows.append({"case": case, "provider": name, "host_us": host[name], "gpu_us": bench_graph(fn) * 1e3})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def triton_path(kernel, fn):
     """`fn` with the kernel's launches going through Triton's JITFunction.run (no FastJIT)."""
     from attngen.launch import FastJIT
@@ -152,12 +162,7 @@ def main() -> int:
         calls = {"attngen": lambda: attngen.attention(qp, kp, vp, is_causal=True),
                  "attngen triton path": triton_path(prefill_kernel, lambda: attngen.attention(qp, kp, vp, is_causal=True)),
                  "sdpa": lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)}
-        host = host_us(calls)
-        for name, fn in calls.items():
-            row = {"case": "prefill fwd B=1 H=16 N=128 d=64 causal", "provider": name,
-                   "host_us": host[name], "gpu_us": bench_graph(fn) * 1e3}
-            rows.append(row)
-            print(row, flush=True)
+        rows += measure("prefill fwd B=1 H=16 N=128 d=64 causal", calls)
 
         # d=128 prefill: the Gluon forward (pass warp-specialize: Triton's own launcher, four TMA descriptors
         # built per call) against the Triton kernel of the same module (FastJIT)
@@ -171,12 +176,7 @@ def main() -> int:
                  "launch_attn_fwd_ws (gluon, forced)": lambda: kernel128.module.launch_attn_fwd_ws(
                      qg, kg, vg, og, lseg, 128 ** -0.5),
                  "sdpa": lambda: F.scaled_dot_product_attention(qg, kg, vg)}
-        host = host_us(calls)
-        for name, fn in calls.items():
-            row = {"case": "prefill fwd B=1 H=16 N=128 d=128", "provider": name,
-                   "host_us": host[name], "gpu_us": bench_graph(fn) * 1e3}
-            rows.append(row)
-            print(row, flush=True)
+        rows += measure("prefill fwd B=1 H=16 N=128 d=128", calls)
 
         q = torch.randn(1, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(1, 1024, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
