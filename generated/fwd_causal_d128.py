@@ -220,20 +220,28 @@ def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSA
 
 @gluon.jit
 def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                CONSUMERS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    gl.static_assert(OVERLAP or not PINGPONG, "PINGPONG orders the overlapped issue")
     q = q_smem.index(WG).reshape([BM, HEAD_DIM])
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     # block 0: scores and softmax, no rescaling
     mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:  # the last warpgroup lets the first one issue first
+        if WG == CONSUMERS - 1:
+            mbarrier.arrive(turn.index(0), count=1)
+        mbarrier.wait(turn.index(WG), 0)
     sc = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     row0 = start_m + WG * BM + offset  # the last key this warpgroup's first row sees (CAUSAL)
@@ -244,12 +252,16 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
         sp = (j - 1) % STAGES
         if OVERLAP:
             mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), j & 1)
             sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM]),
                             acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
         if OVERLAP:
             sc = warpgroup_mma_wait(1, deps=(sc, ))
         else:
@@ -284,33 +296,33 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
 
 @gluon.jit
 def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of the program's block (the worker partitions
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 0)
+                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 0, 2)
 
 
 @gluon.jit
 def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of the program's block (the worker partitions
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 1)
+                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 1, 2)
 
 
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-               v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+               v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_bar, q_smem.index(c))
@@ -328,7 +340,7 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ba
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "H", "GROUP", "N_Q", "N_K"])
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_M queries, head, batch): a TMA loader warp, two consumer warpgroups"""
     BM: gl.constexpr = BLOCK_M // 2
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # the longest rows first: a shorter tail
@@ -348,28 +360,31 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
     # arrive as tensors
     gl.warp_specialize([
         (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                     v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
     ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1, 'min_scores': 33554432}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)
@@ -405,7 +420,7 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
         GluonTensorDescriptor(o, list(o.shape), list(o.stride()), q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
-        OVERLAP=WS_SHAPE["OVERLAP"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
+        OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
     )
 
 

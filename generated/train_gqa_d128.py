@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 SPEC_NAME = "train_gqa_d128"
@@ -506,20 +506,28 @@ def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSA
 
 @gluon.jit
 def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                CONSUMERS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    gl.static_assert(OVERLAP or not PINGPONG, "PINGPONG orders the overlapped issue")
     q = q_smem.index(WG).reshape([BM, HEAD_DIM])
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     # block 0: scores and softmax, no rescaling
     mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:  # the last warpgroup lets the first one issue first
+        if WG == CONSUMERS - 1:
+            mbarrier.arrive(turn.index(0), count=1)
+        mbarrier.wait(turn.index(WG), 0)
     sc = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     row0 = start_m + WG * BM + offset  # the last key this warpgroup's first row sees (CAUSAL)
@@ -530,12 +538,16 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
         sp = (j - 1) % STAGES
         if OVERLAP:
             mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), j & 1)
             sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), p_layout), v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM]),
                             acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
         if OVERLAP:
             sc = warpgroup_mma_wait(1, deps=(sc, ))
         else:
@@ -570,33 +582,33 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
 
 @gluon.jit
 def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of the program's block (the worker partitions
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 0)
+                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 0, 2)
 
 
 @gluon.jit
 def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of the program's block (the worker partitions
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL, 1)
+                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 1, 2)
 
 
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-               v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+               v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_bar, q_smem.index(c))
@@ -614,7 +626,7 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ba
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "H", "GROUP", "N_Q", "N_K"])
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, CAUSAL: gl.constexpr):
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_M queries, head, batch): a TMA loader warp, two consumer warpgroups"""
     BM: gl.constexpr = BLOCK_M // 2
     start_m = gl.program_id(0) * BLOCK_M
@@ -634,28 +646,31 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
     # arrive as tensors
     gl.warp_specialize([
         (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, CAUSAL)),
+                     v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
     ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1, 'min_scores': 33554432}
 WS_CAUSAL = False
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.float16)
@@ -691,8 +706,243 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
         GluonTensorDescriptor(o, list(o.shape), list(o.stride()), q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
-        OVERLAP=WS_SHAPE["OVERLAP"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
+        OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
     )
+
+# -- the warp-specialised Hopper dK/dV (pass warp-specialize), in Gluon ---------------------------------
+# One program = BLOCK_N keys of one (batch, K/V head); each of the consumer warpgroups owns BLOCK_N /
+# consumers of them (its K and V rows stay in shared memory) and keeps its dK and dV accumulators in
+# registers. A loader warp streams the blocks of BLOCK_M queries of every query head of the group (Q and
+# dO) into a ring of STAGES shared buffers by TMA. Per block a consumer recomputes S^T = K Q^T and
+# dP^T = V dO^T, forms P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T (dP^T - delta), and adds
+# P^T dO into dV and dS^T Q into dK, and waits for all four products before the next block (AHEAD issues
+# the next block's S^T first, but ptxas then serialises the wgmma queue: an accumulator in flight across
+# the loop's back edge); PREFETCH loads the next block's lse and delta during this block. A buffer is
+# freed once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf (P = 0); keys
+# past N_K are computed and clipped at the TMA store. A causal program starts at the first query block
+# that sees its first key and masks the blocks on the diagonal.
+
+@gluon.jit
+def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+                  stride_delta_h, stride_delta_n, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Step t's query block: its first row, and its rows' lse (log2 units; +inf where P must be 0: rows
+    past N_Q, rows that saw no key) and delta."""
+    h = hkv * GROUP + t // n_m
+    start_m = m_start + (t % n_m) * BLOCK_M
+    cols = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    lse = gl.load(LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + cols * stride_lse_n,
+                  mask=cols < N_Q, other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = gl.load(DELTA + b.to(gl.int64) * stride_delta_b + h.to(gl.int64) * stride_delta_h + cols * stride_delta_n,
+                    mask=cols < N_Q, other=0.0)
+    return start_m, lse, delta
+
+
+@gluon.jit
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                    BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = sm_scale * 1.4426950408889634
+    row0 = start_n + WG * BN  # this warpgroup's first key
+    k = k_smem.index(WG).reshape([BN, HEAD_DIM])
+    v = v_smem.index(WG).reshape([BN, HEAD_DIM])
+    zero_s = gl.zeros([BN, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
+    dv = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
+    n_iters = GROUP * n_m
+    mbarrier.wait(kv_bar, 0)
+    if PREFETCH:  # step t + 1's lse and delta load while step t computes
+        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, 0, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
+                                            stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
+    if AHEAD:  # step t + 1's S^T is issued before step t waits for its dK and dV products
+        if n_iters > 0:
+            mbarrier.wait(ready.index(0), 0)
+        st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+    for t in range(n_iters):
+        s = t % STAGES
+        if not PREFETCH:
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
+                                                stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        if not AHEAD:
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        if CAUSAL:
+            cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+            if start_m + offset < row0 + BN - 1:  # a block on the diagonal: key r sees query c when c + offset >= r
+                rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+                st = gl.where((cols + offset)[None, :] >= rows[:, None], st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = pt * (dpt - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q, dk, is_async=True)
+        if PREFETCH:
+            nxt = gl.minimum(t + 1, n_iters - 1)
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, nxt, GROUP, N_Q, m_start, n_m, stride_lse_b,
+                                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
+                                                BLOCK_M, col_s)
+        if AHEAD:  # the last step repeats its own S^T (its buffer is still held): one wasted product per program
+            nxt = gl.minimum(t + 1, n_iters - 1)
+            sn = nxt % STAGES
+            mbarrier.wait(ready.index(sn), (nxt // STAGES) & 1)
+            st = warpgroup_mma(k, q_smem.index(sn).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s), count=1)
+    if AHEAD:
+        st = warpgroup_mma_wait(0, deps=(st, ))
+    # dK and dV leave through this warpgroup's K and V buffers (its products are done) and TMA stores
+    k.store((dk * sm_scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hkv, row0, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, hkv, row0, 0], v_smem.index(WG))
+    tma.store_wait(0)
+
+
+
+@gluon.jit
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                      kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                      BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                    BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL, 0)
+
+
+@gluon.jit
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                      kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                      BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                    BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL, 1)
+
+
+@gluon.jit
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                   kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
+                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                   BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, start_n + c * BN, 0], kv_bar, v_smem.index(c))
+    for t in range(GROUP * n_m):
+        s = t % STAGES
+        h = hkv * GROUP + t // n_m
+        start_m = m_start + (t % n_m) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
+                              "stride_delta_n", "GROUP", "N_Q", "N_K"])
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b, stride_lse_h,
+                     stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K, sm_scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups"""
+    BN: gl.constexpr = BLOCK_N // 2
+    start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
+    hkv = gl.program_id(1)
+    b = gl.program_id(2)
+    offset = 0
+    m_start = 0
+    n_m = gl.cdiv(gl.maximum(N_Q - m_start, 0), BLOCK_M)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                                kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
+                                BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
+        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                                kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
+                                BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
+        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
+                         kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                         stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
+                         BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
+    ], [4, 1], [240, 24])
+
+
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'STAGES': 2, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'PREFETCH': False, 'min_keys': 1024, 'min_scores': 33554432}
+_WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.float16)
+_WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
+    [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.float16)
+
+
+def ws_bwd_ready(q, k, v, do, dk, dv):
+    """Whether `attn_bwd_dkdv_ws` runs these tensors: CUDA tensors on an sm_90 GPU, at least one query,
+    WS_BWD_SHAPE["min_keys"] keys (and one), WS_BWD_SHAPE["min_scores"] scores B * H * N_Q * N_K, and
+    layouts TMA can read and write."""
+    B, H, N_Q, _ = q.shape
+    N_K = k.shape[2]
+    if (not q.is_cuda or N_Q == 0 or N_K < max(WS_BWD_SHAPE["min_keys"], 1)
+            or B * H * N_Q * N_K < WS_BWD_SHAPE["min_scores"]):
+        return False
+    hopper = _WS_DEVICES.get(q.device.index)
+    if hopper is None:
+        hopper = _WS_DEVICES[q.device.index] = torch.cuda.get_device_capability(q.device) == (9, 0)
+    return hopper and tma_layouts(q, k, v, do, dk, dv)
+
+
+def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale):
+    """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
+    (B, H, N_Q); check `ws_bwd_ready` first."""
+    B, H, N_Q, _ = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
+    kv_block = [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM]
+
+    def desc(t, block, layout):
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
+        desc(q, q_block, _WS_BWD_Q_LAYOUT), desc(k, kv_block, _WS_BWD_KV_LAYOUT), desc(v, kv_block, _WS_BWD_KV_LAYOUT),
+        desc(do, q_block, _WS_BWD_Q_LAYOUT), desc(dk, kv_block, _WS_BWD_KV_LAYOUT), desc(dv, kv_block, _WS_BWD_KV_LAYOUT),
+        lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
+        BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
+        STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_BWD_SHAPE["maxnreg"],
+    )
+
 
 
 
@@ -734,6 +984,11 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
     # dQ first: its programs also compute delta = rowsum(dO * O), which the dK/dV kernel reads.
     launch_attn_bwd_dq(q=q, k=k, v=v, o=out, do=do, lse=lse, delta=delta, dq=dq, sm_scale=sm_scale,
                        **config["attn_bwd_dq"])
+    # The Gluon dK/dV kernel where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for
+    # the Triton kernel, which `config` tunes); the Triton kernel everywhere else.
+    if config["attn_bwd_dkdv"].pop("warp_specialized", True) and ws_bwd_ready(q, k, v, do, dk, dv):
+        launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale)
+        return dq, dk, dv
     launch_attn_bwd_dkdv(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dk=dk, dv=dv, sm_scale=sm_scale,
                          **config["attn_bwd_dkdv"])
     return dq, dk, dv

@@ -10,7 +10,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
            "num_stages": 3, "ptr_dtypes": {"LSE": "*fp32", ...}}
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
-and adds {"warps": ..., "wgmma": count, "tma_loads": count}.
+({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`) and adds {"warps": ...,
+"wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
 from __future__ import annotations
@@ -31,24 +32,37 @@ def _compile_gluon_ws(module, job):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    shape, d = module.WS_SHAPE, module.HEAD_DIM
+    d = module.HEAD_DIM
     t = torch.empty(2, 4, 256, d, dtype=module.DTYPE)  # descriptors carry their block type; CPU memory will do
 
     def desc(rows, layout):
         made = module.GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
         return native_specialize_impl(CUDABackend, made, False, True, True)[0]
 
-    q, kv = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
-    fn = module.attn_fwd_ws
-    const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                 OVERLAP=shape["OVERLAP"], CAUSAL=module.WS_CAUSAL)
-    sig = {arg: "constexpr" if arg in const else {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv, "LSE": "*fp32",
-                                                  "sm_scale": "fp32"}.get(arg, "i32") for arg in fn.arg_names}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={(fn.arg_names.index("LSE"),): [["tt.divisibility", 16]]})
+    if job.get("gluon_ws") == "backward":  # the dK/dV kernel
+        shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
+        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape["BLOCK_N"] // shape["consumers"],
+                                                                     module._WS_BWD_KV_LAYOUT)
+        descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv}
+        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"], CAUSAL=module.WS_CAUSAL)
+        pointers = ("LSE", "DELTA")
+    else:
+        shape, fn = module.WS_SHAPE, module.attn_fwd_ws
+        q, kv = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
+        descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
+        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+                     OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL)
+        pointers = ("LSE",)
+    sig = {arg: "constexpr" if arg in const else descs.get(arg, "*fp32" if arg in pointers else "fp32" if arg == "sm_scale"
+                                                            else "i32") for arg in fn.arg_names}
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=shape["maxnreg"]))
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
-            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared")}
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
+            "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global")}
 
 
 def _compile(job):

@@ -1,4 +1,5 @@
-"""The warp-specialize pass and the Hopper Gluon forward it brings (passes/warp_specialize.py).
+"""The warp-specialize pass and the Hopper Gluon kernels it brings (passes/warp_specialize.py): the
+forward, and the backward's dK/dV kernel at head dim 128.
 
 On the CPU: which specs get it, that the generated Gluon kernel compiles for sm_90 (Triton's own
 compiler, in a subprocess), and that every call without a Hopper GPU runs the Triton kernel. On a
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.check import Case, compare
+from attngen.check import Case, compare, compare_grads
 from attngen.passes import compile_program, warp_specialize
 from attngen.spec import parse
 from conftest import DEVICE, HAS_GPU, spec_text
@@ -51,6 +52,35 @@ def test_the_gluon_kernel_compiles_for_sm90():
         assert "error" not in result, result
         # two consumer warpgroups + the loader warp padded to a warpgroup; both products on wgmma, K/V by TMA
         assert result["warps"] == 12 and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
+        assert result["shared"] <= 232448, result
+
+
+@pytest.mark.parametrize("text, prefetch", [
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), False),
+    (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2), True),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), None),  # d=64: the Triton dK/dV is faster
+    (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
+    (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
+])
+def test_which_specs_get_the_gluon_dkdv(text, prefetch):
+    program = compile_program(parse(text))
+    shape = program.attr("warp_specialized_bwd")
+    assert (shape is None) is (prefetch is None)
+    kernel = attngen.load(text)
+    assert hasattr(kernel.module, "attn_bwd_dkdv_ws") is (prefetch is not None)
+    if shape is not None:
+        assert dict(shape)["PREFETCH"] is prefetch and dict(shape)["BLOCK_N"] == 128
+        assert dict(shape)["min_keys"] == warp_specialize.BWD_MIN_KEYS[prefetch]
+
+
+def test_the_gluon_dkdv_kernel_compiles_for_sm90():
+    paths = [attngen.load(spec_text(f"wsb{mask[:3]}", 128, dt, mask, direction="forward+backward")).path
+             for dt, mask in (("bf16", "none"), ("fp16", "causal(top_left)"), ("bf16", "causal(bottom_right)"))]
+    for result in probe([{"path": str(p), "gluon_ws": "backward"} for p in paths]):
+        assert "error" not in result, result
+        # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all four products on wgmma
+        assert result["warps"] == 12 and result["wgmma"] > 0, result
+        assert result["tma_loads"] >= 4 and result["tma_stores"] >= 2, result
         assert result["shared"] <= 232448, result
 
 
@@ -133,3 +163,61 @@ def test_small_calls_take_the_triton_kernel():
     assert 16 * 128 * 128 < kernel.module.WS_SHAPE["min_scores"] <= 16 * 2048 * 2048
     assert not kernel.module.ws_ready(small, small, small, small)
     assert kernel.module.ws_ready(big, big, big, big)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
+                                  Case(1, 4, 2, 1000, 77), Case(1, 4, 2, 333, 2111), Case(2, 2, 2, 1500, 1500)])
+def test_gluon_dkdv_against_float64(mask, dtype, case, monkeypatch):
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"wsb_{dtype}{heads}_{mask[:6]}{len(mask)}", 128, dtype, mask,
+                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
+    m = kernel.module
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)  # small shapes: run the Gluon kernel anyway
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_keys", 0)
+    torch_dtype = kernel.spec.dtype.torch
+    q, do = (torch.randn(case.batch, case.heads, case.n_q, 128, device="cuda").to(torch_dtype) for _ in range(2))
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, 128, device="cuda").to(torch_dtype) for _ in range(2))
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2])
+    called = []
+    monkeypatch.setattr(m, "launch_attn_bwd_dkdv_ws", lambda *a, f=m.launch_attn_bwd_dkdv_ws: (called.append(1), f(*a)))
+    kernel.backward(q, k, v, out, lse, do, grads=grads)
+    assert called
+    results = compare_grads(kernel.spec, q, k, v, do, grads)
+    assert all(r.ok for r in results), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
+def test_gluon_dkdv_strided_and_expanded_inputs(monkeypatch):
+    kernel = attngen.load(spec_text("wsb_strided", 128, "bf16", "causal", direction="forward+backward",
+                                    heads=4, kv_heads=2))
+    m = kernel.module
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_keys", 0)
+    q = torch.randn(2, 301, 4, 128, device="cuda").bfloat16().transpose(1, 2)  # (B, N, H, D) storage
+    kv = torch.randn(2, 2, 2, 190, 128, device="cuda").bfloat16()
+    k, v = kv[0], kv[1]
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    for do, gluon in ((torch.randn_like(q), True), (torch.ones(1, 1, 1, 1, device="cuda").bfloat16().expand_as(q), False)):
+        grads = (torch.empty_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
+        assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2]) is gluon  # an expanded dO (stride 0): pointers
+        kernel.backward(q, k, v, out, lse, do, grads=grads)
+        assert all(r.ok for r in compare_grads(kernel.spec, q.contiguous(), k, v, do.contiguous(), grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
+def test_short_unmasked_backward_takes_the_triton_dkdv():
+    """Without a mask the Triton dK/dV kernel is faster below min_keys keys."""
+    m = attngen.load(spec_text("wsb_short", 128, "bf16", "none", direction="forward+backward")).module
+    short = torch.randn(32, 16, 512, 128, device="cuda").bfloat16()
+    long = torch.randn(8, 16, 2048, 128, device="cuda").bfloat16()
+    assert 512 < m.WS_BWD_SHAPE["min_keys"] <= 2048
+    assert not m.ws_bwd_ready(*[short] * 6)
+    assert m.ws_bwd_ready(*[long] * 6)

@@ -159,3 +159,94 @@ def variant_cells(rows: list, names, width: int = 8) -> str:
         bad = r.get("nan") or r.get("err_vs_base", 0) > 1e-2
         cells.append(f"{r['tflops']:.1f}{'!' if bad else ''}" if "tflops" in r else "err")
     return " ".join(f"{c:>{width}}" for c in cells)
+
+
+def gluon_variant_module(spec, name: str, shape: dict, tag: str, attr: str = "warp_specialized"):
+    """The generated module of `spec` with a Gluon kernel rendered at another launch shape: the
+    warp-specialize pass's attribute `attr` (warp_specialized: the forward; warp_specialized_bwd: the
+    dK/dV kernel) with `shape`'s keys replaced (the templates read every key), written under /tmp/<tag>/
+    and imported."""
+    from attngen.codegen import render
+    from attngen.passes import compile_program
+
+    program = compile_program(spec)
+    ws = dict(program.attr(attr), **shape)
+    path = f"/tmp/{tag}/{spec.name}_{name}.py"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(render(spec, program.with_attrs(**{attr: tuple(ws.items())})))
+    return load(path, f"{spec.name}_{name}")
+
+
+def bench_gluon_variants(variants: dict, cases, out_json: str, title: str, flex: bool = False) -> list:
+    """Time Gluon forward variants ({name: shape keys}, the first the base) on `cases` (head dim,
+    causal, N), bf16, batch 16384/N, hidden 2048, do_bench medians. Each variant's output is poisoned
+    with NaN first and checked against the base's; the Triton kernel (tuned config), SDPA's cuDNN
+    backend and, with `flex`, compiled FlexAttention run in the same process. Writes `out_json` after
+    each case and prints a table (TFLOP/s). Returns the rows."""
+    import json
+
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attngen
+    from attngen.api import sdpa_spec
+
+    peers = ["triton", "cudnn"] + (["flex"] if flex else [])
+    if flex:
+        from attngen.bench import prefill_providers
+        run_flex = {c: prefill_providers(c)["flex"] for c in (False, True)}
+    rows = []
+    for d, causal, n in cases:
+        kernel = attngen.load(sdpa_spec("bf16", d, causal))
+        b, h, scale = 16384 // n, 2048 // d, d ** -0.5
+        gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        ref = None
+        for name, shape in variants.items():
+            row = dict(head_dim=d, causal=causal, n=n, variant=name, shape=shape)
+            try:
+                module = gluon_variant_module(kernel.spec, name, shape, out_json.rsplit("/", 1)[-1].split(".")[0])
+                out.fill_(float("nan"))
+                lse.fill_(float("nan"))
+                module.launch_attn_fwd_ws(q, k, v, out, lse, scale)
+                torch.cuda.synchronize()
+                ref = out.clone() if ref is None else ref
+                row["err_vs_base"] = rel_err(out, ref)
+                row["nan"] = bool(out.isnan().any().item() or lse.isnan().any().item())
+                ms = triton.testing.do_bench(lambda: module.launch_attn_fwd_ws(q, k, v, out, lse, scale),
+                                             warmup=25, rep=200, return_mode="median")
+                row.update(ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
+                row["error"] = error_text(e)
+            rows.append(row)
+        cfg = dict(kernel.config(q, k), warp_specialized=False)
+        timed = {"triton": lambda: kernel.module.forward(q, k, v, scale, out=out, lse=lse, config=cfg)}
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+        timed["cudnn"] = cudnn
+        if flex:
+            timed["flex"] = lambda: run_flex[causal](q, k, v)
+        for name, fn in timed.items():
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            rows.append(dict(head_dim=d, causal=causal, n=n, variant=name, ms=ms, tflops=flops / ms / 1e9))
+        print(f"d={d} causal={causal} N={n}: " + " ".join(
+            f"{r['variant']}={r.get('tflops', float('nan')):.0f}" for r in rows[-len(variants) - len(peers):]), flush=True)
+        with open(out_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    names = list(variants) + peers
+    print(f"\n{title}, TFLOP/s (! = differs from base by > 1e-2 or NaN)")
+    print(f"{'d':>4} {'mask':>6} {'N':>6} " + " ".join(f"{x:>8}" for x in names))
+    for d, causal, n in cases:
+        sel = [r for r in rows if (r["head_dim"], r["causal"], r["n"]) == (d, causal, n)]
+        print(f"{d:>4} {'causal' if causal else 'full':>6} {n:>6} " + variant_cells(sel, names))
+    for r in rows:
+        if "error" in r:
+            print(f"  d={r['head_dim']} causal={r['causal']} N={r['n']} {r['variant']}: {r['error']}")
+    return rows
