@@ -131,6 +131,11 @@ class Spec:
         return self.split_kv != 1
 
     @property
+    def fixes_tiles(self) -> bool:
+        """Whether the spec writes any tile key (block_m, block_n, num_warps, num_stages) by hand."""
+        return any(getattr(self, key) is not None for key in ("block_m", "block_n", "num_warps", "num_stages"))
+
+    @property
     def packs_gqa(self) -> bool:
         """Whether query heads sharing a K/V head are processed by one program (decode kernels)."""
         if self.pack_gqa is not None:

@@ -392,6 +392,14 @@ _WS_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"],
 _WS_DEVICES = {}
 
 
+def _ws_hopper(device):
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's); asked once per device."""
+    hopper = _WS_DEVICES.get(device.index)
+    if hopper is None:
+        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper
+
+
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
@@ -403,10 +411,7 @@ def ws_ready(q, k, v, o):
         return False
     if N_K < N_Q:  # the first rows would see no key: the Triton kernel handles those
         return False
-    hopper = _WS_DEVICES.get(q.device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[q.device.index] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    return hopper and tma_layouts(q, k, v, o)
+    return _ws_hopper(q.device) and tma_layouts(q, k, v, o)
 
 
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):

@@ -678,6 +678,14 @@ _WS_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"],
 _WS_DEVICES = {}
 
 
+def _ws_hopper(device):
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's); asked once per device."""
+    hopper = _WS_DEVICES.get(device.index)
+    if hopper is None:
+        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper
+
+
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
@@ -687,10 +695,7 @@ def ws_ready(q, k, v, o):
     N_K = k.shape[2]
     if not q.is_cuda or N_Q == 0 or N_K < WS_SHAPE["min_keys"] or B * H * N_Q * N_K < WS_SHAPE["min_scores"]:
         return False
-    hopper = _WS_DEVICES.get(q.device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[q.device.index] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    return hopper and tma_layouts(q, k, v, o)
+    return _ws_hopper(q.device) and tma_layouts(q, k, v, o)
 
 
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
@@ -918,10 +923,7 @@ def ws_bwd_ready(q, k, v, do, dk, dv):
     if (not q.is_cuda or N_Q == 0 or N_K < max(WS_BWD_SHAPE["min_keys"], 1)
             or B * H * N_Q * N_K < WS_BWD_SHAPE["min_scores"]):
         return False
-    hopper = _WS_DEVICES.get(q.device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[q.device.index] = torch.cuda.get_device_capability(q.device) == (9, 0)
-    return hopper and tma_layouts(q, k, v, do, dk, dv)
+    return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
 
 
 def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale):

@@ -70,8 +70,8 @@ def _program(spec: Spec):
     argument), not part of the IR, and the name only labels it: specs differing only in those share
     one compilation, which keeps the fuzzers in their time budget (a backward takes seconds). Whether
     the spec fixes any tile is part of it (a hand-tiled spec keeps the Triton forward: warp-specialize)."""
-    fixed = any(getattr(spec, key) is not None for key in ("block_m", "block_n", "num_warps", "num_stages"))
-    return _compiled(spec.replace(name=NEUTRAL, scale=None, block_m=None, block_n=None, num_warps=4 if fixed else None,
+    return _compiled(spec.replace(name=NEUTRAL, scale=None, block_m=None, block_n=None,
+                                  num_warps=4 if spec.fixes_tiles else None,
                                   num_stages=None))
 
 

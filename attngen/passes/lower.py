@@ -94,7 +94,7 @@ def run(spec: Spec) -> ir.Program:
         attrs["page_size"] = spec.kv_layout.page_size
     if spec.packs_gqa:
         attrs["pack_gqa"] = True
-    if any(getattr(spec, key) is not None for key in ("block_m", "block_n", "num_warps", "num_stages")):
+    if spec.fixes_tiles:
         attrs["fixed_tiles"] = True  # tiles written by hand: the kernel keeps exactly them (warp-specialize)
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
 
