@@ -34,6 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton._C.libtriton import ir as triton_ir
+from triton.experimental.gluon.language._core import builtin as gluon_builtin
 
 SPEC_NAME = "train_gqa_d128"
 SPEC_HASH = "fc58d1018fcdb4c2"
@@ -714,18 +716,31 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
     )
 
-# -- the warp-specialised Hopper dK/dV (pass warp-specialize), in Gluon ---------------------------------
+# -- the warp-specialised Hopper backward (pass warp-specialize), in Gluon ----------------------------
 # One program = BLOCK_N keys of one (batch, K/V head); each of the consumer warpgroups owns BLOCK_N /
 # consumers of them (its K and V rows stay in shared memory) and keeps its dK and dV accumulators in
 # registers. A loader warp streams the blocks of BLOCK_M queries of every query head of the group (Q and
-# dO) into a ring of STAGES shared buffers by TMA. Per block a consumer recomputes S^T = K Q^T and
-# dP^T = V dO^T, forms P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T (dP^T - delta), and adds
-# P^T dO into dV and dS^T Q into dK, and waits for all four products before the next block (AHEAD issues
-# the next block's S^T first, but ptxas then serialises the wgmma queue: an accumulator in flight across
-# the loop's back edge); PREFETCH loads the next block's lse and delta during this block. A buffer is
-# freed once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf (P = 0); keys
-# past N_K are computed and clipped at the TMA store. A causal program starts at the first query block
-# that sees its first key and masks the blocks on the diagonal.
+# dO, and with ROWS_SMEM the rows' lse and delta) into a ring of STAGES shared buffers by TMA. Per block
+# a consumer recomputes S^T = K Q^T and dP^T = V dO^T, forms P^T = exp2(S^T * scale * log2(e) - lse) and
+# dS^T = P^T (dP^T - delta), and adds P^T dO into dV and dS^T Q into dK. With DQ_ATOMIC it also writes
+# dS^T to shared memory (two buffers); once every consumer's is there (an mbarrier), each computes its
+# HEAD_DIM / consumers columns of the block's dQ = dS K over all the program's keys and adds them into a
+# float32 accumulator by a TMA reduction, FlashAttention 3's scheme. A consumer waits for all its
+# products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
+# wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
+# the next block's lse and delta during this block. A buffer is freed once both consumers' products
+# that read it are done. Queries past N_Q read as zeros with lse = +inf (P = 0); keys past N_K are
+# computed and clipped at the TMA store. A causal program starts at the first query block that sees its
+# first key and masks the blocks on the diagonal.
+
+@gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared memory `src` into `tensor_desc`'s tile at `coord` by a TMA reduction
+    (cp.reduce.async.bulk.tensor .add), clipped at the tensor's bounds like a TMA store; Triton 3.6's
+    Gluon builder has the operation but its hopper.tma module no wrapper. tma.store_wait covers it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
 
 @gluon.jit
 def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
@@ -744,11 +759,13 @@ def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b,
 
 
 @gluon.jit
-def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                    BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                    DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                    WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -761,6 +778,12 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELT
     zero_s = gl.zeros([BN, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
+    done_bar = ds_bar.index(2)  # DQ_ATOMIC: every consumer has done its last product
+    if DQ_ATOMIC:  # this warpgroup's columns of dQ, over all the program's keys
+        DQ_COLS: gl.constexpr = HEAD_DIM // CONSUMERS
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DQ_COLS, 16])
+        zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
     n_iters = GROUP * n_m
     mbarrier.wait(kv_bar, 0)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes
@@ -773,14 +796,23 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELT
                            is_async=True)
     for t in range(n_iters):
         s = t % STAGES
-        if not PREFETCH:
+        if ROWS_SMEM:  # lse and delta came with Q and dO (below, after the wait)
+            start_m = m_start + (t % n_m) * BLOCK_M
+        elif not PREFETCH:
             start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
                                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
+        m_row = start_m  # (PREFETCH replaces start_m with the next step's before this step's dQ leaves)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
         if not AHEAD:
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if ROWS_SMEM:
+            # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
+            rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M],
+                                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            lse = rows_s.slice(0, BLOCK_M).load(col_s)
+            delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
         if CAUSAL:
@@ -791,8 +823,13 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELT
         pt = gl.exp2(st * qk_scale - lse[None, :])
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-        dst = pt * (dpt - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q, dk, is_async=True)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        if DQ_ATOMIC:  # dS^T to shared memory, where both warpgroups read it for dQ = dS K
+            j = t % 2
+            ds_smem.index(j * CONSUMERS + WG).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(j), count=1)
         if PREFETCH:
             nxt = gl.minimum(t + 1, n_iters - 1)
             start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, nxt, GROUP, N_Q, m_start, n_m, stride_lse_b,
@@ -805,14 +842,33 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELT
             st = warpgroup_mma(k, q_smem.index(sn).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
             dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        elif DQ_ATOMIC:
+            mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
+            dq = zero_q
+            for c in gl.static_range(CONSUMERS):
+                kc = k_smem.index(c).reshape([BN, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                dq = warpgroup_mma(ds_smem.index(j * CONSUMERS + c).permute((1, 0)), kc, dq, use_acc=c > 0,
+                                   is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            mbarrier.arrive(empty.index(s), count=1)
+            # this warpgroup's columns of the step's dQ: added into the float32 accumulator by a TMA reduction
+            tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
+            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, hkv * GROUP + t // n_m, m_row, WG * DQ_COLS], dq_smem.index(WG))
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(empty.index(s), count=1)
+        if not DQ_ATOMIC:
+            mbarrier.arrive(empty.index(s), count=1)
     if AHEAD:
         st = warpgroup_mma_wait(0, deps=(st, ))
-    # dK and dV leave through this warpgroup's K and V buffers (its products are done) and TMA stores
-    k.store((dk * sm_scale).to(dtype))
+    # dK and dV leave through this warpgroup's K and V buffers (its products are done; with DQ_ATOMIC
+    # the other warpgroups' dQ products read this K too, so K waits for all of them) and TMA stores
     v.store(dv.to(dtype))
+    if DQ_ATOMIC:
+        mbarrier.arrive(done_bar, count=1)
+        mbarrier.wait(done_bar, 0)
+    k.store((dk * sm_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [b, hkv, row0, 0], k_smem.index(WG))
     tma.async_copy_shared_to_global(dv_desc, [b, hkv, row0, 0], v_smem.index(WG))
@@ -821,37 +877,44 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELT
 
 
 @gluon.jit
-def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                      kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                      BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                      do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                      start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN:
+                      gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH:
+                      gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS:
+                      gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                    BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL, 0)
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
 
 
 @gluon.jit
-def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                      kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                      BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                      do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                      start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN:
+                      gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH:
+                      gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS:
+                      gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                    kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                    BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL, 1)
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                   kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m,
-                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                   BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem, do_smem,
+                   k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n, GROUP,
+                   N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+                   stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM:
+                   gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC:
+                   gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
@@ -861,19 +924,27 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA
         h = hkv * GROUP + t // n_m
         start_m = m_start + (t % n_m) * BLOCK_M
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if ROWS_SMEM:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + rows_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(rows_desc, [b, h, 0, start_m], ready.index(s), rows_smem.index(s))
+        else:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s), do_smem.index(s))
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
-def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lse_b, stride_lse_h,
-                     stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K, sm_scale,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     AHEAD: gl.constexpr, PREFETCH: gl.constexpr, CAUSAL: gl.constexpr):
-    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups"""
-    BN: gl.constexpr = BLOCK_N // 2
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, stride_lse_b,
+                     stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
+                     sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES:
+                     gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM:
+                     gl.constexpr, CAUSAL: gl.constexpr):
+    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
+    with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator"""
+    CONSUMERS: gl.constexpr = 2
+    BN: gl.constexpr = BLOCK_N // CONSUMERS
     start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
     hkv = gl.program_id(1)
     b = gl.program_id(2)
@@ -888,30 +959,51 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DEL
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if DQ_ATOMIC:  # dS^T of each consumer, double-buffered; each consumer's float32 columns of dQ
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, BN, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BN, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        ds_smem = q_smem
+        dq_smem = q_smem
+    if ROWS_SMEM:  # each stage's lse (log2 units) and delta rows
+        rows_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + rows_desc.block_type.shape, rows_desc.layout)
+    else:
+        rows_smem = q_smem
+    ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # dS buffers 0, 1; done
+    for i in gl.static_range(3):
+        mbarrier.init(ds_bar.index(i), count=CONSUMERS)
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                                kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
-                                BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
-        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                                kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
-                                BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
-        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, q_smem, do_smem, k_smem, v_smem,
-                         kv_bar, ready, empty, b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                         stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M,
-                         BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, CAUSAL)),
+        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                                do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                                start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                                stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                                PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
+        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                                do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                                start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                                stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                                PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
+        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+                         do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                         start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                         stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                         PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'STAGES': 2, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'PREFETCH': False, 'min_keys': 1024, 'min_scores': 33554432}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'split': True, 'min_keys': 1, 'min_scores': 33554432}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.float16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.float16)
+_WS_BWD_DQ_BLOCK = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM // WS_BWD_SHAPE["consumers"]]
+_WS_BWD_DQ_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WS_BWD_DQ_BLOCK, gl.float32)
+_WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
+_WS_BWD_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)  # unswizzled
 
 
 def ws_bwd_ready(q, k, v, do, dk, dv):
@@ -926,24 +1018,94 @@ def ws_bwd_ready(q, k, v, do, dk, dv):
     return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
 
 
-def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale):
+def _ws_desc(t, block, layout):
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
-    (B, H, N_Q); check `ws_bwd_ready` first."""
+    (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
+    also adds dS K into it (DQ_ATOMIC; dQ is then sm_scale * dq_acc); with `rows` too (`attn_bwd_prep_ws`'s
+    lse and delta rows) and WS_BWD_SHAPE["ROWS_SMEM"], it reads lse and delta from there by TMA."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
     kv_block = [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM]
-
-    def desc(t, block, layout):
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
+    kv = [_ws_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
+    # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
+    dq = kv[2] if dq_acc is None else _ws_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
+    rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
+    rows_desc = _ws_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
     attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
-        desc(q, q_block, _WS_BWD_Q_LAYOUT), desc(k, kv_block, _WS_BWD_KV_LAYOUT), desc(v, kv_block, _WS_BWD_KV_LAYOUT),
-        desc(do, q_block, _WS_BWD_Q_LAYOUT), desc(dk, kv_block, _WS_BWD_KV_LAYOUT), desc(dv, kv_block, _WS_BWD_KV_LAYOUT),
-        lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
+        _ws_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _ws_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
+        rows_desc, lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
-        STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_BWD_SHAPE["maxnreg"],
+        STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
+        DQ_ATOMIC=dq_acc is not None, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL, num_warps=4,
+        maxnreg=WS_BWD_SHAPE["maxnreg"],
     )
+
+
+@triton.jit
+def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
+                     stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
+                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """For BLOCK rows of one (batch, head): ROWS (float32, contiguous (B, H, 2, N_PAD)) gets lse in log2
+    units (+inf where P must be 0: rows past N_Q, rows that saw no key) and delta = rowsum(dO * O);
+    their rows of DQ_ACC (float32, contiguous (B, H, N_Q, HEAD_DIM)) get zeros."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    live = rows < N_Q
+    mask = live[:, None]
+    o = tl.load(O + b * stride_o_b + h * stride_o_h + rows[:, None] * stride_o_n + cols[None, :] * stride_o_d,
+                mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_do_b + h * stride_do_h + rows[:, None] * stride_do_n + cols[None, :] * stride_do_d,
+                 mask=mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + rows * stride_lse_n, mask=live, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    out = ROWS + (b * H + h) * 2 * N_PAD + rows
+    tl.store(out, lse, mask=rows < N_PAD)
+    tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)
+    tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
+
+
+@triton.jit
+def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_d, H, N_Q, sm_scale,
+                   BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ = sm_scale * DQ_ACC for BLOCK rows of one (batch, head), in DQ's dtype"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_Q)[:, None]
+    acc = tl.load(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :], mask=mask)
+    tl.store(DQ + b * stride_dq_b + h * stride_dq_h + rows[:, None] * stride_dq_n + cols[None, :] * stride_dq_d,
+             (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+def ws_bwd_fused():
+    """Whether the Gluon kernel also makes dQ (DQ_ATOMIC): the shape has it and PyTorch is not asked
+    for deterministic algorithms (its float32 reductions into dQ land in any order)."""
+    return WS_BWD_SHAPE["DQ_ATOMIC"] and not torch.are_deterministic_algorithms_enabled()
+
+
+def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
+    """The whole backward in one Gluon kernel (DQ_ATOMIC) between two passes over the rows: lse, delta
+    and a zeroed float32 dQ accumulator before, dQ in its dtype after; check `ws_bwd_ready` first."""
+    B, H, N_Q, _ = q.shape
+    n_pad = cdiv(N_Q, WS_BWD_SHAPE["BLOCK_M"]) * WS_BWD_SHAPE["BLOCK_M"]
+    rows = torch.empty((B, H, 2, n_pad), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((B, H, N_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
+    grid = (n_pad // WS_BWD_SHAPE["BLOCK_M"], H, B)
+    attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, *out.stride(), *do.stride(), *lse.stride(), H, N_Q, n_pad,
+                           BLOCK=WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM=HEAD_DIM, num_warps=4)
+    # (the pointer path reads the forward's lse and the rows' delta)
+    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, rows[:, :, 1, :N_Q], dk, dv, sm_scale, dq_acc=dq_acc, rows=rows)
+    attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM=HEAD_DIM,
+                         num_warps=4)
 
 
 
@@ -974,7 +1136,8 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
     """Gradients of `forward` for the output gradient `do`: returns (dq, dk, dv).
 
     `out` and `lse` are what `forward` returned. dk and dv are summed over the query heads that share
-    a key/value head; no atomics, so the result is deterministic.
+    a key/value head, without atomics. dq too, except in the Hopper kernel on long rows, which adds
+    float32 partial sums in any order (unless torch.use_deterministic_algorithms(True) is set).
     """
     if sm_scale is None:
         sm_scale = HEAD_DIM ** -0.5
@@ -983,12 +1146,17 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty_like(lse)
     config = {name: dict(DEFAULT_BACKWARD_CONFIG[name], **(config or {}).get(name, {})) for name in DEFAULT_BACKWARD_CONFIG}
+    # The Gluon backward where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for the
+    # Triton kernels, which `config` tunes); the Triton kernels everywhere else. Deterministic
+    # algorithms: dQ from the Triton kernel, dK and dV from the Gluon one where WS_BWD_SHAPE["split"].
+    ws = config["attn_bwd_dkdv"].pop("warp_specialized", True) and ws_bwd_ready(q, k, v, do, dk, dv)
+    if ws and ws_bwd_fused():
+        launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale)
+        return dq, dk, dv
     # dQ first: its programs also compute delta = rowsum(dO * O), which the dK/dV kernel reads.
     launch_attn_bwd_dq(q=q, k=k, v=v, o=out, do=do, lse=lse, delta=delta, dq=dq, sm_scale=sm_scale,
                        **config["attn_bwd_dq"])
-    # The Gluon dK/dV kernel where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for
-    # the Triton kernel, which `config` tunes); the Triton kernel everywhere else.
-    if config["attn_bwd_dkdv"].pop("warp_specialized", True) and ws_bwd_ready(q, k, v, do, dk, dv):
+    if ws and WS_BWD_SHAPE["split"]:
         launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale)
         return dq, dk, dv
     launch_attn_bwd_dkdv(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dk=dk, dv=dv, sm_scale=sm_scale,

@@ -35,17 +35,24 @@ def _compile_gluon_ws(module, job):
     d = module.HEAD_DIM
     t = torch.empty(2, 4, 256, d, dtype=module.DTYPE)  # descriptors carry their block type; CPU memory will do
 
-    def desc(rows, layout):
-        made = module.GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+    def desc(rows, layout, cols=d, base=t):
+        made = module.GluonTensorDescriptor(base, list(base.shape), list(base.stride()), [1, 1, rows, cols], layout)
         return native_specialize_impl(CUDABackend, made, False, True, True)[0]
 
-    if job.get("gluon_ws") == "backward":  # the dK/dV kernel
+    if job.get("gluon_ws") == "backward":  # the dK/dV kernel (job "dq_atomic": with dQ, default the shape's)
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape["BLOCK_N"] // shape["consumers"],
                                                                      module._WS_BWD_KV_LAYOUT)
-        descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv}
+        dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
+        dq = desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUT, module._WS_BWD_DQ_BLOCK[-1],
+                  torch.empty(t.shape, dtype=torch.float32)) if dq_atomic else kv
+        rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
+        rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
+        descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
+                 "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"], CAUSAL=module.WS_CAUSAL)
+                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
+                     ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
         pointers = ("LSE", "DELTA")
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
@@ -60,9 +67,13 @@ def _compile_gluon_ws(module, job):
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=shape["maxnreg"]))
     ptx = compiled.asm["ptx"]
+    if job.get("ptx_to"):  # for a look at the code (ptxas -v: spills, serialised wgmma)
+        with open(job["ptx_to"], "w") as f:
+            f.write(ptx)
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
-            "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global")}
+            "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
+            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d")}
 
 
 def _compile(job):

@@ -60,7 +60,7 @@ def test_generated_files_compile_for_sm90():
         if hasattr(module, "WS_SHAPE"):  # the Gluon forward (passes/warp_specialize.py), at its own fixed shape
             jobs.append(dict(path=golden, gluon_ws=True))
             names.append(f"{spec.name}.attn_fwd_ws")
-        if hasattr(module, "WS_BWD_SHAPE"):  # and the Gluon dK/dV kernel of a d=128 backward
+        if hasattr(module, "WS_BWD_SHAPE"):  # and the Gluon backward (its row passes are Triton kernels below)
             jobs.append(dict(path=golden, gluon_ws="backward"))
             names.append(f"{spec.name}.attn_bwd_dkdv_ws")
         for kernel in kernels:
@@ -70,10 +70,13 @@ def test_generated_files_compile_for_sm90():
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
             if hasattr(module, "COMBINE_BLOCK_S"):  # the combine kernel's splits per step
                 values["BLOCK_S"] = module.COMBINE_BLOCK_S
+            if hasattr(module, "WS_BWD_SHAPE"):  # the Gluon backward's row passes: a query block per program
+                values["BLOCK"] = module.WS_BWD_SHAPE["BLOCK_M"]
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
-                                         "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32"}))
+                                         "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
+                                         "ROWS": "*fp32", "DQ_ACC": "*fp32"}))
             names.append(f"{spec.name}.{kernel}")
     assert any(name.endswith(".attn_combine") for name in names)
     for name, result in zip(names, probe(jobs)):

@@ -1,10 +1,11 @@
 """The warp-specialize pass and the Hopper Gluon kernels it brings (passes/warp_specialize.py): the
-forward, and the backward's dK/dV kernel at head dim 128.
+forward, and the backward (dQ, dK, dV in one kernel; dK, dV only beside the Triton dQ kernel).
 
-On the CPU: which specs get it, that the generated Gluon kernel compiles for sm_90 (Triton's own
-compiler, in a subprocess), and that every call without a Hopper GPU runs the Triton kernel. On a
-Hopper GPU (`gpu`): the Gluon kernel against float64 at odd sizes, GQA and strided inputs, with the
-outputs poisoned first, and the fallback for inputs TMA cannot read.
+On the CPU: which specs get it, that the generated Gluon kernels compile for sm_90 (Triton's own
+compiler, in a subprocess), the backward's row passes (Triton kernels, in the interpreter), and that
+every call without a Hopper GPU runs the Triton kernels. On a Hopper GPU (`gpu`): the Gluon kernels
+against float64 at odd sizes, GQA and strided inputs, with the outputs poisoned first, deterministic
+algorithms, and the fallback for inputs TMA cannot read.
 """
 
 import pytest
@@ -55,33 +56,72 @@ def test_the_gluon_kernel_compiles_for_sm90():
         assert result["shared"] <= 232448, result
 
 
-@pytest.mark.parametrize("text, prefetch", [
-    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), False),
-    (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2), True),
-    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), None),  # d=64: the Triton dK/dV is faster
+@pytest.mark.parametrize("text, expected", [
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True)),
+    (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
+     dict(PREFETCH=True, STAGES=2, split=True)),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False)),
+    (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"), dict(PREFETCH=True, STAGES=2, split=False)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
+    (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
 ])
-def test_which_specs_get_the_gluon_dkdv(text, prefetch):
+def test_which_specs_get_the_gluon_backward(text, expected):
     program = compile_program(parse(text))
     shape = program.attr("warp_specialized_bwd")
-    assert (shape is None) is (prefetch is None)
+    assert (shape is None) is (expected is None)
     kernel = attngen.load(text)
-    assert hasattr(kernel.module, "attn_bwd_dkdv_ws") is (prefetch is not None)
+    assert hasattr(kernel.module, "attn_bwd_dkdv_ws") is (expected is not None)
     if shape is not None:
-        assert dict(shape)["PREFETCH"] is prefetch and dict(shape)["BLOCK_N"] == 128
-        assert dict(shape)["min_keys"] == warp_specialize.BWD_MIN_KEYS[prefetch]
+        shape = dict(shape)
+        assert {key: shape[key] for key in expected} == expected
+        assert shape["BLOCK_N"] == 128 and shape["DQ_ATOMIC"] and shape["ROWS_SMEM"]
+        assert shape["min_keys"] == warp_specialize.BWD_MIN_KEYS[program.attr("mask") != "none"]
 
 
-def test_the_gluon_dkdv_kernel_compiles_for_sm90():
-    paths = [attngen.load(spec_text(f"wsb{mask[:3]}", 128, dt, mask, direction="forward+backward")).path
-             for dt, mask in (("bf16", "none"), ("fp16", "causal(top_left)"), ("bf16", "causal(bottom_right)"))]
-    for result in probe([{"path": str(p), "gluon_ws": "backward"} for p in paths]):
-        assert "error" not in result, result
-        # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all four products on wgmma
+def test_the_gluon_backward_compiles_for_sm90():
+    paths = [attngen.load(spec_text(f"wsb{mask[:3]}{d}", d, dt, mask, direction="forward+backward")).path
+             for d, dt, mask in ((128, "bf16", "none"), (128, "fp16", "causal(top_left)"),
+                                 (128, "bf16", "causal(bottom_right)"), (64, "bf16", "none"), (64, "fp16", "causal"))]
+    jobs = [{"path": str(p), "gluon_ws": "backward"} for p in paths]
+    jobs += [{"path": str(p), "gluon_ws": "backward", "dq_atomic": False} for p in paths[:2]]  # dK, dV only
+    for job, result in zip(jobs, probe(jobs)):
+        assert "error" not in result, (job, result)
+        # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma
         assert result["warps"] == 12 and result["wgmma"] > 0, result
         assert result["tma_loads"] >= 4 and result["tma_stores"] >= 2, result
+        # with dQ: each consumer's columns added into the float32 accumulator by a TMA reduction
+        assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
         assert result["shared"] <= 232448, result
+
+
+@pytest.mark.parametrize("n_q, head_dim", [(1, 64), (70, 128), (129, 64)])
+def test_the_backward_row_passes(n_q, head_dim):
+    """attn_bwd_prep_ws (lse in log2 units, +inf past N_Q and for rows that saw no key; delta; zeros
+    into the dQ accumulator) and attn_bwd_dq_ws (dQ = sm_scale * accumulator), in Triton."""
+    m = attngen.load(spec_text(f"wsb_rows{head_dim}", head_dim, "fp16", "causal(bottom_right)",
+                               direction="forward+backward")).module
+    B, H, block = 2, 3, m.WS_BWD_SHAPE["BLOCK_M"]
+    n_pad = -(-n_q // block) * block
+    out, do = (torch.randn(B, H, n_q, head_dim, device=DEVICE).half() for _ in range(2))
+    do = do.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) storage: strides are honoured
+    lse = torch.randn(B, H, n_q, device=DEVICE) * 4
+    lse[0, 1, 0] = float("-inf")  # a row that saw no key
+    rows = torch.full((B, H, 2, n_pad), float("nan"), device=DEVICE)
+    acc = torch.full((B, H, n_q, head_dim), float("nan"), device=DEVICE)
+    m.attn_bwd_prep_ws[(n_pad // block, H, B)](out, do, lse, rows, acc, *out.stride(), *do.stride(), *lse.stride(),
+                                                H, n_q, n_pad, BLOCK=block, HEAD_DIM=head_dim)
+    want_lse = torch.full((B, H, n_pad), float("inf"), device=DEVICE)
+    want_lse[..., :n_q] = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    want_delta = torch.zeros(B, H, n_pad, device=DEVICE)
+    want_delta[..., :n_q] = (out.double() * do.double()).sum(-1).float()
+    torch.testing.assert_close(rows[:, :, 0], want_lse)
+    torch.testing.assert_close(rows[:, :, 1], want_delta, rtol=1e-4, atol=1e-4)
+    assert torch.equal(acc, torch.zeros_like(acc))
+    acc.normal_()
+    dq = torch.full((B, n_q, H, head_dim), float("nan"), device=DEVICE).half().transpose(1, 2)
+    m.attn_bwd_dq_ws[(n_pad // block, H, B)](acc, dq, *dq.stride(), H, n_q, 0.125, BLOCK=block, HEAD_DIM=head_dim)
+    torch.testing.assert_close(dq, (acc * 0.125).half())
 
 
 def test_without_hopper_the_triton_kernel_runs(monkeypatch):
@@ -166,35 +206,43 @@ def test_small_calls_take_the_triton_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("fp16", 128), ("bf16", 64)])
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
                                   Case(1, 4, 2, 1000, 77), Case(1, 4, 2, 333, 2111), Case(2, 2, 2, 1500, 1500)])
-def test_gluon_dkdv_against_float64(mask, dtype, case, monkeypatch):
+def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, case, monkeypatch):
+    """dQ, dK, dV poisoned, then from the one Gluon kernel, or under deterministic algorithms from the
+    Triton dQ kernel and the Gluon dK/dV kernel (d=128) or the Triton one (d=64)."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
-    kernel = attngen.load(spec_text(f"wsb_{dtype}{heads}_{mask[:6]}{len(mask)}", 128, dtype, mask,
+    kernel = attngen.load(spec_text(f"wsb_{dtype}{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)  # small shapes: run the Gluon kernel anyway
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_keys", 0)
     torch_dtype = kernel.spec.dtype.torch
-    q, do = (torch.randn(case.batch, case.heads, case.n_q, 128, device="cuda").to(torch_dtype) for _ in range(2))
-    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, 128, device="cuda").to(torch_dtype) for _ in range(2))
+    q, do = (torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
     out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2])
-    called = []
-    monkeypatch.setattr(m, "launch_attn_bwd_dkdv_ws", lambda *a, f=m.launch_attn_bwd_dkdv_ws: (called.append(1), f(*a)))
+    calls = []
+    for name in ("launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws", "launch_attn_bwd_dq"):
+        monkeypatch.setattr(m, name, lambda *a, f=getattr(m, name), name=name, **kw: (calls.append(name), f(*a, **kw)))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     kernel.backward(q, k, v, out, lse, do, grads=grads)
-    assert called
+    if not deterministic:
+        assert calls == ["launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws"]
+    else:
+        assert calls == ["launch_attn_bwd_dq"] + (["launch_attn_bwd_dkdv_ws"] if head_dim == 128 else [])
     results = compare_grads(kernel.spec, q, k, v, do, grads)
     assert all(r.ok for r in results), results
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
-def test_gluon_dkdv_strided_and_expanded_inputs(monkeypatch):
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+def test_gluon_backward_strided_and_expanded_inputs(monkeypatch):
     kernel = attngen.load(spec_text("wsb_strided", 128, "bf16", "causal", direction="forward+backward",
                                     heads=4, kv_heads=2))
     m = kernel.module
@@ -205,19 +253,38 @@ def test_gluon_dkdv_strided_and_expanded_inputs(monkeypatch):
     k, v = kv[0], kv[1]
     out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
     for do, gluon in ((torch.randn_like(q), True), (torch.ones(1, 1, 1, 1, device="cuda").bfloat16().expand_as(q), False)):
-        grads = (torch.empty_like(q), torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2]) is gluon  # an expanded dO (stride 0): pointers
         kernel.backward(q, k, v, out, lse, do, grads=grads)
         assert all(r.ok for r in compare_grads(kernel.spec, q.contiguous(), k, v, do.contiguous(), grads))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV kernel runs on sm_90 only")
-def test_short_unmasked_backward_takes_the_triton_dkdv():
-    """Without a mask the Triton dK/dV kernel is faster below min_keys keys."""
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+def test_small_backward_calls_take_the_triton_kernels():
+    """Below min_scores scores the Gluon backward's host time (descriptors, three launches) is not hidden."""
     m = attngen.load(spec_text("wsb_short", 128, "bf16", "none", direction="forward+backward")).module
-    short = torch.randn(32, 16, 512, 128, device="cuda").bfloat16()
-    long = torch.randn(8, 16, 2048, 128, device="cuda").bfloat16()
-    assert 512 < m.WS_BWD_SHAPE["min_keys"] <= 2048
-    assert not m.ws_bwd_ready(*[short] * 6)
+    small = torch.randn(1, 16, 256, 128, device="cuda").bfloat16()
+    long = torch.randn(32, 16, 512, 128, device="cuda").bfloat16()
+    assert 16 * 256 * 256 < m.WS_BWD_SHAPE["min_scores"] <= 32 * 16 * 512 * 512
+    assert not m.ws_bwd_ready(*[small] * 6)
     assert m.ws_bwd_ready(*[long] * 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_algorithms_give_the_same_gradients_twice(head_dim):
+    """dQ by TMA reductions lands in any order; under torch.use_deterministic_algorithms(True) two
+    runs must agree bit for bit."""
+    kernel = attngen.load(spec_text(f"wsb_det{head_dim}", head_dim, "bf16", "causal", direction="forward+backward"))
+    q, k, v, do = (torch.randn(4, 16, 2048, head_dim, device="cuda").bfloat16() for _ in range(4))
+    out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = kernel.module.backward(q, k, v, out, lse, do, kernel.spec.softmax_scale)
+        second = kernel.module.backward(q, k, v, out, lse, do, kernel.spec.softmax_scale)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -26,14 +26,19 @@ hand gets exactly those, in the Triton kernel). A causal program reads only the 
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
-Specs with a backward at head dim 128 also get the backward's dK/dV kernel in Gluon
-(`warp_specialized_bwd`, templates/gluon_backward.py.j2): a loader warp streams Q and dO by TMA, two
-consumer warpgroups of 64 keys each keep K and V in shared memory and dK, dV in registers. Measured
-(NOTES.md v10, experiments/gluon_backward.py, H200, N = 4096-16384): dK/dV alone 558-570 TFLOP/s
-without a mask and 512-575 causal, against 516-533 and 447-518 for the Triton kernel; the whole backward
-1.03-1.06x FlexAttention without a mask and 1.06-1.08x causal (was 0.97-1.00x). The dQ kernel stays in
-Triton. `backward` takes the Gluon dK/dV kernel under the forward's rules (sm_90, TMA-readable tensors,
-BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton one elsewhere.
+Specs with a backward (head dim 64 or 128) also get the backward in Gluon (`warp_specialized_bwd`,
+templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
+rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
+dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
+accumulator by TMA reductions (DQ_ATOMIC, FlashAttention 3's scheme: five products, not the seven of
+a separate dQ kernel that recomputes S and dP). A row pass before (lse in log2 units, delta, zeroed
+accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11,
+experiments/gluon_dq_atomic.py, H200, N = 1024-16384): d=128 430-530 TFLOP/s without a mask and
+308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
+kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
+rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels
+elsewhere. The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
+from the Triton dQ kernel (and dK, dV from the Gluon kernel without DQ_ATOMIC where that wins: d=128).
 """
 
 from __future__ import annotations
@@ -67,21 +72,35 @@ N=128 d=128, 9.6 us of GPU work either way). Below 2^25 scores (about 30 us of G
 is host-bound and the Triton kernel finishes first."""
 
 
-BWD_HEAD_DIMS = (128,)
-BWD_SHAPE = (("BLOCK_M", 64), ("BLOCK_N", 128), ("STAGES", 2), ("AHEAD", False), ("consumers", 2),
-             ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
-"""The Gluon dK/dV kernel's fixed launch shape: 128 keys per program in two consumer warpgroups of 64
-(each holds its dK and dV [64, D] accumulators in registers), blocks of 64 queries, 2 stages of Q and
-dO, each step's four products waited for before the next step's (AHEAD: the next step's S^T issued
-first; ptxas then serialises the wgmma queue, C7514). Head dim 128 only: at d=64 the Triton kernel
-(TMA loads, 64-key tiles) stays ahead, 433-448 TFLOP/s against 324-415 (NOTES.md v10,
-experiments/gluon_backward.py). PREFETCH (loading the next step's lse and delta during this step) is
-set for causal masks: it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills."""
+BWD_HEAD_DIMS = (64, 128)
+BWD_SHAPE = (("BLOCK_M", 64), ("BLOCK_N", 128), ("AHEAD", False), ("consumers", 2), ("consumer_regs", 240),
+             ("loader_regs", 24), ("maxnreg", 168), ("DQ_ATOMIC", True), ("ROWS_SMEM", True))
+"""The Gluon backward's fixed launch shape: 128 keys per program in two consumer warpgroups of 64
+(each holds its dK and dV [64, D] accumulators in registers and makes D/2 columns of the step's dQ),
+blocks of 64 queries, each step's products waited for before the next step's (AHEAD: the next step's
+S^T issued first; ptxas then serialises the wgmma queue, C7514). DQ_ATOMIC: dQ made here (off: dK and
+dV only, beside the Triton dQ kernel). ROWS_SMEM: lse and delta come by TMA with Q and dO (DQ_ATOMIC
+only; the row pass lays them out): +12-20% over loading them through pointers in the consumers
+(NOTES.md v11)."""
 
-BWD_MIN_KEYS = {False: 1024, True: 1}
-"""Fewest keys for which the Gluon dK/dV kernel runs, by causal. Without a mask the Triton kernel is
-faster at 512 keys (H200, `attngen bench`, whole backward: 261 TFLOP/s against 283) and slower from 1024
-(352 against 340); causal, the Gluon kernel wins from 512 (195 against 165)."""
+BWD_STAGES = {64: {False: 3, True: 2}, 128: {False: 2, True: 2}}
+"""Stages of Q and dO (and the rows), by head dim and causal. d=128 fills shared memory at 2 (198 KB);
+at d=64 a third stage wins without a mask (+7-15%) and not causal (-1 to +4%)."""
+
+BWD_SPLIT = {64: False, 128: True}
+"""By head dim: whether the kernel without DQ_ATOMIC (dK, dV only) beats the Triton dK/dV kernel, for
+when dQ must come from the Triton kernel (deterministic algorithms). At d=128 it does (558-570 TFLOP/s
+on its four products against 516-533); at d=64 it does not (324-415 against 433-448, NOTES.md v10)."""
+
+PREFETCH = {False: False, True: True}
+"""By causal, for the kernel without ROWS_SMEM: load the next step's lse and delta during this step.
+It wins causal (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES.md v10)."""
+
+BWD_MIN_KEYS = {False: 1, True: 1}
+"""Fewest keys for which the Gluon backward runs, by causal. Before DQ_ATOMIC the Triton kernels won
+without a mask at 512 keys; the one-kernel form wins from 512 at both head dims (H200, d=128: 342
+TFLOP/s against 289 without a mask, 213 against 166 causal; d=64: 281 against 254, 185 against 186;
+NOTES.md v11), so only BWD_MIN_SCORES limits it."""
 
 BWD_MIN_SCORES = 1 << 25
 """Fewest scores (B * H * N_Q * N_K) for which the Gluon dK/dV kernel runs: below, the host time of its
@@ -100,8 +119,9 @@ def run(program: ir.Program) -> ir.Program:
     min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
     program = program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
-        prefetch = program.attr("mask") != "none"
+        d, causal = program.attr("head_dim"), program.attr("mask") != "none"
         program = program.with_attrs(
-            warp_specialized_bwd=BWD_SHAPE + (("PREFETCH", prefetch), ("min_keys", BWD_MIN_KEYS[prefetch]),
+            warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", PREFETCH[causal]),
+                                              ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
                                               ("min_scores", BWD_MIN_SCORES)))
     return program
