@@ -1046,7 +1046,7 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
 def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
                      stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -1072,7 +1072,7 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, stride_o_b, stride_o_h, stride_o_
              tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_dq_b", "N_Q"])  # one binary for all lengths
 def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_d, H, N_Q, sm_scale,
                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dQ = sm_scale * DQ_ACC for BLOCK rows of one (batch, head), in DQ's dtype"""
