@@ -315,6 +315,26 @@ def _default_heads(spec, interpreted: bool, kind: str) -> tuple[int, int | None]
 KINDS = ("forward", "backward", "decode")
 
 
+def _capability():
+    """The current CUDA device's compute capability, or None without a GPU."""
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def gluon_note(part, capability) -> str | None:
+    """What tuning `part` does not reach on a GPU of this capability: the calls that run the pass
+    warp-specialize's fixed-shape Gluon kernel instead of the Triton kernel the tuner tunes."""
+    module = getattr(part, "module", None) or getattr(getattr(part, "kernel", None), "module", None)
+    shape = getattr(module, {"forward": "WS_SHAPE", "backward": "WS_BWD_SHAPE"}.get(part.kind, ""), None)
+    if capability != (9, 0) or shape is None:
+        return None
+    left = "smaller calls, other GPUs" + (", deterministic algorithms" if part.kind == "backward" else "")
+    return (f"on this GPU, {part.kind} calls of at least {shape['min_scores']:,} scores (B*H*N_Q*N_K) run the "
+            f"fixed-shape Gluon kernel (pass warp-specialize); these configs serve the Triton kernel elsewhere "
+            f"({left})")
+
+
 def cmd_tune(args) -> int:
     from .runtime import load
     from .tuning import save, tune
@@ -343,6 +363,9 @@ def cmd_tune(args) -> int:
         outcome = tune(part, shapes, values=values, budget=args.max_configs, rep_ms=args.rep, seed=args.seed,
                        progress=Progress(getattr(part, "label", part.spec.name)))
         print(format_outcome(outcome), flush=True)
+        note = gluon_note(part, _capability())
+        if note:
+            print(f"  note: {note}")
         if not outcome.ok:
             failed += 1
             print(f"  no candidate passed validation at {', '.join(map(str, outcome.missing))}")

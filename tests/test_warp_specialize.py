@@ -61,7 +61,8 @@ def test_the_gluon_kernel_compiles_for_sm90():
     (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
      dict(PREFETCH=True, STAGES=2, split=True)),
     (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False)),
-    (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"), dict(PREFETCH=True, STAGES=2, split=False)),
+    (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),
+     dict(PREFETCH=True, STAGES=2, split=False)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
     (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
@@ -93,6 +94,21 @@ def test_the_gluon_backward_compiles_for_sm90():
         # with dQ: each consumer's columns added into the float32 accumulator by a TMA reduction
         assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
         assert result["shared"] <= 232448, result
+
+
+def test_tune_says_which_calls_the_gluon_kernels_take():
+    """`attngen tune` notes on Hopper that big calls run the fixed-shape Gluon kernels it does not tune."""
+    from attngen.cli import gluon_note
+
+    train = attngen.load(spec_text("ws_tune_note", 128, "bf16", "causal", direction="forward+backward"))
+    forward, dq, dkdv = train.tuning_kernels()
+    for part in (forward, dq, dkdv):
+        note = gluon_note(part, (9, 0))
+        assert note and f"{part.kind} calls" in note and f"{2 ** 25:,}" in note, note
+        assert ("deterministic" in note) is (part.kind == "backward")
+        assert gluon_note(part, (8, 0)) is None and gluon_note(part, None) is None
+    fp32 = attngen.load(spec_text("ws_tune_note32", 128, "fp32", "none", direction="forward+backward"))
+    assert all(gluon_note(part, (9, 0)) is None for part in fp32.tuning_kernels())
 
 
 @pytest.mark.parametrize("n_q, head_dim", [(1, 64), (70, 128), (129, 64)])
