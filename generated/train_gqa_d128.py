@@ -880,10 +880,10 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
 def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                       do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN:
-                      gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH:
-                      gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS:
-                      gl.constexpr):
+                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                      CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
@@ -896,10 +896,10 @@ def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
 def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                       do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN:
-                      gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH:
-                      gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS:
-                      gl.constexpr):
+                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                      CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
@@ -912,9 +912,9 @@ def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
 def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem, do_smem,
                    k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n, GROUP,
                    N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
-                   stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM:
-                   gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC:
-                   gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                   stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                   DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
@@ -938,13 +938,14 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
 def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, stride_lse_b,
                      stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
-                     sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES:
-                     gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM:
-                     gl.constexpr, CAUSAL: gl.constexpr):
+                     sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                     ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
     with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator"""
     CONSUMERS: gl.constexpr = 2
     BN: gl.constexpr = BLOCK_N // CONSUMERS
+    gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
     start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
     hkv = gl.program_id(1)
     b = gl.program_id(2)
