@@ -1137,15 +1137,15 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
     """Gradients of `forward` for the output gradient `do`: returns (dq, dk, dv).
 
     `out` and `lse` are what `forward` returned. dk and dv are summed over the query heads that share
-    a key/value head, without atomics. dq too, except in the Hopper kernel on long rows, which adds
-    float32 partial sums in any order (unless torch.use_deterministic_algorithms(True) is set).
+    a key/value head, without atomics. dq too, except where the Hopper Gluon kernel runs
+    (`ws_bwd_ready`), which adds float32 partial sums into it in any order (unless
+    torch.use_deterministic_algorithms(True) is set).
     """
     if sm_scale is None:
         sm_scale = HEAD_DIM ** -0.5
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    delta = torch.empty_like(lse)
     config = {name: dict(DEFAULT_BACKWARD_CONFIG[name], **(config or {}).get(name, {})) for name in DEFAULT_BACKWARD_CONFIG}
     # The Gluon backward where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for the
     # Triton kernels, which `config` tunes); the Triton kernels everywhere else. Deterministic
@@ -1155,6 +1155,7 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
         launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale)
         return dq, dk, dv
     # dQ first: its programs also compute delta = rowsum(dO * O), which the dK/dV kernel reads.
+    delta = torch.empty_like(lse)
     launch_attn_bwd_dq(q=q, k=k, v=v, o=out, do=do, lse=lse, delta=delta, dq=dq, sm_scale=sm_scale,
                        **config["attn_bwd_dq"])
     if ws and WS_BWD_SHAPE["split"]:

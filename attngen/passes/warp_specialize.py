@@ -92,10 +92,6 @@ BWD_SPLIT = {64: False, 128: True}
 when dQ must come from the Triton kernel (deterministic algorithms). At d=128 it does (558-570 TFLOP/s
 on its four products against 516-533); at d=64 it does not (324-415 against 433-448, NOTES.md v10)."""
 
-PREFETCH = {False: False, True: True}
-"""By causal, for the kernel without ROWS_SMEM: load the next step's lse and delta during this step.
-It wins causal (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES.md v10)."""
-
 BWD_MIN_KEYS = {False: 1, True: 1}
 """Fewest keys for which the Gluon backward runs, by causal. Before DQ_ATOMIC the Triton kernels won
 without a mask at 512 keys; the one-kernel form wins from 512 at both head dims (H200, d=128: 342
@@ -120,8 +116,10 @@ def run(program: ir.Program) -> ir.Program:
     program = program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
         d, causal = program.attr("head_dim"), program.attr("mask") != "none"
+        # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
+        # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
         program = program.with_attrs(
-            warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", PREFETCH[causal]),
+            warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", causal),
                                               ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
                                               ("min_scores", BWD_MIN_SCORES)))
     return program
