@@ -471,10 +471,10 @@ def launch_attn_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, *, BLOCK_M, 
 
 # -- the warp-specialised Hopper forward (pass warp-specialize), in Gluon ------------------------------
 # One program = BLOCK_M query rows of one (batch, head). A loader warp moves Q once and then each K and
-# V block into a ring of STAGES shared buffers by TMA, each buffer signalled on its own mbarrier. Two
-# consumer warpgroups own BLOCK_M / 2 rows each: scores and output on wgmma, P from registers, the
+# V block into a ring of STAGES shared buffers by TMA, each buffer signalled on its own mbarrier.
+# 3 consumer warpgroups own 64 rows each: scores and output on wgmma, P from registers, the
 # online softmax in exp2 with the scale folded in. A consumer frees a buffer by arriving on its
-# `empty` barrier (count 2: both consumers); the consumers never wait for each other. With OVERLAP a
+# `empty` barrier (count 3: every consumer); the consumers never wait for each other. With OVERLAP a
 # consumer issues block j's Q K^T before it waits for block j-1's P V, so the softmax of block j runs
 # while the tensor cores multiply. Rows and keys past the tensors' ends read as zeros (TMA); keys past
 # N_K are masked out of the last block, and the output store is clipped at N_Q. A causal program reads
@@ -510,11 +510,14 @@ def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSA
 
 
 @gluon.jit
-def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                CONSUMERS: gl.constexpr):
+def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+             v_empty, turn, b, h, hkv, start_m, N_Q, N_K, row0, n_mine, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+             BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+             OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+             CONSUMERS: gl.constexpr):
+    """Warpgroup WG's rows over key blocks [0, n_mine): scores, softmax, output; the output and lse stored
+    (the O store is waited for by the caller). Row i (from 0 at this warpgroup's first row) sees keys up
+    to row0 + i when CAUSAL."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -535,10 +538,10 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
         mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(k_empty.index(0), count=1)
-    row0 = start_m + WG * BM + offset  # the last key this warpgroup's first row sees (CAUSAL)
     p, m_i, l_i, alpha = _ws_softmax(sc, gl.max(sc, 1), gl.max(sc, 1), 0, N_K, row0, qk_scale, True, CAUSAL, BLOCK_N,
                                      s_layout)
-    for j in range(1, n_blocks):
+    p = gl.convert_layout(p.to(gl.bfloat16), p_layout)  # carried as the product's operand: half the registers
+    for j in range(1, n_mine):
         s = j % STAGES
         sp = (j - 1) % STAGES
         if OVERLAP:
@@ -549,7 +552,7 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
                                is_async=True)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM]),
+        acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM]),
                             acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
@@ -564,13 +567,14 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
             sc = warpgroup_mma_wait(0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, False, CAUSAL, BLOCK_N, s_layout)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         if OVERLAP:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
-    sl = (n_blocks - 1) % STAGES
+    sl = (n_mine - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    mbarrier.wait(v_ready.index(sl), ((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]),
+    mbarrier.wait(v_ready.index(sl), ((n_mine - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]),
                         acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(sl), count=1)
@@ -581,6 +585,34 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
     rows = start_m + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
     lse_ptr = LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + rows * stride_lse_n
     gl.store(lse_ptr, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < N_Q)
+
+
+@gluon.jit
+def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                CONSUMERS: gl.constexpr):
+    row0 = start_m + WG * BM + offset  # the last key this warpgroup's first row sees (CAUSAL)
+    # A warpgroup takes only the key blocks its own rows need and releases the rest unread, in order (the
+    # program's blocks reach its last row's keys): under a causal mask its rows may see fewer, and the
+    # last row block of a sequence may hold no row of this warpgroup at all.
+    gl.static_assert(not PINGPONG, "PINGPONG's turns assume every warpgroup takes every block")
+    n_mine = n_blocks
+    if CAUSAL:
+        n_mine = gl.minimum(n_blocks, gl.cdiv(row0 + BM, BLOCK_N))
+    if start_m + WG * BM >= N_Q:
+        n_mine = 0
+    if n_mine > 0:
+        _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                 v_empty, turn, b, h, hkv, start_m, N_Q, N_K, row0, n_mine, stride_lse_b, stride_lse_h, stride_lse_n,
+                 qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, WG, CONSUMERS)
+    for j in range(n_mine, n_blocks):
+        s = j % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(s), count=1)
     tma.store_wait(0)
 
 
@@ -594,7 +626,7 @@ def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 0, 2)
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 0, 3)
 
 
 @gluon.jit
@@ -606,7 +638,19 @@ def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
     all take the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 1, 2)
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 1, 3)
+
+
+@gluon.jit
+def _ws_consumer2(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 2: rows [2 * BM, 3 * BM) of the program's block (the worker partitions
+    all take the loader's arguments, so the warpgroup's index is fixed here)."""
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 2, 3)
 
 
 @gluon.jit
@@ -614,8 +658,8 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ba
                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for c in gl.static_range(2):
+    mbarrier.expect(q_bar, 3 * q_desc.block_type.nbytes)
+    for c in gl.static_range(3):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_bar, q_smem.index(c))
     for j in range(n_blocks):
         s = j % STAGES
@@ -632,8 +676,8 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ba
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """one program per (block of BLOCK_M queries, head, batch): a TMA loader warp, two consumer warpgroups"""
-    BM: gl.constexpr = BLOCK_M // 2
+    """one program per (block of BLOCK_M queries, head, batch): a TMA loader warp, 3 consumer warpgroups"""
+    BM: gl.constexpr = BLOCK_M // 3
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # the longest rows first: a shorter tail
     offset = 0  # query row i sees keys up to i + offset
     n_blocks = gl.cdiv(gl.minimum(N_K, start_m + BLOCK_M + offset), BLOCK_N)
@@ -643,7 +687,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     qk_scale = sm_scale * 1.4426950408889634
     dtype: gl.constexpr = q_desc.dtype
     # one Q (later output) buffer per consumer; shared allocations have power-of-two shapes
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -651,14 +695,14 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=3)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    for i in gl.static_range(2):
+        mbarrier.init(v_empty.index(i), count=3)
+    for i in gl.static_range(3):
         mbarrier.init(turn.index(i), count=1)
     # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
     # arrive as tensors
@@ -669,13 +713,16 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
         (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                             v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
                             stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_ws_consumer2, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
+                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
         (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                      v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
                      stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-    ], [4, 1], [240, 24])
+    ], [4, 4, 1], [160, 160, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 4096, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'min_keys': 4096, 'min_scores': 33554432}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)

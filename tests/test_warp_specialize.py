@@ -40,19 +40,22 @@ def test_which_specs_get_the_gluon_forward(text, expected):
     shape = dict(program.attr("warp_specialized") or ())
     spec = parse(text)
     min_keys = warp_specialize.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
-    assert (shape.get("BLOCK_M") == 128 and shape.get("min_keys") == min_keys) is expected
+    rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
+    assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
+            and shape.get("TRIM") is True) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_ws") is expected
     assert ("warp-specialize" in kernel.source.split("\n", 3)[2]) is expected  # the "# Passes:" header line
 
 
 def test_the_gluon_kernel_compiles_for_sm90():
-    paths = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)).path
-             for d, dt, mask in ((128, "bf16", "none"), (64, "fp16", "none"), (128, "fp16", "causal(bottom_right)"))]
-    for result in probe([{"path": str(p), "gluon_ws": True} for p in paths]):
+    shapes = ((128, "bf16", "none"), (64, "fp16", "none"), (128, "fp16", "causal(bottom_right)"))
+    paths = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)).path for d, dt, mask in shapes]
+    for (d, _, _), result in zip(shapes, probe([{"path": str(p), "gluon_ws": True} for p in paths])):
         assert "error" not in result, result
-        # two consumer warpgroups + the loader warp padded to a warpgroup; both products on wgmma, K/V by TMA
-        assert result["warps"] == 12 and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
+        # consumer warpgroups (three at d=64, two at d=128) + the loader warp padded to a warpgroup; both
+        # products on wgmma, K/V by TMA
+        assert result["warps"] == 4 * (1 + {64: 3, 128: 2}[d]) and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
         assert result["shared"] <= 232448, result
 
 

@@ -6,14 +6,15 @@ CTA-wide barrier in every key step (Nsight Compute: `barrier` is the top stall),
 `warp_specialize` loop option does not act on this loop on Hopper. The layout cuDNN and
 FlashAttention 3 use (a producer warp that moves K and V by TMA, consumer warpgroups that only
 compute, mbarriers between them) is expressible in Gluon, Triton's explicit-layout dialect
-(`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9, `attngen bench`, bf16, H200,
-N = 4096-16384): d=128 607-649 TFLOP/s without a mask and 519-605 causal, against 483-501 and
-427-482 for the Triton kernel and 599-612 / 519-567 for cuDNN; d=64 440-458 and 387-449, against
-423-441 and 380-421.
+(`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9 and v12, `attngen bench`, bf16,
+H200, N = 4096-16384): d=128 594-649 TFLOP/s without a mask and 515-608 causal, against 483-501 and
+427-482 for the Triton kernel and 599-612 / 519-567 for cuDNN; d=64 474-507 and 419-481, against
+423-441 and 380-421 (cuDNN 455-464 / 421-444).
 
 The rewrite records the decision and the kernel's fixed shape on the program (`warp_specialized`:
-128 query rows per program in two consumer warpgroups of 64, 128-key blocks, 2 stages, the next
-block's scores issued before this block's softmax, the register split between the partitions).
+at d=128 128 query rows per program in two consumer warpgroups of 64, at d=64 192 rows in three;
+128-key blocks, 2 stages, the next block's scores issued before this block's softmax, the register
+split between the partitions).
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
 Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
@@ -48,13 +49,25 @@ from .. import ir
 NAME = "warp-specialize"
 
 HEAD_DIMS = (64, 128)
-SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("consumers", 2),
-         ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
-"""The Gluon kernel's fixed launch shape. 12 warps (two consumer warpgroups, one loader warp padded
-to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24, so each
-consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and 64-key
-blocks with 4 stages (NOTES.md v9, experiments/gluon_shapes.py): this one is the best or within 1%
-at d=64 and d=128."""
+SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
+         ("TRIM", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
+"""The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
+padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
+so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
+64-key blocks with 4 stages (NOTES.md v9, experiments/gluon_shapes.py): this one is the best or
+within 1%. EARLY_P: the softmax's P is converted to the P V product's 16-bit operand as soon as it is
+made, so the loop carries half the registers of it (+1-3% at both head dims, NOTES.md v12).
+TRIM: a consumer takes only the key blocks its own rows need and releases the rest unread: under a
+causal mask it stops at its own last block (the program's blocks reach its last row's keys), and in a
+sequence's last row block it may have no row at all (NOTES.md v12)."""
+
+SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
+"""What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
+consumer warpgroups (16 warps x 128 registers; consumers 160, the loader 24), each K/V block feeding
+half again as many rows. With P carried in 16 bits its consumers spill 248 bytes (1.7 KB before) and it
+wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a mask, 479 against 447
+causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
+d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
 
 MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1, (128, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
@@ -113,7 +126,8 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
-    program = program.with_attrs(warp_specialized=SHAPE + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))
+    shape = tuple(dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[program.attr("head_dim")])).items())
+    program = program.with_attrs(warp_specialized=shape + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
         d, causal = program.attr("head_dim"), program.attr("mask") != "none"
         # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
