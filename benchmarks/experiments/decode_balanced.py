@@ -2,6 +2,7 @@
 
     python benchmarks/experiments/decode_balanced.py OUT_DIR        (GPU: timings + checks)
     TRITON_INTERPRET=1 python benchmarks/experiments/decode_balanced.py --check   (CPU: checks only)
+    ncu ... python benchmarks/experiments/decode_balanced.py --profile              (see profile())
 
 The shipped decode kernel splits each (sequence, K/V head) into NUM_SPLITS equal slices, one program
 each, NUM_SPLITS picked per shape bucket by the tuner or a wave-count heuristic. Two costs follow:
@@ -22,6 +23,8 @@ Prediction: +3% at batch 1 (132 programs instead of 128) and at batch 16 on full
 split (0.99x cuDNN -> ~1.02x); on the auto split the table picks for batch 16 (2 splits) +5-7%;
 batch 64 +0-3%. Costs: each piece boundary drains the pipeline once (~1 us), and every call pays
 the combine (~3-4 us at batch 1, as now).
+Result (NOTES.md v12): lost everywhere but spread lengths at batch 16; ncu: programs whose range
+crosses a (sequence, head) boundary pay a second pipeline ramp, and the merge costs 1-4 us more.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def balanced_fwd(Q, K, V, OP, LP, SEQLENS,
                  stride_v_b, stride_v_h, stride_v_n, stride_v_d,
                  B, H_KV, G, sm_scale,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 B_POW2: tl.constexpr):
+                 B_POW2: tl.constexpr, WIDE: tl.constexpr):
     """program i: blocks [i T / G, (i + 1) T / G) of all (sequence, K/V head) block lists laid end to end"""
     pid = tl.program_id(0)
     offs_b = tl.arange(0, B_POW2)
@@ -53,8 +56,12 @@ def balanced_fwd(Q, K, V, OP, LP, SEQLENS,
     nblk = (lens + BLOCK_N - 1) // BLOCK_N
     ends = tl.cumsum(nblk, 0) * H_KV  # where sequence b's blocks end, all heads counted
     T = tl.sum(nblk, 0) * H_KV
-    lo = ((pid.to(tl.int64) * T) // G).to(tl.int32)
-    hi = (((pid + 1).to(tl.int64) * T) // G).to(tl.int32)
+    if WIDE:  # i * T can pass 2^31
+        lo = ((pid.to(tl.int64) * T) // G).to(tl.int32)
+        hi = (((pid + 1).to(tl.int64) * T) // G).to(tl.int32)
+    else:
+        lo = (pid * T) // G
+        hi = ((pid + 1) * T) // G
     qk_scale = sm_scale * 1.4426950408889634
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -111,7 +118,7 @@ def balanced_fwd(Q, K, V, OP, LP, SEQLENS,
 @triton.jit
 def balanced_combine(OP, LP, O, LSE, SEQLENS, stride_o_b, stride_o_h, stride_o_d, stride_lse_b, stride_lse_h,
                      B, H_KV, G, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     B_POW2: tl.constexpr, BLOCK_P: tl.constexpr):
+                     B_POW2: tl.constexpr, BLOCK_P: tl.constexpr, WIDE: tl.constexpr):
     """one program per (query head, sequence): merge the pieces of the programs that covered its blocks"""
     hq = tl.program_id(0)
     b = tl.program_id(1)
@@ -126,8 +133,12 @@ def balanced_combine(OP, LP, O, LSE, SEQLENS, stride_o_b, stride_o_h, stride_o_d
     nb = tl.sum(tl.where(pick, nblk, 0), 0)
     s0 = tl.sum(tl.where(pick, ends, 0), 0) - nb * H_KV + h * nb  # this (sequence, head)'s first block
     # program c covers [c T / G, (c + 1) T / G): the one holding block x is ((x + 1) G - 1) // T
-    c0 = (((s0 + 1).to(tl.int64) * G - 1) // T).to(tl.int32)
-    c1 = (((s0 + nb).to(tl.int64) * G - 1) // T).to(tl.int32)
+    if WIDE:
+        c0 = (((s0 + 1).to(tl.int64) * G - 1) // T).to(tl.int32)
+        c1 = (((s0 + nb).to(tl.int64) * G - 1) // T).to(tl.int32)
+    else:
+        c0 = ((s0 + 1) * G - 1) // T
+        c1 = ((s0 + nb) * G - 1) // T
     c1 = tl.where(nb == 0, c0 - 1, c1)
     slot = b * H_KV + h
     m_run = tl.full([], float("-inf"), dtype=tl.float32)
@@ -136,8 +147,12 @@ def balanced_combine(OP, LP, O, LSE, SEQLENS, stride_o_b, stride_o_h, stride_o_d
     offs_d = tl.arange(0, HEAD_DIM)
     for c in range(c0, c1 + 1, BLOCK_P):
         offs_c = c + tl.arange(0, BLOCK_P)
-        start = (offs_c.to(tl.int64) * T) // G
-        stop = ((offs_c + 1).to(tl.int64) * T) // G
+        if WIDE:
+            start = (offs_c.to(tl.int64) * T) // G
+            stop = ((offs_c + 1).to(tl.int64) * T) // G
+        else:
+            start = (offs_c * T) // G
+            stop = ((offs_c + 1) * T) // G
         keep = (offs_c <= c1) & (stop > start)  # programs with an empty range wrote nothing
         piece = (offs_c + slot).to(tl.int64)
         lse_c = tl.load(LP + piece * GROUP + g, mask=keep, other=float("-inf"))
@@ -155,7 +170,8 @@ def balanced_combine(OP, LP, O, LSE, SEQLENS, stride_o_b, stride_o_h, stride_o_d
     tl.store(LSE + b.to(tl.int64) * stride_lse_b + hq * stride_lse_h, m_run + tl.log(l_safe))
 
 
-def balanced(q, k, v, seqlens, out=None, lse=None, *, G, BLOCK_N=64, num_warps=4, num_stages=4, sm_scale=None):
+def balanced(q, k, v, seqlens, out=None, lse=None, *, G, BLOCK_N=64, num_warps=4, num_stages=4, sm_scale=None,
+             wide=True, block_p=16):
     """q (B, H, 1, D), k/v (B, H_KV, N, D) any strides; returns (out, lse) like forward_kvcache."""
     B, H, _, D = q.shape
     H_KV = k.shape[1]
@@ -168,10 +184,10 @@ def balanced(q, k, v, seqlens, out=None, lse=None, *, G, BLOCK_N=64, num_warps=4
     b_pow2 = max(2, triton.next_power_of_2(B))
     balanced_fwd[(G,)](q, k, v, o_part, lse_part, seqlens, q.stride(0), q.stride(1), q.stride(3), *k.stride(),
                        *v.stride(), B, H_KV, G, sm_scale, GROUP=group, BLOCK_M=16, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-                       B_POW2=b_pow2, num_warps=num_warps, num_stages=num_stages)
+                       B_POW2=b_pow2, WIDE=wide, num_warps=num_warps, num_stages=num_stages)
     balanced_combine[(H, B)](o_part, lse_part, out, lse, seqlens, out.stride(0), out.stride(1), out.stride(3),
                              lse.stride(0), lse.stride(1), B, H_KV, G, GROUP=group, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-                             B_POW2=b_pow2, BLOCK_P=16, num_warps=4, num_stages=1)
+                             B_POW2=b_pow2, BLOCK_P=block_p, WIDE=wide, num_warps=4, num_stages=1)
     return out, lse
 
 
@@ -206,10 +222,10 @@ def check(device, cases, G_values, dtype=torch.bfloat16) -> float:
         seqlens = torch.tensor(lengths, device=device, dtype=torch.int32)
         want, want_lse = reference(q, k, v, seqlens)
         for G in G_values:
-            for block_n in (32, 64):
+            for block_n, wide, block_p in ((32, True, 16), (64, False, 32)):
                 out = torch.full_like(q, float("nan"))
                 lse = torch.full((B, H, 1), float("nan"), device=device)
-                balanced(q, k, v, seqlens, out, lse, G=G, BLOCK_N=block_n, num_stages=2)
+                balanced(q, k, v, seqlens, out, lse, G=G, BLOCK_N=block_n, num_stages=2, wide=wide, block_p=block_p)
                 err = (out.double().cpu() - want).abs().max().item()
                 finite = want_lse.isfinite()
                 lse_err = (lse.double().cpu()[finite] - want_lse[finite]).abs().max().item() if finite.any() else 0.0
@@ -224,7 +240,40 @@ def check(device, cases, G_values, dtype=torch.bfloat16) -> float:
 CPU_CASES = ((1, 8, 2, 300, [300]), (3, 4, 1, 130, [0, 1, 130]), (5, 8, 2, 97, None))
 
 
+def profile() -> int:
+    """One call each of the shipped decode and balanced variants inside NVTX ranges, for ncu:
+        ncu --nvtx --nvtx-include "profile/" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \\
+            python benchmarks/experiments/decode_balanced.py --profile"""
+    import attngen
+    from attngen.bench_decode import H, H_KV, D, DTYPE
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator("cuda").manual_seed(0)
+    for batch, ctx in ((1, 8192), (1, 32768), (16, 8192)):
+        q = torch.randn(batch, H, 1, D, device="cuda", dtype=DTYPE, generator=gen)
+        k, v = (torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen).transpose(1, 2) for _ in range(2))
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        calls = {"shipped": lambda: attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                                   cache_seqlens=lens),
+                 "bal64x4": lambda: balanced(q, k, v, lens, G=sms, BLOCK_N=64, num_stages=4),
+                 "bal64x4_i32": lambda: balanced(q, k, v, lens, G=sms, BLOCK_N=64, num_stages=4, wide=False, block_p=32),
+                 "bal64x4_i32_128": lambda: balanced(q, k, v, lens, G=128, BLOCK_N=64, num_stages=4, wide=False,
+                                                     block_p=32)}
+        for fn in calls.values():
+            fn()
+        torch.cuda.synchronize()
+        for name, fn in calls.items():
+            torch.cuda.nvtx.range_push(f"profile/{batch}x{ctx}/{name}")
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+        print(f"profiled batch {batch} context {ctx}: " + ", ".join(calls), flush=True)
+    return 0
+
+
 def main() -> int:
+    if "--profile" in sys.argv:
+        return profile()
     if "--check" in sys.argv:
         # float16: Triton 3.6's interpreter multiplies bf16 bit patterns (attngen/interpreter_fixes.py)
         worst = check("cpu", CPU_CASES, (1, 3, 7, 40), torch.float16)
