@@ -15,7 +15,9 @@ The signature is finer than what Triton specialises a binary on, so a cached bin
 launched for arguments it was not compiled for: every non-tensor argument's exact value and type
 (Triton looks at an integer's width and whether it is 1 or a multiple of 16), each tensor's dtype
 and whether its address is a multiple of 16, the keyword values (constexprs, num_warps, num_stages),
-the device and Triton's debug flag. A decoding step repeats the same strides and sizes, so it hits;
+the device and Triton's debug flag. Gluon kernels' host-side TMA descriptors count as values, keyed by
+all they hold but the base's address (its dtype and alignment, shape, strides, block shape, layout);
+the launcher builds each tensor map afresh from the descriptor it is given. A decoding step repeats the same strides and sizes, so it hits;
 a new sequence length takes Triton's path once. Anything else (a tensor where the first call had a
 scalar or the reverse, a value that is not a plain int, float, bool or None, a launch hook installed,
 e.g. by a profiler, a grid that is a function) takes Triton's own path every time.
@@ -62,6 +64,7 @@ class FastJIT:
         self._n_positional = n
         self._tensor_pos: tuple | None = None  # where the first cached call had tensors
         self._value_pos: tuple = ()
+        self._desc_pos: frozenset = frozenset()  # which of the values are TMA descriptors
         self._cache: dict = {}
 
     def __getattr__(self, name):
@@ -79,6 +82,8 @@ class FastJIT:
         tensor's dtype and 16-byte alignment, the keyword arguments. Raises AttributeError or
         TypeError (unhashable) where the call does not fit the layout learned from the first one."""
         values = self._values(args)
+        if self._desc_pos:  # Gluon TMA descriptors: keyed by everything they hold but the base's address
+            values = tuple([_desc_key(v) if i in self._desc_pos else v for i, v in enumerate(values)])
         tensors = self._tensors(args)
         ptrs = [t.data_ptr() for t in tensors]
         key = (values, tuple(map(type, values)), tuple([p % 16 == 0 for p in ptrs]), tuple([t.dtype for t in tensors]),
@@ -91,14 +96,17 @@ class FastJIT:
         self._value_pos = tuple(i for i in range(n) if i not in tensor_pos)
         self._tensors, self._values = _getter(self._tensor_pos), _getter(self._value_pos)
         self._prefix = tensor_pos == tuple(range(len(tensor_pos)))  # tensors first: attngen's kernels
+        self._desc_pos = frozenset()  # set by `_cacheable` from the first call
 
     def _cacheable(self, args: tuple) -> bool:
         """Whether this call's arguments are tensors where the layout has tensors and plain Python
         scalars elsewhere (learning the layout on the first call)."""
         if self._tensor_pos is None:
             self.learn(tuple(i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), len(args))
+            self._desc_pos = frozenset(j for j, i in enumerate(self._value_pos) if _is_desc(args[i]))
         return (all(isinstance(args[i], torch.Tensor) for i in self._tensor_pos)
-                and all(type(args[i]) in _SCALARS for i in self._value_pos))
+                and all(_is_desc(args[i]) if j in self._desc_pos else type(args[i]) in _SCALARS
+                        for j, i in enumerate(self._value_pos)))
 
     def run(self, grid, args: tuple, kwargs: dict):
         knobs = _knobs()
@@ -144,6 +152,18 @@ class FastJIT:
 _SCALARS = (int, float, bool, type(None))
 
 
+def _is_desc(x) -> bool:
+    """Whether x is a Gluon host-side TMA descriptor (triton.experimental.gluon.nvidia.hopper)."""
+    return type(x).__name__ == "TensorDescriptor" and hasattr(x, "layout") and hasattr(x, "block_shape")
+
+
+def _desc_key(d) -> tuple:
+    """A descriptor's part of the key: the base's dtype and 16-byte alignment, shape, strides, block
+    shape, layout and padding (the launcher builds the tensor map from the base's address per call)."""
+    return (d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
+            d.layout, d.padding)
+
+
 def _getter(positions: tuple):
     """args -> the tuple of args at `positions` (operator.itemgetter, which returns a bare item for one)."""
     if len(positions) >= 2:
@@ -167,11 +187,13 @@ _KNOBS = None
 
 
 def install(module) -> None:
-    """Put a FastJIT in place of each `@triton.jit` function of a generated module (compiled mode)."""
+    """Put a FastJIT in place of each kernel of a generated module (compiled mode)."""
     if not enabled():
         return
     from triton.runtime.jit import JITFunction
 
     for name, value in list(vars(module).items()):
-        if isinstance(value, JITFunction) and not value.is_gluon():  # Gluon kernels take descriptors: Triton's path
+        # Kernels, Gluon ones too (their descriptors are keyed by value); not the `_`-named helpers the
+        # Gluon kernels call, which the compiler must find as they are.
+        if isinstance(value, JITFunction) and not name.startswith("_"):
             setattr(module, name, FastJIT(value))

@@ -204,3 +204,28 @@ def test_loading_a_seen_spec_object_skips_its_canonical_text(monkeypatch):
     again = attngen.parse(open(f"{ROOT}/specs/fwd_d64.attn").read(), "fwd_d64.attn")
     assert again is not spec and attngen.load(again) is kernel
     assert attngen.load(f"{ROOT}/specs/fwd_d64.attn") is kernel
+
+
+def test_gluon_descriptors_are_keyed_by_all_but_their_address():
+    """A Gluon kernel's TMA descriptors count as values: two calls share a key only when their
+    descriptors agree in everything but the base's address (another cache of the same layout)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    fast = FastJIT.__new__(FastJIT)
+    fast._tensor_pos = None  # nothing learnt yet
+    t = torch.empty(64, 256, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+
+    def desc(base=t, block=(16, 128), layout=layout, shape=None):
+        return TensorDescriptor(base, list(shape or base.shape), list(base.stride()), list(block), layout)
+
+    args = (t, desc(), 3)
+    assert fast._cacheable(args) and fast._desc_pos == {0}
+    key = fast.signature(args, {})[0]
+    assert fast.signature((t, desc(base=torch.empty_like(t)), 3), {})[0] == key
+    others = (desc(block=(32, 128)), desc(layout=gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)),
+              desc(shape=(32, 256)), desc(base=t.half()), desc(base=t[:, 8:]))
+    for other in others:
+        assert fast.signature((t, other, 3), {})[0] != key
+    assert not fast._cacheable((t, 5, 3))  # a scalar where the first call had a descriptor: Triton's path

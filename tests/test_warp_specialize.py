@@ -307,3 +307,100 @@ def test_deterministic_algorithms_give_the_same_gradients_twice(head_dim):
     finally:
         torch.use_deterministic_algorithms(before)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# -- the paged decoding kernel (passes/warp_specialize_decode.py) ---------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    (spec_text("wsd_a", 128, "bf16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), True),
+    (spec_text("wsd_b", 64, "fp16", "none", split_kv=4, kv_layout="paged(page_size = 256)"), True),
+    (spec_text("wsd_c", 128, "bf16", "causal(bottom_right)", split_kv="auto"), False),  # contiguous: the Triton kernel
+    (spec_text("wsd_d", 128, "bf16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 8)"), False),
+    (spec_text("wsd_e", 128, "fp32", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), False),
+    (spec_text("wsd_f", 80, "fp16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), False),
+    (spec_text("wsd_g", 128, "bf16", "causal(bottom_right)", kv_layout="paged(page_size = 64)", pack_gqa="true"), False),
+    (spec_text("wsd_h", 128, "bf16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)",
+               block_n=16), False),  # tiles fixed by hand
+])
+def test_which_specs_get_the_gluon_decode(text, expected):
+    from attngen.passes import warp_specialize_decode
+
+    program = compile_program(parse(text))
+    assert warp_specialize_decode.applies(program) is expected
+    assert (dict(program.attr("warp_specialized_decode") or ()) == dict(warp_specialize_decode.SHAPE)) is expected
+    kernel = attngen.load(text)
+    assert hasattr(kernel.module, "attn_fwd_wsd") is expected
+    assert ("warp-specialize-decode" in kernel.source.split("\n", 3)[2]) is expected
+    assert not hasattr(kernel.module, "attn_fwd_ws")  # decoding specs never get the prefill Gluon kernel
+
+
+def test_the_gluon_decode_compiles_for_sm90():
+    from attngen.decode import kvcache_spec
+
+    shapes = (("bf16", 128, True, 16), ("fp16", 64, False, 64), ("bf16", 128, True, 256), ("bf16", 64, True, 32))
+    paths = [attngen.load(kvcache_spec(dt, d, causal, page)).path for dt, d, causal, page in shapes]
+    for (_, d, _, page), result in zip(shapes, probe([{"path": str(p), "gluon_ws": "decode"} for p in paths])):
+        assert "error" not in result, result
+        # one consumer warpgroup + the loader warp padded to a warpgroup; both products on wgmma; K and V each
+        # one TMA copy per page in a 64-key block (one per block for pages of 64 keys and more), in messages of
+        # 128-byte rows (the swizzle's width: two per copy at d=128)
+        assert result["warps"] == 8 and result["wgmma"] > 0, result
+        assert result["tma_loads"] == 2 * max(1, 64 // page) * (d * 2 // 128), result
+        # 3 stages of 64-key K and V blocks and the padded Q tile
+        assert (3 * 2 + 1) * 64 * d * 2 <= result["shared"] <= (3 * 2 + 1) * 64 * d * 2 + 16 * 1024, result
+
+
+def test_without_hopper_paged_decoding_runs_the_triton_kernel():
+    from attngen.decode import kvcache_spec
+    from test_decode import make_cache, rand
+
+    kernel = attngen.load(kvcache_spec("fp16", 64, True, 16))
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    k, v, table = make_cache([5, 40], 16, 2, 64, torch.float16, gen)
+    q = rand(2, 8, 1, 64, gen=gen)
+    if not HOPPER:
+        assert not kernel.module.wsd_ready(q, k, v, q)
+    called = []
+    launch = kernel.module.launch_attn_fwd_wsd
+    kernel.module.launch_attn_fwd_wsd = lambda *a: called.append(a)
+    try:
+        seqlens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+        out, _ = kernel.module.forward_kvcache(q, k, v, seqlens, table, config={"warp_specialized": False})
+    finally:
+        kernel.module.launch_attn_fwd_wsd = launch
+    assert not called and not out.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode runs on sm_90 only")
+@pytest.mark.parametrize("dtype, head_dim, causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False),
+                                                     (torch.float16, 128, False), (torch.bfloat16, 64, True)])
+@pytest.mark.parametrize("page_size", [16, 32, 256])
+@pytest.mark.parametrize("heads, kv_heads, seqlen_q", [(32, 8, 1), (8, 2, 3), (16, 2, 8), (8, 2, 17)])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_gluon_decode_against_float64(dtype, head_dim, causal, page_size, heads, kv_heads, seqlen_q, num_splits):
+    """Through attention_with_kvcache: odd lengths (0, 1, a page and one, block edges), pages shared between
+    sequences and in random order, outputs poisoned; 17 queries of a group of 4 are 68 rows, more than
+    the kernel's 64: those calls must take the Triton kernel."""
+    from attngen.decode import kvcache_spec
+    from test_decode import check, make_cache, rand, run
+
+    gen = torch.Generator("cuda").manual_seed(page_size + head_dim + seqlen_q + num_splits)
+    lengths = [0, 1, 2 * page_size + 1, 1000, 64, 4097]
+    lengths = [max(n, seqlen_q) if n > 1 else n for n in lengths]
+    k, v, table = make_cache(lengths, page_size, kv_heads, head_dim, dtype, gen, shared=True, device="cuda")
+    q = rand(len(lengths), seqlen_q, heads, head_dim, dtype=dtype, device="cuda", gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    module = attngen.load(kvcache_spec({torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], head_dim, causal,
+                                       page_size)).module
+    gluon = heads // kv_heads * seqlen_q <= module.WSD_SHAPE["ROWS"]
+    called = []
+    launch = module.launch_attn_fwd_wsd
+    module.launch_attn_fwd_wsd = lambda *a: (called.append(1), launch(*a))
+    try:
+        out, lse = run(q, k, v, seqlens, table, causal=causal, num_splits=num_splits)
+    finally:
+        module.launch_attn_fwd_wsd = launch
+    assert bool(called) is gluon
+    check(out, lse, q, k, v, seqlens, table, causal=causal)

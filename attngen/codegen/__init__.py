@@ -79,6 +79,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
         ws=dict(program.attr("warp_specialized") or ()),
         ws_bwd=dict(program.attr("warp_specialized_bwd") or ()),
+        wsd=dict(program.attr("warp_specialized_decode") or ()),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
     )

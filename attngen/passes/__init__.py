@@ -13,6 +13,7 @@
     paged           (paged cache) K/V addresses through the block table
     tma             (training, no mask, 16-bit, head dim >= 64) dK/dV's streamed Q and dO tiles via TMA descriptors
     warp-specialize (prefill, 16-bit, head dim 64/128, auto tiles) the forward also as a Hopper Gluon kernel
+    warp-specialize-decode (paged split-KV decoding, pages >= 16, 16-bit, head dim 64/128) also as a Hopper Gluon kernel
 
 The passes marked with a condition are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.
@@ -25,10 +26,10 @@ from typing import Callable
 from .. import ir
 from ..spec import Spec
 from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute,
-               split_kv, tiling, tma, warp_specialize)
+               split_kv, tiling, tma, warp_specialize, warp_specialize_decode)
 
 PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged,
-            tma, warp_specialize)
+            tma, warp_specialize, warp_specialize_decode)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

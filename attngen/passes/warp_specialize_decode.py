@@ -1,0 +1,57 @@
+"""warp-specialize-decode: on Hopper a paged cache is decoded by a warp-specialised Gluon kernel.
+
+The Triton split-KV kernel over a paged cache (pass paged) looks its pages up in the block table row by
+row, in the same threads that then load K and V, and Triton's software pipeline spends stages on the
+table load: at batch 1 its programs execute 63% more instructions than the contiguous kernel's and
+hold 226 registers against 128 (Nsight Compute, benchmarks/NOTES.md v8), and decoding over 16-token
+pages ran at 0.86-0.94x of the contiguous cache (v4-v12). Moving that work into a loader warp that only
+reads the table and issues TMA copies removes it from the consumer's path: the table is read 32
+entries at a time, a chunk ahead, and each page's rows arrive by their own TMA copy into a ring of
+shared buffers (templates/gluon_decode.py.j2). Measured (NOTES.md v13, experiments/gluon_decode.py,
+H200, 32/8 heads, d=128, 16-token pages): batch 1 at 8k 1475 GB/s against 1353 for the Triton kernel
+in a CUDA graph (1977 against 1731 per layer), 0.97x of the contiguous cache (was 0.89x); from batch
+16 0-7% faster, except batch 16 at 8k with the tuned 4 splits (-1%).
+The same kernel on a contiguous cache is within 3% of the Triton kernel either way (v13), so
+contiguous caches keep the Triton kernel.
+
+The rewrite records the decision and the kernel's fixed shape on the program
+(`warp_specialized_decode`); the code generator then emits the Gluon kernel beside the Triton one,
+and `forward_kvcache` takes it where it can run: sm_90, at most ROWS query rows per K/V head (GROUP x
+N_Q: decoding and short chunks), page pools TMA can read (`wsd_ready`). The split count and the
+merge are the Triton path's; the tuned BLOCK_N, warps and stages serve the Triton kernel only.
+
+Applies to decoding specs with a paged cache of pages of at least 16 tokens (a TMA copy of fewer
+rows would cut through the shared tiles' swizzle pattern), split-KV, GQA packing, no mask or a causal
+one aligned bottom-right, 16-bit inputs, a head dim of 64 or 128 and the tile keys left `auto`.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+
+NAME = "warp-specialize-decode"
+
+HEAD_DIMS = (64, 128)
+MIN_PAGE = 16
+
+SHAPE = (("BLOCK_N", 64), ("STAGES", 3), ("ROWS", 64), ("loader_regs", 40))
+"""The Gluon kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, the group's query rows
+padded to wgmma's 64 (Q in shared memory), a loader warp of 40 registers: 122 KB of shared memory at
+d=128, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages were faster
+than 6 at every batch and context measured, by 1-5% (NOTES.md v13). With Q in registers as the
+scores' operand, blocks of as many keys as the head dim (128-key blocks at d=128, 64-key at d=64)
+gave wrong scores; through shared memory they do not arise (not looked into further)."""
+
+
+def applies(program: ir.Program) -> bool:
+    return (program.attr("kvcache", False) and program.attr("split_kv") is not None
+            and (program.attr("page_size") or 0) >= MIN_PAGE and bool(program.attr("pack_gqa"))
+            and program.attr("mask") in ("none", "causal(bottom_right)")
+            and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
+            and program.attr("head_dim") == program.attr("head_dim_padded") in HEAD_DIMS)
+
+
+def run(program: ir.Program) -> ir.Program:
+    if not applies(program):
+        return program
+    return program.with_attrs(warp_specialized_decode=SHAPE)
