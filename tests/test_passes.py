@@ -24,7 +24,8 @@ def stages(text):
 
 def test_pipeline_order_is_visible():
     assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "fold-scale", "kv-lengths",
-                          "pack-gqa", "split-kv", "causal-skip", "paged", "tma", "warp-specialize")
+                          "pack-gqa", "split-kv", "causal-skip", "paged", "tma", "warp-specialize",
+                          "warp-specialize-decode")
 
 
 def test_online_softmax_replaces_the_hbm_round_trip():
