@@ -53,6 +53,30 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def tma_layouts(*tensors):
+    """Whether these tensors' layouts meet TMA's rules: non-empty, 16-byte aligned base and strides
+    (none 0: an expanded tensor goes through pointers), unit last stride."""
+    return all(t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+_WS_DEVICES = {}
+
+
+def _ws_hopper(device):
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it); asked once per device."""
+    hopper = _WS_DEVICES.get(device.index)
+    if hopper is None:
+        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper
+
+
+def tma_readable(*tensors):
+    """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
+    interpreter emulates it) and `tma_layouts`."""
+    if tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return tma_layouts(*tensors)
+
+
 @triton.jit(do_not_specialize=["B", "N_Q", "NUM_SPLITS", "stride_lse_part_b", "stride_lse_part_split", "stride_lse_part_h"])
 def attn_fwd(
     Q,
@@ -441,15 +465,6 @@ WSD_SHAPE = {'BLOCK_N': 64, 'STAGES': 3, 'ROWS': 64, 'loader_regs': 40}
 WSD_CAUSAL = True
 _WSD_BOX = [min(PAGE_SIZE, WSD_SHAPE["BLOCK_N"]), HEAD_DIM]  # rows of one TMA copy: a page, or a block's part of one
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.bfloat16)
-_WSD_DEVICES = {}
-
-
-def _wsd_hopper(device):
-    """Whether `device` is an sm_90 GPU (wgmma is Hopper's); asked once per device."""
-    hopper = _WSD_DEVICES.get(device.index)
-    if hopper is None:
-        hopper = _WSD_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    return hopper
 
 
 def wsd_ready(q, k_cache, v_cache, out):
@@ -461,11 +476,10 @@ def wsd_ready(q, k_cache, v_cache, out):
     pages, _, H_KV, _ = k_cache.shape
     if not q.is_cuda or (H // H_KV) * N_Q > WSD_SHAPE["ROWS"] or q.stride(3) != 1 or out.stride(3) != 1:
         return False
-    for t in (k_cache, v_cache):
-        if (t.stride(3) != 1 or t.stride(2) != HEAD_DIM or t.stride(0) != PAGE_SIZE * t.stride(1)
-                or t.data_ptr() % 16 or t.stride(1) * t.element_size() % 16 or pages * PAGE_SIZE >= 2 ** 31):
-            return False
-    return _wsd_hopper(q.device)
+    if pages * PAGE_SIZE >= 2 ** 31 or any(t.stride(2) != HEAD_DIM or t.stride(0) != PAGE_SIZE * t.stride(1)
+                                           for t in (k_cache, v_cache)):
+        return False
+    return _ws_hopper(q.device) and tma_layouts(k_cache, v_cache)
 
 
 def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_table, sm_scale):

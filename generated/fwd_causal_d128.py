@@ -53,6 +53,15 @@ def tma_layouts(*tensors):
     (none 0: an expanded tensor goes through pointers), unit last stride."""
     return all(t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+_WS_DEVICES = {}
+
+
+def _ws_hopper(device):
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it); asked once per device."""
+    hopper = _WS_DEVICES.get(device.index)
+    if hopper is None:
+        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
+    return hopper
 
 
 def tma_readable(*tensors):
@@ -421,17 +430,6 @@ WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)
 _WS_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM], gl.bfloat16)
-_WS_DEVICES = {}
-
-
-def _ws_hopper(device):
-    """Whether `device` is an sm_90 GPU (wgmma is Hopper's); asked once per device."""
-    hopper = _WS_DEVICES.get(device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    return hopper
-
-
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
