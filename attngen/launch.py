@@ -17,8 +17,9 @@ launched for arguments it was not compiled for: every non-tensor argument's exac
 and whether its address is a multiple of 16, the keyword values (constexprs, num_warps, num_stages),
 the device and Triton's debug flag. Gluon kernels' host-side TMA descriptors count as values, keyed by
 all they hold but the base's address (its dtype and alignment, shape, strides, block shape, layout);
-the launcher builds each tensor map afresh from the descriptor it is given. A decoding step repeats the same strides and sizes, so it hits;
-a new sequence length takes Triton's path once. Anything else (a tensor where the first call had a
+a cached launch keeps each descriptor's tensor map under that key and the base's address, where
+Triton's launcher would encode it again (a driver call) every launch. A decoding step repeats the
+same strides and sizes, so it hits; a new sequence length takes Triton's path once. Anything else (a tensor where the first call had a
 scalar or the reverse, a value that is not a plain int, float, bool or None, a launch hook installed,
 e.g. by a profiler, a grid that is a function) takes Triton's own path every time.
 `ATTNGEN_FAST_LAUNCH=0` turns the short path off (read when a module is imported).
@@ -65,6 +66,7 @@ class FastJIT:
         self._tensor_pos: tuple | None = None  # where the first cached call had tensors
         self._value_pos: tuple = ()
         self._desc_pos: frozenset = frozenset()  # which of the values are TMA descriptors
+        self._desc_args: tuple = ()
         self._cache: dict = {}
 
     def __getattr__(self, name):
@@ -82,8 +84,11 @@ class FastJIT:
         tensor's dtype and 16-byte alignment, the keyword arguments. Raises AttributeError or
         TypeError (unhashable) where the call does not fit the layout learned from the first one."""
         values = self._values(args)
-        if self._desc_pos:  # Gluon TMA descriptors: keyed by everything they hold but the base's address
-            values = tuple([_desc_key(v) if i in self._desc_pos else v for i, v in enumerate(values)])
+        if self._desc_args:  # Gluon TMA descriptors: keyed by everything they hold but the base's address
+            values = list(values)
+            for j, _ in self._desc_args:
+                values[j] = _desc_key(values[j])
+            values = tuple(values)
         tensors = self._tensors(args)
         ptrs = [t.data_ptr() for t in tensors]
         key = (values, tuple(map(type, values)), tuple([p % 16 == 0 for p in ptrs]), tuple([t.dtype for t in tensors]),
@@ -96,7 +101,7 @@ class FastJIT:
         self._value_pos = tuple(i for i in range(n) if i not in tensor_pos)
         self._tensors, self._values = _getter(self._tensor_pos), _getter(self._value_pos)
         self._prefix = tensor_pos == tuple(range(len(tensor_pos)))  # tensors first: attngen's kernels
-        self._desc_pos = frozenset()  # set by `_cacheable` from the first call
+        self._desc_pos, self._desc_args = frozenset(), ()  # set by `_cacheable` from the first call
 
     def _cacheable(self, args: tuple) -> bool:
         """Whether this call's arguments are tensors where the layout has tensors and plain Python
@@ -104,6 +109,8 @@ class FastJIT:
         if self._tensor_pos is None:
             self.learn(tuple(i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), len(args))
             self._desc_pos = frozenset(j for j, i in enumerate(self._value_pos) if _is_desc(args[i]))
+            # (place among the values, place among the arguments) of each descriptor
+            self._desc_args = tuple((j, self._value_pos[j]) for j in sorted(self._desc_pos))
         return (all(isinstance(args[i], torch.Tensor) for i in self._tensor_pos)
                 and all(_is_desc(args[i]) if j in self._desc_pos else type(args[i]) in _SCALARS
                         for j, i in enumerate(self._value_pos)))
@@ -131,9 +138,13 @@ class FastJIT:
                     return compiled
                 if len(self._cache) > 1024:
                     self._cache.clear()
-                self._cache[(device, knobs.runtime.debug, key)] = (compiled, tail)
+                plan = _tma_plan(compiled, self._desc_args) if self._desc_pos else None
+                self._cache[(device, knobs.runtime.debug, key)] = (compiled, tail, plan)
             return compiled
-        compiled, tail = hit
+        compiled, tail, plan = hit
+        if plan is not None:
+            self._launch_tma(grid, args, key[0], ptrs, device, compiled, tail, plan)
+            return compiled
         # The tensors go in as their addresses: Triton's launcher then skips, per pointer, a method call
         # and a driver query (cuPointerGetAttribute) that the checks before every launch make moot.
         if self._prefix:
@@ -149,6 +160,27 @@ class FastJIT:
         return compiled
 
 
+    def _launch_tma(self, grid, args, values, ptrs, device, compiled, tail, plan) -> None:
+        """Launch a Gluon kernel straight through its C launcher, each descriptor's tensor map built once per
+        (argument, base address, descriptor key) and kept in `plan`, rather than once per launch."""
+        launch, cooperative, pdl, descs, make, maps = plan
+        launch_args = list(args)
+        for i, p in zip(self._tensor_pos, ptrs):
+            launch_args[i] = p
+        for j, i, meta in descs:  # right to left: each splice leaves the places before it
+            d = args[i]
+            map_key = (i, d.base.data_ptr(), values[j])
+            expanded = maps.get(map_key)
+            if expanded is None:
+                if len(maps) > 256:
+                    maps.clear()
+                expanded = maps[map_key] = make(d, meta)
+            launch_args[i:i + 1] = expanded
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _raw_stream(device),
+               compiled.function, cooperative, pdl, None, None, compiled.packed_metadata, None, None, None,
+               *launch_args, *tail)
+
+
 _SCALARS = (int, float, bool, type(None))
 
 
@@ -162,6 +194,32 @@ def _desc_key(d) -> tuple:
     shape, layout and padding (the launcher builds the tensor map from the base's address per call)."""
     return (d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
             d.layout, d.padding)
+
+
+def _tma_plan(compiled, desc_args: tuple):
+    """How FastJIT launches a compiled Gluon kernel that takes TMA descriptors, keeping their tensor maps:
+    (C launcher, cooperative flag, PDL flag, ((place among values, place among arguments, metadata), ...)
+    right to left, the function that expands one descriptor into the launcher's arguments, a dict of
+    expanded descriptors). Triton 3.6's launcher rebuilds every tensor map on every launch (a driver call
+    each, in `wrap_handle_tensordesc`); a map depends only on the base's address, shape, strides, block
+    shape, layout and padding, all in its key, so one built earlier is the one Triton would build.
+    None where the launcher is not laid out as in Triton 3.6 or needs scratch memory: Triton's launcher
+    then runs as it is."""
+    launcher = compiled.run
+    inner = getattr(launcher, "launch", None)
+    try:
+        cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+        launch, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+        make = inner.__globals__["make_tensordesc_arg"]
+        cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        scratch = launcher.global_scratch_size or launcher.profile_scratch_size
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if (scratch or sorted(indices) != [i for _, i in desc_args] or len(metas) != len(desc_args)
+            or not all(isinstance(meta, dict) for meta in metas)):  # without metadata the base itself is passed
+        return None
+    descs = tuple((j, i, meta) for (j, i), meta in zip(desc_args, metas))
+    return launch, cooperative, pdl, descs[::-1], make, {}
 
 
 def _getter(positions: tuple):

@@ -55,9 +55,17 @@ def cdiv(a, b):
 
 def tma_layouts(*tensors):
     """Whether these tensors' layouts meet TMA's rules: non-empty, 16-byte aligned base and strides
-    (none 0: an expanded tensor goes through pointers), unit last stride."""
-    return all(t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    (none 0: an expanded tensor goes through pointers), unit last stride. (Loops, not generators: a
+    decoding step asks this every call.)"""
+    for t in tensors:
+        strides = t.stride()
+        if strides[-1] != 1 or t.data_ptr() % 16 or not t.numel():
+            return False
+        size = t.element_size()
+        for s in strides[:-1]:
+            if s <= 0 or s * size % 16:
+                return False
+    return True
 _WS_DEVICES = {}
 
 
@@ -476,21 +484,30 @@ def wsd_ready(q, k_cache, v_cache, out):
     pages, _, H_KV, _ = k_cache.shape
     if not q.is_cuda or (H // H_KV) * N_Q > WSD_SHAPE["ROWS"] or q.stride(3) != 1 or out.stride(3) != 1:
         return False
-    if pages * PAGE_SIZE >= 2 ** 31 or any(t.stride(2) != HEAD_DIM or t.stride(0) != PAGE_SIZE * t.stride(1)
-                                           for t in (k_cache, v_cache)):
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    if (pages * PAGE_SIZE >= 2 ** 31 or k_strides[2] != HEAD_DIM or k_strides[0] != PAGE_SIZE * k_strides[1]
+            or v_strides[2] != HEAD_DIM or v_strides[0] != PAGE_SIZE * v_strides[1]):
         return False
     return _ws_hopper(q.device) and tma_layouts(k_cache, v_cache)
+
+
+def _wsd_descriptor(pool):
+    """The TMA descriptor of a page pool as (pages x PAGE_SIZE, H_KV x HEAD_DIM) rows read in _WSD_BOX
+    boxes. Filled in without the descriptor's constructor, whose checks (a 16-byte aligned base, 16-byte
+    aligned row stride, unit last stride, positive sizes) `wsd_ready` has made; they cost ~3 us a call."""
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.__dict__.update(base=pool, shape=[pool.shape[0] * PAGE_SIZE, pool.shape[2] * HEAD_DIM],
+                         strides=[pool.stride(1), 1], block_shape=_WSD_BOX, layout=_WSD_LAYOUT, padding="zero")
+    return desc
 
 
 def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_table, sm_scale):
     """Launch `attn_fwd_wsd` on q (B, H, N_Q, D), the page pools, o_part (B, SPLITS, H, N_Q, D) and lse_part
     (B, SPLITS, H, N_Q); check `wsd_ready` first."""
     B, H, N_Q, _ = q.shape
-    pages, _, H_KV, _ = k_cache.shape
-    k_desc, v_desc = (GluonTensorDescriptor(t, [pages * PAGE_SIZE, H_KV * HEAD_DIM], [t.stride(1), 1], _WSD_BOX,
-                                            _WSD_LAYOUT) for t in (k_cache, v_cache))
+    H_KV = k_cache.shape[2]
     attn_fwd_wsd[(o_part.shape[1], H_KV, B)](
-        q, o_part, lse_part, seqlens, block_table, k_desc, v_desc, N_Q, H // H_KV, o_part.shape[1],
+        q, o_part, lse_part, seqlens, block_table, _wsd_descriptor(k_cache), _wsd_descriptor(v_cache), N_Q, H // H_KV, o_part.shape[1],
         q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), seqlens.stride(0),
         *block_table.stride(), sm_scale, ROWS=WSD_SHAPE["ROWS"], BLOCK_N=WSD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WSD_SHAPE["STAGES"], PAGE=PAGE_SIZE, CAUSAL=WSD_CAUSAL, LOADER_REGS=WSD_SHAPE["loader_regs"],

@@ -53,9 +53,17 @@ def cdiv(a, b):
 
 def tma_layouts(*tensors):
     """Whether these tensors' layouts meet TMA's rules: non-empty, 16-byte aligned base and strides
-    (none 0: an expanded tensor goes through pointers), unit last stride."""
-    return all(t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    (none 0: an expanded tensor goes through pointers), unit last stride. (Loops, not generators: a
+    decoding step asks this every call.)"""
+    for t in tensors:
+        strides = t.stride()
+        if strides[-1] != 1 or t.data_ptr() % 16 or not t.numel():
+            return False
+        size = t.element_size()
+        for s in strides[:-1]:
+            if s <= 0 or s * size % 16:
+                return False
+    return True
 _WS_DEVICES = {}
 
 

@@ -229,3 +229,121 @@ def test_gluon_descriptors_are_keyed_by_all_but_their_address():
     for other in others:
         assert fast.signature((t, other, 3), {})[0] != key
     assert not fast._cacheable((t, 5, 3))  # a scalar where the first call had a descriptor: Triton's path
+
+
+class _FakeLauncher:
+    """Triton 3.6's CudaLauncher around a recording C launcher: `launch` is Triton's own
+    `wrap_handle_tensordesc`, which expands each descriptor through `make_tensordesc_arg` per launch."""
+
+    def __init__(self, log, signature, metas, scratch=0):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        self.launch = wrap_handle_tensordesc(lambda *args: log.append(("C", args)), signature, metas)
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # as CudaLauncher.__call__ (no scratch)
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                    *args)
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch, scratch):
+    """A cached Gluon launch hands the C launcher exactly what Triton's launcher would, but encodes a
+    descriptor's tensor map only for a base address or layout it has not seen (Triton: every launch).
+    A launcher that needs scratch memory keeps Triton's path."""
+    import triton.backends.nvidia.driver as driver
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    made = []
+
+    def make_tensordesc_arg(arg, meta):  # the driver call Triton makes per descriptor and launch
+        made.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), meta["swizzle"]), *arg.shape,
+                *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", make_tensordesc_arg)
+    log = []
+    signature = {0: "*bf16", 1: "i32", 2: "tensordesc<bf16[16, 128]>", 3: "*fp32", 4: "tensordesc<bf16[16, 128]>",
+                 5: "constexpr"}
+    launcher = _FakeLauncher(log, signature, [{"swizzle": 128}, {"swizzle": 64}], scratch)
+    fn = _FakeJIT(["X", "n", "K", "Y", "V", "BLOCK"], constexprs=("BLOCK",))
+
+    def triton_path(grid):  # Triton's launch: compile (here: a compiled kernel around `launcher`), launch
+        def run(*args, **kwargs):
+            compiled = SimpleNamespace(run=launcher, function="fn", packed_metadata="meta")
+            fn.log.append(("triton",))
+            launcher(*grid, 1, 1234, "fn", "meta", None, None, None, *args, kwargs["BLOCK"])
+            return compiled
+        return run
+
+    fn.__class__ = type("_FakeGluonJIT", (_FakeJIT,), {"__getitem__": lambda self, grid: triton_path(grid)})
+    fast = FastJIT(fn)
+    layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+    k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+
+    def desc(t, rows=64):
+        return TensorDescriptor(t, [rows, 256], [256, 1], [16, 128], layout)
+
+    def as_ptrs(args):
+        return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+    x, x2, y = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
+    built, paths = [], []
+    for args in ((x, 5, desc(k), y, desc(v)), (x, 5, desc(k), y, desc(v)), (x2, 5, desc(k), y, desc(v)),
+                 (x, 5, desc(v), y, desc(k)), (x, 5, desc(k, rows=32), y, desc(v)),
+                 (x, 5, desc(k, rows=32), y, desc(v)), (x, 5, desc(k, rows=32), y, desc(v))):
+        before = len(made)
+        fast[(3, 2)](*args, BLOCK=16)
+        built.append(len(made) - before)
+        paths.append(fn.log[-1][0] if fn.log else "cached")
+        got = as_ptrs(log[-1][1])
+        launcher(3, 2, 1, 1234, "fn", "meta", None, None, None, *args, 16)  # Triton's launcher, same arguments
+        assert got == as_ptrs(log[-1][1])
+        fn.log.clear()
+    # Triton's path where the signature is new (the first call, a new shape), two maps per launch
+    if scratch:
+        assert paths == ["triton", "cached", "cached", "cached", "triton", "cached", "cached"] and built == [2] * 7
+    else:
+        # each map once per (argument, address, layout): none for another x; K and V swapped: new to each
+        # argument; a new shape: Triton's path, then maps of its own binary's
+        assert paths == ["triton", "cached", "cached", "cached", "triton", "cached", "cached"]
+        assert built == [2, 2, 0, 2, 2, 2, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_GPU and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the Gluon decode kernel runs on sm_90 only")
+def test_kept_tensor_maps_read_the_pool_they_were_built_for():
+    """On Hopper: paged decoding through the Gluon kernel, its tensor maps kept by FastJIT, over three
+    pools of one layout (each map is built for its pool's address) and a freed pool's address taken
+    by a new one; bit-identical to Triton's own launch path, which encodes every map afresh."""
+    import attngen
+
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    q = torch.randn(3, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    lens = torch.tensor([700, 1, 333], device=DEVICE, dtype=torch.int32)
+    table = torch.randperm(3 * 48, device=DEVICE, generator=gen).view(3, 48).int()
+
+    def pool():
+        return torch.randn(3 * 48, 16, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+
+    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, 16))
+    fast = kernel.module.attn_fwd_wsd
+    assert isinstance(fast, FastJIT)
+    pools = [(pool(), pool()) for _ in range(3)]
+    outs = [attngen.attention_with_kvcache(q, k, v, lens, table) for _ in range(2) for k, v in pools]
+    assert any(entry[2] is not None for entry in fast._cache.values())  # the launches kept their maps
+    del pools[1]
+    pools.insert(1, (pool(), pool()))  # a new pool, likely at the freed one's address
+    outs[1] = outs[4] = attngen.attention_with_kvcache(q, *pools[1], lens, table)
+    outs[4] = attngen.attention_with_kvcache(q, *pools[1], lens, table)
+    kernel.module.attn_fwd_wsd = fast.fn  # Triton's own path
+    try:
+        plain = [attngen.attention_with_kvcache(q, k, v, lens, table) for k, v in pools]
+    finally:
+        kernel.module.attn_fwd_wsd = fast
+    for i in range(6):
+        assert torch.equal(outs[i], plain[i % 3]), i
+    assert not torch.equal(plain[0], plain[1])

@@ -372,6 +372,30 @@ def test_without_hopper_paged_decoding_runs_the_triton_kernel():
     assert not called and not out.isnan().any()
 
 
+@pytest.mark.parametrize("dtype, head_dim, page_size", [("bf16", 128, 16), ("fp16", 64, 256), ("bf16", 64, 32)])
+def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_dim, page_size):
+    """`_wsd_descriptor` skips TensorDescriptor's constructor (its checks are `wsd_ready`'s): on every pool
+    layout the readiness rules accept (dense pools, a pool cut out of a larger one, slots padded out), it
+    holds the same fields as the constructor's descriptor, which accepts them."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from attngen.decode import kvcache_spec
+
+    module = attngen.load(kvcache_spec(dtype, head_dim, True, page_size)).module
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dense = torch.empty(7, page_size, 2, head_dim, dtype=torch_dtype)
+    big = torch.empty(9, page_size, 2, head_dim, dtype=torch_dtype)
+    padded = torch.empty(5, page_size, 3, head_dim, dtype=torch_dtype)[:, :, :2]  # slots of 3 heads, 2 used
+    for pool in (dense, big[2:], padded):
+        fast = module._wsd_descriptor(pool)
+        checked = TensorDescriptor(pool, [pool.shape[0] * page_size, 2 * head_dim], [pool.stride(1), 1],
+                                   module._WSD_BOX, module._WSD_LAYOUT)
+        assert vars(fast).keys() == vars(checked).keys()
+        for name, value in vars(checked).items():
+            assert getattr(fast, name) is value if name == "base" else getattr(fast, name) == value, name
+        TensorDescriptor(**vars(fast))  # the constructor's checks pass
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode runs on sm_90 only")
 @pytest.mark.parametrize("dtype, head_dim, causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False),
