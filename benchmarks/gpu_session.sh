@@ -28,7 +28,8 @@ for stage in "$@"; do
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/" ;;
     tunedecode)
       # decode kernels take microseconds: search BLOCK_N x stages x every split count, not the 10 nearest
-      timeout 240 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 64 \
+      # (72: the paged spec adds the Gluon kernel at each split count on Hopper)
+      timeout 300 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 72 \
         --values block_n=64,128 num_warps=4 num_stages=3,4,5,6 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       timeout 60 $TUNE specs/prefill_paged64_d128.attn --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"

@@ -188,6 +188,57 @@ def test_a_tuned_split_count_serves_its_own_bucket_and_the_heuristic_the_rest(mo
         assert (out.double() - ref).abs().max().item() < 5e-3
 
 
+def test_specs_with_the_gluon_decode_tune_which_kernel_runs(monkeypatch):
+    """A paged spec with the Gluon decode kernel searches `warp_specialized`. Where the Gluon kernel does not
+    run (here), 1 is the Triton kernel and collapses into 0. Where it runs, its candidates are one per split
+    count (fixed tiles; the Triton keys at the default's), and a bucket won by it stores 1, which reaches
+    forward_kvcache for that bucket only (elsewhere the default: the Gluon kernel where it runs)."""
+    kernel = attngen.load(kvcache_spec("fp16", 64, True, 16))  # head dims 64 and 128 have the Gluon kernel
+    part = kernel.tuner("kvcache")
+    assert part.tuning_space()["warp_specialized"] == (0, 1)
+    assert part.tuning_default()["warp_specialized"] == int(part.gluon_runs_here())
+    assert "warp_specialized" not in decode_kernel().tuner("kvcache").tuning_space()  # contiguous: no Gluon kernel
+    values = dict(DECODE, block_n=(16, 32), num_splits=(0, 2))
+    shape = Shape(2, 4, 2, 1, 64)
+    if not part.gluon_runs_here():
+        outcome = tune(part, [shape], values=values, budget=10)
+        assert sorted((t.config["BLOCK_N"], t.config["num_splits"], t.config["warp_specialized"])
+                      for t in outcome.trials) == [(16, 0, 0), (16, 2, 0), (32, 0, 0), (32, 2, 0)]
+        assert "run as another candidate does: 4 of 8" in format_outcome(outcome)
+
+    monkeypatch.setattr(part, "gluon_runs_here", lambda: True)  # as on an sm_90 GPU
+    default = part.tuning_default()
+    assert default["warp_specialized"] == 1
+    seen, timer = order(lambda config: config["warp_specialized"] and config["num_splits"] == 2)
+    monkeypatch.setattr(part, "tuning_run", spy(part, seen))
+    asked, real = [], kernel.module.forward_kvcache
+    monkeypatch.setattr(kernel.module, "forward_kvcache", lambda *a: asked.append(a[9]["warp_specialized"]) or real(*a))
+    outcome = tune(part, [shape], values=values, timer=timer, budget=10)
+    gluon = [t.config for t in outcome.trials if t.config["warp_specialized"]]
+    assert len(outcome.trials) == 4 + 2 and sorted(c["num_splits"] for c in gluon) == [0, 2]
+    assert "run as another candidate does: 2 of 8" in format_outcome(outcome)
+    assert "pruned before compiling: 0 of 8" in format_outcome(outcome)
+    assert all(c[k] == default[k] for c in gluon for k in ("BLOCK_N", "num_warps", "num_stages"))
+    assert set(asked) == {False, True}  # each candidate asks for its kernel (here the Triton one runs both)
+    winner = outcome.best[0].trial.config
+    assert winner["warp_specialized"] == 1 and winner["num_splits"] == 2
+    save(outcome)
+    monkeypatch.undo()
+
+    configs = []
+    real = kernel.module.forward_kvcache
+    monkeypatch.setattr(kernel.module, "forward_kvcache", lambda *a: configs.append(dict(a[9])) or real(*a))
+    for batch in (2, 8):  # the tuned bucket; another, served by the nearest bucket's tiles only
+        q = rand(batch, 1, 4, 64)
+        k, v = rand(batch * 4 + 3, 16, 2, 64), rand(batch * 4 + 3, 16, 2, 64)
+        table = torch.randperm(batch * 4 + 3, dtype=torch.int32, device=DEVICE)[: batch * 4].view(batch, 4)
+        lens = torch.randint(1, 65, (batch,), dtype=torch.int32, device=DEVICE)
+        out = attngen.attention_with_kvcache(q, k, v, lens, table, causal=True)
+        ref, _ = reference.kvcache_attention(q, k, v, lens, table, causal=True)
+        assert (out.double() - ref).abs().max().item() < 5e-3
+    assert configs[0]["warp_specialized"] == 1 and "warp_specialized" not in configs[1]
+
+
 def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
     part = decode_kernel(16).tuner("kvcache")
     real = part.tuning_run

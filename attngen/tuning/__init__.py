@@ -52,6 +52,9 @@ objects for each launch of a spec: itself, `backward.BackwardPart` x 2, or
         Bytes one call must read, for a memory-bound kernel (decoding): reports show GB/s.
     tuning_graph: bool   (optional)
         True: time CUDA-graph replays of `tuning_run` (a kernel shorter than its Python launch).
+    tuning_canonical(config) -> dict   (optional)
+        The config as it runs: candidates with one canonical form are tried once (a decode kernel's
+        Gluon candidates, whose tiles are fixed, differ by split count only).
 
 At run time, the kernel's launch path calls `launch_config(kernel, shape, device_index)` (or
 `launch_choice`, which also says whether the entry was tuned for this very bucket); a kind whose

@@ -13,6 +13,11 @@ A spec with `split_kv` other than 1 or a paged `kv_layout` generates `forward_kv
     call served by the nearest bucket's entry takes the heuristic instead.
   * the inputs are realistic: sequence lengths spread from the cache's capacity down to half of
     it, and for a paged cache a shuffled block table over a pool with spare pages.
+  * a spec with the Gluon decode kernel (pass warp-specialize-decode) has a key `warp_specialized`:
+    1 runs the Gluon kernel (fixed tiles: one candidate per split count, `tuning_canonical`), 0 the
+    Triton kernel. A bucket's entry thus says which kernel runs, and at which split count; on GPUs
+    without the Gluon kernel 1 is the same as 0. Calls in other buckets take the default (the Gluon
+    kernel where it runs).
 
 Speeds are reported in GB/s of K/V read (`tuning_bytes`), as decoding is memory bound, and timed as
 CUDA-graph replays (`tuning_graph`): at batch 1 a step takes tens of microseconds, less than the
@@ -85,6 +90,8 @@ class KVCacheKernel:
         config = dict(found, BLOCK_M=self.block_m(shape))
         if not exact and "num_splits" in config:
             config["num_splits"] = 0
+        if not exact:  # which kernel won is the tuned bucket's finding too: elsewhere the default's
+            config.pop("warp_specialized", None)
         if not self._fit(config):
             config = dict(self.tuning_default(), BLOCK_M=config["BLOCK_M"])
         return config
@@ -111,11 +118,24 @@ class KVCacheKernel:
     def tuning_problem(self) -> str:
         return problem_text(self.spec, "kvcache", ignore=("direction",))
 
+    def has_gluon(self) -> bool:
+        """Whether the spec has the Gluon decode kernel (pass warp-specialize-decode)."""
+        return hasattr(self.kernel.module, "WSD_SHAPE")
+
+    def gluon_runs_here(self) -> bool:
+        """Whether this process can run it: compiled mode on an sm_90 GPU."""
+        from ..runtime import interpreting
+
+        return (self.has_gluon() and not interpreting() and torch.cuda.is_available()
+                and torch.cuda.get_device_capability() == (9, 0))
+
     def tuning_space(self) -> dict:
         space = {key: configs.DECODE_SPACE[key] if getattr(self.spec, field) is None else (getattr(self.spec, field),)
                  for key, field in (("BLOCK_N", "block_n"), ("num_warps", "num_warps"), ("num_stages", "num_stages"))}
         if self.spec.split_kv is None:
             space["num_splits"] = configs.DECODE_SPACE["num_splits"]
+        if self.has_gluon():
+            space["warp_specialized"] = (0, 1)
         return space
 
     def tuning_default(self) -> dict:
@@ -125,7 +145,21 @@ class KVCacheKernel:
         del config["BLOCK_M"]
         if self.spec.split_kv is None:
             config["num_splits"] = 0
+        if self.has_gluon():  # untuned calls take the Gluon kernel where it runs
+            config["warp_specialized"] = int(self.gluon_runs_here())
         return config
+
+    def tuning_canonical(self, config: dict) -> dict:
+        """The config as it runs: with warp_specialized = 1 the Gluon kernel runs, whose tiles are fixed,
+        so the Triton keys take the default's (what the Triton kernel runs where the Gluon one does not:
+        more query rows per K/V head, pools TMA cannot read) and candidates differ by split count only;
+        where the Gluon kernel does not run, warp_specialized = 1 is the Triton kernel, as 0."""
+        if not config.get("warp_specialized"):
+            return config
+        if not self.gluon_runs_here():
+            return dict(config, warp_specialized=0)
+        default = self.tuning_default()
+        return dict(config, **{key: default[key] for key in ("BLOCK_N", "num_warps", "num_stages")})
 
     def tuning_infeasible(self, config: dict, target) -> str | None:
         from ..resources import infeasible
@@ -136,7 +170,7 @@ class KVCacheKernel:
         if page_tile is not None and config["BLOCK_N"] > page_tile:
             return (f"block_n={config['BLOCK_N']} crosses a page: pages of {page_tile} tokens are looked up "
                     "once per key tile, so block_n must not exceed the page size")
-        tiles = {k: v for k, v in config.items() if k != "num_splits"}
+        tiles = {k: v for k, v in config.items() if k not in ("num_splits", "warp_specialized")}
         return infeasible(self.spec, dict(tiles, BLOCK_M=self.spec.block_m or 16), target)
 
     def tuning_inputs(self, shape: Shape, device, generator) -> dict:
@@ -171,8 +205,8 @@ class KVCacheKernel:
         paged = x["table"] is not None
         k4, v4 = (x["k"], x["v"]) if paged else (x["k"].transpose(1, 2), x["v"].transpose(1, 2))
         config = dict(config, BLOCK_M=self.block_m(x["shape"]))
-        if hasattr(self.kernel.module, "WSD_SHAPE"):  # the tuner tunes the Triton kernel; the Gluon one has a fixed shape
-            config["warp_specialized"] = False
+        if self.has_gluon():  # the Gluon kernel only where the candidate asks for it
+            config["warp_specialized"] = bool(config.get("warp_specialized", 0))
         return self.launch(x["q"].transpose(1, 2), k4, v4, x["lens"], x["table"], self.spec.softmax_scale,
                            x["out"].transpose(1, 2), x["lse"], config)
 

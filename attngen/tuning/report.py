@@ -44,7 +44,10 @@ def format_outcome(outcome) -> str:
                      f"(fixed: {describe({k: v[0] for k, v in outcome.space.items() if len(v) == 1}) or 'none'})")
     else:
         lines.append(f"  nothing to search: the spec fixes every tile key ({describe({k: v[0] for k, v in outcome.space.items()})})")
-    n_pruned = total - outcome.feasible
+    if outcome.merged:
+        lines.append(f"  run as another candidate does: {outcome.merged} of {total} (e.g. the Gluon decode kernel's "
+                     "fixed tiles), each tried once")
+    n_pruned = total - outcome.merged - outcome.feasible
     lines.append(f"  pruned before compiling: {n_pruned} of {total} by the resource model")
     for group in outcome.pruned:
         lines.append(f"    {len(group.configs):4d}  {group.reason}")

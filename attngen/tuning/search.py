@@ -71,6 +71,7 @@ class Outcome:
     missing: list         # Shapes no candidate passed at
     timing: str
     seconds: float
+    merged: int = 0       # candidates that run as another one (`tuning_canonical`), tried once
 
     @property
     def ok(self) -> bool:
@@ -157,7 +158,12 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     if budget is None:
         budget = DEFAULT_BUDGET if cuda else INTERPRETER_BUDGET
     space = space_.restrict(kernel.tuning_space(), values)
-    feasible, pruned = space_.prune(kernel, space_.candidates(space), target)
+    candidates = space_.candidates(space)
+    canonical = getattr(kernel, "tuning_canonical", None)
+    total = len(candidates)
+    if canonical is not None:  # candidates that run alike are tried once
+        candidates = list({tuple(sorted(c.items())): c for c in map(canonical, candidates)}.values())
+    feasible, pruned = space_.prune(kernel, candidates, target)
     default = kernel.tuning_default()
     tried = space_.within_budget(feasible, default, budget)
     buckets = _unique_buckets(shapes)
@@ -194,7 +200,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
     return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space,
-                   pruned, len(feasible), trials, best, missing, timing, time.perf_counter() - started)
+                   pruned, len(feasible), trials, best, missing, timing, time.perf_counter() - started,
+                   total - len(candidates))
 
 
 def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, timer) -> None:
