@@ -19,9 +19,10 @@ the device and Triton's debug flag. Gluon kernels' host-side TMA descriptors cou
 all they hold but the base's address (its dtype and alignment, shape, strides, block shape, layout);
 a cached launch keeps each descriptor's tensor map under that key and the base's address, where
 Triton's launcher would encode it again (a driver call) every launch. A decoding step repeats the
-same strides and sizes, so it hits; a new sequence length takes Triton's path once. Anything else (a tensor where the first call had a
-scalar or the reverse, a value that is not a plain int, float, bool or None, a launch hook installed,
-e.g. by a profiler, a grid that is a function) takes Triton's own path every time.
+same strides and sizes, so it hits; a new sequence length takes Triton's path once. Anything else
+(a tensor where the first call had a scalar or the reverse, a value that is not a plain int, float,
+bool or None, a launch hook installed, e.g. by a profiler, a grid that is a function) takes
+Triton's own path every time.
 `ATTNGEN_FAST_LAUNCH=0` turns the short path off (read when a module is imported).
 """
 
@@ -138,7 +139,7 @@ class FastJIT:
                     return compiled
                 if len(self._cache) > 1024:
                     self._cache.clear()
-                plan = _tma_plan(compiled, self._desc_args) if self._desc_pos else None
+                plan = _tma_plan(compiled, self._desc_args) if self._desc_args else None
                 self._cache[(device, knobs.runtime.debug, key)] = (compiled, tail, plan)
             return compiled
         compiled, tail, plan = hit
@@ -158,7 +159,6 @@ class FastJIT:
         compiled.run(grid[0], grid_1, grid_2, _raw_stream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *launch_args, *tail)
         return compiled
-
 
     def _launch_tma(self, grid, args, values, ptrs, device, compiled, tail, plan) -> None:
         """Launch a Gluon kernel straight through its C launcher, each descriptor's tensor map built once per

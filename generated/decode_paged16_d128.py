@@ -507,7 +507,8 @@ def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_ta
     B, H, N_Q, _ = q.shape
     H_KV = k_cache.shape[2]
     attn_fwd_wsd[(o_part.shape[1], H_KV, B)](
-        q, o_part, lse_part, seqlens, block_table, _wsd_descriptor(k_cache), _wsd_descriptor(v_cache), N_Q, H // H_KV, o_part.shape[1],
+        q, o_part, lse_part, seqlens, block_table, _wsd_descriptor(k_cache), _wsd_descriptor(v_cache), N_Q,
+        H // H_KV, o_part.shape[1],
         q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), seqlens.stride(0),
         *block_table.stride(), sm_scale, ROWS=WSD_SHAPE["ROWS"], BLOCK_N=WSD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WSD_SHAPE["STAGES"], PAGE=PAGE_SIZE, CAUSAL=WSD_CAUSAL, LOADER_REGS=WSD_SHAPE["loader_regs"],
