@@ -29,11 +29,11 @@ for stage in "$@"; do
     tunedecode)
       # decode kernels take microseconds: search BLOCK_N x stages x every split count, not the 10 nearest
       # (72: the paged spec adds the Gluon kernel at each split count on Hopper)
-      timeout 300 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 72 \
+      timeout 420 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 72 \
         --values block_n=64,128 num_warps=4 num_stages=3,4,5,6 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
-      timeout 60 $TUNE specs/prefill_paged64_d128.attn --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      timeout 120 $TUNE specs/prefill_paged64_d128.attn --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
-      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-160 | tail -30 ;;
+      grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-230 | tail -40 ;;
     tunebackward)
       timeout 60 $TUNE specs/train_d128.attn --kind forward --seqlens 4096 16384 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       timeout 330 $TUNE --max-configs 8 specs/train_causal_d64.attn specs/train_gqa_d128.attn specs/train_d128.attn \

@@ -239,6 +239,48 @@ def test_specs_with_the_gluon_decode_tune_which_kernel_runs(monkeypatch):
     assert configs[0]["warp_specialized"] == 1 and "warp_specialized" not in configs[1]
 
 
+def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(monkeypatch):
+    """Each decode candidate runs on the spread lengths and again with every sequence at capacity, is
+    checked on both, and the bucket keeps the config whose worst ratio to the fastest on either is least:
+    not the fastest on the spread lengths when it is far behind at capacity. A candidate wrong only at
+    capacity is rejected."""
+    part = decode_kernel().tuner("kvcache")
+    shape = Shape(2, 4, 2, 1, 96)
+    real = part.tuning_run
+    runs = []
+
+    def run(inputs, config, poison=False):
+        full = bool((inputs["lens"] == shape.n_k).all())
+        runs.append((config["num_splits"], full))
+        out, lse = real(inputs, config, poison=poison)
+        if full and config["num_splits"] == 3:
+            out[1] *= 1.01  # wrong at capacity only
+        return out, lse
+
+    # (spread, at capacity) medians: 1 split is fastest on spread lengths but 30% behind at capacity
+    times = {0: (1.2, 1.2), 1: (1.0, 1.3), 2: (1.05, 1.0), 3: (0.5, 0.5)}
+
+    def timer(fn, rep_ms, cuda):
+        fn()
+        splits, full = runs[-1]
+        return times[splits][full]
+
+    monkeypatch.setattr(part, "tuning_run", run)
+    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1, 2, 3)), timer=timer)
+    assert {(s, f) for s, f in runs} == {(s, f) for s in (0, 1, 2, 3) for f in (False, True)}
+    (rejected,) = [t for t in outcome.trials if t.status == "rejected"]
+    assert rejected.config["num_splits"] == 3
+    (best,) = outcome.best
+    assert best.trial.config["num_splits"] == 2 and best.ms == 1.05
+    assert best.also == {"at capacity": (1.0, 1.0)}
+    report = format_outcome(outcome)
+    assert "also timed at capacity" in report and "1.0000 (1.00)" in report
+    ((_, entry),) = outcome.records()
+    assert entry["also"] == {"at capacity": {"ms": 1.0, "best_ms": 1.0}} and entry["ms"] == 1.05
+    save(outcome)  # a stored entry with the extra timings serves calls
+    assert part.config(shape, 0)["num_splits"] == 2
+
+
 def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
     part = decode_kernel(16).tuner("kvcache")
     real = part.tuning_run

@@ -60,14 +60,20 @@ def format_outcome(outcome) -> str:
         if trial.status != "ok":
             lines.append(f"    {trial.status} {describe(trial.config)}: {trial.reason}")
     bandwidth = any(b.gbps is not None for b in outcome.best)
-    rows = [["shape", "best config", "median ms", "GB/s" if bandwidth else "TFLOP/s", "rel err", "vs default"]]
+    also = list(dict.fromkeys(name for b in outcome.best for name in b.also))
+    if also:
+        lines.append(f"  each candidate also timed {' and '.join(also)}: the best config is the one whose worst "
+                     "ratio to the fastest candidate on any of the inputs is least")
+    rows = [["shape", "best config", "median ms", "GB/s" if bandwidth else "TFLOP/s", "rel err", "vs default"]
+            + [f"{name}: ms (of fastest)" for name in also]]
     for b in outcome.best:
         speedup = f"{b.default_ms / b.ms:.2f}x" if b.default_ms and b.ms > 0 else "-"
         rate = f"{b.gbps:.0f}" if bandwidth else f"{b.tflops:.1f}"
         rows.append([f"{b.shape} ({b.bucket})", describe(b.trial.config), f"{b.ms:.4f}", rate,
-                     f"{b.trial.rel[b.bucket]:.1e}", speedup])
+                     f"{b.trial.rel[b.bucket]:.1e}", speedup]
+                    + [f"{b.also[n][0]:.4f} ({b.also[n][1] / b.also[n][0]:.2f})" if n in b.also else "-" for n in also])
     for shape in outcome.missing:
-        rows.append([str(shape), "no candidate passed", "-", "-", "-", "-"])
+        rows.append([str(shape), "no candidate passed", "-", "-", "-", "-"] + ["-"] * len(also))
     lines += _table(rows)
     lines.append(f"  timings: {outcome.timing}; {outcome.seconds:.1f} s in all")
     return "\n".join(lines)

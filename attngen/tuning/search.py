@@ -10,7 +10,11 @@ candidate (`kernel.tuning_inputs`):
      for kernels that ask for it with `tuning_graph = True`: decoding); in Triton's
      interpreter, which has no CUDA events, a wall-clock median (meaningless as a speed, and the
      report says so; the path, the gate and the cache are the real ones).
-The best config per bucket is the passing candidate with the lowest median.
+The best config per bucket is the passing candidate with the lowest median. A kernel may also name
+further inputs per bucket (`kernel.tuning_variants(inputs)`: decoding times every candidate on a batch
+of spread lengths and again with every sequence at capacity); each candidate is then validated and timed
+on each, and the best is the one whose worst ratio to the fastest candidate on any of them is least
+(a config tuned on one length mix alone can cost 5% on the other), ties to the lower first median.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ class Trial:
     config: dict
     status: str = "ok"
     reason: str = ""
-    ms: dict = field(default_factory=dict)    # bucket -> median milliseconds
-    rel: dict = field(default_factory=dict)   # bucket -> relative error against float64
+    ms: dict = field(default_factory=dict)    # bucket -> median milliseconds (on the bucket's first inputs)
+    rel: dict = field(default_factory=dict)   # bucket -> relative error against float64 (worst of its inputs)
+    also: dict = field(default_factory=dict)  # bucket -> {name: median ms} on the kernel's further inputs
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Best:
     tflops: float
     default_ms: float | None  # the untuned default's median on the same inputs, if it was tried
     gbps: float | None = None  # for kernels that report bytes read (decoding): GB/s
+    also: dict = field(default_factory=dict)  # further inputs' name -> (this config's ms, the fastest's ms)
 
     @property
     def ms(self) -> float:
@@ -89,6 +95,8 @@ class Outcome:
                 "config": dict(b.trial.config), "ms": round(b.ms, 5), "tflops": round(b.tflops, 2),
                 **({} if b.gbps is None else {"gbps": round(b.gbps, 1)}),
                 "rel_err": float(f"{b.trial.rel[b.bucket]:.3g}"),
+                **({"also": {name: {"ms": round(ms, 5), "best_ms": round(fastest, 5)}
+                             for name, (ms, fastest) in b.also.items()}} if b.also else {}),
                 "default_ms": None if b.default_ms is None else round(b.default_ms, 5),
                 "shape": b.shape.as_dict(), "tried": len(self.trials),
                 "pruned": sum(len(g.configs) for g in self.pruned), "failed": self.count("failed"),
@@ -170,6 +178,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
 
     generator = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed)
     inputs = {b: kernel.tuning_inputs(s, "cuda" if cuda else "cpu", generator) for b, s in buckets}
+    variants = getattr(kernel, "tuning_variants", lambda x: [])
+    inputs = {b: [("", x)] + list(variants(x)) for b, x in inputs.items()}
     trials, steps = [], len(tried) * len(buckets)
     for i, config in enumerate(tried):
         trial = Trial(dict(config))
@@ -190,12 +200,13 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
         if not passed:
             missing.append(shape)
             continue
-        winner = min(passed, key=lambda t: t.ms[b])
+        winner, fastest = choose(passed, b)
         seconds = max(winner.ms[b] * 1e-3, 1e-12)
         moved = getattr(kernel, "tuning_bytes", lambda shape: None)(shape)  # bytes, for memory-bound kernels
         gbps = None if moved is None else moved / seconds / 1e9
         best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / seconds / 1e12,
-                         default_trial.ms[b] if default_trial else None, gbps))
+                         default_trial.ms[b] if default_trial else None, gbps,
+                         {name: (winner.also[b][name], ms) for name, ms in fastest.items()}))
     timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement)" if cuda else
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
@@ -204,8 +215,32 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
                    total - len(candidates))
 
 
-def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, timer) -> None:
-    """Run (compiling on first use), validate, then time one candidate at one bucket."""
+def choose(passed: list, b: str) -> tuple[Trial, dict]:
+    """The best of the passing trials at bucket b, and the fastest median on each further input there:
+    with further inputs, the trial whose worst ratio to the fastest on any input is least (ties: the
+    lower median on the first inputs); else the lowest median."""
+    names = list(passed[0].also.get(b, {}))
+    if not names:
+        return min(passed, key=lambda t: t.ms[b]), {}
+    first = min(t.ms[b] for t in passed)
+    fastest = {name: min(t.also[b][name] for t in passed) for name in names}
+
+    def worst(t: Trial) -> float:
+        return max([t.ms[b] / first] + [t.also[b][name] / fastest[name] for name in names])
+
+    return min(passed, key=lambda t: (worst(t), t.ms[b])), fastest
+
+
+def _measure(kernel, trial: Trial, b: str, runs: list, rep_ms: int, cuda: bool, timer) -> None:
+    """Run (compiling on first use), validate, then time one candidate at one bucket, on each of its
+    inputs (`runs`: (name, inputs) pairs, the first named "")."""
+    for name, inputs in runs:
+        _measure_one(kernel, trial, b, name, inputs, rep_ms, cuda, timer)
+        if trial.status != "ok":
+            return
+
+
+def _measure_one(kernel, trial: Trial, b: str, name: str, inputs, rep_ms: int, cuda: bool, timer) -> None:
     config = trial.config
     try:
         outputs = kernel.tuning_run(inputs, config, poison=True)
@@ -215,7 +250,7 @@ def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, time
         trial.status, trial.reason = "failed", _error(e)
         return
     result = kernel.tuning_check(inputs, outputs)
-    trial.rel[b] = result.rel
+    trial.rel[b] = max(trial.rel.get(b, 0.0), result.rel)
     if not result.ok:
         trial.status = "rejected"
         shown = format_result(result) if isinstance(result, Result) else str(result)
@@ -225,6 +260,10 @@ def _measure(kernel, trial: Trial, b: str, inputs, rep_ms: int, cuda: bool, time
         fn = lambda: kernel.tuning_run(inputs, config)  # noqa: E731
         if cuda and getattr(kernel, "tuning_graph", False):
             fn = graphed(fn)
-        trial.ms[b] = timer(fn, rep_ms, cuda)
+        ms = timer(fn, rep_ms, cuda)
+        if name:
+            trial.also.setdefault(b, {})[name] = ms
+        else:
+            trial.ms[b] = ms
     except Exception as e:  # noqa: BLE001
         trial.status, trial.reason = "failed", _error(e)

@@ -250,3 +250,37 @@ def bench_gluon_variants(variants: dict, cases, out_json: str, title: str, flex:
         if "error" in r:
             print(f"  d={r['head_dim']} causal={r['causal']} N={r['n']} {r['variant']}: {r['error']}")
     return rows
+
+
+def sm90_ptxas(fn, box, const: dict, ptrs: dict, num_warps: int = 4) -> str:
+    """Compile the Gluon kernel `fn` for sm_90 on this machine (no GPU needed) and run ptxas -v on it:
+    its shared memory and ptxas's register and spill lines. `box` is the [rows, cols] block of its
+    tensor descriptors (arguments named *desc, over a bf16 tensor), `const` its constexpr arguments,
+    `ptrs` {argument: type} its pointers ("*bf16"...); the rest are i32 but sm_scale (fp32)."""
+    import subprocess
+    import tempfile
+
+    import torch
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    base = torch.empty(256, 1024, dtype=torch.bfloat16)
+    desc = TensorDescriptor(base, list(base.shape), list(base.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+    d = native_specialize_impl(CUDABackend, desc, False, True, True)[0]
+    sig = {a: "constexpr" if a in const else ptrs.get(a, d if a.endswith("desc") else "fp32" if a == "sm_scale"
+                                                      else "i32") for a in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const,
+                         attrs={(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    lines = [ln.split("info    : ")[-1] for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return f"shared {compiled.metadata.shared} B; " + " | ".join(lines)

@@ -324,37 +324,15 @@ def check(cases, configs, strict=True) -> float:
 
 def compile_only() -> int:
     """sm_90 compiles of each variant on this machine (no GPU): shared memory, registers, spills."""
-    import subprocess
-    import tempfile
+    from common import sm90_ptxas
 
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    fn = gdecode_fwd
+    ptrs = {"Q": "*bf16", "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32", "BT": "*i32"}
     for paged, page, block_n, stages in ((False, 64, 64, 6), (False, 128, 128, 3), (True, 16, 64, 6),
                                          (True, 64, 64, 6), (True, 16, 128, 3)):
-        base = torch.empty(256, 1024, dtype=torch.bfloat16)
         box = [page if paged else block_n, 128]
-        desc = GluonTensorDescriptor(base, list(base.shape), list(base.stride()), box,
-                                     gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
-        d = native_specialize_impl(CUDABackend, desc, False, True, True)[0]
         const = dict(BLOCK_N=block_n, HEAD_DIM=128, STAGES=stages, PAGE=page, PAGED=paged)
-        ptrs = {"Q": "*bf16", "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32", "BT": "*i32"}
-        sig = {a: "constexpr" if a in const else ptrs.get(a, d if a.endswith("desc") else "fp32" if a == "sm_scale"
-                                                          else "i32") for a in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs=const,
-                             attrs={(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(compiled.asm["ptx"])
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
-        lines = [ln.split("info    : ")[-1] for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
-        print(f"paged={paged} page={page} BLOCK_N={block_n} STAGES={stages}: shared {compiled.metadata.shared} B; "
-              + " | ".join(lines))
+        print(f"paged={paged} page={page} BLOCK_N={block_n} STAGES={stages}: "
+              + sm90_ptxas(gdecode_fwd, box, const, ptrs))
     return 0
 
 
