@@ -14,7 +14,7 @@ The best config per bucket is the passing candidate with the lowest median. A ke
 further inputs per bucket (`kernel.tuning_variants(inputs)`: decoding times every candidate on a batch
 of spread lengths and again with every sequence at capacity); each candidate is then validated and timed
 on each, and the best is the one whose worst ratio to the fastest candidate on any of them is least
-(a config tuned on one length mix alone can cost 5% on the other), ties to the lower first median.
+(a config tuned on one length mix alone can cost 4-5% on the other), ties to the lower first median.
 """
 
 from __future__ import annotations
@@ -177,9 +177,11 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     buckets = _unique_buckets(shapes)
 
     generator = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed)
-    inputs = {b: kernel.tuning_inputs(s, "cuda" if cuda else "cpu", generator) for b, s in buckets}
     variants = getattr(kernel, "tuning_variants", lambda x: [])
-    inputs = {b: [("", x)] + list(variants(x)) for b, x in inputs.items()}
+    runs = {}  # bucket -> its (name, inputs) pairs: the kernel's inputs, named "", then its variants
+    for b, s in buckets:
+        x = kernel.tuning_inputs(s, "cuda" if cuda else "cpu", generator)
+        runs[b] = [("", x)] + list(variants(x))
     trials, steps = [], len(tried) * len(buckets)
     for i, config in enumerate(tried):
         trial = Trial(dict(config))
@@ -187,7 +189,7 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
         for j, (b, shape) in enumerate(buckets):
             if progress:
                 progress(i * len(buckets) + j, steps, f"{space_.describe(config)} at {shape}")
-            _measure(kernel, trial, b, inputs[b], rep_ms, cuda, timer)
+            _measure(kernel, trial, b, runs[b], rep_ms, cuda, timer)
             if trial.status != "ok":
                 break
     if progress:
