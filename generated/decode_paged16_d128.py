@@ -77,6 +77,19 @@ def _ws_hopper(device):
     return hopper
 
 
+def _gluon_desc(t, block, layout, shape=None, strides=None):
+    """The Gluon TMA descriptor of `t` (as `shape` / `strides` if given) read in `block` boxes, filled in
+    without the dataclass constructor: its checks (16-byte aligned base and strides, unit last stride,
+    positive sizes) are `tma_layouts`', which the kernels' readiness checks make (or the tensor is a fresh
+    contiguous allocation), and its block-shape check is the tests'. They cost 3-5 us a descriptor; a
+    backward call builds eight (benchmarks/NOTES.md v16)."""
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape) if shape is None else shape,
+                         strides=list(t.stride()) if strides is None else strides, block_shape=block, layout=layout,
+                         padding="zero")
+    return desc
+
+
 def tma_readable(*tensors):
     """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
     interpreter emulates it) and `tma_layouts`."""
@@ -493,12 +506,9 @@ def wsd_ready(q, k_cache, v_cache, out):
 
 def _wsd_descriptor(pool):
     """The TMA descriptor of a page pool as (pages x PAGE_SIZE, H_KV x HEAD_DIM) rows read in _WSD_BOX
-    boxes. Filled in without the descriptor's constructor, whose checks (a 16-byte aligned base, 16-byte
-    aligned row stride, unit last stride, positive sizes) `wsd_ready` has made; they cost ~3 us a call."""
-    desc = object.__new__(GluonTensorDescriptor)
-    desc.__dict__.update(base=pool, shape=[pool.shape[0] * PAGE_SIZE, pool.shape[2] * HEAD_DIM],
-                         strides=[pool.stride(1), 1], block_shape=_WSD_BOX, layout=_WSD_LAYOUT, padding="zero")
-    return desc
+    boxes (`_gluon_desc`: the constructor's checks are `wsd_ready`'s)."""
+    return _gluon_desc(pool, _WSD_BOX, _WSD_LAYOUT, [pool.shape[0] * PAGE_SIZE, pool.shape[2] * HEAD_DIM],
+                       [pool.stride(1), 1])
 
 
 def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_table, sm_scale):

@@ -72,6 +72,19 @@ def _ws_hopper(device):
     return hopper
 
 
+def _gluon_desc(t, block, layout, shape=None, strides=None):
+    """The Gluon TMA descriptor of `t` (as `shape` / `strides` if given) read in `block` boxes, filled in
+    without the dataclass constructor: its checks (16-byte aligned base and strides, unit last stride,
+    positive sizes) are `tma_layouts`', which the kernels' readiness checks make (or the tensor is a fresh
+    contiguous allocation), and its block-shape check is the tests'. They cost 3-5 us a descriptor; a
+    backward call builds eight (benchmarks/NOTES.md v16)."""
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape) if shape is None else shape,
+                         strides=list(t.stride()) if strides is None else strides, block_shape=block, layout=layout,
+                         padding="zero")
+    return desc
+
+
 def tma_readable(*tensors):
     """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
     interpreter emulates it) and `tma_layouts`."""
@@ -472,10 +485,10 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
     kv_block = [1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM]
     attn_fwd_ws[(cdiv(N_Q, WS_SHAPE["BLOCK_M"]), H, B)](
-        GluonTensorDescriptor(q, list(q.shape), list(q.stride()), q_block, _WS_Q_LAYOUT),
-        GluonTensorDescriptor(k, list(k.shape), list(k.stride()), kv_block, _WS_KV_LAYOUT),
-        GluonTensorDescriptor(v, list(v.shape), list(v.stride()), kv_block, _WS_KV_LAYOUT),
-        GluonTensorDescriptor(o, list(o.shape), list(o.stride()), q_block, _WS_Q_LAYOUT),
+        _gluon_desc(q, q_block, _WS_Q_LAYOUT),
+        _gluon_desc(k, kv_block, _WS_KV_LAYOUT),
+        _gluon_desc(v, kv_block, _WS_KV_LAYOUT),
+        _gluon_desc(o, q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],

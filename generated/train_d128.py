@@ -76,6 +76,19 @@ def _ws_hopper(device):
     return hopper
 
 
+def _gluon_desc(t, block, layout, shape=None, strides=None):
+    """The Gluon TMA descriptor of `t` (as `shape` / `strides` if given) read in `block` boxes, filled in
+    without the dataclass constructor: its checks (16-byte aligned base and strides, unit last stride,
+    positive sizes) are `tma_layouts`', which the kernels' readiness checks make (or the tensor is a fresh
+    contiguous allocation), and its block-shape check is the tests'. They cost 3-5 us a descriptor; a
+    backward call builds eight (benchmarks/NOTES.md v16)."""
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape) if shape is None else shape,
+                         strides=list(t.stride()) if strides is None else strides, block_shape=block, layout=layout,
+                         padding="zero")
+    return desc
+
+
 def tma_readable(*tensors):
     """Whether TMA tensor descriptors can read these tensors: a GPU with TMA (sm_90 and later; the
     interpreter emulates it) and `tma_layouts`."""
@@ -745,10 +758,10 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
     kv_block = [1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM]
     attn_fwd_ws[(cdiv(N_Q, WS_SHAPE["BLOCK_M"]), H, B)](
-        GluonTensorDescriptor(q, list(q.shape), list(q.stride()), q_block, _WS_Q_LAYOUT),
-        GluonTensorDescriptor(k, list(k.shape), list(k.stride()), kv_block, _WS_KV_LAYOUT),
-        GluonTensorDescriptor(v, list(v.shape), list(v.stride()), kv_block, _WS_KV_LAYOUT),
-        GluonTensorDescriptor(o, list(o.shape), list(o.stride()), q_block, _WS_Q_LAYOUT),
+        _gluon_desc(q, q_block, _WS_Q_LAYOUT),
+        _gluon_desc(k, kv_block, _WS_KV_LAYOUT),
+        _gluon_desc(v, kv_block, _WS_KV_LAYOUT),
+        _gluon_desc(o, q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
@@ -1057,10 +1070,6 @@ def ws_bwd_ready(q, k, v, do, dk, dv):
     return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
 
 
-def _ws_desc(t, block, layout):
-    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
     (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
@@ -1070,13 +1079,13 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
     kv_block = [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM]
-    kv = [_ws_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
+    kv = [_gluon_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
     # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
-    dq = kv[2] if dq_acc is None else _ws_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
+    dq = kv[2] if dq_acc is None else _gluon_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
     rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
-    rows_desc = _ws_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
+    rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
     attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
-        _ws_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _ws_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
+        _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
         rows_desc, lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,

@@ -396,6 +396,41 @@ def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_di
         TensorDescriptor(**vars(fast))  # the constructor's checks pass
 
 
+@pytest.mark.parametrize("dtype, head_dim, causal", [("bf16", 128, True), ("fp16", 64, False)])
+def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_dim, causal):
+    """`_gluon_desc` skips TensorDescriptor's constructor (the forward's and backward's descriptors: eight a
+    backward call): on the layouts `tma_layouts` accepts (contiguous, heads-minor, cut out of a larger
+    tensor) and on the backward's fresh float32 buffers, with each box the kernels read, it holds the same
+    fields as the constructor's descriptor, which accepts them."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from attngen.api import sdpa_spec
+
+    module = attngen.load(sdpa_spec(dtype, head_dim, causal)).module
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    B, H, N = 2, 3, 40
+    contiguous = torch.empty(B, H, N, head_dim, dtype=torch_dtype)
+    heads_minor = torch.empty(B, N, H, head_dim, dtype=torch_dtype).transpose(1, 2)
+    cut = torch.empty(B, H, N + 8, head_dim, dtype=torch_dtype)[:, :, 8:]
+    shape = module.WS_BWD_SHAPE
+    n_pad = module.cdiv(N, shape["BLOCK_M"]) * shape["BLOCK_M"]
+    cases = [(t, [1, 1, rows, head_dim], layout) for t in (contiguous, heads_minor, cut)
+             for rows, layout in ((module.WS_SHAPE["BLOCK_M"] // module.WS_SHAPE["consumers"], module._WS_Q_LAYOUT),
+                                  (module.WS_SHAPE["BLOCK_N"], module._WS_KV_LAYOUT),
+                                  (shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT),
+                                  (shape["BLOCK_N"] // shape["consumers"], module._WS_BWD_KV_LAYOUT))]
+    cases += [(torch.empty(B, H, N, head_dim), module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT),
+              (torch.empty(B, H, 2, n_pad), module._WS_BWD_ROWS_BLOCK, module._WS_BWD_ROWS_LAYOUT)]
+    for t, block, layout in cases:
+        assert module.tma_layouts(t)
+        fast = module._gluon_desc(t, block, layout)
+        checked = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        assert vars(fast).keys() == vars(checked).keys()
+        for name, value in vars(checked).items():
+            assert getattr(fast, name) is value if name == "base" else getattr(fast, name) == value, name
+        TensorDescriptor(**vars(fast))  # the constructor's checks pass
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode runs on sm_90 only")
 @pytest.mark.parametrize("dtype, head_dim, causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False),
