@@ -372,6 +372,17 @@ def test_without_hopper_paged_decoding_runs_the_triton_kernel():
     assert not called and not out.isnan().any()
 
 
+def assert_same_descriptor(fast, checked):
+    """A descriptor built without TensorDescriptor's constructor holds the fields of `checked` (built with
+    it), the same base tensor, and passes the constructor's checks."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    assert vars(fast).keys() == vars(checked).keys()
+    for name, value in vars(checked).items():
+        assert getattr(fast, name) is value if name == "base" else getattr(fast, name) == value, name
+    TensorDescriptor(**vars(fast))  # the constructor's checks pass
+
+
 @pytest.mark.parametrize("dtype, head_dim, page_size", [("bf16", 128, 16), ("fp16", 64, 256), ("bf16", 64, 32)])
 def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_dim, page_size):
     """`_wsd_descriptor` skips TensorDescriptor's constructor (its checks are `wsd_ready`'s): on every pool
@@ -387,13 +398,8 @@ def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_di
     big = torch.empty(9, page_size, 2, head_dim, dtype=torch_dtype)
     padded = torch.empty(5, page_size, 3, head_dim, dtype=torch_dtype)[:, :, :2]  # slots of 3 heads, 2 used
     for pool in (dense, big[2:], padded):
-        fast = module._wsd_descriptor(pool)
-        checked = TensorDescriptor(pool, [pool.shape[0] * page_size, 2 * head_dim], [pool.stride(1), 1],
-                                   module._WSD_BOX, module._WSD_LAYOUT)
-        assert vars(fast).keys() == vars(checked).keys()
-        for name, value in vars(checked).items():
-            assert getattr(fast, name) is value if name == "base" else getattr(fast, name) == value, name
-        TensorDescriptor(**vars(fast))  # the constructor's checks pass
+        assert_same_descriptor(module._wsd_descriptor(pool), TensorDescriptor(
+            pool, [pool.shape[0] * page_size, 2 * head_dim], [pool.stride(1), 1], module._WSD_BOX, module._WSD_LAYOUT))
 
 
 @pytest.mark.parametrize("dtype, head_dim, causal", [("bf16", 128, True), ("fp16", 64, False)])
@@ -423,12 +429,8 @@ def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
               (torch.empty(B, H, 2, n_pad), module._WS_BWD_ROWS_BLOCK, module._WS_BWD_ROWS_LAYOUT)]
     for t, block, layout in cases:
         assert module.tma_layouts(t)
-        fast = module._gluon_desc(t, block, layout)
-        checked = TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-        assert vars(fast).keys() == vars(checked).keys()
-        for name, value in vars(checked).items():
-            assert getattr(fast, name) is value if name == "base" else getattr(fast, name) == value, name
-        TensorDescriptor(**vars(fast))  # the constructor's checks pass
+        assert_same_descriptor(module._gluon_desc(t, block, layout),
+                               TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
 
 
 @pytest.mark.gpu
