@@ -16,9 +16,9 @@ launched for arguments it was not compiled for: every non-tensor argument's exac
 (Triton looks at an integer's width and whether it is 1 or a multiple of 16), each tensor's dtype
 and whether its address is a multiple of 16, the keyword values (constexprs, num_warps, num_stages),
 the device and Triton's debug flag. Gluon kernels' host-side TMA descriptors count as values, keyed by
-all they hold but the base's address (its dtype and alignment, shape, strides, block shape, layout);
-a cached launch keeps each descriptor's tensor map under that key and the base's address, where
-Triton's launcher would encode it again (a driver call) every launch. A decoding step repeats the
+all they hold but the base's address (its dtype and alignment, shape, strides, block shape, layout
+object); a cached launch keeps each descriptor's tensor map under that key and the base's address,
+where Triton's launcher would encode it again (a driver call) every launch. A decoding step repeats the
 same strides and sizes, so it hits; a new sequence length takes Triton's path once. Anything else
 (a tensor where the first call had a scalar or the reverse, a value that is not a plain int, float,
 bool or None, a launch hook installed, e.g. by a profiler, a grid that is a function) takes
@@ -49,6 +49,13 @@ def _stream_handle(device: int) -> int:
 
 # The current stream's handle: torch's raw getter, as Triton's own launch path uses, where it exists.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_handle)
+# The current device: torch's C getter (which initialises CUDA itself) without torch.cuda.current_device's
+# Python around it, where it exists.
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _current_device() -> int:
+    return _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
 
 
 class FastJIT:
@@ -121,7 +128,7 @@ class FastJIT:
         if (not self._ordered or len(args) != self._n_positional or type(grid) is not tuple
                 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
             return self.fn[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
+        device = _current_device()
         hit = None
         if self._tensor_pos is not None:
             try:
@@ -191,9 +198,30 @@ def _is_desc(x) -> bool:
 
 def _desc_key(d) -> tuple:
     """A descriptor's part of the key: the base's dtype and 16-byte alignment, shape, strides, block
-    shape, layout and padding (the launcher builds the tensor map from the base's address per call)."""
+    shape, layout (as `_layout_token`) and padding (the launcher builds the tensor map from the base's
+    address per call)."""
     return (d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
-            d.layout, d.padding)
+            _layout_token(d.layout), d.padding)
+
+
+def _layout_token(layout) -> int:
+    """A number that stands for this very layout object in keys. Gluon's layouts hash in Python (a tuple
+    of their fields built per call) and a key is hashed twice a launch per descriptor; the generated
+    modules pass the same module-level layout objects every call. Equal layouts that are distinct
+    objects get distinct numbers (a cache miss, never a wrong hit); a kept reference stops an id from
+    being reused, and numbers are never reissued after the table is cleared."""
+    global _NEXT_TOKEN
+    entry = _LAYOUT_TOKENS.get(id(layout))
+    if entry is None:
+        if len(_LAYOUT_TOKENS) > 256:
+            _LAYOUT_TOKENS.clear()
+        entry = _LAYOUT_TOKENS[id(layout)] = (layout, _NEXT_TOKEN)
+        _NEXT_TOKEN += 1
+    return entry[1]
+
+
+_LAYOUT_TOKENS: dict = {}  # id(layout) -> (layout, token)
+_NEXT_TOKEN = 0
 
 
 def _tma_plan(compiled, desc_args: tuple):

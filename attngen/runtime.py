@@ -21,7 +21,8 @@ from types import ModuleType
 import torch
 
 from . import cache, configs, launch, warmup
-from .checks import check_indexing, check_out, check_packed_indexing, on_other_gpu
+from .checks import (check_attention_inputs, check_indexing, check_like, check_out, check_packed_indexing,
+                     check_scale, on_other_gpu)
 from .codegen import render
 from .errors import KernelInputError
 from .passes import compile_program
@@ -32,6 +33,20 @@ _LOADED: dict[str, "Kernel"] = {}
 # skips the canonical text, ~20 us of a decoding step's Python.
 _BY_ID: dict[int, tuple] = {}
 _LOCK = threading.Lock()
+
+
+def _tuning():
+    """attngen.tuning (which imports this module: not importable at its top), without an import
+    statement's cost on each call."""
+    global _TUNING_MODULE
+    if _TUNING_MODULE is None:
+        from . import tuning
+
+        _TUNING_MODULE = tuning
+    return _TUNING_MODULE
+
+
+_TUNING_MODULE = None
 
 
 def interpreting() -> bool:
@@ -124,6 +139,7 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
             _LOADED[variant] = copy.copy(kernel)
             _LOADED[variant].autotune = autotune
             _LOADED[variant]._tuners = {}  # its own, which follow its own autotune setting
+            _LOADED[variant]._backward_configs = {}
             register(_LOADED[variant])
         return _LOADED[variant]
 
@@ -145,6 +161,7 @@ class Kernel:
         self.module = module
         self._program = program
         self._tuners: dict = {}
+        self._backward_configs: dict = {}  # `backward_config`'s memo
 
     @property
     def name(self) -> str:
@@ -222,12 +239,20 @@ class Kernel:
         return key if self.autotune is None else f"{key}:autotune={self.autotune}"
 
     def backward_config(self, q: torch.Tensor, k: torch.Tensor) -> dict:
-        """Launch configurations of the backward kernels, by kernel name: tuned as the forward's."""
-        from . import tuning
-        from .tuning.backward import PARTS
+        """Launch configurations of the backward kernels, by kernel name: tuned as the forward's.
+        Memoised per shape and tuning generation (as `tuning.launch_choice` is, one level down)."""
+        tuning = _tuning()
+        memo_key = (tuning.store.generation(), q.device.index, q.shape, k.shape)
+        found = self._backward_configs.get(memo_key)
+        if found is None:
+            from .tuning.backward import PARTS
 
-        shape = tuning.Shape.of(q, k)
-        return {part: tuning.launch_config(self.tuner(part), shape, q.device.index) for part in PARTS}
+            if len(self._backward_configs) > 1024:
+                self._backward_configs.clear()
+            shape = tuning.Shape.of(q, k)
+            found = {part: tuning.launch_config(self.tuner(part), shape, q.device.index) for part in PARTS}
+            self._backward_configs[memo_key] = found
+        return {part: dict(config) for part, config in found.items()}
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
@@ -239,7 +264,6 @@ class Kernel:
         When q, k or v require grad, the call is recorded for autograd (forward+backward specs only).
         """
         from . import autograd
-        from .checks import check_attention_inputs, check_scale
 
         check_attention_inputs(self.spec, q, k, v)
         sm_scale = check_scale(scale, self.spec)
@@ -285,9 +309,6 @@ class Kernel:
 
         `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
         """
-        from .checks import (check_attention_inputs, check_indexing, check_like, check_out,
-                             check_scale, on_other_gpu)
-
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
@@ -298,14 +319,26 @@ class Kernel:
         if lse.layout is not torch.strided or lse.device != q.device:
             raise KernelInputError(f"lse must be a dense tensor on {q.device}; got a {lse.layout} tensor on {lse.device}")
         sm_scale = check_scale(scale, self.spec)
-        if on_other_gpu(q):
-            with torch.cuda.device(q.device):
-                return self.backward(q, k, v, out, lse, do, scale, config, grads)
         if grads is not None:
             read = {"q": q, "k": k, "v": v, "out": out, "do": do, "lse": lse}
             for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
                 check_out(g, like, name, inputs=read)
                 read[name] = g
+        return self._backward(q, k, v, out, lse, do, sm_scale, config, grads)
+
+    def backward_saved(self, q, k, v, out, lse, do, scale: float):
+        """`backward` for autograd: q, k, v and `scale` are what a checked `forward` call took, `out` and
+        `lse` what it returned, kept unchanged since by autograd (its version counters raise on an
+        in-place change); only the output gradient `do` is checked. Saves the host time of the checks,
+        which a short backward is bound by."""
+        check_like(do, q, "do")
+        return self._backward(q, k, v, out, lse, do, scale, None, None)
+
+    def _backward(self, q, k, v, out, lse, do, sm_scale: float, config: dict | None, grads: tuple | None):
+        if on_other_gpu(q):
+            with torch.cuda.device(q.device):
+                return self._backward(q, k, v, out, lse, do, sm_scale, config, grads)
+        if grads is not None:
             dq, dk, dv = grads
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

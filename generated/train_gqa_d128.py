@@ -1048,7 +1048,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'split': True, 'min_keys': 1, 'min_scores': 33554432}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.float16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.float16)
@@ -1147,13 +1147,15 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
     n_pad = cdiv(N_Q, WS_BWD_SHAPE["BLOCK_M"]) * WS_BWD_SHAPE["BLOCK_M"]
     rows = torch.empty((B, H, 2, n_pad), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((B, H, N_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
-    grid = (n_pad // WS_BWD_SHAPE["BLOCK_M"], H, B)
+    grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, B)  # (ROW_BLOCK divides BLOCK_M)
     attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, *out.stride(), *do.stride(), *lse.stride(), H, N_Q, n_pad,
-                           BLOCK=WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM=HEAD_DIM, num_warps=4)
-    # (the pointer path reads the forward's lse and the rows' delta)
-    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, rows[:, :, 1, :N_Q], dk, dv, sm_scale, dq_acc=dq_acc, rows=rows)
-    attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM=HEAD_DIM,
-                         num_warps=4)
+                           BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, num_warps=4)
+    # The pointer path (no ROWS_SMEM) reads the forward's lse and the rows' delta; with ROWS_SMEM the kernel
+    # reads both from `rows` by TMA and the delta argument is a placeholder (no view made: host time).
+    delta = lse if WS_BWD_SHAPE["ROWS_SMEM"] else rows[:, :, 1, :N_Q]
+    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows)
+    attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+                         HEAD_DIM=HEAD_DIM, num_warps=4)
 
 
 

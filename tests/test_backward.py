@@ -54,6 +54,26 @@ def test_autograd_through_kernel_call_any_subset():
                     assert torch.equal(g, f)
 
 
+def test_autograd_backward_refuses_tensors_changed_in_place():
+    """Autograd's backward checks only the output gradient (`Kernel.backward_saved`): q, k, v, out and lse
+    are what the checked forward took and returned, so a change made in place since must raise, not
+    give gradients of other values."""
+    kernel = train_spec("autograd_inplace", 32, "fp32", "causal")
+    leaf, k, v = (rand(1, 2, 9, 32, dtype=torch.float32, grad=True) for _ in range(3))
+    q = leaf * 1.0  # not a leaf: changing it in place is allowed, and autograd counts it
+    out = kernel(q, k, v)
+    q.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.randn_like(out))
+    out = kernel(q, k, v)
+    out.mul_(2.0)  # the saved output itself
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.randn_like(out))
+    out = kernel(q, k, v)  # untouched: gradients flow
+    out.backward(torch.randn_like(out))
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all() and leaf.grad.abs().sum() > 0
+
+
 def test_backward_is_deterministic():
     kernel = train_spec("determinism", 32, "fp16", "none", heads=4, kv_heads=1)
     q, k, v, do = rand(2, 4, 33, 32), rand(2, 1, 47, 32), rand(2, 1, 47, 32), rand(2, 4, 33, 32)

@@ -70,8 +70,8 @@ def test_generated_files_compile_for_sm90():
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
             if hasattr(module, "COMBINE_BLOCK_S"):  # the combine kernel's splits per step
                 values["BLOCK_S"] = module.COMBINE_BLOCK_S
-            if hasattr(module, "WS_BWD_SHAPE"):  # the Gluon backward's row passes: a query block per program
-                values["BLOCK"] = module.WS_BWD_SHAPE["BLOCK_M"]
+            if hasattr(module, "WS_BWD_SHAPE"):  # the Gluon backward's row passes: ROW_BLOCK rows per program
+                values["BLOCK"] = module.WS_BWD_SHAPE["ROW_BLOCK"]
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",

@@ -80,7 +80,7 @@ def no_hooks(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
 
 
@@ -229,6 +229,27 @@ def test_gluon_descriptors_are_keyed_by_all_but_their_address():
     for other in others:
         assert fast.signature((t, other, 3), {})[0] != key
     assert not fast._cacheable((t, 5, 3))  # a scalar where the first call had a descriptor: Triton's path
+
+
+def test_layout_tokens_stand_for_one_object_and_are_never_reissued(monkeypatch):
+    """Keys carry a layout as a number for that very object: equal layouts that are distinct objects
+    get distinct numbers (a miss, not a wrong hit), and clearing the table issues fresh numbers."""
+    from triton.experimental.gluon import language as gl
+
+    from attngen import launch
+
+    monkeypatch.setattr(launch, "_LAYOUT_TOKENS", {})
+    a = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+    b = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+    assert a == b and a is not b
+    first = launch._layout_token(a)
+    assert launch._layout_token(a) == first and launch._layout_token(b) != first
+    seen = {first, launch._layout_token(b)}
+    for _ in range(300):  # past the table's bound: it is cleared, numbers go on
+        token = launch._layout_token(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+        assert token not in seen
+        seen.add(token)
+    assert launch._layout_token(a) not in seen  # a forgotten object comes back under a new number
 
 
 class _FakeLauncher:

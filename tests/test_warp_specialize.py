@@ -60,12 +60,12 @@ def test_the_gluon_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("text, expected", [
-    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True)),
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32)),
     (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
-     dict(PREFETCH=True, STAGES=2, split=True)),
-    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False)),
+     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32)),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64)),
     (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),
-     dict(PREFETCH=True, STAGES=2, split=False)),
+     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
     (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
@@ -120,8 +120,9 @@ def test_the_backward_row_passes(n_q, head_dim):
     into the dQ accumulator) and attn_bwd_dq_ws (dQ = sm_scale * accumulator), in Triton."""
     m = attngen.load(spec_text(f"wsb_rows{head_dim}", head_dim, "fp16", "causal(bottom_right)",
                                direction="forward+backward")).module
-    B, H, block = 2, 3, m.WS_BWD_SHAPE["BLOCK_M"]
-    n_pad = -(-n_q // block) * block
+    B, H, block = 2, 3, m.WS_BWD_SHAPE["ROW_BLOCK"]  # rows per program; the rows are laid out in query blocks
+    assert m.WS_BWD_SHAPE["BLOCK_M"] % block == 0 and block * head_dim == 4096
+    n_pad = -(-n_q // m.WS_BWD_SHAPE["BLOCK_M"]) * m.WS_BWD_SHAPE["BLOCK_M"]
     out, do = (torch.randn(B, H, n_q, head_dim, device=DEVICE).half() for _ in range(2))
     do = do.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) storage: strides are honoured
     lse = torch.randn(B, H, n_q, device=DEVICE) * 4

@@ -111,6 +111,12 @@ without a mask at 512 keys; the one-kernel form wins from 512 at both head dims 
 TFLOP/s against 289 without a mask, 213 against 166 causal; d=64: 281 against 254, 185 against 186;
 NOTES.md v11), so only BWD_MIN_SCORES limits it."""
 
+BWD_ROW_ELEMENTS = 4096
+"""Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
+accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
+in blocks of BLOCK_M = 64 rows and takes 73 in blocks of 32 (3.1 -> 3.7 TB/s, H200, B x H x N = 262144);
+d=64 and the dQ pass were already there (NOTES.md v17, experiments/backward_rows.py)."""
+
 BWD_MIN_SCORES = 1 << 25
 """Fewest scores (B * H * N_Q * N_K) for which the Gluon dK/dV kernel runs: below, the host time of its
 six descriptors is not hidden (see MIN_SCORES)."""
@@ -135,5 +141,5 @@ def run(program: ir.Program) -> ir.Program:
         program = program.with_attrs(
             warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", causal),
                                               ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
-                                              ("min_scores", BWD_MIN_SCORES)))
+                                              ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d)))
     return program

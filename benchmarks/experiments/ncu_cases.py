@@ -11,6 +11,8 @@ decode). Cases (bf16, fresh random data):
                              attngen.attention_with_kvcache and SDPA's cuDNN backend
   decode64_8k                the same at batch 64 (attngen streams at ~4.5 TB/s there: the reference
                              for what the batch-1 kernel misses)
+  decode16_8k                the same at batch 16, where attngen trails cuDNN by 3-6% (NOTES v15);
+                             attngen also with one split (faster on full caches, slower on spread ones)
   paged1_8k / paged16_8k     attngen's contiguous and 16-token paged decode on the same tokens
                              (paged at batch 1 trails by a constant ~2.7 us per call)
   fwd128                     prefill forward d=128, B=4, H=16, N=4096, non-causal: attngen,
@@ -52,7 +54,10 @@ def decode_case(batch: int, ctx: int):
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
 
-    return {"attngen": lambda: attngen.attention_with_kvcache(q, k, v, seqlens), "cudnn": cudnn}
+    calls = {"attngen": lambda: attngen.attention_with_kvcache(q, k, v, seqlens), "cudnn": cudnn}
+    if batch == 16:
+        calls["attngen_1split"] = lambda: attngen.attention_with_kvcache(q, k, v, seqlens, num_splits=1)
+    return calls
 
 
 def paged_case(batch: int, ctx: int):
@@ -98,6 +103,7 @@ CASES = {
     "decode1_32k": lambda: decode_case(1, 32768),
     "decode1_8k": lambda: decode_case(1, 8192),
     "decode64_8k": lambda: decode_case(64, 8192),
+    "decode16_8k": lambda: decode_case(16, 8192),
     "paged1_8k": lambda: paged_case(1, 8192),
     "paged16_8k": lambda: paged_case(16, 8192),
     "fwd128": lambda: prefill_case(False),
