@@ -15,6 +15,8 @@ decode). Cases (bf16, fresh random data):
                              attngen also with one split (faster on full caches, slower on spread ones)
   paged1_8k / paged16_8k     attngen's contiguous and 16-token paged decode on the same tokens
                              (paged at batch 1 trails by a constant ~2.7 us per call)
+  paged1_1k                  the same at batch 1, 1k keys, the one shape where paged misses 0.95x of
+                             contiguous (NOTES v15-v16)
   fwd128                     prefill forward d=128, B=4, H=16, N=4096, non-causal: attngen,
                              FlexAttention (compiled) and cuDNN
   bwd128                     the backward of the same (attngen's dQ and dK/dV kernels, Flex's, cuDNN's),
@@ -105,6 +107,7 @@ CASES = {
     "decode64_8k": lambda: decode_case(64, 8192),
     "decode16_8k": lambda: decode_case(16, 8192),
     "paged1_8k": lambda: paged_case(1, 8192),
+    "paged1_1k": lambda: paged_case(1, 1024),
     "paged16_8k": lambda: paged_case(16, 8192),
     "fwd128": lambda: prefill_case(False),
     "bwd128": lambda: prefill_case(True),
