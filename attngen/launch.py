@@ -28,6 +28,7 @@ Triton's own path every time.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 
@@ -209,19 +210,18 @@ def _layout_token(layout) -> int:
     of their fields built per call) and a key is hashed twice a launch per descriptor; the generated
     modules pass the same module-level layout objects every call. Equal layouts that are distinct
     objects get distinct numbers (a cache miss, never a wrong hit); a kept reference stops an id from
-    being reused, and numbers are never reissued after the table is cleared."""
-    global _NEXT_TOKEN
+    being reused, and numbers are never reissued after the table is cleared (`next` on the counter is
+    one C call: two threads never draw the same number; both drawing for one object is a miss)."""
     entry = _LAYOUT_TOKENS.get(id(layout))
     if entry is None:
         if len(_LAYOUT_TOKENS) > 256:
             _LAYOUT_TOKENS.clear()
-        entry = _LAYOUT_TOKENS[id(layout)] = (layout, _NEXT_TOKEN)
-        _NEXT_TOKEN += 1
+        entry = _LAYOUT_TOKENS[id(layout)] = (layout, next(_TOKENS))
     return entry[1]
 
 
 _LAYOUT_TOKENS: dict = {}  # id(layout) -> (layout, token)
-_NEXT_TOKEN = 0
+_TOKENS = itertools.count()
 
 
 def _tma_plan(compiled, desc_args: tuple):
