@@ -65,6 +65,8 @@ def tma_layouts(*tensors):
             if s <= 0 or s * size % 16:
                 return False
     return True
+
+
 _WS_DEVICES = {}
 
 
