@@ -34,6 +34,17 @@ def test_gradients_for_head_dims(head_dim):
         assert result.ok, result
 
 
+def test_fixed_tiles_at_a_tma_head_dim_load_and_match_float64():
+    """A 16-bit forward+backward spec at d=64 without a mask and with its tiles written out: Triton TMA
+    descriptors (pass tma) and no Gluon kernel (the warp-specialize passes leave fixed tiles alone). Such
+    a module once failed to import (the template joined two functions on one line when it had no Gluon
+    prelude)."""
+    kernel = train_spec("fixed_tiles64", 64, "fp16", "none", heads=4, block_m=16, block_n=32)
+    assert not hasattr(kernel.module, "attn_fwd_ws") and hasattr(kernel.module, "tma_readable")
+    for result in validate(kernel, [Case(1, 4, 4, 37, 53)], device=DEVICE):
+        assert result.ok and len(result.grads) == 3, result
+
+
 def test_autograd_through_kernel_call_any_subset():
     kernel = train_spec("autograd_subset", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
     q, k, v = rand(1, 4, 20, 32, dtype=torch.float32), rand(1, 2, 30, 32, dtype=torch.float32), rand(1, 2, 30, 32, dtype=torch.float32)
