@@ -284,3 +284,27 @@ def sm90_ptxas(fn, box, const: dict, ptrs: dict, num_warps: int = 4) -> str:
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
     lines = [ln.split("info    : ")[-1] for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
     return f"shared {compiled.metadata.shared} B; " + " | ".join(lines)
+
+
+def decode_case(batch: int, ctx: int):
+    """The decode bench's inputs at (batch, ctx), every sequence at capacity, seeded by the shape:
+    q (B, 1, 32, 128), k and v (B, ctx, 8, 128) bf16, lens (B,) int32, and the K/V bytes (for GB/s)."""
+    import torch
+
+    from attngen.bench_decode import D, H, H_KV
+    gen = torch.Generator("cuda").manual_seed(batch * ctx)
+    q = torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return q, k, v, lens, 2 * batch * ctx * H_KV * D * 2
+
+
+def write_rows(out_dir: str, name: str, rows: list) -> None:
+    """rows as OUT_DIR/name with the device's name."""
+    import json
+
+    import torch
+
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

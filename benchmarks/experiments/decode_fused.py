@@ -21,7 +21,6 @@ import os
 import sys
 
 import torch
-import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)

@@ -19,7 +19,6 @@ import sys
 import time
 
 import torch
-import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)

@@ -30,7 +30,7 @@ import triton
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from attngen.bench_decode import H, H_KV, D, DTYPE, bench_graph, gbps, sdpa  # noqa: E402
+from attngen.bench_decode import H, H_KV, D, DTYPE, gbps, sdpa  # noqa: E402
 from common import build_variants, quick_graph  # noqa: E402
 
 SHAPES = ((1, 8192), (1, 32768), (16, 1024), (16, 8192), (16, 32768), (64, 8192))
