@@ -53,8 +53,7 @@ def _expr_cost(e: ir.Expr) -> Cost:
         elif isinstance(node, Ref) and node.buffer.space is Space.HBM:
             total += Cost(sympy.Integer(0), _elements(node.buffer.shape) * node.buffer.dtype.bytes)
         elif isinstance(node, Call) and node.op in _DOTS:
-            a, b = ir.shape_of(node.args[0]), ir.shape_of(node.args[1])
-            inner = a[1]
+            inner = ir.shape_of(node.args[0])[1]
             out = ir.shape_of(node)
             total += Cost(2 * out[0] * out[1] * inner, sympy.Integer(0))
     return total

@@ -10,7 +10,6 @@ triton.testing.do_bench (median) on fresh random data; TFLOP/s by the FlashAtten
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

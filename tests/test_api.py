@@ -1,7 +1,5 @@
 """attngen.attention as a drop-in for torch SDPA; Kernel argument checking; torch.compile."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,7 @@ import attngen
 from attngen import KernelInputError, reference
 from attngen.check import ATOL, FUDGE
 from attngen.spec import DType
-from conftest import DEVICE, HAS_GPU
+from conftest import DEVICE
 
 _DT = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
 

@@ -8,8 +8,7 @@ import torch
 
 import attngen
 from attngen.check import Case, compare, validate
-from attngen.spec import parse
-from conftest import DEVICE, HAS_GPU, shipped_specs, spec_text
+from conftest import DEVICE, shipped_specs, spec_text
 
 
 def run(kernel, q, k, v, **kw):

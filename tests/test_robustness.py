@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -830,8 +829,8 @@ def test_cache_garbage_beyond_the_lengths_never_leaks(size, paged):
         table = order.to(torch.int32)
         for b, n in enumerate(lengths):
             for i in range(n):
-                for cache in (k_cache, v_cache):
-                    cache[order[b, i // page], i % page] = rand(h_kv, d)
+                for pool_ in (k_cache, v_cache):
+                    pool_[order[b, i // page], i % page] = rand(h_kv, d)
     else:
         k_cache = torch.full((batch, per_seq * page, h_kv, d), float("nan"), dtype=torch.float16, device=DEVICE)
         v_cache = k_cache.clone()

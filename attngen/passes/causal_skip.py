@@ -23,7 +23,7 @@ import sympy
 
 from .. import ir, sym
 from ..errors import InternalError
-from ..ir import Assign, Call, Load, Loop, LoopKind, Masked, Op, PredKind, Ref, Span, Store
+from ..ir import Assign, Call, Load, Loop, LoopKind, Masked, Op, PredKind, Ref, Span
 
 NAME = "causal-skip"
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from .. import ir, sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Ref, Softmax, Space, Store
+from ..ir import Assign, Buffer, Call, DT, Loop, LoopKind, Masked, Num, Op, Ref, Softmax, Space, Store
 
 NAME = "online-softmax"
 

@@ -31,7 +31,7 @@ from dataclasses import replace
 from .. import ir, sym
 from ..errors import InternalError
 from ..ir import (Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Role,
-                  Space, Span, Store, Sym)
+                  Space, Store, Sym)
 
 NAME = "recompute"
 

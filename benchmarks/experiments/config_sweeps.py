@@ -74,7 +74,6 @@ def backward(rows):
             delta = torch.empty_like(lse)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             m = kernel.module
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
             for name, cfgs in (("attn_bwd_dq", [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3)]),
                                ("attn_bwd_dkdv", [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 3)])):
                 for bm, bn, w, st in cfgs:
