@@ -329,7 +329,9 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_sta
 # BLOCK_N keys, each signalled on an mbarrier: no table lookup sits between two copies, and the
 # consumer does no address arithmetic. One consumer warpgroup holds the query rows of the K/V head's
 # group (GROUP x N_Q of them, padded to wgmma's 64), Q in shared memory, and runs both products on wgmma
-# and the online softmax in exp2. Its partial output and log-sum-exp go where attn_fwd's would.
+# and the online softmax in exp2. The copies read whole pages, so a sequence's last block holds slots
+# past its length: their scores are masked, and their V rows are zeroed in shared memory before P V.
+# The consumer's partial output and log-sum-exp go where attn_fwd's would.
 
 @gluon.jit
 def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv, split, j0,
@@ -380,6 +382,13 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         mbarrier.wait(v_ready.index(s), phase)
+        if (j + 1) * BLOCK_N > n_k:  # the sequence's last block: zero its V rows past n_k
+            # Those slots hold whatever the pool has there (a last page's unwritten slots; page 0, read for
+            # entries past the sequence's pages): their P is 0, but 0 x NaN or Inf would still reach acc.
+            v_block = v_smem.index(s)
+            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
+            v_block.store(gl.where((v_keys < n_k)[:, None], v_block.load(io), 0.0))
+            fence_async_shared()
         acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(s), count=1)

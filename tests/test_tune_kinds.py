@@ -248,9 +248,13 @@ def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(m
     shape = Shape(2, 4, 2, 1, 96)
     real = part.tuning_run
     runs = []
+    at_capacity = {}  # lens tensor -> whether it is the at-capacity input; read outside graph capture
 
     def run(inputs, config, poison=False):
-        full = bool((inputs["lens"] == shape.n_k).all())
+        lens = inputs["lens"]
+        if lens.data_ptr() not in at_capacity:  # each input's first run is eager (the validation run)
+            at_capacity[lens.data_ptr()] = bool((lens == shape.n_k).all())
+        full = at_capacity[lens.data_ptr()]
         runs.append((config["num_splits"], full))
         out, lse = real(inputs, config, poison=poison)
         if full and config["num_splits"] == 3:
