@@ -50,14 +50,21 @@ def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": 2 if d > 128 else 3}
 
 
-def default_config(spec: Spec, interpreter: bool = False) -> dict[str, int]:
-    """The heuristic config with the spec's fixed values applied."""
+def default_config(spec: Spec, interpreter: bool = False, target=None) -> dict[str, int]:
+    """The heuristic config with the spec's fixed values applied. Where the two together do not fit the
+    GPU (`target`, an attngen.resources.Target; default: the one in use), the keys the spec leaves
+    `auto` move to the nearest config that fits (`resources.nearest_fit`). The interpreter has no
+    such limits."""
     config = heuristic(spec, interpreter)
     for key, field in _SPEC_KEYS.items():
         value = getattr(spec, field)
         if value is not None:
             config[key] = value
-    return config
+    if interpreter:
+        return config
+    from .resources import nearest_fit
+
+    return nearest_fit(spec, config, target)
 
 
 def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str, int]]:

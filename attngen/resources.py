@@ -120,6 +120,11 @@ class Target:
                 return Target(cap, int(limit), props.name)
         except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the default target
             pass
+        return Target.default()
+
+    @staticmethod
+    def default() -> "Target":
+        """An sm_90 (H100/H200): what the heuristics are written for, and what generated source assumes."""
         return Target(DEFAULT_TARGET, SHARED_LIMIT[DEFAULT_TARGET], "sm_90 (default target)")
 
 
@@ -161,6 +166,31 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
 
 _CHOICES = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 _SPEC_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+def nearest_fit(spec, config: dict, target: Target | None = None) -> dict:
+    """`config` if it fits `spec` on `target`; else the config that fits with the spec's fixed tile values
+    kept and the fewest other keys changed, by the least (in powers of two), from `check_spec_tiles`'s
+    choices (a spec that passed that check has one); else `config` unchanged. A heuristic config with
+    the spec's fixed values put in can be too big where each alone is not (block_n = 256 at head dim 176:
+    four 256-row K/V tiles of 512 bytes)."""
+    from itertools import product
+    from math import log2
+
+    target = target or Target.current()
+    if infeasible(spec, config, target) is None:
+        return config
+    free = [k for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is None]
+
+    def distance(values) -> tuple:
+        changed = [(new, config[k]) for k, new in zip(free, values) if new != config[k]]
+        return len(changed), sum(abs(log2(new / old)) for new, old in changed)
+
+    for values in sorted(product(*(_CHOICES[k] for k in free)), key=distance):
+        candidate = dict(config, **dict(zip(free, values)))
+        if infeasible(spec, candidate, target) is None:
+            return candidate
+    return config
 
 
 def check_spec_tiles(spec, target: Target | None = None) -> None:

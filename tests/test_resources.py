@@ -50,6 +50,50 @@ def test_infeasible_configs_say_why_with_numbers():
     assert infeasible(spec, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2), H100) is None
 
 
+def test_a_fixed_tile_the_heuristic_cannot_complete_gets_the_nearest_config_that_fits():
+    """Found by the spec fuzzer on an H100: `block_n = 256` at head dim 176 (256 padded) passes the spec
+    check (some completion fits), but the heuristic's 64 rows and 2 stages around it need 557,056 bytes;
+    Triton refused it at launch. The default config is now the nearest one that fits, on either GPU."""
+    from attngen.configs import default_config, heuristic
+
+    spec = parse("kernel k { block_n = 256 head_dim = 176 dtype = bf16 }")
+    start = dict(heuristic(spec), BLOCK_N=256)
+    assert "557,056 bytes" in infeasible(spec, start, H100)
+    for target in (H100, A100):
+        config = default_config(spec, target=target)
+        assert infeasible(spec, config, target) is None and config["BLOCK_N"] == 256
+        assert 1 <= sum(config[k] != start[k] for k in start) <= 2
+    assert default_config(spec, interpreter=True)["BLOCK_N"] == 256  # no limits in the interpreter
+
+
+@pytest.mark.parametrize("target", [H100, A100], ids=["sm90", "sm80"])
+def test_every_spec_that_passes_the_tile_check_gets_a_default_config_that_fits(target):
+    """Over head dims, dtypes and fixed tiles that the heuristic would not choose (the largest, the
+    smallest, deep pipelines), contiguous and paged: whenever the spec check accepts a spec, its
+    default config fits the same GPU and keeps every value the spec fixes."""
+    from attngen.configs import default_config
+    from attngen.errors import SpecError
+    from attngen.resources import check_spec_tiles
+
+    accepted = 0
+    for head_dim, dtype, extra in [(d, t, x) for d in (64, 176, 256) for t in ("bf16", "fp32")
+                                   for x in ({}, {"kv_layout": "paged(page_size = 64)", "split_kv": "auto"})]:
+        for bm, bn, stages in [(m, n, st) for m in ("auto", 16, 256) for n in ("auto", 256) for st in ("auto", 4)]:
+            keys = {k: v for k, v in (("block_m", bm), ("block_n", bn), ("num_stages", stages)) if v != "auto"}
+            if extra and "block_m" in keys:
+                continue  # a decode tile's rows follow the call
+            spec = parse(spec_text("k", head_dim, dtype, **extra, **keys))
+            try:
+                check_spec_tiles(spec, target)
+            except SpecError:
+                continue
+            accepted += 1
+            config = default_config(spec, target=target)
+            assert infeasible(spec, config, target) is None, (spec.canonical(), config)
+            assert all(config[k.upper() if k.startswith("block") else k] == v for k, v in keys.items())
+    assert accepted >= 40
+
+
 PROBES = [
     (64, "fp16", 128, 64, 3, 4), (128, "bf16", 128, 64, 2, 8), (80, "fp16", 64, 32, 3, 4),
     (64, "fp16", 16, 32, 3, 4), (32, "fp32", 64, 32, 2, 4),

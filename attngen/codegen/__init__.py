@@ -15,6 +15,7 @@ import jinja2
 from .. import ir
 from ..configs import backward_config, default_config
 from ..passes import applied_passes
+from ..resources import Target
 from ..spec import Spec
 from ..version import __version__
 from .emit import KernelEmitter
@@ -71,7 +72,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         passes=list(applied_passes(program)),
         constants=constants,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
-        default_config=default_config(spec),
+        default_config=default_config(spec, target=Target.default()),  # the same source on every machine
         kernels=kernels,
         attrs=dict(program.attrs),
         entries=entries,
