@@ -168,19 +168,19 @@ _CHOICES = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_war
 _SPEC_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
 
 
-def nearest_fit(spec, config: dict, target: Target | None = None) -> dict:
+def nearest_fit(spec, config: dict, target: Target | None = None, keep: tuple = ()) -> dict:
     """`config` if it fits `spec` on `target`; else the config that fits with the spec's fixed tile values
-    kept and the fewest other keys changed, by the least (in powers of two), from `check_spec_tiles`'s
-    choices (a spec that passed that check has one); else `config` unchanged. A heuristic config with
-    the spec's fixed values put in can be too big where each alone is not (block_n = 256 at head dim 176:
-    four 256-row K/V tiles of 512 bytes)."""
+    (and the keys in `keep`) kept and the fewest other keys changed, by the least (in powers of two),
+    from `check_spec_tiles`'s choices (a spec that passed that check has one, with nothing else kept);
+    else `config` unchanged. A heuristic config with the spec's fixed values put in can be too big where
+    each alone is not (block_n = 256 at head dim 176: four 256-row K/V tiles of 512 bytes)."""
     from itertools import product
     from math import log2
 
     target = target or Target.current()
     if infeasible(spec, config, target) is None:
         return config
-    free = [k for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is None]
+    free = [k for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is None and k not in keep]
 
     def distance(values) -> tuple:
         changed = [(new, config[k]) for k, new in zip(free, values) if new != config[k]]

@@ -94,6 +94,21 @@ def test_every_spec_that_passes_the_tile_check_gets_a_default_config_that_fits(t
     assert accepted >= 40
 
 
+def test_a_decoding_call_whose_rows_make_the_default_too_big_gets_a_config_that_fits():
+    """A decode tile's BLOCK_M follows the call's query rows (up to 64). With a spec's fixed block_n and
+    num_stages, 64 rows made the default config need 279,552 bytes of shared memory (16-token pages,
+    d=128); the call's config now fits and keeps the spec's values."""
+    from attngen.tuning import Shape
+
+    spec = spec_text("k_fit", 128, "bf16", "causal(bottom_right)", kv_layout="paged(page_size = 16)",
+                     block_n=256, num_stages=3)
+    part = load(spec).tuner("kvcache")
+    for shape in (Shape(4, 64, 1, 1, 4096), Shape(4, 8, 2, 1, 4096)):  # 64 rows per K/V head; 4
+        config = part.config(shape)
+        assert infeasible(part.spec, config) is None, config
+        assert (config["BLOCK_N"], config["num_stages"]) == (256, 3)
+
+
 PROBES = [
     (64, "fp16", 128, 64, 3, 4), (128, "bf16", 128, 64, 2, 8), (80, "fp16", 64, 32, 3, 4),
     (64, "fp16", 16, 32, 3, 4), (32, "fp32", 64, 32, 2, 4),

@@ -98,7 +98,19 @@ class KVCacheKernel:
         if not exact:  # which kernel won is the tuned bucket's finding too: elsewhere the default's
             config.pop("warp_specialized", None)
         if not self._fit(config):
-            config = dict(self.tuning_default(), BLOCK_M=config["BLOCK_M"])
+            config = self._fitted(config["BLOCK_M"])
+        return config
+
+    def _fitted(self, block_m: int) -> dict:
+        """The default config at the call's BLOCK_M, or where that does not fit (a spec's fixed block_n
+        or num_stages with 64 rows), the nearest config that does: BLOCK_M kept if any fits with it."""
+        from ..resources import nearest_fit
+
+        config = dict(self.tuning_default(), BLOCK_M=block_m)
+        for keep in (("BLOCK_M",), ()):
+            fitted = nearest_fit(self.spec, config, keep=keep)
+            if self._fit(fitted):
+                return fitted
         return config
 
     def _fit(self, config: dict) -> bool:
