@@ -9,10 +9,10 @@ tries for the `auto` ones; the run-time lookup of tuned configs lives there too.
 
 from __future__ import annotations
 
+from .resources import SPEC_FIELDS, nearest_fit
 from .spec import DType, Spec
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-_SPEC_KEYS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
 
 SEARCH_SPACE = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_warps": (4, 8),
                 "num_stages": (1, 2, 3, 4)}
@@ -56,15 +56,11 @@ def default_config(spec: Spec, interpreter: bool = False, target=None) -> dict[s
     `auto` move to the nearest config that fits (`resources.nearest_fit`). The interpreter has no
     such limits."""
     config = heuristic(spec, interpreter)
-    for key, field in _SPEC_KEYS.items():
+    for key, field in SPEC_FIELDS.items():
         value = getattr(spec, field)
         if value is not None:
             config[key] = value
-    if interpreter:
-        return config
-    from .resources import nearest_fit
-
-    return nearest_fit(spec, config, target)
+    return config if interpreter else nearest_fit(spec, config, target)
 
 
 def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str, int]]:
@@ -133,7 +129,7 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
 def search_space(spec: Spec) -> dict[str, tuple[int, ...]]:
     """The autotuner's candidates per key: `SEARCH_SPACE` where the spec says `auto`, else its value."""
     space = {}
-    for key, field in _SPEC_KEYS.items():
+    for key, field in SPEC_FIELDS.items():
         value = getattr(spec, field)
         space[key] = SEARCH_SPACE[key] if value is None else (value,)
     return space

@@ -165,7 +165,8 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
 
 
 _CHOICES = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
-_SPEC_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+SPEC_FIELDS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+"""Each tile key of a launch config, and the spec field that can fix it."""
 
 
 def nearest_fit(spec, config: dict, target: Target | None = None, keep: tuple = ()) -> dict:
@@ -180,7 +181,7 @@ def nearest_fit(spec, config: dict, target: Target | None = None, keep: tuple = 
     target = target or Target.current()
     if infeasible(spec, config, target) is None:
         return config
-    free = [k for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is None and k not in keep]
+    free = [k for k, f in SPEC_FIELDS.items() if getattr(spec, f) is None and k not in keep]
 
     def distance(values) -> tuple:
         changed = [(new, config[k]) for k, new in zip(free, values) if new != config[k]]
@@ -197,7 +198,7 @@ def check_spec_tiles(spec, target: Target | None = None) -> None:
     """Raise a SpecError at the spec's tile keys if no choice of its `auto` values can fit."""
     from itertools import product
 
-    fixed = {k: getattr(spec, f) for k, f in _SPEC_FIELDS.items() if getattr(spec, f) is not None}
+    fixed = {k: getattr(spec, f) for k, f in SPEC_FIELDS.items() if getattr(spec, f) is not None}
     if not fixed:
         return
     target = target or Target.current()
@@ -209,7 +210,7 @@ def check_spec_tiles(spec, target: Target | None = None) -> None:
         if problem is None:
             return
         problems.append(problem)
-    key = next(f for k, f in _SPEC_FIELDS.items() if k in fixed)
+    key = next(f for k, f in SPEC_FIELDS.items() if k in fixed)
     # Report the least demanding completion: its numbers show how far off the spec is.
     raise spec.error(key, f"these tiles cannot fit: the smallest choice {min(problems, key=len)}")
 
