@@ -334,7 +334,10 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
     o_part = torch.empty((B, num_splits, H, N_Q, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((B, num_splits, H, N_Q), device=q.device, dtype=torch.float32)
     launch_attn_fwd(q, k_cache, v_cache, o_part, lse_part, cache_seqlens, sm_scale, **config)
-    launch_attn_combine(o_part, lse_part, out, lse, BLOCK_S=COMBINE_BLOCK_S, num_warps=4, num_stages=1)
+    # The merge loads the split count rounded up to a power of two per step, at most COMBINE_BLOCK_S:
+    # at 2 splits a 32-wide step costs ~1.6 us more (benchmarks/NOTES.md v20).
+    launch_attn_combine(o_part, lse_part, out, lse, BLOCK_S=min(COMBINE_BLOCK_S, 1 << (num_splits - 1).bit_length()),
+                        num_warps=4, num_stages=1)
     return out, lse
 
 

@@ -82,7 +82,9 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
     (splits past NUM_SPLITS read -inf: weight 0) and one its [BLOCK_S, D] outputs, and chunks merge
     online like key blocks in the forward (running max, rescaled sum and accumulator). Loading one
     split at a time instead costs a memory round trip per split: measured 7% of a batch-1 decoding
-    step at 16 splits (benchmarks/NOTES.md, v4)."""
+    step at 16 splits (benchmarks/NOTES.md, v4). The launcher passes the split count rounded up to a
+    power of two, at most the program's `combine_block_s`: a 32-wide step at 2 splits cost 1.6 us
+    more of a batch-16 step (v20)."""
     dims = tile_spans(program)["offs_d"]
     splits = Span("offs_s", sym.split, sym.BLOCK_S, sym.NUM_SPLITS)
     scalar = lambda name: Buffer(name, (), DT.F32, Space.REG)  # noqa: E731
@@ -158,6 +160,7 @@ def run(program: ir.Program) -> ir.Program:
         doc=kernel.doc.replace("one program per (batch, ", "one program per (batch, split, ", 1),
     )
     combine = combine_kernel(program, o, lse, partials["O"], partials["LSE"])
-    # A chunk of [BLOCK_S, D] float32 outputs: 32 values a thread at 4 warps, at most 32 splits.
+    # A chunk of [BLOCK_S, D] float32 outputs: 32 values a thread at 4 warps, at most 32 splits
+    # (BLOCK_S's upper bound: a launch with fewer splits passes fewer).
     block_s = max(1, min(32, 4096 // program.attr("head_dim_padded")))
     return replace(program, kernels=(kernel, combine)).with_attrs(combine_block_s=block_s)
