@@ -104,6 +104,32 @@ def test_more_splits_than_one_combine_step():
     check(out, lse, q, k, v, seqlens, None, causal=True)
 
 
+@pytest.mark.parametrize("splits,width", [(2, 2), (3, 4), (5, 8), (40, 32)])
+def test_combine_loads_the_split_count_rounded_up_to_a_power_of_two(monkeypatch, splits, width):
+    """The merge's BLOCK_S follows the launch's split count (a 32-wide step at 2 splits cost a
+    batch-16 step 1.1-1.5%, NOTES v20), at most COMBINE_BLOCK_S, and the result stays right where
+    the last step is partly masked (3 and 5 splits) or there are two steps (40)."""
+    from attngen.decode import kvcache_spec
+    from attngen.runtime import load
+
+    module = load(kvcache_spec("fp16", 32, True, None)).module
+    widths, launch = [], module.launch_attn_combine
+
+    def spy(*args, **kw):
+        widths.append(kw["BLOCK_S"])
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(module, "launch_attn_combine", spy)
+    gen = torch.Generator(DEVICE).manual_seed(splits)
+    lengths = [1290, 0, 45]
+    k, v = rand(3, 1290, 1, 32, gen=gen), rand(3, 1290, 1, 32, gen=gen)
+    q = rand(3, 1, 2, 32, gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out, lse = run(q, k, v, seqlens, num_splits=splits)
+    assert widths == [min(width, module.COMBINE_BLOCK_S)]
+    check(out, lse, q, k, v, seqlens, None, causal=True)
+
+
 def test_chunked_prefill_with_queries_longer_than_the_cache():
     """Bottom-right causal: with seqlen_q > cache_seqlens, the first rows see no key (0, -inf)."""
     gen = torch.Generator(DEVICE).manual_seed(3)
