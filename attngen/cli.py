@@ -148,8 +148,8 @@ def cmd_explain(args) -> int:
         programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
         sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
-    if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load
-        sizes["BLOCK_S"] = last.attr("combine_block_s")
+    if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load, as the launch picks it
+        sizes["BLOCK_S"] = min(last.attr("combine_block_s"), 1 << (max(1, sizes["NUM_SPLITS"]) - 1).bit_length())
     forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
     directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:

@@ -14,6 +14,8 @@ BLOCK_S = min(32, next_power_of_2(num_splits)) ("fitted"), at the tuned table's 
 CUDA-graph replays, alternating, twice, on full caches and the tuner's spread lengths; and the merge
 kernel alone on the same partials. Outputs of both are compared. Prediction: the merge 1-2 us faster at
 2-4 splits (batch 16: +1% of the call), unchanged at 16 splits (batch 1).
+Result (NOTES.md v20): the merge 7.7 -> 6.1 us at 2 splits, batch 16 8k +1.1-1.5% (contiguous and paged),
+batch 1 within noise; adopted (templates/attention.py.j2).
 """
 
 from __future__ import annotations

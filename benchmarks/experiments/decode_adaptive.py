@@ -19,12 +19,17 @@ With DIRECT, a sequence of one slice writes its final output and log-sum-exp its
 split, no program's range crosses a (sequence, head) boundary, so there is one pipeline ramp each.
 
 Variants, each a copy of the shipped kernel's loop (BLOCK_M 16: the 4 query heads of a K/V head;
-the tuned tiles of each shape): `fixed S` (the shipped rule: S equal slices; at the tuned S and at 1),
-`adaptive T` (TARGET = T x SMs, combine over all NUM_SPLITS partials), `adaptive T direct`.
-Beside them the shipped call (tuned and one split) and SDPA's cuDNN backend; CUDA-graph replays, full
-caches, the tuner's spread lengths and lengths uniform in [1, capacity]. Prediction: `adaptive 1
-direct` within 1% of the best fixed count on every mix; batch 16 8k full +3% over the tuned call;
-batch 1 within 1% (the extra lengths load overlaps the own-length load).
+the tuned tiles of each shape), all with DIRECT where adaptive: `fixed tuned` (the shipped rule, S equal
+slices at the tuned S, sequence-major grid as shipped), `fixed tuned SM` (the same, split-major grid:
+every sequence's first slice first), `fixed 1`, `ad T cap tuned` / `ad T cap 16` (TARGET = T x SMs,
+at most the tuned S / 16 slices, split-major), `ad 1 cap 16 bmaj` (sequence-major). Beside them the
+shipped call (tuned and one split) and SDPA's cuDNN backend; CUDA-graph replays, full caches, the
+tuner's spread lengths and lengths uniform in [1, capacity]. Prediction: adaptive within 1% of the best
+fixed count on every mix; batch 16 8k full +3% over the tuned call; batch 1 within 1% (the extra
+lengths load overlaps the own-length load).
+Result (NOTES.md v20): lost on full caches and the tuner's spread, +4-9% only on uniform lengths at
+batch 16; programs with nothing to do cost ~9 ns of the call each, more in sequence-major order. A
+by-product: the copy's merge, BLOCK_S fitted to the split count, was faster (combine_width.py).
 """
 
 from __future__ import annotations
