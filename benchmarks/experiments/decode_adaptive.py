@@ -231,32 +231,42 @@ def reference(q, k, v, lens):
     return out, lse
 
 
-def check(device: str) -> int:
-    """Every variant against float64: odd lengths, an empty sequence, block edges, 1-5 splits."""
+CHECK_CASES = (([0, 1, 63, 64, 65, 200], 3), ([130, 7, 256, 129], 5), ([300], 4), ([64, 64], 1))
+
+
+def check_variants(device: str, make_variants, cases=CHECK_CASES) -> int:
+    """Every variant `make_variants(splits)` gives ([(label, variant)]) against float64 on small odd
+    cases (empty, one-key and block-edge lengths); returns the number of failures."""
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for lens, splits in (([0, 1, 63, 64, 65, 200], 3), ([130, 7, 256, 129], 5), ([300], 4), ([64, 64], 1)):
+    for lens, splits in cases:
         batch, cap, heads, h_kv, d = len(lens), 320, 8, 2, 64
         q = torch.randn(batch, 1, heads, d, generator=gen).to(torch.float16).to(device)
         k = torch.randn(batch, cap, h_kv, d, generator=gen).to(torch.float16).to(device)
         v = torch.randn(batch, cap, h_kv, d, generator=gen).to(torch.float16).to(device)
         ln = torch.tensor(lens, dtype=torch.int32, device=device)
         want_o, want_lse = reference(q, k, v, lens)
-        for target, direct, major in ((0, False, False), (0, False, True), (1, False, True), (1, True, False),
-                                      (1, True, True), (3, True, True), (16, True, True), (16, False, False)):
-            if True:
-                var = Variant("check", splits, target, direct, dict(BLOCK_N=16, num_warps=4, num_stages=1), major)
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full((batch, heads), float("nan"), device=device)
-                var.run(q, k, v, ln, out, lse, var.buffers(q))
-                err = (out.double().cpu() - want_o).abs().max().item()
-                same_lse = torch.allclose(lse.double().cpu(), want_lse, atol=1e-3, equal_nan=False)
-                ok = err < 2e-2 and same_lse
-                failures += not ok
-                print(f"lens {lens} splits {splits} target {target} direct {direct} split-major {major}: max err {err:.2e} lse "
-                      f"{'ok' if same_lse else 'WRONG'} {'ok' if ok else 'FAIL'}", flush=True)
+        for label, var in make_variants(splits):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((batch, heads), float("nan"), device=device)
+            var.run(q, k, v, ln, out, lse, var.buffers(q))
+            err = (out.double().cpu() - want_o).abs().max().item()
+            same_lse = torch.allclose(lse.double().cpu(), want_lse, atol=1e-3, equal_nan=False)
+            ok = err < 2e-2 and same_lse
+            failures += not ok
+            print(f"lens {lens} splits {splits} {label}: max err {err:.2e} lse "
+                  f"{'ok' if same_lse else 'WRONG'} {'ok' if ok else 'FAIL'}", flush=True)
     print("all ok" if not failures else f"{failures} FAILED")
-    return 1 if failures else 0
+    return failures
+
+
+def check(device: str) -> int:
+    """Every variant against float64: odd lengths, an empty sequence, block edges, 1-5 splits."""
+    tiles = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    ways = ((0, False, False), (0, False, True), (1, False, True), (1, True, False), (1, True, True), (3, True, True),
+            (16, True, True), (16, False, False))
+    return 1 if check_variants(device, lambda splits: [
+        (f"target {t} direct {d} split-major {m}", Variant("check", splits, t, d, tiles, m)) for t, d, m in ways]) else 0
 
 
 def main() -> int:
