@@ -32,6 +32,12 @@ for stage in "$@"; do
       timeout 420 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --max-configs 72 \
         --values block_n=64,128 num_warps=4 num_stages=3,4,5,6 >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       timeout 120 $TUNE specs/prefill_paged64_d128.attn --kind decode >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
+      # short caches at batch 16 and 64 (hundreds of short programs: fewer stages mean more of them to
+      # an SM): fewer warps and stages than the search above, one split (two lost in a sweep, NOTES v20),
+      # replacing its 1k entries for those batches
+      timeout 200 $TUNE specs/decode_d128.attn specs/decode_paged16_d128.attn --kind decode --seqlens 1:1024 \
+        --batch 16 64 --max-configs 20 --values block_n=32,64 num_warps=1,2,4 num_stages=2,3,4 num_splits=1 \
+        >> "$OUT/tune.txt" 2>> "$OUT/tune_progress.txt"
       mkdir -p "$OUT/tuned"; cp attngen/tuned/*.json "$OUT/tuned/"
       grep -v "^ *\(ok\|skipped\|failed\|rejected\)" "$OUT/tune.txt" | cut -c1-230 | tail -40 ;;
     tunebackward)

@@ -1,6 +1,10 @@
 """Experiment: batch-16 decode on full caches, a wider launch grid than the tuner's, cuDNN beside it.
 
-    python benchmarks/experiments/decode_b16.py OUT_DIR [CONTEXT ...]   (GPU; default 8192)
+    python benchmarks/experiments/decode_b16.py OUT_DIR [CONTEXT ...] [--batch=N] [--wide]   (GPU; default 8192, 16)
+
+(--batch=N: another batch; --wide: the grid for short caches, 16-64 keys a block x 1-4 warps x 2-6
+stages x 1-2 splits; NOTES v20 ran `--batch=64 --wide 1024`. The best four are timed again against the
+tuned config, alternating, best of three: one-after-another timings drift by 1-2%.)
 
 Batch 16 is the decode target attngen misses by the least (0.94-0.97x cuDNN, NOTES v15). Nsight Compute
 (NOTES v17) showed cuDNN running one split there: 128 CTAs, 86 KB of shared memory, 92.5% of DRAM peak,
@@ -35,11 +39,13 @@ def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out_dir = args[0] if args else "."
     contexts = [int(a) for a in args[1:]] or [8192]
+    opts = [a for a in sys.argv[1:] if a.startswith("--")]
+    batch = next((int(a.split("=", 1)[1]) for a in opts if a.startswith("--batch=")), 16)
+    wide = "--wide" in opts  # short caches: 16-64 keys a block, 1-4 warps, 1-2 splits
     os.makedirs(out_dir, exist_ok=True)
     part = attngen.load(os.path.join(ROOT, "specs/decode_d128.attn")).tuner("kvcache")
     rows = []
     for ctx in contexts:
-        batch = 16
         shape = Shape(batch, H, H_KV, 1, ctx)
         gen = torch.Generator("cuda").manual_seed(ctx)
         x = dict(part.tuning_inputs(shape, "cuda", gen))
@@ -51,9 +57,13 @@ def main() -> int:
         k, v = x["k"], x["v"]  # (B, S, H_KV, D) storage
         ms, how = sdpa("CUDNN_ATTENTION", x["q"], k, v)
         cudnn = nbytes / (ms * 1e-3) / 1e9
-        print(f"batch 16, {ctx}: cuDNN {cudnn:.0f} GB/s ({how})", flush=True)
-        candidates = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
-                      for sp in (1, 2) for bn in (32, 64, 128) for w in (4, 8) for s in range(2, 9)]
+        print(f"batch {batch}, {ctx}: cuDNN {cudnn:.0f} GB/s ({how})", flush=True)
+        if wide:
+            candidates = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
+                          for sp in (1, 2) for bn in (16, 32, 64) for w in (1, 2, 4) for s in range(2, 7)]
+        else:
+            candidates = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
+                          for sp in (1, 2) for bn in (32, 64, 128) for w in (4, 8) for s in range(2, 9)]
         candidates, pruned = space_.prune(part, candidates, Target.current())
         for config in candidates:
             row = {"context": ctx, "config": config, "cudnn": cudnn}
@@ -72,11 +82,27 @@ def main() -> int:
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    with open(os.path.join(out_dir, "decode_b16.json"), "w") as f:
+        # the sweep times one candidate after another (1-2% of drift, NOTES v20): the best four and the
+        # tuned config again, alternating, best of three
+        tuned = {k: v for k, v in part.config(shape, 0).items() if k != "BLOCK_M"}
+        ok = sorted((r for r in rows if r["context"] == ctx and "GB/s" in r), key=lambda r: -r["GB/s"])
+        finals = [("tuned", tuned)] + [(space_.describe(r["config"]), r["config"]) for r in ok[:4]]
+        times = {name: [] for name, _ in finals}
+        for rep in range(3):
+            for name, config in (finals if rep % 2 == 0 else finals[::-1]):
+                times[name].append(bench_graph(lambda config=config: part.tuning_run(x, config)))
+        final = {name: nbytes / (min(t) * 1e-3) / 1e9 for name, t in times.items()}
+        rows.append({"context": ctx, "alternating": final, "tuned": tuned, "cudnn": cudnn})
+        print(f"  alternating, best of three (GB/s, vs cuDNN {cudnn:.0f}): "
+              + ", ".join(f"{n} {g:.0f} ({g / cudnn:.3f})" for n, g in final.items()), flush=True)
+    with open(os.path.join(out_dir, f"decode_b{batch}.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(f"\n{torch.cuda.get_device_name()}: batch 16 decode, full caches, best eight per context (GB/s, vs cuDNN)")
+    print(f"\n{torch.cuda.get_device_name()}: batch {batch} decode, full caches, best eight per context (GB/s, vs cuDNN)")
     for ctx in contexts:
         ok = sorted((r for r in rows if r["context"] == ctx and "GB/s" in r), key=lambda r: -r["GB/s"])
+        alt = next(r for r in rows if r["context"] == ctx and "alternating" in r)
+        print(f"  {ctx:6d} alternating: " + ", ".join(f"{n} {g:.0f} ({g / alt['cudnn']:.3f})"
+                                                     for n, g in alt["alternating"].items()))
         for r in ok[:8]:
             print(f"  {ctx:6d} {r['GB/s']:6.0f} {r['vs cudnn']:.3f}  {space_.describe(r['config'])}")
     return 0
