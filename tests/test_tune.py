@@ -137,6 +137,36 @@ def test_budget_keeps_the_default_first_then_its_neighbours():
 # -- the validation gate -------------------------------------------------------------------------
 
 
+def test_the_best_few_are_timed_again_alternating_and_the_runoff_decides(monkeypatch):
+    """A candidate whose first timing was low by luck (the order of measurement, NOTES v20) loses the
+    runoff: the best `runoff` are timed again in alternating rounds and the median of its rounds
+    decides, among the finalists only."""
+    kernel = kernel_for("runoff")
+    real, seen, timed = type(kernel).tuning_run, [], []
+    first = {16: 1.0, 32: 2.0, 64: 3.0}   # block_m -> the first timing: 16 looks fastest
+    later = {16: 5.0, 32: 2.0, 64: 3.0}   # and is the slowest when timed again
+
+    def run(inputs, config, poison=False):
+        seen.append(config["BLOCK_M"])
+        return real(kernel, inputs, config, poison=poison)
+
+    def timer(fn, rep_ms, cuda):
+        fn()
+        m = seen[-1]
+        timed.append(m)
+        return (first if timed.count(m) == 1 else later)[m]
+
+    monkeypatch.setattr(kernel, "tuning_run", run)
+    values = dict(TINY, block_m=(16, 32, 64))
+    alone = tune(kernel, [SHAPE], values=values, timer=timer, runoff=0)
+    assert alone.best[0].trial.config["BLOCK_M"] == 16 and len(timed) == 3
+    timed.clear()
+    outcome = tune(kernel, [SHAPE], values=values, timer=timer, runoff=2)
+    assert timed[3:] == [16, 32, 32, 16, 16, 32]  # the two best, three rounds, alternating
+    assert outcome.best[0].trial.config["BLOCK_M"] == 32 and outcome.best[0].ms == 2.0
+    assert {t.config["BLOCK_M"]: t.ms[outcome.best[0].bucket] for t in outcome.trials} == {16: 5.0, 32: 2.0, 64: 3.0}
+
+
 def test_a_wrong_candidate_is_rejected_reported_and_never_chosen(monkeypatch):
     kernel = kernel_for("gate")
     wrong = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}

@@ -15,6 +15,10 @@ further inputs per bucket (`kernel.tuning_variants(inputs)`: decoding times ever
 of spread lengths and again with every sequence at capacity); each candidate is then validated and timed
 on each, and the best is the one whose worst ratio to the fastest candidate on any of them is least
 (a config tuned on one length mix alone can cost 4-5% on the other), ties to the lower first median.
+  4. runoff (on a GPU): candidates timed one after another drift by 1-2% with the order they ran in
+     (benchmarks/NOTES.md v20), as much as the gaps between the best few. The best RUNOFF of a bucket
+     are timed again, RUNOFF_ROUNDS times on each input, in alternating order (forward, backward, ...);
+     each finalist's time is the median of its rounds, and the best is chosen again by the same rule.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from .key import Device, Shape, bucket
 DEFAULT_BUDGET = 16
 INTERPRETER_BUDGET = 4
 DEFAULT_REP_MS = 25
+RUNOFF = 4         # finalists re-timed per bucket on a GPU (0: none; the interpreter's timings mean nothing)
+RUNOFF_ROUNDS = 3  # alternating rounds of the runoff
 
 
 @dataclass
@@ -148,13 +154,15 @@ def _unique_buckets(shapes: list[Shape]) -> list[tuple[str, Shape]]:
 
 
 def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int | None = None,
-         rep_ms: int = DEFAULT_REP_MS, seed: int = 0, target=None, progress=None, timer=bench) -> Outcome:
+         rep_ms: int = DEFAULT_REP_MS, seed: int = 0, target=None, progress=None, timer=bench,
+         runoff: int | None = None) -> Outcome:
     """Search the kernel's tile space at these shapes on the device at hand; nothing is saved.
 
     `values` narrows keys the spec leaves auto; `budget` caps the candidates tried (default: 16 on
     a GPU, 4 in the interpreter); `progress(done, total, text)` is told before each step; `timer`
-    (fn, rep_ms, cuda) -> ms is `bench` unless a test replaces it. Shapes that fall in one bucket
-    are tuned once, at the first of them.
+    (fn, rep_ms, cuda) -> ms is `bench` unless a test replaces it; `runoff` finalists per bucket are
+    timed again, alternating (default RUNOFF on a GPU, none in the interpreter). Shapes that fall in
+    one bucket are tuned once, at the first of them.
     """
     from ..resources import Target
     from ..runtime import interpreting
@@ -165,6 +173,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     target = target or Target.current()
     if budget is None:
         budget = DEFAULT_BUDGET if cuda else INTERPRETER_BUDGET
+    if runoff is None:
+        runoff = RUNOFF if cuda else 0
     space = space_.restrict(kernel.tuning_space(), values)
     candidates = space_.candidates(space)
     canonical = getattr(kernel, "tuning_canonical", None)
@@ -192,24 +202,39 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
             _measure(kernel, trial, b, runs[b], rep_ms, cuda, timer)
             if trial.status != "ok":
                 break
+    passed = [t for t in trials if t.status == "ok"]
+    # the candidates each bucket's best is chosen from: its finalists, all timed again alike, where
+    # there was a runoff (a finalist's first time may have been low by luck), else every passing one
+    pools, finals = {b: passed for b, _ in buckets}, 0
+    for b, shape in buckets:
+        finalists = ranked(passed, b)[:runoff]
+        if len(finalists) > 1:
+            if progress:
+                progress(steps, steps, f"runoff of the best {len(finalists)} at {shape}")
+            _runoff(kernel, finalists, b, runs[b], rep_ms, cuda, timer)
+            finals = max(finals, len(finalists))
+            pools[b] = [t for t in finalists if t.status == "ok"] or [t for t in passed if t.status == "ok"]
     if progress:
         progress(steps, steps, "done")
 
     best, missing = [], []
-    passed = [t for t in trials if t.status == "ok"]
+    passed = [t for t in passed if t.status == "ok"]
     default_trial = next((t for t in passed if t.config == default), None)
     for b, shape in buckets:
-        if not passed:
+        pool = [t for t in pools[b] if t.status == "ok"]
+        if not pool:
             missing.append(shape)
             continue
-        winner, fastest = choose(passed, b)
+        winner, fastest = choose(pool, b)
         seconds = max(winner.ms[b] * 1e-3, 1e-12)
         moved = getattr(kernel, "tuning_bytes", lambda shape: None)(shape)  # bytes, for memory-bound kernels
         gbps = None if moved is None else moved / seconds / 1e9
         best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / seconds / 1e12,
                          default_trial.ms[b] if default_trial else None, gbps,
                          {name: (winner.also[b][name], ms) for name, ms in fastest.items()}))
-    timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement)" if cuda else
+    timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement"
+              + (f"; the best {finals} of each bucket: median of {RUNOFF_ROUNDS} alternating rounds)" if finals else ")")
+              if cuda else
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
     return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space,
@@ -217,20 +242,54 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
                    total - len(candidates))
 
 
-def choose(passed: list, b: str) -> tuple[Trial, dict]:
-    """The best of the passing trials at bucket b, and the fastest median on each further input there:
-    with further inputs, the trial whose worst ratio to the fastest on any input is least (ties: the
-    lower median on the first inputs); else the lowest median."""
+def ranked(passed: list, b: str) -> list:
+    """The passing trials at bucket b, best first (the rule of `choose`)."""
+    if not passed:
+        return []
     names = list(passed[0].also.get(b, {}))
     if not names:
-        return min(passed, key=lambda t: t.ms[b]), {}
+        return sorted(passed, key=lambda t: t.ms[b])
     first = min(t.ms[b] for t in passed)
     fastest = {name: min(t.also[b][name] for t in passed) for name in names}
 
     def worst(t: Trial) -> float:
         return max([t.ms[b] / first] + [t.also[b][name] / fastest[name] for name in names])
 
-    return min(passed, key=lambda t: (worst(t), t.ms[b])), fastest
+    return sorted(passed, key=lambda t: (worst(t), t.ms[b]))
+
+
+def choose(passed: list, b: str) -> tuple[Trial, dict]:
+    """The best of the passing trials at bucket b, and the fastest median on each further input there:
+    with further inputs, the trial whose worst ratio to the fastest on any input is least (ties: the
+    lower median on the first inputs); else the lowest median."""
+    names = list(passed[0].also.get(b, {}))
+    fastest = {name: min(t.also[b][name] for t in passed) for name in names}
+    return ranked(passed, b)[0], fastest
+
+
+def _runoff(kernel, finalists: list, b: str, runs: list, rep_ms: int, cuda: bool, timer) -> None:
+    """Time the finalists again on each input, RUNOFF_ROUNDS rounds in alternating order, and give each
+    the median of its rounds (one-after-another timings drift with their order: NOTES v20)."""
+    times = {(id(t), name): [] for t in finalists for name, _ in runs}
+    for round_ in range(RUNOFF_ROUNDS):
+        for trial in (finalists if round_ % 2 == 0 else finalists[::-1]):
+            for name, inputs in runs:
+                if trial.status != "ok":
+                    continue
+                fn = lambda trial=trial, inputs=inputs: kernel.tuning_run(inputs, trial.config)  # noqa: E731
+                try:
+                    if cuda and getattr(kernel, "tuning_graph", False):
+                        fn = graphed(fn)
+                    times[(id(trial), name)].append(timer(fn, rep_ms, cuda))
+                except Exception as e:  # noqa: BLE001 - it ran before; if it fails now it is out
+                    trial.status, trial.reason = "failed", "in the runoff: " + _error(e)
+    for trial in (t for t in finalists if t.status == "ok"):
+        for name, _ in runs:
+            ms = statistics.median(times[(id(trial), name)])
+            if name:
+                trial.also[b][name] = ms
+            else:
+                trial.ms[b] = ms
 
 
 def _measure(kernel, trial: Trial, b: str, runs: list, rep_ms: int, cuda: bool, timer) -> None:
