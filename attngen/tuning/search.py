@@ -233,7 +233,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
                          default_trial.ms[b] if default_trial else None, gbps,
                          {name: (winner.also[b][name], ms) for name, ms in fastest.items()}))
     timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement"
-              + (f"; the best {finals} of each bucket: median of {RUNOFF_ROUNDS} alternating rounds)" if finals else ")")
+              + (f"; the best {finals} of each bucket re-timed, median of {RUNOFF_ROUNDS} alternating rounds)"
+                 if finals else ")")
               if cuda else
               "wall-clock median in Triton's CPU interpreter: the path, the validation gate and the cache "
               "are real, the speeds are meaningless")
