@@ -46,7 +46,7 @@ def main() -> int:
     import attngen
     from attngen.tuning import Shape
     from attngen.tuning.search import bench, graphed
-    from common import build_variants, write_rows
+    from common import alternate_modules, build_variants, module_outputs, write_rows
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
@@ -70,19 +70,9 @@ def main() -> int:
                     lens = torch.full_like(x["lens"], ctx) if mix == "full" else x["lens"]
                     xl = dict(x, lens=lens)
                     row = {"spec": spec, "batch": batch, "context": ctx, "mix": mix, "config": config}
-                    outs = {}
-                    for name, module in variants.items():
-                        part.kernel.module = module
-                        part.tuning_run(xl, config, poison=True)
-                        torch.cuda.synchronize()
-                        outs[name] = xl["out"].clone()
+                    outs = module_outputs(part, variants, xl, config)
                     row["max diff"] = (outs["32"].float() - outs["fitted"].float()).abs().max().item()
-                    nbytes = 2 * int(lens.sum()) * 8 * 128 * 2
-                    for rep in range(2):
-                        for name, module in (variants.items() if rep == 0 else reversed(variants.items())):
-                            part.kernel.module = module
-                            ms = bench(graphed(lambda: part.tuning_run(xl, config)), 50, True)
-                            row.setdefault(name, []).append(nbytes / (ms * 1e-3) / 1e9)
+                    alternate_modules(part, variants, xl, config, 2 * int(lens.sum()) * 8 * 128 * 2, row)
                     if splits > 1 and mix == "full":  # the merge alone, on partials of this shape
                         h = 32
                         o_part = torch.randn(batch, splits, h, 1, 128, device="cuda")

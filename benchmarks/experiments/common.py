@@ -31,6 +31,31 @@ def build_variants(source: str, variants: dict, tag: str) -> dict:
     return modules
 
 
+def module_outputs(part, variants: dict, inputs: dict, config: dict) -> dict:
+    """{name: output} of a tuner part's call (outputs poisoned first) with each variant module in turn."""
+    import torch
+
+    outs = {}
+    for name, module in variants.items():
+        part.kernel.module = module
+        part.tuning_run(inputs, config, poison=True)
+        torch.cuda.synchronize()
+        outs[name] = inputs["out"].clone()
+    return outs
+
+
+def alternate_modules(part, variants: dict, inputs: dict, config: dict, nbytes: int, row: dict, rounds: int = 2):
+    """Time the call with each variant module as CUDA-graph replays, `rounds` rounds in alternating order
+    (timings taken one after another drift by 1-2%, NOTES v20); append each round's GB/s to row[name]."""
+    from attngen.tuning.search import bench, graphed
+
+    for rep in range(rounds):
+        for name, module in (variants.items() if rep % 2 == 0 else reversed(variants.items())):
+            part.kernel.module = module
+            ms = bench(graphed(lambda: part.tuning_run(inputs, config)), 50, True)
+            row.setdefault(name, []).append(nbytes / (ms * 1e-3) / 1e9)
+
+
 def quick_graph(fn) -> float:
     """fn captured in a CUDA graph; median ms of its replays (do_bench, 25 ms: a sweep measurement)."""
     import torch

@@ -43,8 +43,7 @@ def unzeroed(text: str) -> str:
 def main() -> int:
     import attngen
     from attngen.tuning import Shape
-    from attngen.tuning.search import bench, graphed
-    from common import build_variants, write_rows
+    from common import alternate_modules, build_variants, module_outputs, write_rows
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
@@ -65,19 +64,9 @@ def main() -> int:
                 lens = torch.full_like(x["lens"], ctx) if full else x["lens"]
                 xl = dict(x, lens=lens)
                 row = {"batch": batch, "context": ctx, "mix": mix, "config": config}
-                outs = {}
-                for name, module in variants.items():
-                    paged.kernel.module = module
-                    paged.tuning_run(xl, config, poison=True)
-                    torch.cuda.synchronize()
-                    outs[name] = xl["out"].clone()
+                outs = module_outputs(paged, variants, xl, config)
                 row["max diff"] = (outs["zeroed"].float() - outs["unzeroed"].float()).abs().max().item()
-                nbytes = 2 * int(lens.sum()) * 8 * 128 * 2
-                for rep in range(2):
-                    for name, module in (variants.items() if rep == 0 else reversed(variants.items())):
-                        paged.kernel.module = module
-                        ms = bench(graphed(lambda: paged.tuning_run(xl, config)), 50, True)
-                        row.setdefault(name, []).append(nbytes / (ms * 1e-3) / 1e9)
+                alternate_modules(paged, variants, xl, config, 2 * int(lens.sum()) * 8 * 128 * 2, row)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del x
