@@ -10,10 +10,15 @@ zeros), triton.testing.do_bench medians:
   attngen contig 1 split the same with num_splits=1 (what split-KV buys)
   attngen paged 16 / 64  the same tokens in a pool of 16- or 64-token pages, pages shuffled
   ... [graph]            the same call captured in a CUDA graph and replayed (no Python launch cost)
-  sdpa flash / cudnn     torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION backend on the
-                         contiguous cache viewed (B, 8, ctx, 128), enable_gqa=True (or, where a
-                         backend refuses GQA, the K/V heads repeated to 32: noted as "expanded"),
-                         timed as CUDA-graph replays
+  sdpa flash / cudnn / efficient
+                         torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION
+                         backend on the contiguous cache viewed (B, 8, ctx, 128), enable_gqa=True (or,
+                         where a backend refuses GQA, the K/V heads repeated to 32: noted as
+                         "expanded"), timed as CUDA-graph replays
+  flex                   FlexAttention, compiled (static shapes, dynamo's recompile limit raised so
+                         it never falls back to eager), enable_gqa=True, no mask: a full cache
+  naive                  softmax(q k^T) v in PyTorch, the 4 query heads of a K/V head as one matmul
+  (every peer's output is checked against attngen contiguous before it is timed)
   ... [layers]           one decoding step of a model: L layers' attention back to back in one CUDA
                          graph, each layer on its own cache (L = 256 MB / one layer's K/V, 1 to 16,
                          so the caches do not fit in L2 together), time / L. A replay of one call
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -91,17 +98,12 @@ def paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor) -> torch.Tens
     return pool
 
 
-def sdpa(backend, q, k, v, caches=None):
-    """Time torch SDPA with one backend as CUDA-graph replays: one call on (k, v), or with `caches`
-    (a list of (k, v), one per layer) the per-layer time of all of them in one graph. GQA through
-    enable_gqa, or, where the backend refuses it, with the K/V heads repeated ("expanded")."""
+def _sdpa(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kind = getattr(SDPBackend, backend)
-    q4 = q.transpose(1, 2)
 
-    def call(kl, vl, expand):
-        k4, v4 = kl.transpose(1, 2), vl.transpose(1, 2)
+    def make(q4, k4, v4, expand):
         if expand:
             k4, v4 = k4.repeat_interleave(H // H_KV, dim=1), v4.repeat_interleave(H // H_KV, dim=1)
 
@@ -109,19 +111,91 @@ def sdpa(backend, q, k, v, caches=None):
             with sdpa_kernel(kind):
                 return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=not expand)
         return fn
+    return make
 
+
+_flex = []  # the compiled flex_attention, made on first use (compiling it costs seconds)
+
+
+def _flex_call(q4, k4, v4, expand):
+    if expand:
+        return None  # FlexAttention takes GQA as it is
+    if not _flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 256  # one compile per shape, never a fall back to eager
+        torch._dynamo.config.cache_size_limit = 256
+        _flex.append(torch.compile(flex_attention, dynamic=False))
+    return lambda: _flex[0](q4, k4, v4, enable_gqa=True)
+
+
+def _naive_call(q4, k4, v4, expand):
+    if expand:
+        return None  # takes GQA as it is
+    b, h, n_q, d = q4.shape
+    qg = q4.reshape(b, H_KV, (h // H_KV) * n_q, d)  # the query heads of one K/V head are adjacent
+    scale = 1.0 / d ** 0.5
+
+    def fn():
+        p = torch.softmax((qg @ k4.transpose(-1, -2)).float() * scale, dim=-1).to(q4.dtype)
+        return (p @ v4).view(b, h, n_q, d)
+    return fn
+
+
+def sdpa(backend, q, k, v, caches=None):
+    """One SDPA backend timed as `peer` times it (the experiments' cuDNN column)."""
+    return peer(_sdpa(backend), q, k, v, None, caches)
+
+
+# name -> make(q4, k4, v4, expand) -> fn(): a peer's decode call on (B, heads, seq, d) views, with
+# the K/V heads repeated to H if `expand` (None: this peer takes GQA as it is)
+PEERS = {
+    "sdpa flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "flex": _flex_call,
+    "naive": _naive_call,
+}
+
+
+def peer(make, q, k, v, want=None, caches=None):
+    """Time one peer as CUDA-graph replays: one call on (k, v), or with `caches` (a list of (k, v),
+    one per layer) the per-layer time of all of them in one graph. GQA as the peer takes it, or,
+    where it refuses, with the K/V heads repeated ("expanded"). Its output on (k, v) must match
+    `want` (attngen's, (B, 1, H, D)) if given. Returns (ms, note), ms None where it cannot run or
+    disagrees."""
+    q4 = q.transpose(1, 2)
     error = None
     for expand in (False, True):
+        fns = None
         try:
-            fns = [call(kl, vl, expand) for kl, vl in (caches or [(k, v)])]
-            bench(fns[0])  # raises where the backend refuses these inputs
+            fns = [make(q4, kl.transpose(1, 2), vl.transpose(1, 2), expand) for kl, vl in (caches or [(k, v)])]
+            if fns[0] is None:
+                break
+            with warnings.catch_warnings():  # SDPA warns before it refuses enable_gqa: the refusal is the note
+                warnings.simplefilter("ignore")
+                out = fns[0]()  # raises where the peer refuses these inputs
+            err = 0.0 if want is None else (out.transpose(1, 2).float() - want.float()).abs().max().item()
+            if not err <= 2e-2:
+                return None, f"error: disagrees with attngen (max |diff| {err:.1e})"
             ms = bench_layers(fns) if caches else bench_graph(fns[0])
             return ms, ("expanded heads" if expand else "gqa") + ", CUDA graph"
-        except Exception as e:  # noqa: BLE001 - the backend may refuse enable_gqa: repeat the heads
+        except Exception as e:  # noqa: BLE001 - a peer may refuse enable_gqa: repeat the heads
             error = e
         finally:
-            fns = None
-    return None, f"error: {type(error).__name__}: {str(error)[:100]}"
+            del fns
+            torch.cuda.empty_cache()
+    return None, f"error: {type(error).__name__}: {_reason(error)}"
+
+
+def _reason(error: Exception) -> str:
+    """An exception's first line, and the innermost error named in the rest (Inductor's errors carry
+    the real reason, e.g. a Triton CompilationError, many lines down)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    inner = [line for line in lines[1:] if re.search(r"[A-Za-z]+Error\b", line)]
+    return lines[0][:100] + (f" ... {inner[-1][:200]}" if inner else "")
 
 
 def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
@@ -155,8 +229,8 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
         if err > 2e-2:
             raise SystemExit(f"paged {page} disagrees with contiguous at B={batch} ctx={ctx}: {err}")
         del kp, vp
-    for backend, name in (("FLASH_ATTENTION", "sdpa flash"), ("CUDNN_ATTENTION", "sdpa cudnn")):
-        ms, note = sdpa(backend, q, k, v)
+    for name, make in PEERS.items():
+        ms, note = peer(make, q, k, v, ref)
         record(name, ms, note)
     layers = layer_count(batch, ctx)
     caches = [(k, v)] + [(torch.randn(k.shape, device="cuda", dtype=DTYPE, generator=gen),
@@ -170,9 +244,9 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
     record("attngen paged 16 [layers]", bench_layers([
         (lambda kp=kp, vp=vp: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)) for kp, vp in pools]), note)
     del pools
-    for backend, name in (("FLASH_ATTENTION", "sdpa flash [layers]"), ("CUDNN_ATTENTION", "sdpa cudnn [layers]")):
-        ms, why = sdpa(backend, q, k, v, caches)
-        record(name, ms, f"{note}; {why}")
+    for name, make in PEERS.items():
+        ms, why = peer(make, q, k, v, ref, caches)
+        record(f"{name} [layers]", ms, f"{note}; {why}")
     del q, k, v, caches
     torch.cuda.empty_cache()
     return row

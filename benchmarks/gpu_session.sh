@@ -6,8 +6,10 @@
 #   tunedecode, tunebackward   the KV-cache kernels (a wide search) / the backward kernels and train_d128's forward
 #   compare  benchmarks/tuned_vs_default.py: tuned vs default vs FlexAttention, d=128 N=4096
 #   compile  benchmarks/compile_time.py: first call, cached second process, one binary for all lengths
-#   decode   attngen bench --suite decode (contiguous, paged 16 and 64, cuDNN, SDPA flash)
+#   decode   attngen bench --suite decode (contiguous, paged 16 and 64; SDPA's flash, cuDNN and
+#            efficient backends, FlexAttention, naive)
 #   prefill  attngen bench --suite prefill, both directions, d=64 and 128, N 512..16384
+#            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
 set -uo pipefail
@@ -52,7 +54,7 @@ for stage in "$@"; do
       timeout 150 python3 benchmarks/compile_time.py -o "$OUT/compile_$SLUG.json" 2>&1 | tail -12 ;;
     decode|prefill)
       mkdir -p "$OUT/bench"; cp "benchmarks/results/$SLUG.json" "$OUT/bench/" 2>/dev/null
-      timeout 400 python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
+      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -19,7 +19,7 @@ STYLE = {"attngen": ("tab:red", "o"), "flex": ("tab:blue", "s"), "sdpa_flash": (
 # attngen's decode variants, in reds and browns, apart from the peers' colours above.
 DECODE_COLORS = {"attngen_contiguous_graph": "tab:red", "attngen_paged_16_graph": "darkred",
                  "attngen_contiguous": "salmon", "attngen_paged_16": "rosybrown", "attngen_paged_64": "sienna",
-                 "attngen_contig_1_split": "orange", "attngen_contiguous_layers": "crimson",
+                 "attngen_contig_1_split": "chocolate", "attngen_contiguous_layers": "crimson",
                  "attngen_paged_16_layers": "maroon"}
 
 
@@ -39,7 +39,7 @@ def plot_prefill(rows, device, slug, out_dir):
         panels = sorted({(r["params"]["head_dim"], r["params"]["causal"]) for r in sel})
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
         for ax, (d, causal) in zip(axes[0], panels):
-            for provider in sorted({r["provider"] for r in sel}, key=lambda p: p != "attngen"):
+            for provider in sorted({r["provider"] for r in sel}, key=lambda p: (p != "attngen", p)):
                 pts = sorted((r["params"]["seqlen"], r["tflops"]) for r in sel
                              if r["provider"] == provider and (r["params"]["head_dim"], r["params"]["causal"]) == (d, causal))
                 if pts:
@@ -70,7 +70,7 @@ def plot_decode(rows, device, slug, out_dir):
     batches = sorted({r["params"]["batch"] for r in sel})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.6), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for provider in sorted({r["provider"] for r in sel}, key=lambda p: not p.startswith("attngen")):
+        for provider in sorted({r["provider"] for r in sel}, key=lambda p: (not p.startswith("attngen"), p)):
             pts = sorted((r["params"]["context"], r["gbps"]) for r in sel if r["provider"] == provider and r["params"]["batch"] == batch)
             if pts:
                 color, marker = _style(provider)
@@ -83,11 +83,13 @@ def plot_decode(rows, device, slug, out_dir):
         ax.set_xlabel("context length")
         ax.set_ylabel("GB/s of K/V read")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    # one legend for the three panels, right of them: the providers are the same in each
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"decode, bf16, 32 query / 8 KV heads, d=128 -- {device}")
     fig.tight_layout()
     path = os.path.join(out_dir, f"{slug}_decode.png")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [path]
 
