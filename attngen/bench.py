@@ -65,18 +65,31 @@ def _naive(q, k, v, causal):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+_FLEX = []
+
+
+def compiled_flex_attention():
+    """flex_attention compiled as the peer is measured: static shapes (one compile per shape), with
+    dynamo's recompile limit raised so that it never falls back to eager; one per process."""
+    if not _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.cache_size_limit = 256
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
+
+
 def prefill_providers(causal: bool) -> dict:
     """name -> f(q, k, v) -> out, each differentiable."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     import attngen
 
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.cache_size_limit = 256
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex_attention()
     masks = {}
 
     def run_flex(q, k, v):

@@ -114,19 +114,13 @@ def _sdpa(backend):
     return make
 
 
-_flex = []  # the compiled flex_attention, made on first use (compiling it costs seconds)
-
-
 def _flex_call(q4, k4, v4, expand):
     if expand:
         return None  # FlexAttention takes GQA as it is
-    if not _flex:
-        from torch.nn.attention.flex_attention import flex_attention
+    from .bench import compiled_flex_attention
 
-        torch._dynamo.config.recompile_limit = 256  # one compile per shape, never a fall back to eager
-        torch._dynamo.config.cache_size_limit = 256
-        _flex.append(torch.compile(flex_attention, dynamic=False))
-    return lambda: _flex[0](q4, k4, v4, enable_gqa=True)
+    flex = compiled_flex_attention()
+    return lambda: flex(q4, k4, v4, enable_gqa=True)
 
 
 def _naive_call(q4, k4, v4, expand):
