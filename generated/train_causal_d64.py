@@ -502,16 +502,18 @@ def launch_attn_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, *, BLOCK_M, 
     )
 
 # -- the warp-specialised Hopper forward (pass warp-specialize), in Gluon ------------------------------
-# One program = BLOCK_M query rows of one (batch, head). A loader warp moves Q once and then each K and
-# V block into a ring of STAGES shared buffers by TMA, each buffer signalled on its own mbarrier.
-# 3 consumer warpgroups own 64 rows each: scores and output on wgmma, P from registers, the
-# online softmax in exp2 with the scale folded in. A consumer frees a buffer by arriving on its
-# `empty` barrier (count 3: every consumer); the consumers never wait for each other. With OVERLAP a
-# consumer issues block j's Q K^T before it waits for block j-1's P V, so the softmax of block j runs
-# while the tensor cores multiply. Rows and keys past the tensors' ends read as zeros (TMA); keys past
-# N_K are masked out of the last block, and the output store is clipped at N_Q. A causal program reads
-# only the key blocks its last row sees and masks the block(s) on the diagonal; programs start with
-# the longest rows.
+# A tile = BLOCK_M query rows of one (batch, head). With PERSISTENT the grid has one program per
+# multiprocessor, and a program takes tiles in rounds (_ws_tile_index); else one program per tile. A
+# loader warp moves each tile's Q (two buffers when persistent, so the next tile's arrives during this
+# one) and then each K and V block into a ring of STAGES shared buffers by TMA, each buffer signalled on
+# its own mbarrier; the ring runs on across tiles. 3 consumer warpgroups own 64 rows each: scores
+# and output on wgmma, P from registers, the online softmax in exp2 with the scale folded in. A
+# consumer frees a buffer by arriving on its `empty` barrier (count 3: every consumer); the consumers
+# never wait for each other. With OVERLAP a consumer issues block j's Q K^T before it waits for block
+# j-1's P V, so the softmax of block j runs while the tensor cores multiply. Rows and keys past the
+# tensors' ends read as zeros (TMA); keys past N_K are masked out of the last block, and the output
+# store (through the tile's Q buffer) is clipped at N_Q. A causal tile reads only the key blocks its
+# last row sees and masks the block(s) on the diagonal; a (batch, head)'s longest rows come first.
 
 @gluon.jit
 def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -542,48 +544,105 @@ def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSA
 
 
 @gluon.jit
-def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, turn, b, h, hkv, start_m, N_Q, N_K, row0, n_mine, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-             BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-             CONSUMERS: gl.constexpr):
-    """Warpgroup WG's rows over key blocks [0, n_mine): scores, softmax, output; the output and lse stored
-    (the O store is waited for by the caller). Row i (from 0 at this warpgroup's first row) sees keys up
-    to row0 + i when CAUSAL."""
+def _ws_release_q(q_empty, i, QBUF: gl.constexpr):
+    """In a persistent program's tile i > 0: once the previous tile's output has left its Q buffer (the
+    TMA store read it), give that buffer to the loader for tile i + 1."""
+    if i > 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index((i - 1) % QBUF), count=1)
+
+
+@gluon.jit
+def _ws_rounds(n_m, H, B, QBUF: gl.constexpr):
+    """How many tiles a program of the grid takes (a persistent grid: pairs of them), some of them
+    past the end (_ws_tile_index)."""
+    if QBUF > 1:
+        return 2 * gl.cdiv((n_m + 1) // 2 * H * B, gl.num_programs(0))
+    return gl.cdiv(n_m * H * B, gl.num_programs(0))
+
+
+@gluon.jit
+def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr):
+    """The tile this program takes in its r-th round, and whether there is one. Round r of the grid's
+    P programs takes tiles r * P ... r * P + P - 1. A persistent grid (QBUF > 1) takes the row blocks of
+    a (batch, head) in pairs instead, the k-th longest with the k-th shortest: every pair but a middle one
+    holds n_m + 1 key blocks, so programs that take as many pairs finish together (taken one by one, tiles
+    p, p + P, ... of programs p and p + n_m / 2 would be the long and the short ones of every head)."""
+    if QBUF > 1:
+        half = (n_m + 1) // 2  # pairs of a (batch, head)
+        u = (r // 2) * gl.num_programs(0) + gl.program_id(0)
+        k = u % half
+        m = k
+        if r % 2 == 1:
+            m = n_m - 1 - k
+        return (u // half) * n_m + m, (u < half * H * B) & ((r % 2 == 0) | (m != k))
+    t = r * gl.num_programs(0) + gl.program_id(0)
+    return t, t < n_m * H * B
+
+
+@gluon.jit
+def _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t's (batch, head, first query row, causal key offset, key blocks): row blocks vary fastest,
+    then heads, then batches, so programs running together share their K and V in L2. A
+    (batch, head)'s longest rows come first."""
+    m = t % n_m
+    bh = t // n_m
+    start_m = (n_m - 1 - m) * BLOCK_M
+    offset = 0  # query row r sees keys up to r + offset
+    n_blocks = gl.cdiv(gl.minimum(N_K, start_m + BLOCK_M + offset), BLOCK_N)
+    return bh // H, bh % H, start_m, offset, n_blocks
+
+
+@gluon.jit
+def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+             v_ready, v_empty, turn, b, h, start_m, N_Q, N_K, row0, n_mine, it, i, stride_lse_b, stride_lse_h,
+             stride_lse_n, qk_scale, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+             WG: gl.constexpr, CONSUMERS: gl.constexpr, QBUF: gl.constexpr):
+    """Warpgroup WG's rows of the program's i-th tile over its key blocks [0, n_mine), which are the
+    ring's blocks it, it + 1, ...: scores, softmax, output; the output and lse stored (the O store is
+    waited for later). Row r (from 0 at this warpgroup's first row) sees keys up to row0 + r when CAUSAL.
+    With two Q buffers (a persistent program) the previous tile's buffer is released once this tile's
+    first product is issued."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     gl.static_assert(OVERLAP or not PINGPONG, "PINGPONG orders the overlapped issue")
-    q = q_smem.index(WG).reshape([BM, HEAD_DIM])
+    qb = i % QBUF
+    q = q_smem.index(qb * 4 + WG).reshape([BM, HEAD_DIM])
     acc = gl.zeros([BM, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BM, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_ready.index(qb), (i // QBUF) & 1)
     # block 0: scores and softmax, no rescaling
-    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
     if PINGPONG:  # the last warpgroup lets the first one issue first
         if WG == CONSUMERS - 1:
             mbarrier.arrive(turn.index(0), count=1)
         mbarrier.wait(turn.index(WG), 0)
-    sc = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sc = warpgroup_mma(q, k_smem.index(it % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                       use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
+    if QBUF > 1:
+        _ws_release_q(q_empty, i, QBUF)
     sc = warpgroup_mma_wait(0, deps=(sc, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     p, m_i, l_i, alpha = _ws_softmax(sc, gl.max(sc, 1), gl.max(sc, 1), 0, N_K, row0, qk_scale, True, CAUSAL, BLOCK_N,
                                      s_layout)
     p = gl.convert_layout(p.to(gl.bfloat16), p_layout)  # carried as the product's operand: half the registers
     for j in range(1, n_mine):
-        s = j % STAGES
-        sp = (j - 1) % STAGES
+        g = it + j  # the block's place in the ring's sequence
+        s = g % STAGES
+        sp = (g - 1) % STAGES
         if OVERLAP:
-            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(WG), j & 1)
             sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM]),
                             acc, is_async=True)
         if PINGPONG:
@@ -593,7 +652,7 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar,
         else:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
-            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
             sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
@@ -603,9 +662,9 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar,
         if OVERLAP:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
-    sl = (n_mine - 1) % STAGES
+    sl = (it + n_mine - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    mbarrier.wait(v_ready.index(sl), ((n_mine - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sl), ((it + n_mine - 1) // STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]),
                         acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -613,18 +672,41 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar,
     # the output leaves through this warpgroup's Q buffer (its products are done) and a TMA store
     q.store((acc / gl.convert_layout(l_i, row_o)[:, None]).to(gl.bfloat16))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * BM, 0], q_smem.index(WG))
+    tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * BM, 0], q_smem.index(qb * 4 + WG))
     rows = start_m + WG * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
     lse_ptr = LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + rows * stride_lse_n
     gl.store(lse_ptr, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < N_Q)
 
 
 @gluon.jit
-def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                CONSUMERS: gl.constexpr):
+def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+                QBUF: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Warpgroup WG's part of each of the program's tiles, in the loader's order."""
+    n_m = gl.cdiv(N_Q, BLOCK_M)
+    it = 0  # key blocks of earlier tiles: the ring's place
+    i = 0  # earlier tiles: the Q buffers' place
+    for r in range(_ws_rounds(n_m, H, B, QBUF)):
+        t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
+        if valid:
+            it, i = _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty,
+                                     k_ready, k_empty, v_ready, v_empty, turn, B, H, N_Q, N_K, n_m, t, it, i,
+                                     stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N,
+                                     HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, WG, CONSUMERS)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, turn, B, H, N_Q, N_K, n_m, t, it, i, stride_lse_b, stride_lse_h, stride_lse_n,
+                     qk_scale, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                     CAUSAL: gl.constexpr, QBUF: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Warpgroup WG's part of tile t, the program's i-th, whose key blocks are the ring's it, it + 1, ...;
+    returns (it, i) for the next tile."""
+    b, h, start_m, offset, n_blocks = _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M, BLOCK_N)
     row0 = start_m + WG * BM + offset  # the last key this warpgroup's first row sees (CAUSAL)
     # A warpgroup takes only the key blocks its own rows need and releases the rest unread, in order (the
     # program's blocks reach its last row's keys): under a causal mask its rows may see fewer, and the
@@ -636,99 +718,130 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_b
     if start_m + WG * BM >= N_Q:
         n_mine = 0
     if n_mine > 0:
-        _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                 v_empty, turn, b, h, hkv, start_m, N_Q, N_K, row0, n_mine, stride_lse_b, stride_lse_h, stride_lse_n,
-                 qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, WG, CONSUMERS)
-    for j in range(n_mine, n_blocks):
+        _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                 v_ready, v_empty, turn, b, h, start_m, N_Q, N_K, row0, n_mine, it, i, stride_lse_b,
+                 stride_lse_h, stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                 WG, CONSUMERS, QBUF)
+    elif QBUF > 1:
+        _ws_release_q(q_empty, i, QBUF)
+    for j in range(it + n_mine, it + n_blocks):
         s = j % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
         mbarrier.arrive(k_empty.index(s), count=1)
         mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
         mbarrier.arrive(v_empty.index(s), count=1)
-    tma.store_wait(0)
-
-
-
-@gluon.jit
-def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                  BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of the program's block (the worker partitions
-    all take the loader's arguments, so the warpgroup's index is fixed here)."""
-    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 0, 3)
+    return it + n_blocks, i + 1
 
 
 @gluon.jit
-def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                  BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of the program's block (the worker partitions
-    all take the loader's arguments, so the warpgroup's index is fixed here)."""
-    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 1, 3)
+def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                  v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+                  QBUF: gl.constexpr):
+    """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of each tile (the worker partitions all take
+    the loader's arguments, so the warpgroup's index is fixed here)."""
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 0, 3)
 
 
 @gluon.jit
-def _ws_consumer2(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                  BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup 2: rows [2 * BM, 3 * BM) of the program's block (the worker partitions
-    all take the loader's arguments, so the warpgroup's index is fixed here)."""
-    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, 2, 3)
+def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                  v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+                  QBUF: gl.constexpr):
+    """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of each tile (the worker partitions all take
+    the loader's arguments, so the warpgroup's index is fixed here)."""
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 1, 3)
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-               v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-               BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    mbarrier.expect(q_bar, 3 * q_desc.block_type.nbytes)
+def _ws_consumer2(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                  v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                  BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+                  QBUF: gl.constexpr):
+    """Consumer warpgroup 2: rows [2 * BM, 3 * BM) of each tile (the worker partitions all take
+    the loader's arguments, so the warpgroup's index is fixed here)."""
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 2, 3)
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+               v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
+               BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+               QBUF: gl.constexpr):
+    n_m = gl.cdiv(N_Q, BLOCK_M)
+    it = 0
+    i = 0
+    for r in range(_ws_rounds(n_m, H, B, QBUF)):
+        t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
+        if valid:
+            it, i = _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                                  v_ready, v_empty, B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M, BM, BLOCK_N, STAGES,
+                                  QBUF)
+
+
+@gluon.jit
+def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M: gl.constexpr, BM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
+    """The loader's part of tile t, the program's i-th: its Q, then its K and V blocks into the ring's places
+    it, it + 1, ...; returns (it, i) for the next tile."""
+    b, h, start_m, offset, n_blocks = _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M, BLOCK_N)
+    hkv = h // GROUP
+    qb = i % QBUF
+    if QBUF > 1:  # a Q buffer is free once every consumer has stored the output it carried two tiles ago
+        mbarrier.wait(q_empty.index(qb), ((i // QBUF) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(qb), 3 * q_desc.block_type.nbytes)
     for c in gl.static_range(3):
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_bar, q_smem.index(c))
-    for j in range(n_blocks):
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_ready.index(qb),
+                                        q_smem.index(qb * 4 + c))
+    for j in range(it, it + n_blocks):
         s = j % STAGES
         phase = (j // STAGES) & 1
+        kv_row = (j - it) * BLOCK_N
         mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as freed: the first round does not wait
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hkv, j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, kv_row, 0], k_ready.index(s), k_smem.index(s))
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, kv_row, 0], v_ready.index(s), v_smem.index(s))
+    return it + n_blocks, i + 1
 
 
-@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "H", "GROUP", "N_Q", "N_K"])
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, H, GROUP, N_Q, N_K,
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "B", "H", "GROUP", "N_Q", "N_K"])
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, B, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr):
-    """one program per (block of BLOCK_M queries, head, batch): a TMA loader warp, 3 consumer warpgroups"""
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr):
+    """Tiles of BLOCK_M queries of one (batch, head), n_m * H * B of them, taken by the grid's programs in
+    rounds (_ws_tile_index): a TMA loader warp, 3 consumer warpgroups. QBUF = 2 Q buffers let a program
+    that takes several tiles (a persistent grid) load the next tile's queries during this one."""
     BM: gl.constexpr = BLOCK_M // 3
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # the longest rows first: a shorter tail
-    offset = 0  # query row i sees keys up to i + offset
-    n_blocks = gl.cdiv(gl.minimum(N_K, start_m + BLOCK_M + offset), BLOCK_N)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    hkv = h // GROUP
+    gl.static_assert(QBUF == 1 or not PINGPONG, "PINGPONG's turns count one tile's blocks")
     qk_scale = sm_scale * 1.4426950408889634
     dtype: gl.constexpr = q_desc.dtype
-    # one Q (later output) buffer per consumer; shared allocations have power-of-two shapes
-    q_smem = gl.allocate_shared_memory(dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+    # one Q (later output) buffer per consumer and tile in flight; shared allocations have power-of-two shapes
+    q_smem = gl.allocate_shared_memory(dtype, [QBUF * 4] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(QBUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=3)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=3)
@@ -739,22 +852,22 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
     # arrive as tensors
     gl.warp_specialize([
-        (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_ws_consumer2, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                            v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                            stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
-        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, turn, b, h, hkv, start_m, N_Q, N_K, offset, n_blocks, stride_lse_b, stride_lse_h,
-                     stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL)),
+        (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
+                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
+        (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
+                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
+        (_ws_consumer2, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
+                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
+        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                     v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
+                     qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
     ], [4, 4, 1], [160, 160, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'min_keys': 4096, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'min_keys': 4096, 'min_scores': 33554432}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)
@@ -771,21 +884,36 @@ def ws_ready(q, k, v, o):
     return _ws_hopper(q.device) and tma_layouts(q, k, v, o)
 
 
+def _ws_programs(device):
+    """Multiprocessors of `device`: a persistent grid's program count (one program fills an SM's registers)."""
+    sms = _WS_SMS.get(device.index)
+    if sms is None:
+        sms = _WS_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
+
+
+_WS_SMS = {}
+
+
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     """Launch `attn_fwd_ws` on q, k, v, o (B, H, N, D) and lse (B, H, N_Q); check `ws_ready` first."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
     kv_block = [1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM]
-    attn_fwd_ws[(cdiv(N_Q, WS_SHAPE["BLOCK_M"]), H, B)](
+    tiles = cdiv(N_Q, WS_SHAPE["BLOCK_M"]) * H * B
+    persistent = WS_SHAPE["PERSISTENT"]
+    attn_fwd_ws[(min(tiles, _ws_programs(q.device)) if persistent else tiles,)](
         _gluon_desc(q, q_block, _WS_Q_LAYOUT),
         _gluon_desc(k, kv_block, _WS_KV_LAYOUT),
         _gluon_desc(v, kv_block, _WS_KV_LAYOUT),
         _gluon_desc(o, q_block, _WS_Q_LAYOUT),
-        lse, *lse.stride(), H, H // H_KV, N_Q, N_K, sm_scale,
+        lse, *lse.stride(), B, H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
-        OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
+        OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, QBUF=2 if persistent else 1,
+        num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
     )
+
 
 # -- the warp-specialised Hopper backward (pass warp-specialize), in Gluon ----------------------------
 # One program = BLOCK_N keys of one (batch, K/V head); each of the consumer warpgroups owns BLOCK_N /

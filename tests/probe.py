@@ -81,7 +81,8 @@ def _compile_gluon_ws(module, job):
         q, kv = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                     OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL)
+                     OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
+                     QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1)
         pointers = ("LSE",)
     sig = {arg: "constexpr" if arg in const else descs.get(arg, "*fp32" if arg in pointers else "fp32" if arg == "sm_scale"
                                                             else "i32") for arg in fn.arg_names}

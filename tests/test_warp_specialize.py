@@ -171,11 +171,17 @@ def _poisoned_run(kernel, q, k, v):
 @pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
                                   Case(3, 2, 1, 64, 4097), Case(1, 2, 2, 1000, 77), Case(1, 4, 2, 333, 2111),
                                   Case(2, 2, 2, 1500, 1500)])
-def test_gluon_forward_against_float64(mask, dtype, head_dim, case, monkeypatch):
+@pytest.mark.parametrize("programs", [None, 3])
+def test_gluon_forward_against_float64(mask, dtype, head_dim, case, programs, monkeypatch):
+    """programs=None: the grid as shipped; 3: a persistent grid of 3 programs, so that every program takes
+    several tiles (of several heads and batches, with causal tiles of different lengths) at these sizes."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"ws_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
                                     heads=case.heads, kv_heads=case.kv_heads))
     monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)  # these shapes are small: run the Gluon kernel anyway
+    if programs:
+        monkeypatch.setitem(kernel.module.WS_SHAPE, "PERSISTENT", True)
+        monkeypatch.setitem(kernel.module._WS_SMS, torch.cuda.current_device(), programs)
     torch_dtype = kernel.spec.dtype.torch
     q = torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype)
     k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))

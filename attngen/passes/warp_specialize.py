@@ -6,15 +6,15 @@ CTA-wide barrier in every key step (Nsight Compute: `barrier` is the top stall),
 `warp_specialize` loop option does not act on this loop on Hopper. The layout cuDNN and
 FlashAttention 3 use (a producer warp that moves K and V by TMA, consumer warpgroups that only
 compute, mbarriers between them) is expressible in Gluon, Triton's explicit-layout dialect
-(`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9 and v12, `attngen bench`, bf16,
-H200, N = 4096-16384): d=128 594-649 TFLOP/s without a mask and 515-608 causal, against 483-501 and
-427-482 for the Triton kernel and 599-612 / 519-567 for cuDNN; d=64 474-507 and 419-481, against
-423-441 and 380-421 (cuDNN 455-464 / 421-444).
+(`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9, v12 and v22, `attngen bench`,
+bf16, H200, N = 4096-16384): d=128 605-618 TFLOP/s without a mask and 561-603 causal, against 483-501
+and 427-482 for the Triton kernel and 601-628 / 523-554 for cuDNN; d=64 469-507 and 413-476, against
+423-441 and 380-421 (cuDNN 450-458 / 414-438). At N=512, d=128: 511 and 242 (cuDNN 503 / 334).
 
 The rewrite records the decision and the kernel's fixed shape on the program (`warp_specialized`:
-at d=128 128 query rows per program in two consumer warpgroups of 64, at d=64 192 rows in three;
+at d=128 tiles of 128 query rows in two consumer warpgroups of 64, at d=64 192 rows in three;
 128-key blocks, 2 stages, the next block's scores issued before this block's softmax, the register
-split between the partitions).
+split between the partitions, a persistent grid of one program per multiprocessor).
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
 Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
@@ -50,7 +50,7 @@ NAME = "warp-specialize"
 
 HEAD_DIMS = (64, 128)
 SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
-         ("TRIM", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
+         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
 """The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
 padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
 so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
@@ -59,7 +59,13 @@ within 1%. EARLY_P: the softmax's P is converted to the P V product's 16-bit ope
 made, so the loop carries half the registers of it (+1-3% at both head dims, NOTES.md v12).
 TRIM: a consumer takes only the key blocks its own rows need and releases the rest unread: under a
 causal mask it stops at its own last block (the program's blocks reach its last row's keys), and in a
-sequence's last row block it may have no row at all (NOTES.md v12)."""
+sequence's last row block it may have no row at all (NOTES.md v12).
+PERSISTENT: one program per multiprocessor, each taking tiles in rounds (under a causal mask a (batch,
+head)'s row blocks in pairs, the k-th longest with the k-th shortest, so that the programs' work is even);
+its loader moves the next tile's Q into a second buffer and its first K/V blocks while the consumers
+finish a tile, so a tile's start-up and output store no longer stand between tiles. Against one program
+per tile (H200, NOTES.md v22): d=128 +35% at N=512 and +6-18% at 1024-2048 without a mask, +10-16% causal
+at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096."""
 
 SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
 """What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
@@ -69,12 +75,12 @@ wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a m
 causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
 d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
 
-MIN_KEYS = {(64, False): 2048, (64, True): 4096, (128, False): 1, (128, True): 1}
+MIN_KEYS = {(64, False): 1024, (64, True): 4096, (128, False): 1, (128, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
-the Triton kernel is faster (H200, NOTES.md v9: 1024 keys 401 TFLOP/s against 366; 2048 keys about
-even without a mask, 354 against 331 causal): each program's fixed cost (barrier set-up, the
-loader's first loads, the epilogue) weighs more against the half-size products of d=64. At d=128
-the Gluon kernel wins from 512 keys on (421 against 318 without a mask, 253 against 190 causal)."""
+the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 TFLOP/s against 346
+without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
+half-size products of d=64 leave more of its time to fixed costs. At d=128 the Gluon kernel wins from
+512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
 
 
 MIN_SCORES = 1 << 25
