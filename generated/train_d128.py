@@ -834,11 +834,12 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'min_keys': 1, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 1, 'short_keys': 0, 'min_scores': 33554432}
 WS_CAUSAL = False
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.bfloat16)
 _WS_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM], gl.bfloat16)
+_WS_KV_LAYOUT_SHORT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["SHORT_BLOCK_N"], HEAD_DIM], gl.bfloat16)
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
@@ -867,16 +868,20 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
-    kv_block = [1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM]
+    if N_K <= WS_SHAPE["short_keys"]:  # short sequences: smaller key blocks, more stages
+        block_n, stages, kv_layout = WS_SHAPE["SHORT_BLOCK_N"], WS_SHAPE["SHORT_STAGES"], _WS_KV_LAYOUT_SHORT
+    else:
+        block_n, stages, kv_layout = WS_SHAPE["BLOCK_N"], WS_SHAPE["STAGES"], _WS_KV_LAYOUT
+    kv_block = [1, 1, block_n, HEAD_DIM]
     tiles = cdiv(N_Q, WS_SHAPE["BLOCK_M"]) * H * B
     persistent = WS_SHAPE["PERSISTENT"]
     attn_fwd_ws[(min(tiles, _ws_programs(q.device)) if persistent else tiles,)](
         _gluon_desc(q, q_block, _WS_Q_LAYOUT),
-        _gluon_desc(k, kv_block, _WS_KV_LAYOUT),
-        _gluon_desc(v, kv_block, _WS_KV_LAYOUT),
+        _gluon_desc(k, kv_block, kv_layout),
+        _gluon_desc(v, kv_block, kv_layout),
         _gluon_desc(o, q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), B, H, H // H_KV, N_Q, N_K, sm_scale,
-        BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=WS_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM, STAGES=WS_SHAPE["STAGES"],
+        BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=stages,
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, QBUF=2 if persistent else 1,
         num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
     )

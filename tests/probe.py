@@ -78,9 +78,12 @@ def _compile_gluon_ws(module, job):
         pointers = ("LSE", "DELTA")
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
-        q, kv = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT), desc(shape["BLOCK_N"], module._WS_KV_LAYOUT)
+        short = job.get("short", False)  # the launch's shape for short sequences (short_keys)
+        block_n, stages = (shape["SHORT_BLOCK_N"], shape["SHORT_STAGES"]) if short else (shape["BLOCK_N"], shape["STAGES"])
+        q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
+        kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if short else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
-        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1)
         pointers = ("LSE",)

@@ -40,9 +40,11 @@ def test_which_specs_get_the_gluon_forward(text, expected):
     shape = dict(program.attr("warp_specialized") or ())
     spec = parse(text)
     min_keys = warp_specialize.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
+    short_keys = warp_specialize.SHORT_KEYS.get((spec.head_dim, spec.mask.is_causal))
     rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
     assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
-            and shape.get("TRIM") is True) is expected
+            and shape.get("TRIM") is True and shape.get("PERSISTENT") is True
+            and shape.get("short_keys") == short_keys) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_ws") is expected
     assert ("warp-specialize" in kernel.source.split("\n", 3)[2]) is expected  # the "# Passes:" header line
@@ -50,8 +52,12 @@ def test_which_specs_get_the_gluon_forward(text, expected):
 
 def test_the_gluon_kernel_compiles_for_sm90():
     shapes = ((128, "bf16", "none"), (64, "fp16", "none"), (128, "fp16", "causal(bottom_right)"))
-    paths = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)).path for d, dt, mask in shapes]
-    for (d, _, _), result in zip(shapes, probe([{"path": str(p), "gluon_ws": True} for p in paths])):
+    kernels = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)) for d, dt, mask in shapes]
+    # each spec's kernel as launched, and at its shape for short sequences where it has one (causal d=128)
+    jobs = [(d, {"path": str(k.path), "gluon_ws": True, "short": short}) for (d, _, _), k in zip(shapes, kernels)
+            for short in (False, True) if not short or k.module.WS_SHAPE["short_keys"]]
+    assert len(jobs) == 4
+    for (d, _), result in zip(jobs, probe([job for _, job in jobs])):
         assert "error" not in result, result
         # consumer warpgroups (three at d=64, two at d=128) + the loader warp padded to a warpgroup; both
         # products on wgmma, K/V by TMA
@@ -430,6 +436,7 @@ def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
     cases = [(t, [1, 1, rows, head_dim], layout) for t in (contiguous, heads_minor, cut)
              for rows, layout in ((module.WS_SHAPE["BLOCK_M"] // module.WS_SHAPE["consumers"], module._WS_Q_LAYOUT),
                                   (module.WS_SHAPE["BLOCK_N"], module._WS_KV_LAYOUT),
+                                  (module.WS_SHAPE["SHORT_BLOCK_N"], module._WS_KV_LAYOUT_SHORT),
                                   (shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT),
                                   (shape["BLOCK_N"] // shape["consumers"], module._WS_BWD_KV_LAYOUT))]
     cases += [(torch.empty(B, H, N, head_dim), module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT),

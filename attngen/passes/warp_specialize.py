@@ -7,9 +7,9 @@ CTA-wide barrier in every key step (Nsight Compute: `barrier` is the top stall),
 FlashAttention 3 use (a producer warp that moves K and V by TMA, consumer warpgroups that only
 compute, mbarriers between them) is expressible in Gluon, Triton's explicit-layout dialect
 (`triton.experimental.gluon`, in Triton 3.6). Measured (NOTES.md v9, v12 and v22, `attngen bench`,
-bf16, H200, N = 4096-16384): d=128 605-618 TFLOP/s without a mask and 561-603 causal, against 483-501
-and 427-482 for the Triton kernel and 601-628 / 523-554 for cuDNN; d=64 469-507 and 413-476, against
-423-441 and 380-421 (cuDNN 450-458 / 414-438). At N=512, d=128: 511 and 242 (cuDNN 503 / 334).
+bf16, H200, N = 4096-16384): d=128 614-637 TFLOP/s without a mask and 569-616 causal, against 483-501
+and 427-482 for the Triton kernel and 612-626 / 528-561 for cuDNN; d=64 474-513 and 415-477, against
+423-441 and 380-421 (cuDNN 455-463 / 419-445). At N=512, d=128: 517 and 297 (cuDNN 505 / 334).
 
 The rewrite records the decision and the kernel's fixed shape on the program (`warp_specialized`:
 at d=128 tiles of 128 query rows in two consumer warpgroups of 64, at d=64 192 rows in three;
@@ -50,7 +50,8 @@ NAME = "warp-specialize"
 
 HEAD_DIMS = (64, 128)
 SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
-         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
+         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168),
+         ("SHORT_BLOCK_N", 64), ("SHORT_STAGES", 3))
 """The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
 padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
 so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
@@ -81,6 +82,16 @@ the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 T
 without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
 half-size products of d=64 leave more of its time to fixed costs. At d=128 the Gluon kernel wins from
 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
+
+
+SHORT_KEYS = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 1024}
+"""Most keys for which the Gluon kernel takes SHORT_BLOCK_N-key blocks in SHORT_STAGES stages instead of
+BLOCK_N in STAGES, by (head dim, causal); 0: never. The same kernel at other constexprs: a second binary,
+compiled on the first call that takes it. Causal d=128 (H200, NOTES.md v22,
+benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at
+N=512 (a 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at
+1024, 477 against 509 at 2048. Without a mask and at d=64 they lose at every length measured (d=64
+gains from two consumer warpgroups instead, which is another kernel: not done)."""
 
 
 MIN_SCORES = 1 << 25
@@ -139,7 +150,9 @@ def run(program: ir.Program) -> ir.Program:
         return program
     min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
     shape = tuple(dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[program.attr("head_dim")])).items())
-    program = program.with_attrs(warp_specialized=shape + (("min_keys", min_keys), ("min_scores", MIN_SCORES)))
+    short_keys = SHORT_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
+    program = program.with_attrs(warp_specialized=shape + (("min_keys", min_keys), ("short_keys", short_keys),
+                                                           ("min_scores", MIN_SCORES)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
         d, causal = program.attr("head_dim"), program.attr("mask") != "none"
         # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
