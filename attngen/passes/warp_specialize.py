@@ -66,7 +66,8 @@ head)'s row blocks in pairs, the k-th longest with the k-th shortest, so that th
 its loader moves the next tile's Q into a second buffer and its first K/V blocks while the consumers
 finish a tile, so a tile's start-up and output store no longer stand between tiles. Against one program
 per tile (H200, NOTES.md v22): d=128 +35% at N=512 and +6-18% at 1024-2048 without a mask, +10-16% causal
-at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096."""
+at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096.
+SHORT_BLOCK_N, SHORT_STAGES: the key blocks and stages of calls of at most SHORT_KEYS keys."""
 
 SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
 """What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
