@@ -71,12 +71,19 @@ def tma_layouts(*tensors):
 _WS_DEVICES = {}
 
 
+def _ws_device(device):
+    """(whether `device` is an sm_90 GPU: wgmma is Hopper's, as the Gluon kernels use it; its multiprocessors),
+    asked of torch once per device."""
+    facts = _WS_DEVICES.get(device.index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(device)
+        facts = _WS_DEVICES[device.index] = ((props.major, props.minor) == (9, 0), props.multi_processor_count)
+    return facts
+
+
 def _ws_hopper(device):
-    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it); asked once per device."""
-    hopper = _WS_DEVICES.get(device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    return hopper
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it)."""
+    return _ws_device(device)[0]
 
 
 def _gluon_desc(t, block, layout, shape=None, strides=None):

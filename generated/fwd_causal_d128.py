@@ -66,12 +66,19 @@ def tma_layouts(*tensors):
 _WS_DEVICES = {}
 
 
+def _ws_device(device):
+    """(whether `device` is an sm_90 GPU: wgmma is Hopper's, as the Gluon kernels use it; its multiprocessors),
+    asked of torch once per device."""
+    facts = _WS_DEVICES.get(device.index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(device)
+        facts = _WS_DEVICES[device.index] = ((props.major, props.minor) == (9, 0), props.multi_processor_count)
+    return facts
+
+
 def _ws_hopper(device):
-    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it); asked once per device."""
-    hopper = _WS_DEVICES.get(device.index)
-    if hopper is None:
-        hopper = _WS_DEVICES[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    return hopper
+    """Whether `device` is an sm_90 GPU (wgmma is Hopper's, as the Gluon kernels use it)."""
+    return _ws_device(device)[0]
 
 
 def _gluon_desc(t, block, layout, shape=None, strides=None):
@@ -500,10 +507,11 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_ready.index(qb),
                                         q_smem.index(qb * 2 + c))
-    for j in range(it, it + n_blocks):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        kv_row = (j - it) * BLOCK_N
+    for j in range(n_blocks):
+        g = it + j  # the block's place in the ring's sequence
+        s = g % STAGES
+        phase = (g // STAGES) & 1
+        kv_row = j * BLOCK_N
         mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as freed: the first round does not wait
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hkv, kv_row, 0], k_ready.index(s), k_smem.index(s))
@@ -579,14 +587,8 @@ def ws_ready(q, k, v, o):
 
 
 def _ws_programs(device):
-    """Multiprocessors of `device`: a persistent grid's program count (one program fills an SM's registers)."""
-    sms = _WS_SMS.get(device.index)
-    if sms is None:
-        sms = _WS_SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms
-
-
-_WS_SMS = {}
+    """A persistent grid's program count on `device`: its multiprocessors (one program fills an SM's registers)."""
+    return _ws_device(device)[1]
 
 
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):

@@ -187,7 +187,7 @@ def test_gluon_forward_against_float64(mask, dtype, head_dim, case, programs, mo
     monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)  # these shapes are small: run the Gluon kernel anyway
     if programs:
         monkeypatch.setitem(kernel.module.WS_SHAPE, "PERSISTENT", True)
-        monkeypatch.setitem(kernel.module._WS_SMS, torch.cuda.current_device(), programs)
+        monkeypatch.setattr(kernel.module, "_ws_programs", lambda device: programs)
     torch_dtype = kernel.spec.dtype.torch
     q = torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype)
     k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
