@@ -203,6 +203,18 @@ def gluon_variant_module(spec, name: str, shape: dict, tag: str, attr: str = "wa
     return load(path, f"{spec.name}_{name}")
 
 
+def prefill_case(d: int, causal: bool, n: int):
+    """The prefill bench's inputs at (head dim, causal, N): bf16 q, k, v (16384 / N, 2048 / d, N, d), seeded
+    by the case, empty out and lse, the softmax scale and the FLOPs by the FlashAttention convention."""
+    import torch
+
+    b, h, scale = 16384 // n, 2048 // d, d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    return q, k, v, torch.empty_like(q), torch.empty(q.shape[:3], device="cuda"), scale, flops
+
+
 def bench_gluon_variants(variants: dict, cases, out_json: str, title: str, flex: bool = False) -> list:
     """Time Gluon forward variants ({name: shape keys}, the first the base) on `cases` (head dim,
     causal, N), bf16, batch 16384/N, hidden 2048, do_bench medians. Each variant's output is poisoned
@@ -225,11 +237,7 @@ def bench_gluon_variants(variants: dict, cases, out_json: str, title: str, flex:
     rows = []
     for d, causal, n in cases:
         kernel = attngen.load(sdpa_spec("bf16", d, causal))
-        b, h, scale = 16384 // n, 2048 // d, d ** -0.5
-        gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        q, k, v, out, lse, scale, flops = prefill_case(d, causal, n)
         ref = None
         for name, shape in variants.items():
             row = dict(head_dim=d, causal=causal, n=n, variant=name, shape=shape)
@@ -323,6 +331,31 @@ def decode_case(batch: int, ctx: int):
     v = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     return q, k, v, lens, 2 * batch * ctx * H_KV * D * 2
+
+
+def split_decode(kernel, module, q, k, v, lens, out, lse, splits: int, block_s: int, **launch):
+    """Launch an experiment's split-KV decode kernel `kernel` (arguments Q, K, V, O_PART, LSE_PART,
+    SEQLENS, the strides, NUM_SPLITS, sm_scale, then `launch`: its constexprs and num_warps...), one
+    program per (split, K/V head, sequence), on q (B, H, 1, D) and k, v (B, H_KV, S, D) views; with one
+    split it writes out (B, H, 1, D) and lse (B, H, 1) itself, else partials that the shipped merge of
+    `module` (`attn_combine`, `block_s` splits a step) folds into them."""
+    import torch
+
+    B, H, _, D = q.shape
+    H_KV = k.shape[1]
+    if splits == 1:
+        o_part, l_part = out.unsqueeze(1), lse.unsqueeze(1)
+    else:
+        o_part = torch.empty((B, splits, H, 1, D), device=q.device, dtype=torch.float32)
+        l_part = torch.empty((B, splits, H, 1), device=q.device, dtype=torch.float32)
+    kernel[(1, H_KV, B * splits)](
+        q, k, v, o_part, l_part, lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1), l_part.stride(2),
+        splits, D ** -0.5, **launch)
+    if splits > 1:
+        module.launch_attn_combine(o_part, l_part, out, lse, BLOCK_S=block_s, num_warps=4, num_stages=1)
+    return out
 
 
 def write_rows(out_dir: str, name: str, rows: list) -> None:

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import decode_case, error_text, write_rows  # noqa: E402
+from common import decode_case, error_text, split_decode, write_rows  # noqa: E402
 
 
 @triton.jit
@@ -110,21 +110,9 @@ def ws_decode(Q, K, V, O_PART, LSE_PART, SEQLENS,
 
 def run(module, q, k, v, lens, out, lse, splits, W, BN_W, warps, stages):
     """q (B, H, 1, D), k/v (B, H_KV, S, D) views; out (B, H, 1, D), lse (B, H, 1)."""
-    B, H, _, D = q.shape
-    H_KV = k.shape[1]
-    if splits == 1:
-        o_part, l_part = out.unsqueeze(1), lse.unsqueeze(1)
-    else:
-        o_part = torch.empty((B, splits, H, 1, D), device=q.device, dtype=torch.float32)
-        l_part = torch.empty((B, splits, H, 1), device=q.device, dtype=torch.float32)
-    ws_decode[(1, H_KV, B * splits)](
-        q, k, v, o_part, l_part, lens,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        splits, D ** -0.5, GROUP=H // H_KV, D=D, BLOCK_M=16, W=W, BN_W=BN_W, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        module.launch_attn_combine(o_part, l_part, out, lse, BLOCK_S=module.COMBINE_BLOCK_S, num_warps=4, num_stages=1)
-    return out
+    return split_decode(ws_decode, module, q, k, v, lens, out, lse, splits, module.COMBINE_BLOCK_S,
+                        GROUP=q.shape[1] // k.shape[1], D=q.shape[3], BLOCK_M=16, W=W, BN_W=BN_W, num_warps=warps,
+                        num_stages=stages)
 
 
 def reference(q, k, v, lens):
