@@ -931,7 +931,10 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
 # dS^T = P^T (dP^T - delta), and adds P^T dO into dV and dS^T Q into dK. With DQ_ATOMIC it also writes
 # dS^T to shared memory (two buffers); once every consumer's is there (an mbarrier), each computes its
 # HEAD_DIM / consumers columns of the block's dQ = dS K over all the program's keys and adds them into a
-# float32 accumulator by a TMA reduction, FlashAttention 3's scheme. A consumer waits for all its
+# float32 accumulator by a TMA reduction, FlashAttention 3's scheme. With DQ_LOCAL instead each consumer
+# computes every column of dQ over its own keys only (dS^T from its own buffer, its own K) and adds that
+# partial sum by its own reduction: twice the reduction traffic, but no consumer waits for another's dS
+# (rendered in or out: the shape of the buffers differs). A consumer waits for all its
 # products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
 # wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
 # the next block's lse and delta during this block. A buffer is freed once both consumers' products
@@ -1203,7 +1206,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 64}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'DQ_LOCAL': False, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 64}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)

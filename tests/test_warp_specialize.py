@@ -66,12 +66,12 @@ def test_the_gluon_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("text, expected", [
-    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32)),
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32, DQ_LOCAL=False)),
     (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
-     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32)),
-    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64)),
+     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32, DQ_LOCAL=False)),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64, DQ_LOCAL=True)),
     (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),
-     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64)),
+     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64, DQ_LOCAL=False)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
     (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
@@ -100,7 +100,8 @@ def test_the_gluon_backward_compiles_for_sm90():
         # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma
         assert result["warps"] == 12 and result["wgmma"] > 0, result
         assert result["tma_loads"] >= 4 and result["tma_stores"] >= 2, result
-        # with dQ: each consumer's columns added into the float32 accumulator by a TMA reduction
+        # with dQ: each consumer's columns (d=64 without a mask, DQ_LOCAL: its keys' partial sum) added into
+        # the float32 accumulator by a TMA reduction
         assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
         assert result["shared"] <= 232448, result
 

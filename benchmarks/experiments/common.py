@@ -358,6 +358,48 @@ def split_decode(kernel, module, q, k, v, lens, out, lse, splits: int, block_s: 
     return out
 
 
+def alternating_ms(fns: dict, rounds: int = 3, rep: int = 150) -> dict:
+    """{name: [ms per round]}: each fn's do_bench median in `rounds` rounds, the order reversed every other
+    round (timings taken one after another drift by 1-2% with their order, NOTES v20)."""
+    import triton
+
+    times = {name: [] for name in fns}
+    for rnd in range(rounds):
+        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=rep, return_mode="median"))
+    return times
+
+
+def profiled_us(fn, prefix: str, reps: int = 10) -> dict:
+    """{kernel: GPU us per call} of the kernels whose names start with `prefix`, by torch.profiler over `reps`
+    back-to-back calls of fn after one more: no host time and no cache flush between calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.key.startswith(prefix)}
+
+
+def reference_grads(q, k, v, do, mask: str, scale: float):
+    """dQ, dK, dV in float64 of softmax(q k^T * scale) v for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D) (H a
+    multiple of H_KV), mask "none", "top_left" or "bottom_right"; rows that see no key give 0."""
+    import torch
+
+    h, hkv, n_q, n_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    s = qr @ kr.repeat_interleave(h // hkv, 1).transpose(-1, -2) * scale
+    if mask != "none":
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q if mask == "bottom_right" else 0)
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.autograd.grad(p @ vr.repeat_interleave(h // hkv, 1), (qr, kr, vr), do.double())
+
+
 def write_rows(out_dir: str, name: str, rows: list) -> None:
     """rows as OUT_DIR/name with the device's name."""
     import json

@@ -36,7 +36,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import error_text, rel_err  # noqa: E402
+from common import error_text, reference_grads, rel_err  # noqa: E402
 
 CASES = [(c, n) for c in (False, True) for n in (1024, 2048, 4096, 8192, 16384)]
 VARIANTS = {  # name: WS_BWD_SHAPE changes, None for the Triton dK/dV and dQ kernels
@@ -64,15 +64,7 @@ def reference_check(m, mask: str, gen) -> dict:
     m.WS_BWD_SHAPE.update(forced(m, DQ_ATOMIC=True))
     ran = m.ws_bwd_ready(q, k, v, do, dk, dv) and m.ws_bwd_fused()
     m.backward(q, k, v, out, lse, do, d ** -0.5, dq=dq, dk=dk, dv=dv)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    kr_e, vr_e = kr.repeat_interleave(h // hkv, 1), vr.repeat_interleave(h // hkv, 1)
-    s = qr @ kr_e.transpose(-1, -2) * d ** -0.5
-    if mask != "none":
-        diag = n_k - n_q if mask == "bottom_right" else 0
-        keep = torch.ones(n_q, n_k, dtype=torch.bool, device="cuda").tril(diag)
-        s = s.masked_fill(~keep, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    gq, gk, gv = torch.autograd.grad(p @ vr_e, (qr, kr, vr), do.double())
+    gq, gk, gv = reference_grads(q, k, v, do, mask, d ** -0.5)
     return dict(mask=mask, ran_fused=ran, dq_err=rel_err(dq, gq), dk_err=rel_err(dk, gk), dv_err=rel_err(dv, gv),
                 nan=bool(dq.isnan().any() or dk.isnan().any() or dv.isnan().any()))
 
