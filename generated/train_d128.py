@@ -1027,7 +1027,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                                    is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
             mbarrier.arrive(empty.index(s), count=1)
-            # this warpgroup's columns of the step's dQ: added into the float32 accumulator by a TMA reduction
+            # this warpgroup's columns of the step's dQ (DQ_LOCAL: its keys' partial sum): added into the float32
+            # accumulator by a TMA reduction
             tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
@@ -1136,7 +1137,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if DQ_ATOMIC:  # dS^T of each consumer, double-buffered; each consumer's float32 columns of dQ
+    if DQ_ATOMIC:  # dS^T of each consumer (double-buffered unless DQ_LOCAL); each consumer's float32 dQ tile
         ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, BN, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BN, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)

@@ -124,7 +124,7 @@ BWD_DQ_LOCAL = {(64, False): True, (64, True): False, (128, False): False, (128,
 its own TMA reduction) instead of its share of the columns over all the program's keys, which needs the other
 consumer's dS^T first (an mbarrier at every step). Measured (H200, NOTES.md v24, experiments/gluon_dq_local.py;
 the Gluon kernel alone by torch.profiler / the whole call by do_bench, cache flushed): d=64 without a mask
-kernel -5 to -9%, whole call +1.7-2.9% (N=4096: 411 -> 423 TFLOP/s); d=64 causal kernel 0 to -3% but the whole
+kernel -5 to -10%, whole call +1.7-2.9% (N=4096: 411 -> 423 TFLOP/s); d=64 causal kernel 0 to -3% but the whole
 call -0-3%; d=128 +23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice
 the reduction bytes)."""
 
