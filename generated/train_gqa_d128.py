@@ -901,7 +901,7 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
 # float32 accumulator by a TMA reduction, FlashAttention 3's scheme. With DQ_LOCAL instead each consumer
 # computes every column of dQ over its own keys only (dS^T from its own buffer, its own K) and adds that
 # partial sum by its own reduction: twice the reduction traffic, but no consumer waits for another's dS
-# (rendered in or out: the shape of the buffers differs). A consumer waits for all its
+# (a constexpr: the launch takes it from dq_local_rows query rows on). A consumer waits for all its
 # products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
 # wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
 # the next block's lse and delta during this block. A buffer is freed once both consumers' products
@@ -940,8 +940,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                    DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-                    WG: gl.constexpr):
+                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMERS: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -955,8 +955,9 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
     done_bar = ds_bar.index(2)  # DQ_ATOMIC: every consumer has done its last product
-    if DQ_ATOMIC:  # this warpgroup's columns of dQ, over all the program's keys
-        DQ_COLS: gl.constexpr = HEAD_DIM // CONSUMERS
+    if DQ_ATOMIC:  # this warpgroup's columns of dQ over all the program's keys, or with DQ_LOCAL every column
+        # over its own keys (a partial sum it adds itself)
+        DQ_COLS: gl.constexpr = HEAD_DIM if DQ_LOCAL else HEAD_DIM // CONSUMERS
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_COLS, 16])
         zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
@@ -1001,7 +1002,10 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        if DQ_ATOMIC:  # dS^T to shared memory, where both warpgroups read it for dQ = dS K
+        if DQ_ATOMIC and DQ_LOCAL:  # dS^T to shared memory, where this warpgroup reads it for its part of dQ = dS K
+            ds_smem.index(WG).store(dst)
+            fence_async_shared()
+        elif DQ_ATOMIC:  # dS^T to shared memory, where both warpgroups read it for dQ = dS K
             j = t % 2
             ds_smem.index(j * CONSUMERS + WG).store(dst)
             fence_async_shared()
@@ -1019,12 +1023,15 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                                is_async=True)
             dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
         elif DQ_ATOMIC:
-            mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
-            dq = zero_q
-            for c in gl.static_range(CONSUMERS):
-                kc = k_smem.index(c).reshape([BN, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-                dq = warpgroup_mma(ds_smem.index(j * CONSUMERS + c).permute((1, 0)), kc, dq, use_acc=c > 0,
-                                   is_async=True)
+            if DQ_LOCAL:
+                dq = warpgroup_mma(ds_smem.index(WG).permute((1, 0)), k, zero_q, use_acc=False, is_async=True)
+            else:
+                mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
+                dq = zero_q
+                for c in gl.static_range(CONSUMERS):
+                    kc = k_smem.index(c).reshape([BN, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                    dq = warpgroup_mma(ds_smem.index(j * CONSUMERS + c).permute((1, 0)), kc, dq, use_acc=c > 0,
+                                       is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
             mbarrier.arrive(empty.index(s), count=1)
             # this warpgroup's columns of the step's dQ (DQ_LOCAL: its keys' partial sum): added into the float32
@@ -1032,7 +1039,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, hkv * GROUP + t // n_m, m_row, WG * DQ_COLS], dq_smem.index(WG))
+            _tma_reduce_add(dq_desc, [b, hkv * GROUP + t // n_m, m_row, 0 if DQ_LOCAL else WG * DQ_COLS], dq_smem.index(WG))
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         if not DQ_ATOMIC:
@@ -1059,14 +1066,14 @@ def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
-                      CONSUMERS: gl.constexpr):
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
 
 
 @gluon.jit
@@ -1075,14 +1082,14 @@ def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
-                      CONSUMERS: gl.constexpr):
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                      CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
 
 
 @gluon.jit
@@ -1091,7 +1098,8 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
                    N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                    stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                   DQ_ATOMIC: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                   CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
@@ -1117,9 +1125,10 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
                      sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                     ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
+                     DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
-    with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator"""
+    with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator (DQ_LOCAL: each
+    consumer its own keys' partial sum, every column; dq_desc's block is then HEAD_DIM wide)"""
     CONSUMERS: gl.constexpr = 2
     BN: gl.constexpr = BLOCK_N // CONSUMERS
     gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
@@ -1138,7 +1147,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if DQ_ATOMIC:  # dS^T of each consumer (double-buffered unless DQ_LOCAL); each consumer's float32 dQ tile
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, BN, BLOCK_M],
+        ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if DQ_LOCAL else 2 * CONSUMERS, BN, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BN, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
     else:
@@ -1160,26 +1169,28 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                                 start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
         (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                                 do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                                 start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                          do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                          start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                          stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                         PREFETCH, DQ_ATOMIC, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'DQ_LOCAL': False, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.float16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.float16)
 _WS_BWD_DQ_BLOCK = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM // WS_BWD_SHAPE["consumers"]]
 _WS_BWD_DQ_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WS_BWD_DQ_BLOCK, gl.float32)
+_WS_BWD_DQ_LOCAL_BLOCK = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]  # DQ_LOCAL: a consumer's whole partial dQ
+_WS_BWD_DQ_LOCAL_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WS_BWD_DQ_LOCAL_BLOCK, gl.float32)
 _WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
 _WS_BWD_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)  # unswizzled
 
@@ -1196,6 +1207,12 @@ def ws_bwd_ready(q, k, v, do, dk, dv):
     return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
 
 
+def ws_bwd_dq_local(n_q):
+    """Whether each consumer adds dQ over its own keys (DQ_LOCAL) for n_q query rows: from
+    WS_BWD_SHAPE["dq_local_rows"] rows on (0: never)."""
+    return 0 < WS_BWD_SHAPE["dq_local_rows"] <= n_q
+
+
 def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
     (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
@@ -1207,7 +1224,13 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     kv_block = [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM]
     kv = [_gluon_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
     # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
-    dq = kv[2] if dq_acc is None else _gluon_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
+    dq_local = dq_acc is not None and ws_bwd_dq_local(N_Q)
+    if dq_acc is None:
+        dq = kv[2]
+    elif dq_local:
+        dq = _gluon_desc(dq_acc, _WS_BWD_DQ_LOCAL_BLOCK, _WS_BWD_DQ_LOCAL_LAYOUT)
+    else:
+        dq = _gluon_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
     rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
     rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
     attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
@@ -1215,7 +1238,7 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
         rows_desc, lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
-        DQ_ATOMIC=dq_acc is not None, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL, num_warps=4,
+        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL, num_warps=4,
         maxnreg=WS_BWD_SHAPE["maxnreg"],
     )
 

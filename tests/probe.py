@@ -10,8 +10,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
            "num_stages": 3, "ptr_dtypes": {"LSE": "*fp32", ...}}
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
-({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`; "decode": its Gluon paged split-KV
-kernel, `attn_fwd_wsd`) and adds {"warps": ...,
+({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" to
+set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
 "wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
@@ -66,14 +66,16 @@ def _compile_gluon_ws(module, job):
         q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape["BLOCK_N"] // shape["consumers"],
                                                                      module._WS_BWD_KV_LAYOUT)
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
-        dq = desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUT, module._WS_BWD_DQ_BLOCK[-1],
-                  torch.empty(t.shape, dtype=torch.float32)) if dq_atomic else kv
+        dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
+        dq_block, dq_layout = ((module._WS_BWD_DQ_LOCAL_BLOCK, module._WS_BWD_DQ_LOCAL_LAYOUT) if dq_local
+                               else (module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT))
+        dq = desc(shape["BLOCK_M"], dq_layout, dq_block[-1], torch.empty(t.shape, dtype=torch.float32)) if dq_atomic else kv
         rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
+                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic, DQ_LOCAL=dq_local,
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
         pointers = ("LSE", "DELTA")
     else:

@@ -66,12 +66,12 @@ def test_the_gluon_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("text, expected", [
-    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32, DQ_LOCAL=False)),
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0)),
     (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
-     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32, DQ_LOCAL=False)),
-    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64, DQ_LOCAL=True)),
+     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0)),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64, dq_local_rows=1024)),
     (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),
-     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64, DQ_LOCAL=False)),
+     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64, dq_local_rows=0)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
     (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
@@ -95,13 +95,14 @@ def test_the_gluon_backward_compiles_for_sm90():
                                  (128, "bf16", "causal(bottom_right)"), (64, "bf16", "none"), (64, "fp16", "causal"))]
     jobs = [{"path": str(p), "gluon_ws": "backward"} for p in paths]
     jobs += [{"path": str(p), "gluon_ws": "backward", "dq_atomic": False} for p in paths[:2]]  # dK, dV only
+    jobs += [{"path": str(p), "gluon_ws": "backward", "dq_local": True} for p in (paths[0], paths[3])]  # DQ_LOCAL
     for job, result in zip(jobs, probe(jobs)):
         assert "error" not in result, (job, result)
         # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma
         assert result["warps"] == 12 and result["wgmma"] > 0, result
         assert result["tma_loads"] >= 4 and result["tma_stores"] >= 2, result
-        # with dQ: each consumer's columns (d=64 without a mask, DQ_LOCAL: its keys' partial sum) added into
-        # the float32 accumulator by a TMA reduction
+        # with dQ: each consumer's columns (DQ_LOCAL: its keys' partial sum, every column) added into the
+        # float32 accumulator by a TMA reduction
         assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
         assert result["shared"] <= 232448, result
 
@@ -247,7 +248,8 @@ def test_small_calls_take_the_triton_kernel():
                                   Case(1, 4, 2, 1000, 77), Case(1, 4, 2, 333, 2111), Case(2, 2, 2, 1500, 1500)])
 def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, case, monkeypatch):
     """dQ, dK, dV poisoned, then from the one Gluon kernel, or under deterministic algorithms from the
-    Triton dQ kernel and the Gluon dK/dV kernel (d=128) or the Triton one (d=64)."""
+    Triton dQ kernel and the Gluon dK/dV kernel (d=128) or the Triton one (d=64). Where the spec has
+    DQ_LOCAL (d=64 without a mask, from dq_local_rows query rows on), with it and without."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"wsb_{dtype}{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
@@ -258,19 +260,24 @@ def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, ca
     q, do = (torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
     k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
     out, lse = kernel.forward(q, k, v, kernel.spec.softmax_scale)
-    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2])
     calls = []
     for name in ("launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws", "launch_attn_bwd_dq"):
         monkeypatch.setattr(m, name, lambda *a, f=getattr(m, name), name=name, **kw: (calls.append(name), f(*a, **kw)))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    kernel.backward(q, k, v, out, lse, do, grads=grads)
-    if not deterministic:
-        assert calls == ["launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws"]
-    else:
-        assert calls == ["launch_attn_bwd_dq"] + (["launch_attn_bwd_dkdv_ws"] if head_dim == 128 else [])
-    results = compare_grads(kernel.spec, q, k, v, do, grads)
-    assert all(r.ok for r in results), results
+    local = m.WS_BWD_SHAPE["dq_local_rows"]
+    assert local == (1024 if (head_dim, mask) == (64, "none") else 0)
+    for rows in ([0, 1] if local and not deterministic else [local]):
+        monkeypatch.setitem(m.WS_BWD_SHAPE, "dq_local_rows", rows)
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2])
+        calls.clear()
+        kernel.backward(q, k, v, out, lse, do, grads=grads)
+        if not deterministic:
+            assert calls == ["launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws"]
+        else:
+            assert calls == ["launch_attn_bwd_dq"] + (["launch_attn_bwd_dkdv_ws"] if head_dim == 128 else [])
+        results = compare_grads(kernel.spec, q, k, v, do, grads)
+        assert all(r.ok for r in results), (rows, results)
 
 
 @pytest.mark.gpu

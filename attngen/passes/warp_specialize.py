@@ -32,8 +32,8 @@ templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp str
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
 dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
 accumulator by TMA reductions (DQ_ATOMIC, FlashAttention 3's scheme: five products, not the seven of
-a separate dQ kernel that recomputes S and dP; at d=64 without a mask each consumer instead adds dQ over
-its own keys, DQ_LOCAL, and no consumer waits for the other's dS). A row pass before (lse in log2 units, delta, zeroed
+a separate dQ kernel that recomputes S and dP; at d=64 without a mask and from 1024 query rows each consumer
+instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other's dS). A row pass before (lse in log2 units, delta, zeroed
 accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11,
 experiments/gluon_dq_atomic.py, H200, N = 1024-16384): d=128 430-530 TFLOP/s without a mask and
 308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
@@ -119,14 +119,16 @@ BWD_STAGES = {64: {False: 3, True: 2}, 128: {False: 2, True: 2}}
 """Stages of Q and dO (and the rows), by head dim and causal. d=128 fills shared memory at 2 (198 KB);
 at d=64 a third stage wins without a mask (+7-15%) and not causal (-1 to +4%)."""
 
-BWD_DQ_LOCAL = {(64, False): True, (64, True): False, (128, False): False, (128, True): False}
-"""By (head dim, causal): whether each consumer makes dQ over its own keys (every column, a partial sum it adds by
-its own TMA reduction) instead of its share of the columns over all the program's keys, which needs the other
-consumer's dS^T first (an mbarrier at every step). Measured (H200, NOTES.md v24, experiments/gluon_dq_local.py;
-the Gluon kernel alone by torch.profiler / the whole call by do_bench, cache flushed): d=64 without a mask
-kernel -5 to -10%, whole call +1.7-2.9% (N=4096: 411 -> 423 TFLOP/s); d=64 causal kernel 0 to -3% but the whole
-call -0-3%; d=128 +23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice
-the reduction bytes)."""
+BWD_DQ_LOCAL_ROWS = {(64, False): 1024, (64, True): 0, (128, False): 0, (128, True): 0}
+"""By (head dim, causal): from how many query rows on each consumer makes dQ over its own keys (DQ_LOCAL:
+every column, a partial sum it adds by its own TMA reduction) instead of its share of the columns over all the
+program's keys, which needs the other consumer's dS^T first (an mbarrier at every step); 0: never. A constexpr
+of the kernel: a spec that runs both gets a second binary, compiled on the first call that takes it.
+Measured (NOTES.md v24-v25, experiments/gluon_dq_local.py; the Gluon kernel alone by torch.profiler / the whole
+call by do_bench, cache flushed): d=64 without a mask kernel -5 to -10% from N=1024 (H200; H100 -2% at 1024),
+whole call +1.7-2.9% at 4096-16384 (N=4096: 411 -> 423 TFLOP/s), but at N=512 the kernel +5.4% slower on the
+H100 (491 -> 518 us) and even on the H200; d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
++23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice the reduction bytes)."""
 
 BWD_SPLIT = {64: False, 128: True}
 """By head dim: whether the kernel without DQ_ATOMIC (dK, dV only) beats the Triton dK/dV kernel, for
@@ -170,7 +172,7 @@ def run(program: ir.Program) -> ir.Program:
         # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
         program = program.with_attrs(
             warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", causal),
-                                              ("DQ_LOCAL", BWD_DQ_LOCAL[(d, causal)]),
+                                              ("dq_local_rows", BWD_DQ_LOCAL_ROWS[(d, causal)]),
                                               ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
                                               ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d)))
     return program

@@ -1,6 +1,6 @@
 """Experiment: what autograd's engine adds to the host time of one eager backward call.
 
-    python benchmarks/experiments/backward_engine.py OUT_DIR   (GPU)
+    [N=512] [D=128] python benchmarks/experiments/backward_engine.py OUT_DIR   (GPU; causal, batch 16384/N, 2048/D heads)
 
 backward_host.py (NOTES v16) found, on an H200's host, torch.autograd.grad over an attngen call at
 N=512, d=128 (batch 32, 16 heads, causal) costing 369-607 us of host time per call, of which the
@@ -49,7 +49,7 @@ def main() -> int:
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    n, d, causal = int(os.environ.get("N", "512")), 128, True
+    n, d, causal = int(os.environ.get("N", "512")), int(os.environ.get("D", "128")), True
     b, h = 16384 // n, 2048 // d
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -144,7 +144,7 @@ def main() -> int:
     threads = [t.name for t in threading.enumerate()]
     info = {"device": torch.cuda.get_device_name(), "N": n, "d": d, "causal": causal, "us per call": results,
             "threads": threads, "switch interval s": sys.getswitchinterval()}
-    with open(os.path.join(out_dir, f"backward_engine_n{n}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"backward_engine_n{n}_d{d}.json"), "w") as f:
         json.dump(info, f, indent=1)
     print(f"threads: {threads}; switch interval {sys.getswitchinterval()}")
     print(f"\n{torch.cuda.get_device_name()}: host us per autograd.grad call, d={d} causal N={n} (min / median)")

@@ -1,6 +1,6 @@
 """Experiment: the host time of one eager backward call, piece by piece.
 
-    python benchmarks/experiments/backward_host.py OUT_DIR   (GPU, sm_90: the Gluon backward)
+    [D=128] python benchmarks/experiments/backward_host.py OUT_DIR   (GPU, sm_90: the Gluon backward)
 
 backward_short.py (NOTES v16) found the d=128 backward at N=512 (batch 32, 16 heads) host-bound on
 both lent GPUs: its GPU work takes 418 us on an H200 (494 on the H100: a CUDA-graph replay), while
@@ -64,7 +64,7 @@ def main() -> int:
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    n, d, causal = 512, 128, True
+    n, d, causal = 512, int(os.environ.get("D", "128")), True
     b, h = 16384 // n, 2048 // d
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -116,11 +116,11 @@ def main() -> int:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    with open(os.path.join(out_dir, "backward_host.json"), "w") as f:
+    with open(os.path.join(out_dir, f"backward_host_d{d}.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "us per call": results, "cprofile": text.getvalue()}, f,
                   indent=1)
     print(text.getvalue()[:7000])
-    print(f"\n{torch.cuda.get_device_name()}: host us per backward call piece, d=128 causal N=512 (min / median of 7)")
+    print(f"\n{torch.cuda.get_device_name()}: host us per backward call piece, d={d} causal N=512 (min / median of 7)")
     for name, r in results.items():
         print(f"  {name:24s} {min(r):7.1f} / {statistics.median(r):7.1f}")
     return 0

@@ -1,9 +1,11 @@
 """Experiment: batch-16 decode on full caches, a wider launch grid than the tuner's, cuDNN beside it.
 
-    python benchmarks/experiments/decode_b16.py OUT_DIR [CONTEXT ...] [--batch=N] [--wide]   (GPU; default 8192, 16)
+    python benchmarks/experiments/decode_b16.py OUT_DIR [CONTEXT ...] [--batch=N] [--wide | --few-warps]
+    (GPU; default 8192, 16)
 
 (--batch=N: another batch; --wide: the grid for short caches, 16-64 keys a block x 1-4 warps x 2-6
-stages x 1-2 splits; NOTES v20 ran `--batch=64 --wide 1024`. The best four are timed again against the
+stages x 1-2 splits; NOTES v20 ran `--batch=64 --wide 1024`. --few-warps: 1-2 warps (no cross-warp
+row max and sum, several programs to an SM) x 32-128 keys x 2-6 stages x 1, 2 and 4 splits; NOTES v25. The best four are timed again against the
 tuned config, alternating, best of three: one-after-another timings drift by 1-2%.)
 
 Batch 16 is the decode target attngen misses by the least (0.94-0.97x cuDNN, NOTES v15). Nsight Compute
@@ -42,6 +44,7 @@ def main() -> int:
     opts = [a for a in sys.argv[1:] if a.startswith("--")]
     batch = next((int(a.split("=", 1)[1]) for a in opts if a.startswith("--batch=")), 16)
     wide = "--wide" in opts  # short caches: 16-64 keys a block, 1-4 warps, 1-2 splits
+    few = "--few-warps" in opts  # 1-2 warps a program, 1-4 splits
     os.makedirs(out_dir, exist_ok=True)
     part = attngen.load(os.path.join(ROOT, "specs/decode_d128.attn")).tuner("kvcache")
     rows = []
@@ -58,7 +61,10 @@ def main() -> int:
         ms, how = sdpa("CUDNN_ATTENTION", x["q"], k, v)
         cudnn = nbytes / (ms * 1e-3) / 1e9
         print(f"batch {batch}, {ctx}: cuDNN {cudnn:.0f} GB/s ({how})", flush=True)
-        if wide:
+        if few:
+            candidates = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
+                          for sp in (1, 2, 4) for bn in (32, 64, 128) for w in (1, 2) for s in range(2, 7)]
+        elif wide:
             candidates = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
                           for sp in (1, 2) for bn in (16, 32, 64) for w in (1, 2, 4) for s in range(2, 7)]
         else:

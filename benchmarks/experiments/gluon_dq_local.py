@@ -1,9 +1,10 @@
 """Experiment: each consumer of the one-kernel Gluon backward makes dQ over its own keys (DQ_LOCAL).
 
-    python benchmarks/experiments/gluon_dq_local.py OUT_DIR [HEAD_DIM]   (GPU)
+    python benchmarks/experiments/gluon_dq_local.py OUT_DIR [HEAD_DIM [N ...]]   (GPU; N: lengths other than CASES')
 
-(DQ_LOCAL: a key of the warp_specialized_bwd attribute, BWD_DQ_LOCAL in passes/warp_specialize.py; both
-variants here are rendered from the template with it set either way.)
+(DQ_LOCAL: a constexpr of the kernel since v25, which the launch sets from `dq_local_rows` query rows on,
+BWD_DQ_LOCAL_ROWS in passes/warp_specialize.py; both variants here are rendered from the template with that
+threshold at 1 (l1) and 0 (l0).)
 
 In the shipped kernel (NOTES v11) each consumer warpgroup writes its dS^T to shared memory and arrives on
 an mbarrier; each then waits for the other's, and computes its HEAD_DIM / 2 columns of the step's
@@ -28,6 +29,9 @@ the kernel 5-10% faster (1024 878 -> 830 us, 4096 3224 -> 2913, 16384 12591 -> 1
 causal: the kernel 0.5-3% faster but the whole call 0-3% slower in both runs (the profiler's calls run
 back to back; do_bench flushes the cache before each). d=128: 23-30% slower (kernel and call). Adopted
 for d=64 without a mask only (BWD_DQ_LOCAL).
+v25 (`gluon_dq_local.py OUT 64 512 1024`): at N=512 without a mask the kernel 5.4% slower on the H100 (491 ->
+518 us; call 262 -> 250 TFLOP/s, Flex 235) and level on the H200 (496 -> 497); at 1024 2% / 5.3% faster. So it
+runs from 1024 query rows on (BWD_DQ_LOCAL_ROWS).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def float64_checks() -> list:
             text = (f"kernel dq_local_{mask}_{d} {{\n    direction = forward+backward\n    mask = "
                     f"{'none' if mask == 'none' else f'causal({mask})'}\n    head_dim = {d}\n    dtype = bf16\n}}\n")
             spec = attngen.load(parse(text, f"<{mask}>")).spec
-            m = gluon_variant_module(spec, "l1", {"DQ_LOCAL": True, "min_scores": 0, "min_keys": 0},
+            m = gluon_variant_module(spec, "l1", {"dq_local_rows": 1, "min_scores": 0, "min_keys": 0},
                                      "dq_local", attr="warp_specialized_bwd")
             b, h, hkv, n_q = 2, 4, 2, 333
             n_k = 1111 if mask != "none" else 777
@@ -85,9 +89,11 @@ def main() -> int:
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "checks": float64_checks(), "rows": []}
-    for d, causal, n in [c for c in CASES if len(sys.argv) < 3 or c[0] == int(sys.argv[2])]:
+    lengths = [int(a) for a in sys.argv[3:]]
+    cases = [(int(sys.argv[2]), c, n) for c in (False, True) for n in lengths] if lengths else CASES
+    for d, causal, n in [c for c in cases if len(sys.argv) < 3 or c[0] == int(sys.argv[2])]:
         spec = attngen.load(sdpa_spec("bf16", d, causal)).spec
-        mods = {x: gluon_variant_module(spec, x, {"DQ_LOCAL": x == "l1"}, "dq_local", attr="warp_specialized_bwd")
+        mods = {x: gluon_variant_module(spec, x, {"dq_local_rows": int(x == "l1")}, "dq_local", attr="warp_specialized_bwd")
                 for x in ("l0", "l1")}
         b, h, scale = 16384 // n, 2048 // d, d ** -0.5
         gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
