@@ -1,6 +1,8 @@
 """Experiment: each consumer of the one-kernel Gluon backward makes dQ over its own keys (DQ_LOCAL).
 
-    python benchmarks/experiments/gluon_dq_local.py OUT_DIR [HEAD_DIM [N ...]]   (GPU; N: lengths other than CASES')
+    python benchmarks/experiments/gluon_dq_local.py OUT_DIR [HEAD_DIM [N ...]] [--key=NAME]
+    (GPU; N: lengths other than CASES'; --key: A/B another boolean key of the backward's shape, off (l0) / on
+    (l1), instead of DQ_LOCAL: `--key=P16` with gluon_bwd_p16.patch applied, NOTES v25)
 
 (DQ_LOCAL: a constexpr of the kernel since v25, which the launch sets from `dq_local_rows` query rows on,
 BWD_DQ_LOCAL_ROWS in passes/warp_specialize.py; both variants here are rendered from the template with that
@@ -21,7 +23,7 @@ Cases: bf16, batch 16384/N, hidden 2048; l0 = shipped algorithm, l1 = DQ_LOCAL, 
 (row passes included); kernel times by torch.profiler (10 back-to-back calls, 4 alternating rounds) and
 do_bench of the whole call beside SDPA cuDNN's backward (torch.autograd.grad) in alternating rounds;
 gradients of l1 against l0's, and on small odd GQA cases (both causal alignments, N_Q != N_K) against float64.
-Writes gluon_dq_local.json; prints a table.
+Writes gluon_<key>.json (gluon_dq_local_rows.json for DQ_LOCAL); prints a table.
 Result (H200; results/h200_gluon_dq_local_v24.json, all cases, and h200_gluon_dq_local_d64_v24.json, d=64 again
 on the same machine): float64 checks pass (dQ, dK, dV 0.0023-0.0025 for every mask). d=64 without a mask:
 the kernel 5-10% faster (1024 878 -> 830 us, 4096 3224 -> 2913, 16384 12591 -> 11936), the whole call
@@ -41,6 +43,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+KEY = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--key=")), "dq_local_rows")
+ON, OFF = (1, 0) if KEY == "dq_local_rows" else (True, False)
+
 from common import alternating_ms, error_text, gluon_variant_module, profiled_us, reference_grads, rel_err  # noqa: E402
 
 CASES = [(64, c, n) for c in (False, True) for n in (1024, 4096, 16384)] + \
@@ -55,12 +61,12 @@ def float64_checks() -> list:
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for d in [x for x in (64, 128) if len(sys.argv) < 3 or x == int(sys.argv[2])]:
+    for d in [x for x in (64, 128) if len(ARGS) < 2 or x == int(ARGS[1])]:
         for mask in ("none", "top_left", "bottom_right"):
             text = (f"kernel dq_local_{mask}_{d} {{\n    direction = forward+backward\n    mask = "
                     f"{'none' if mask == 'none' else f'causal({mask})'}\n    head_dim = {d}\n    dtype = bf16\n}}\n")
             spec = attngen.load(parse(text, f"<{mask}>")).spec
-            m = gluon_variant_module(spec, "l1", {"dq_local_rows": 1, "min_scores": 0, "min_keys": 0},
+            m = gluon_variant_module(spec, "l1", {KEY: ON, "min_scores": 0, "min_keys": 0},
                                      "dq_local", attr="warp_specialized_bwd")
             b, h, hkv, n_q = 2, 4, 2, 333
             n_k = 1111 if mask != "none" else 777
@@ -86,14 +92,14 @@ def main() -> int:
     from attngen.api import sdpa_spec
     from attngen.bench import fa_flops
 
-    out_dir = sys.argv[1]
+    out_dir = ARGS[0]
     os.makedirs(out_dir, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "checks": float64_checks(), "rows": []}
-    lengths = [int(a) for a in sys.argv[3:]]
-    cases = [(int(sys.argv[2]), c, n) for c in (False, True) for n in lengths] if lengths else CASES
-    for d, causal, n in [c for c in cases if len(sys.argv) < 3 or c[0] == int(sys.argv[2])]:
+    result = {"device": torch.cuda.get_device_name(), "key": KEY, "checks": float64_checks(), "rows": []}
+    lengths = [int(a) for a in ARGS[2:]]
+    cases = [(int(ARGS[1]), c, n) for c in (False, True) for n in lengths] if lengths else CASES
+    for d, causal, n in [c for c in cases if len(ARGS) < 2 or c[0] == int(ARGS[1])]:
         spec = attngen.load(sdpa_spec("bf16", d, causal)).spec
-        mods = {x: gluon_variant_module(spec, x, {"dq_local_rows": int(x == "l1")}, "dq_local", attr="warp_specialized_bwd")
+        mods = {x: gluon_variant_module(spec, x, {KEY: ON if x == "l1" else OFF}, "dq_local", attr="warp_specialized_bwd")
                 for x in ("l0", "l1")}
         b, h, scale = 16384 // n, 2048 // d, d ** -0.5
         gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
@@ -125,11 +131,11 @@ def main() -> int:
             row[f"{x} rounds"] = [flops / t / 1e9 for t in ts]
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if "rounds" not in k}), flush=True)
-        with open(os.path.join(out_dir, "gluon_dq_local.json"), "w") as f:
+        with open(os.path.join(out_dir, f"gluon_{KEY.lower()}.json"), "w") as f:
             json.dump(result, f, indent=1)
         del q, k, v, do, out, lse, grads, qg, kg, vg, ref, fns
 
-    print(f"\n{result['device']}: one-kernel Gluon backward, DQ_LOCAL off (l0) / on (l1). Kernel: the Gluon kernel "
+    print(f"\n{result['device']}: one-kernel Gluon backward, {KEY} off (l0) / on (l1). Kernel: the Gluon kernel "
           "alone, best of 4 profiler rounds (us); whole call TFLOP/s, best of 3 do_bench rounds")
     print(f"{'d':>4} {'mask':>6} {'N':>6} {'l0 us':>9} {'l1 us':>9} {'l1/l0':>6}   {'l0':>5} {'l1':>5} {'cudnn':>5}  errs")
     for r in result["rows"]:
