@@ -69,14 +69,15 @@ def _compile_gluon_ws(module, job):
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
         dq_block, dq_layout = ((module._WS_BWD_DQ_LOCAL_BLOCK, module._WS_BWD_DQ_LOCAL_LAYOUT) if dq_local
                                else (module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT))
-        dq = desc(shape["BLOCK_M"], dq_layout, dq_block[-1], torch.empty(t.shape, dtype=torch.float32)) if dq_atomic else kv
+        dq = (desc(shape["BLOCK_M"], dq_layout, dq_block[-1], torch.empty(t.shape, dtype=torch.float32)) if dq_atomic
+              else kv)
         rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic, DQ_LOCAL=dq_local,
-                     ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
+                     AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
+                     DQ_LOCAL=dq_local, ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
         pointers = ("LSE", "DELTA")
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws

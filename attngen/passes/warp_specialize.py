@@ -33,8 +33,8 @@ rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V
 dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
 accumulator by TMA reductions (DQ_ATOMIC, FlashAttention 3's scheme: five products, not the seven of
 a separate dQ kernel that recomputes S and dP; at d=64 without a mask and from 1024 query rows each consumer
-instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other's dS). A row pass before (lse in log2 units, delta, zeroed
-accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11,
+instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other's dS). A row pass before
+(lse in log2 units, delta, zeroed accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11,
 experiments/gluon_dq_atomic.py, H200, N = 1024-16384): d=128 430-530 TFLOP/s without a mask and
 308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
 kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
@@ -127,7 +127,7 @@ of the kernel: a spec that runs both gets a second binary, compiled on the first
 Measured (NOTES.md v24-v25, experiments/gluon_dq_local.py; the Gluon kernel alone by torch.profiler / the whole
 call by do_bench, cache flushed): d=64 without a mask kernel -5 to -10% from N=1024 (H200; H100 -2% at 1024),
 whole call +1.7-2.9% at 4096-16384 (N=4096: 411 -> 423 TFLOP/s), but at N=512 the kernel +5.4% slower on the
-H100 (491 -> 518 us) and even on the H200; d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
+H100 (491 -> 518 us) and level on the H200 (496 -> 497); d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
 +23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice the reduction bytes)."""
 
 BWD_SPLIT = {64: False, 128: True}

@@ -1,6 +1,7 @@
 """Experiment: what autograd's engine adds to the host time of one eager backward call.
 
-    [N=512] [D=128] python benchmarks/experiments/backward_engine.py OUT_DIR   (GPU; causal, batch 16384/N, 2048/D heads)
+    [N=512] [D=128] python benchmarks/experiments/backward_engine.py OUT_DIR
+    (GPU; causal, batch 16384/N, 2048/D heads)
 
 backward_host.py (NOTES v16) found, on an H200's host, torch.autograd.grad over an attngen call at
 N=512, d=128 (batch 32, 16 heads, causal) costing 369-607 us of host time per call, of which the

@@ -5,8 +5,9 @@
 
 (--batch=N: another batch; --wide: the grid for short caches, 16-64 keys a block x 1-4 warps x 2-6
 stages x 1-2 splits; NOTES v20 ran `--batch=64 --wide 1024`. --few-warps: 1-2 warps (no cross-warp
-row max and sum, several programs to an SM) x 32-128 keys x 2-6 stages x 1, 2 and 4 splits; NOTES v25. The best four are timed again against the
-tuned config, alternating, best of three: one-after-another timings drift by 1-2%.)
+row max and sum, several programs to an SM) x 32-128 keys x 2-6 stages x 1, 2 and 4 splits; NOTES v25.
+The best four are timed again against the tuned config, alternating, best of three: one-after-another
+timings drift by 1-2%.)
 
 Batch 16 is the decode target attngen misses by the least (0.94-0.97x cuDNN, NOTES v15). Nsight Compute
 (NOTES v17) showed cuDNN running one split there: 128 CTAs, 86 KB of shared memory, 92.5% of DRAM peak,
