@@ -278,22 +278,94 @@ def _ws_rounds(n_m, H, B, QBUF: gl.constexpr):
 
 
 @gluon.jit
-def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr):
+def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr, balanced, E, r1, J1):
     """The tile this program takes in its r-th round, and whether there is one. Round r of the grid's
     P programs takes tiles r * P ... r * P + P - 1. A persistent grid (QBUF > 1) takes the row blocks of
     a (batch, head) in pairs instead, the k-th longest with the k-th shortest: every pair but a middle one
     holds n_m + 1 key blocks, so programs that take as many pairs finish together (taken one by one, tiles
-    p, p + P, ... of programs p and p + n_m / 2 would be the long and the short ones of every head)."""
+    p, p + P, ... of programs p and p + n_m / 2 would be the long and the short ones of every head).
+    When `balanced` (a head has a middle row block without a pair, or a longest row block that leaves a
+    warpgroup idle), the pairs of a persistent grid's rounds are dealt by _ws_balanced_slot instead."""
     if QBUF > 1:
         half = (n_m + 1) // 2  # pairs of a (batch, head)
         u = (r // 2) * gl.num_programs(0) + gl.program_id(0)
+        valid = u < half * H * B
+        if balanced:  # the short unit of a (batch, head) is its pair half - 1 to _ws_balanced_slot
+            u, valid = _ws_balanced_slot(r // 2, gl.program_id(0), gl.num_programs(0), half, H * B, E, r1, J1)
         k = u % half
+        if balanced & (n_m % 2 == 0):  # even: the short pair is the one with the longest row block, k = 0
+            k = half - 1 - k
         m = k
         if r % 2 == 1:
             m = n_m - 1 - k
-        return (u // half) * n_m + m, (u < half * H * B) & ((r % 2 == 0) | (m != k))
+        return (u // half) * n_m + m, valid & ((r % 2 == 0) | (m != k))
     t = r * gl.num_programs(0) + gl.program_id(0)
-    return t, t < n_m * H * B
+    valid = t < n_m * H * B
+    if QBUF > 1:
+        if balanced:
+            t, valid = _ws_balanced_slot(r, gl.program_id(0), gl.num_programs(0), n_m, H * B, E, r1, J1)
+    return t, valid
+
+
+@gluon.jit
+def _ws_balance_plan(P, n_m, HB):
+    """For _ws_balanced_slot, once per program: (E, r1, J1). The grid's P programs take the n_m * HB units in
+    rounds; the last round's E units go to programs 0 ... E - 1, which take one unit more than the others.
+    Rounds 0 ... r1 - 1 give their short units (J1 of them) to those programs, three each, when a round's
+    short units fit among them; later rounds deal theirs round-robin over every program. Plain integer
+    arithmetic on non-negative values, as in _ws_balanced_slot."""
+    T = n_m * HB
+    E = T - ((T + P - 1) // P - 1) * P
+    r1 = 0
+    if (P + n_m - 1) // n_m <= E:
+        r1 = (3 * E * n_m + P - 1) // P
+    return E, r1, (r1 * P) // n_m
+
+
+@gluon.jit
+def _ws_balanced_slot(r, p, P, n_m, HB, E, r1, J1):
+    """On a persistent grid: the unit that program p of P takes in round r, and whether there is one. A unit is
+    a tile (without a mask) or a pair of tiles (causal); a (batch, head) has n_m of them, and its last, n_m - 1,
+    is short: the last row block (N_Q mod BLOCK_M rows, where TRIM's idle warpgroups skip the work) or, causal,
+    the pair holding it, or a middle row block without a pair. Round r holds units r P ... r P + P - 1 as in
+    place order (programs running together share a few heads' K and V in L2), but who takes which is dealt so
+    that the short units are spread: in place order (program p takes p, p + P, ...) P = 132 against 22 row
+    blocks a head (d=64, N=4096, no mask) gave programs 21, 43, ... every short tile and the others none
+    (NOTES.md v26). In a round, the programs ranked 0 ... k - 1 take its k short units and the others its other
+    units in place order; the ranks start where the last round's dealing stopped (_ws_balance_plan: first
+    among programs 0 ... E - 1, then among all). Four integer divisions; every value non-negative, so it runs
+    as Python too (the tests check it so)."""
+    T = n_m * HB
+    base = r * P
+    J = base // n_m  # short units before this round (unit t is short when t % n_m == n_m - 1)
+    q0 = n_m - 1 - (base - J * n_m)  # the round's first short place; the others follow n_m apart
+    last = base + P >= T
+    k = HB - J  # short units in this round
+    if base + P < T:
+        k = (base + P) // n_m - J
+    if last | (r < r1):
+        g = p
+        if p < E:
+            g = p - J % E
+            if g < 0:
+                g += E
+    else:
+        g = p - E - (J - J1) % P
+        if g < 0:
+            g += P
+        if g < 0:
+            g += P
+    q = q0 + g * n_m
+    if g >= k:
+        j = g - k  # the j-th of the round's other places
+        q = j
+        if j >= q0:
+            d = n_m - 1
+            if d < 1:
+                d = 1
+            a = (j - q0) // d
+            q = q0 + 1 + a * n_m + (j - q0 - a * d)
+    return base + q, g < T - base
 
 
 @gluon.jit
@@ -404,8 +476,16 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_r
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0  # key blocks of earlier tiles: the ring's place
     i = 0  # earlier tiles: the Q buffers' place
+    rem = N_Q % BLOCK_M
+    balanced = (n_m % 2 == 1) | ((rem > 0) & (rem <= BLOCK_M - BM))  # a pair half - 1 shorter than the others
+    units = (n_m + 1) // 2
+    E = 0
+    r1 = 0
+    J1 = 0
+    if balanced:
+        E, r1, J1 = _ws_balance_plan(gl.num_programs(0), units, H * B)
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
-        t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
+        t, valid = _ws_tile_index(r, n_m, H, B, QBUF, balanced, E, r1, J1)
         if valid:
             it, i = _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty,
                                      k_ready, k_empty, v_ready, v_empty, turn, B, H, N_Q, N_K, n_m, t, it, i,
@@ -497,8 +577,16 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_re
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0
     i = 0
+    rem = N_Q % BLOCK_M
+    balanced = (n_m % 2 == 1) | ((rem > 0) & (rem <= BLOCK_M - BM))  # a pair half - 1 shorter than the others
+    units = (n_m + 1) // 2
+    E = 0
+    r1 = 0
+    J1 = 0
+    if balanced:
+        E, r1, J1 = _ws_balance_plan(gl.num_programs(0), units, H * B)
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
-        t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
+        t, valid = _ws_tile_index(r, n_m, H, B, QBUF, balanced, E, r1, J1)
         if valid:
             it, i = _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M, BM, BLOCK_N, STAGES,
@@ -584,7 +672,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     ], [4, 4, 1], [160, 160, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 4096, 'short_keys': 0, 'min_scores': 33554432}
+WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 4096, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': True}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.float16)

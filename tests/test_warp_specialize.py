@@ -8,6 +8,8 @@ against float64 at odd sizes, GQA and strided inputs, with the outputs poisoned 
 algorithms, and the fallback for inputs TMA cannot read.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -44,10 +46,51 @@ def test_which_specs_get_the_gluon_forward(text, expected):
     rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
     assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
             and shape.get("TRIM") is True and shape.get("PERSISTENT") is True
-            and shape.get("short_keys") == short_keys) is expected
+            and shape.get("short_keys") == short_keys
+            and shape.get("BALANCE") is warp_specialize.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_ws") is expected
     assert ("warp-specialize" in kernel.source.split("\n", 3)[2]) is expected  # the "# Passes:" header line
+
+
+def _makespans(plan, slot, P, n_m, HB):
+    """(place order, dealt) longest program of a persistent grid of P programs over n_m * HB units, a short unit
+    (t % n_m == n_m - 1) costing half; checks that each round of the dealt order takes every unit once."""
+    T = n_m * HB
+    E, r1, J1 = plan(P, n_m, HB)
+    place, dealt = [0.0] * P, [0.0] * P
+    for r in range(-(-T // P)):
+        got = set()
+        for p in range(P):
+            if r * P + p < T:
+                place[p] += 0.5 if (r * P + p) % n_m == n_m - 1 else 1.0
+            t, ok = slot(r, p, P, n_m, HB, E, r1, J1)
+            if ok:
+                assert r * P <= t < min(T, r * P + P) and t not in got, (P, n_m, HB, r, p, t)
+                got.add(t)
+                dealt[p] += 0.5 if t % n_m == n_m - 1 else 1.0
+        assert len(got) == min(P, T - r * P), (P, n_m, HB, r)
+    return max(place), max(dealt)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)"])
+def test_the_persistent_grid_deals_short_tiles_evenly(mask):
+    """_ws_balanced_slot (plain integer arithmetic, run here as Python) deals each round's units to the programs
+    as a permutation; at the bench's d=64 shapes on 132 SMs the longest program's work drops (place order gave
+    a few programs every short tile), and it is never worse than place order by more than one short unit."""
+    module = attngen.load(spec_text(f"ws_balance_{mask[:6]}", 64, "bf16", mask)).module
+    assert module.WS_SHAPE["BALANCE"] is warp_specialize.BALANCE[(64, mask != "none")] is True
+    plan, slot = module._ws_balance_plan.fn, module._ws_balanced_slot.fn
+    # (P, units a head, heads x batches) -> (place order, dealt): N = 1024, 2048, 4096 without a mask
+    # (192-row tiles), causal N = 4096 (11 pairs a head, the first with a 64-row tile)
+    for shape, want in {(132, 6, 512): (24, 21.5), (132, 11, 256): (22, 20.5), (132, 22, 128): (22, 21),
+                        (132, 11, 128): (11, 10.5), (132, 43, 64): (21, 21)}.items():
+        assert _makespans(plan, slot, *shape) == want, shape
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = rng.randint(1, 140), rng.randint(1, 90), rng.randint(1, 40)
+        place, dealt = _makespans(plan, slot, *shape)
+        assert dealt <= place + 0.5, shape
 
 
 def test_the_gluon_kernel_compiles_for_sm90():
@@ -179,10 +222,12 @@ def _poisoned_run(kernel, q, k, v):
 @pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 8, 2, 129, 128), Case(1, 2, 2, 1, 1),
                                   Case(3, 2, 1, 64, 4097), Case(1, 2, 2, 1000, 77), Case(1, 4, 2, 333, 2111),
                                   Case(2, 2, 2, 1500, 1500)])
-@pytest.mark.parametrize("programs", [None, 3])
+@pytest.mark.parametrize("programs", [None, 3, 7])
 def test_gluon_forward_against_float64(mask, dtype, head_dim, case, programs, monkeypatch):
-    """programs=None: the grid as shipped; 3: a persistent grid of 3 programs, so that every program takes
-    several tiles (of several heads and batches, with causal tiles of different lengths) at these sizes."""
+    """programs=None: the grid as shipped; 3 and 7: a persistent grid of that many programs, so that every
+    program takes several tiles (of several heads and batches, with causal tiles of different lengths) at these
+    sizes, dealt by _ws_balanced_slot where a short row block leaves a warpgroup idle (d=64 at 200, 1000, 64
+    rows; 129 and 64 at d=128; causal where the head has an odd number of row blocks)."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"ws_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
                                     heads=case.heads, kv_heads=case.kv_heads))

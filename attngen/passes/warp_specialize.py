@@ -96,6 +96,17 @@ N=512 (a 4-block tile becomes 8 steps, and the diagonal block wastes half as muc
 gains from two consumer warpgroups instead, which is another kernel: not done)."""
 
 
+BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
+"""Whether a persistent grid deals each round's tiles (causal: pairs of them) so that the short ones are spread
+over the programs, by (head dim, causal); the kernel does so only when a sequence's last row block leaves a
+warpgroup idle or, causal, a middle row block has no pair (_ws_balanced_slot in templates/gluon_forward.py.j2).
+Taken in place order, P = 132 programs against 22 row blocks a head (d=64, N=4096) gave 6 programs every short
+tile and the rest none. Measured (H100, kernel time, NOTES.md v26, benchmarks/experiments/gluon_balance.py):
+d=64 without a mask -6% at N=1024, -4% at 2048, -7.5% at 4096, within noise at 8192-16384; causal -2.3% at
+4096; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
+lengths, and the dealing's arithmetic costs its registers more): off."""
+
+
 MIN_SCORES = 1 << 25
 """Fewest scores (B * H * N_Q * N_K) for which the Gluon kernel runs. Its launch costs about 50 us more
 host time than the Triton kernel's (four TMA descriptors built per call, and Triton's own launcher:
@@ -164,8 +175,9 @@ def run(program: ir.Program) -> ir.Program:
     min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
     shape = tuple(dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[program.attr("head_dim")])).items())
     short_keys = SHORT_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
+    balance = BALANCE[(program.attr("head_dim"), program.attr("mask") != "none")]
     program = program.with_attrs(warp_specialized=shape + (("min_keys", min_keys), ("short_keys", short_keys),
-                                                           ("min_scores", MIN_SCORES)))
+                                                           ("min_scores", MIN_SCORES), ("BALANCE", balance)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
         d, causal = program.attr("head_dim"), program.attr("mask") != "none"
         # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
