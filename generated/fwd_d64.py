@@ -653,7 +653,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     ], [4, 4, 1], [160, 160, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 1024, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': True}
+WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 512, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': True}
 WS_CAUSAL = False
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.float16)

@@ -78,11 +78,13 @@ wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a m
 causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
 d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
 
-MIN_KEYS = {(64, False): 1024, (64, True): 4096, (128, False): 1, (128, True): 1}
+MIN_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 1, (128, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
 the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 TFLOP/s against 346
 without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
-half-size products of d=64 leave more of its time to fixed costs. At d=128 the Gluon kernel wins from
+half-size products of d=64 leave more of its time to fixed costs. Since BALANCE (NOTES.md v26, H100) the
+Gluon kernel wins without a mask from 512 keys (363-368 against 340-344; 256 keys 220 against 257), and
+causal still loses at 1024 and 2048 (213 against 281, 305 against 345). At d=128 the Gluon kernel wins from
 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
 
 
