@@ -591,11 +591,7 @@ def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr, balanced, E, r1, J1):
             m = n_m - 1 - k
         return (u // half) * n_m + m, valid & ((r % 2 == 0) | (m != k))
     t = r * gl.num_programs(0) + gl.program_id(0)
-    valid = t < n_m * H * B
-    if QBUF > 1:
-        if balanced:
-            t, valid = _ws_balanced_slot(r, gl.program_id(0), gl.num_programs(0), n_m, H * B, E, r1, J1)
-    return t, valid
+    return t, t < n_m * H * B
 
 
 @gluon.jit
