@@ -595,6 +595,22 @@ def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr, balanced, E, r1, J1):
 
 
 @gluon.jit
+def _ws_dealing(N_Q, n_m, H, B, BLOCK_M: gl.constexpr, BM: gl.constexpr):
+    """(balanced, E, r1, J1) for _ws_tile_index, once per partition: whether a (batch, head)'s short unit (a
+    middle row block without a pair, or a longest row block that leaves a warpgroup idle) makes
+    _ws_balanced_slot deal the rounds' pairs, and its plan."""
+    rem = N_Q % BLOCK_M
+    balanced = (n_m % 2 == 1) | ((rem > 0) & (rem <= BLOCK_M - BM))
+    units = (n_m + 1) // 2
+    E = 0
+    r1 = 0
+    J1 = 0
+    if balanced:
+        E, r1, J1 = _ws_balance_plan(gl.num_programs(0), units, H * B)
+    return balanced, E, r1, J1
+
+
+@gluon.jit
 def _ws_balance_plan(P, n_m, HB):
     """For _ws_balanced_slot, once per program: (E, r1, J1). The grid's P programs take the n_m * HB units in
     rounds; the last round's E units go to programs 0 ... E - 1, which take one unit more than the others.
@@ -763,14 +779,7 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_r
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0  # key blocks of earlier tiles: the ring's place
     i = 0  # earlier tiles: the Q buffers' place
-    rem = N_Q % BLOCK_M
-    balanced = (n_m % 2 == 1) | ((rem > 0) & (rem <= BLOCK_M - BM))  # a pair half - 1 shorter than the others
-    units = (n_m + 1) // 2
-    E = 0
-    r1 = 0
-    J1 = 0
-    if balanced:
-        E, r1, J1 = _ws_balance_plan(gl.num_programs(0), units, H * B)
+    balanced, E, r1, J1 = _ws_dealing(N_Q, n_m, H, B, BLOCK_M, BM)
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
         t, valid = _ws_tile_index(r, n_m, H, B, QBUF, balanced, E, r1, J1)
         if valid:
@@ -864,14 +873,7 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_re
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0
     i = 0
-    rem = N_Q % BLOCK_M
-    balanced = (n_m % 2 == 1) | ((rem > 0) & (rem <= BLOCK_M - BM))  # a pair half - 1 shorter than the others
-    units = (n_m + 1) // 2
-    E = 0
-    r1 = 0
-    J1 = 0
-    if balanced:
-        E, r1, J1 = _ws_balance_plan(gl.num_programs(0), units, H * B)
+    balanced, E, r1, J1 = _ws_dealing(N_Q, n_m, H, B, BLOCK_M, BM)
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
         t, valid = _ws_tile_index(r, n_m, H, B, QBUF, balanced, E, r1, J1)
         if valid:

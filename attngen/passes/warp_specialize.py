@@ -104,8 +104,8 @@ over the programs, by (head dim, causal); the kernel does so only when a sequenc
 warpgroup idle or, causal, a middle row block has no pair (_ws_balanced_slot in templates/gluon_forward.py.j2).
 Taken in place order, P = 132 programs against 22 row blocks a head (d=64, N=4096) gave 6 programs every short
 tile and the rest none. Measured (H100, kernel time, NOTES.md v26, benchmarks/experiments/gluon_balance.py):
-d=64 without a mask -6% at N=1024, -4% at 2048, -7.5% at 4096, within noise at 8192-16384; causal -2.3% at
-4096; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
+d=64 without a mask -6% at N=1024, -4% at 2048, -6.5 to -7.5% at 4096, within noise at 8192-16384; causal 0 to
+-2.3% at 4096, within noise from 8192; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
 lengths, and the dealing's arithmetic costs its registers more): off."""
 
 
