@@ -203,6 +203,17 @@ def gluon_variant_module(spec, name: str, shape: dict, tag: str, attr: str = "wa
     return load(path, f"{spec.name}_{name}")
 
 
+def poisoned_case(b: int, h: int, hkv: int, n_q: int, n_k: int, d: int, seed: int):
+    """A small odd float64-check case: bf16 q (b, h, n_q, d), k and v (b, hkv, n_k, d) from a generator seeded
+    with `seed`, and out and lse filled with NaN, so that an element no program writes shows."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, n_q, d, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(b, hkv, n_k, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    return q, k, v, torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"), device="cuda")
+
+
 def prefill_case(d: int, causal: bool, n: int):
     """The prefill bench's inputs at (head dim, causal, N): bf16 q, k, v (16384 / N, 2048 / d, N, d), seeded
     by the case, empty out and lse, the softmax scale and the FLOPs by the FlashAttention convention."""

@@ -32,7 +32,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternating_ms, gluon_variant_module, prefill_case, profiled_us, rel_err  # noqa: E402
+from common import alternating_ms, gluon_variant_module, poisoned_case, prefill_case, profiled_us, rel_err  # noqa: E402
 
 CASES = ([(64, False, n) for n in (1024, 2048, 4096, 8192, 16384)] + [(128, False, n) for n in (512, 1000, 4000, 4096)]
          + [(64, True, n) for n in (4096, 8192, 16384)] + [(128, True, n) for n in (4000, 4096)])
@@ -41,8 +41,6 @@ CHECKS = [(2, 4, 4, 200, 333), (1, 8, 2, 1000, 1280), (3, 2, 1, 64, 4097), (1, 4
 
 
 def float64_checks() -> list:
-    import torch
-
     import attngen
     from attngen.api import sdpa_spec
     from attngen.check import Case, compare
@@ -54,11 +52,7 @@ def float64_checks() -> list:
         for programs in (3, 5, 7, 11):
             m._ws_programs = lambda device, p=programs: p
             for b, h, hkv, n_q, n_k in CHECKS:
-                gen = torch.Generator(device="cuda").manual_seed(b * n_q + n_k + programs)
-                q = torch.randn(b, h, n_q, d, device="cuda", generator=gen).bfloat16()
-                k, v = (torch.randn(b, hkv, n_k, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                q, k, v, out, lse = poisoned_case(b, h, hkv, n_q, n_k, d, b * n_q + n_k + programs)
                 m.launch_attn_fwd_ws(q, k, v, out, lse, d ** -0.5)
                 result = compare(spec, Case(b, h, hkv, n_q, n_k), out, lse, q, k, v)
                 rows.append(dict(head_dim=d, causal=causal, programs=programs, case=[b, h, hkv, n_q, n_k], ok=result.ok,

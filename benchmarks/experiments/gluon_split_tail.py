@@ -41,7 +41,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternating_ms, error_text, gluon_variant_module, prefill_case, profiled_us, rel_err  # noqa: E402
+from common import (alternating_ms, error_text, gluon_variant_module, poisoned_case, prefill_case,  # noqa: E402
+                    profiled_us, rel_err)
 
 CASES = [(128, False, n) for n in (512, 1024, 2048, 4096, 8192, 16384)] + \
         [(64, False, n) for n in (1024, 4096, 16384)] + [(128, True, 4096)]
@@ -51,8 +52,6 @@ CHECKS = [(2, 4, 4, 200, 333), (1, 8, 2, 129, 1280), (3, 2, 1, 64, 4097), (1, 4,
 def float64_checks() -> list:
     """s1 against float64 on small odd cases, with the persistent grid cut to 3, 5 and 7 programs so that the
     shared rounds, cut tiles and the merge all occur; each check records whether the merge ran."""
-    import torch
-
     import attngen
     from attngen.api import sdpa_spec
     from attngen.check import Case, compare
@@ -64,11 +63,7 @@ def float64_checks() -> list:
         for programs in (3, 5, 7):
             m._ws_programs = lambda device, p=programs: p
             for b, h, hkv, n_q, n_k in CHECKS:
-                gen = torch.Generator(device="cuda").manual_seed(b * n_q + n_k + programs)
-                q = torch.randn(b, h, n_q, d, device="cuda", generator=gen).bfloat16()
-                k, v = (torch.randn(b, hkv, n_k, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                q, k, v, out, lse = poisoned_case(b, h, hkv, n_q, n_k, d, b * n_q + n_k + programs)
                 merged = []
                 launch = m.attn_fwd_ws_merge
                 m.attn_fwd_ws_merge = type("Spy", (), {"__getitem__": lambda self, g: (merged.append(g), launch[g])[1]})()
