@@ -396,6 +396,86 @@ def profiled_us(fn, prefix: str, reps: int = 10) -> dict:
     return {e.key: e.self_device_time_total / reps for e in prof.key_averages() if e.key.startswith(prefix)}
 
 
+def backward_variants_row(mods: dict, base: str, d: int, causal: bool, n: int, flex: bool = False) -> dict:
+    """One prefill-bench case (bf16, batch 16384/N, hidden 2048) of the backward variants `mods` (name ->
+    generated module): each variant's gradients against `base`'s (relative error), its Gluon kernel's time by
+    torch.profiler (4 alternating rounds of 10 calls), and the whole `module.backward` call by do_bench in
+    alternating rounds beside SDPA cuDNN's backward (and with `flex`, FlexAttention's, compiled as the bench
+    does) as TFLOP/s. A variant that fails records its error instead."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attngen.bench import fa_flops, prefill_providers
+
+    b, h, scale = 16384 // n, 2048 // d, d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    out, lse = mods[base].forward(q, k, v, scale)
+    flops = fa_flops(b, h, n, n, d, causal, backward=True)
+    row = dict(head_dim=d, causal=causal, n=n)
+    grads, fns = {}, {}
+    for x in [base] + [x for x in mods if x != base]:
+        try:
+            grads[x] = mods[x].backward(q, k, v, out, lse, do, scale)
+            torch.cuda.synchronize()
+            row[f"{x} err"] = max(rel_err(a, r) for a, r in zip(grads[x], grads[base]))
+            fns[x] = lambda m=mods[x]: m.backward(q, k, v, out, lse, do, scale)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+            row[f"{x} error"] = error_text(e)
+    kus = {x: [] for x in fns}
+    for rnd in range(4):
+        for x in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            kus[x].append(sum(profiled_us(fns[x], "attn_bwd_dkdv_ws").values()))
+    for x, ts in kus.items():
+        row[f"{x} kernel us"] = ts
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
+    fns["cudnn"] = lambda: torch.autograd.grad(ref, (qg, kg, vg), do, retain_graph=True)
+    if flex:
+        try:
+            fref = prefill_providers(causal)["flex"](qg, kg, vg)
+            fns["flex"] = lambda: torch.autograd.grad(fref, (qg, kg, vg), do, retain_graph=True)
+            fns["flex"]()
+        except Exception as e:  # noqa: BLE001
+            fns.pop("flex", None)
+            row["flex error"] = error_text(e)
+    for x, ts in alternating_ms(fns, rep=100).items():
+        row[x] = flops / min(ts) / 1e9
+        row[f"{x} rounds"] = [flops / t / 1e9 for t in ts]
+    return row
+
+
+def backward_check_spec(tag: str, mask: str, d: int):
+    """The forward+backward bf16 spec named tag_mask_d, mask "none", "top_left" or "bottom_right", head dim d."""
+    import attngen
+    from attngen.spec import parse
+
+    text = (f"kernel {tag}_{mask}_{d} {{\n    direction = forward+backward\n    mask = "
+            f"{'none' if mask == 'none' else f'causal({mask})'}\n    head_dim = {d}\n    dtype = bf16\n}}\n")
+    return attngen.load(parse(text, f"<{mask}>")).spec
+
+
+def backward_float64_check(m, mask: str, b: int, h: int, hkv: int, n_q: int, n_k: int, gen) -> dict:
+    """Generated module m's backward on bf16 inputs (b, h, n_q, D) and K/V (b, hkv, n_k, D) from `gen`, dQ, dK and dV
+    poisoned with NaN first, against float64: relative errors, whether a NaN was left, and whether the one-kernel
+    Gluon backward ran."""
+    import torch
+
+    d = m.HEAD_DIM
+    q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(b, hkv, n_k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    do = torch.randn_like(q)
+    out, lse = m.forward(q, k, v, d ** -0.5)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    ran = m.ws_bwd_ready(q, k, v, do, dk, dv) and m.ws_bwd_fused()
+    m.backward(q, k, v, out, lse, do, d ** -0.5, dq=dq, dk=dk, dv=dv)
+    gq, gk, gv = reference_grads(q, k, v, do, mask, d ** -0.5)
+    return dict(head_dim=d, mask=mask, shape=[b, h, hkv, n_q, n_k], ran_gluon=ran, dq_err=rel_err(dq, gq),
+                dk_err=rel_err(dk, gk), dv_err=rel_err(dv, gv),
+                nan=bool(dq.isnan().any() or dk.isnan().any() or dv.isnan().any()))
+
+
 def reference_grads(q, k, v, do, mask: str, scale: float):
     """dQ, dK, dV in float64 of softmax(q k^T * scale) v for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D) (H a
     multiple of H_KV), mask "none", "top_left" or "bottom_right"; rows that see no key give 0."""

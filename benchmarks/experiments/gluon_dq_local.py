@@ -47,7 +47,8 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 KEY = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--key=")), "dq_local_rows")
 ON, OFF = (1, 0) if KEY == "dq_local_rows" else (True, False)
 
-from common import alternating_ms, error_text, gluon_variant_module, profiled_us, reference_grads, rel_err  # noqa: E402
+from common import (backward_check_spec, backward_float64_check, backward_variants_row,  # noqa: E402
+                    gluon_variant_module)
 
 CASES = [(64, c, n) for c in (False, True) for n in (1024, 4096, 16384)] + \
         [(128, c, n) for c in (False, True) for n in (4096, 16384)]
@@ -56,41 +57,22 @@ CASES = [(64, c, n) for c in (False, True) for n in (1024, 4096, 16384)] + \
 def float64_checks() -> list:
     import torch
 
-    import attngen
-    from attngen.spec import parse
-
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for d in [x for x in (64, 128) if len(ARGS) < 2 or x == int(ARGS[1])]:
         for mask in ("none", "top_left", "bottom_right"):
-            text = (f"kernel dq_local_{mask}_{d} {{\n    direction = forward+backward\n    mask = "
-                    f"{'none' if mask == 'none' else f'causal({mask})'}\n    head_dim = {d}\n    dtype = bf16\n}}\n")
-            spec = attngen.load(parse(text, f"<{mask}>")).spec
-            m = gluon_variant_module(spec, "l1", {KEY: ON, "min_scores": 0, "min_keys": 0},
-                                     "dq_local", attr="warp_specialized_bwd")
-            b, h, hkv, n_q = 2, 4, 2, 333
-            n_k = 1111 if mask != "none" else 777
-            q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            k, v = (torch.randn(b, hkv, n_k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-            do = torch.randn_like(q)
-            out, lse = m.forward(q, k, v, d ** -0.5)
-            dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-            ran = m.ws_bwd_ready(q, k, v, do, dk, dv) and m.ws_bwd_fused()
-            m.backward(q, k, v, out, lse, do, d ** -0.5, dq=dq, dk=dk, dv=dv)
-            gq, gk, gv = reference_grads(q, k, v, do, mask, d ** -0.5)
-            rows.append(dict(head_dim=d, mask=mask, ran_gluon=ran, dq_err=rel_err(dq, gq), dk_err=rel_err(dk, gk),
-                             dv_err=rel_err(dv, gv), nan=bool(dq.isnan().any() or dk.isnan().any() or dv.isnan().any())))
+            m = gluon_variant_module(backward_check_spec("dq_local", mask, d), "l1",
+                                     {KEY: ON, "min_scores": 0, "min_keys": 0}, "dq_local", attr="warp_specialized_bwd")
+            rows.append(backward_float64_check(m, mask, 2, 4, 2, 333, 1111 if mask != "none" else 777, gen))
             print("check", rows[-1], flush=True)
     return rows
 
 
 def main() -> int:
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attngen
     from attngen.api import sdpa_spec
-    from attngen.bench import fa_flops
 
     out_dir = ARGS[0]
     os.makedirs(out_dir, exist_ok=True)
@@ -101,39 +83,11 @@ def main() -> int:
         spec = attngen.load(sdpa_spec("bf16", d, causal)).spec
         mods = {x: gluon_variant_module(spec, x, {KEY: ON if x == "l1" else OFF}, "dq_local", attr="warp_specialized_bwd")
                 for x in ("l0", "l1")}
-        b, h, scale = 16384 // n, 2048 // d, d ** -0.5
-        gen = torch.Generator(device="cuda").manual_seed(n + d + causal)
-        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-        out, lse = mods["l0"].forward(q, k, v, scale)
-        flops = fa_flops(b, h, n, n, d, causal, backward=True)
-        row = dict(head_dim=d, causal=causal, n=n)
-        grads, fns = {}, {}
-        for x, m in mods.items():
-            try:
-                grads[x] = m.backward(q, k, v, out, lse, do, scale)
-                torch.cuda.synchronize()
-                row[f"{x} err"] = max(rel_err(a, r) for a, r in zip(grads[x], grads["l0"]))
-                fns[x] = lambda m=m: m.backward(q, k, v, out, lse, do, scale)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
-                row[f"{x} error"] = error_text(e)
-        kus = {x: [] for x in fns}
-        for rnd in range(4):
-            for x in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-                kus[x].append(sum(profiled_us(fns[x], "attn_bwd_dkdv_ws").values()))
-        for x, ts in kus.items():
-            row[f"{x} kernel us"] = ts
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ref = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
-        fns["cudnn"] = lambda: torch.autograd.grad(ref, (qg, kg, vg), do, retain_graph=True)
-        for x, ts in alternating_ms(fns, rep=100).items():
-            row[x] = flops / min(ts) / 1e9
-            row[f"{x} rounds"] = [flops / t / 1e9 for t in ts]
+        row = backward_variants_row(mods, "l0", d, causal, n)
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if "rounds" not in k}), flush=True)
         with open(os.path.join(out_dir, f"gluon_{KEY.lower()}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        del q, k, v, do, out, lse, grads, qg, kg, vg, ref, fns
 
     print(f"\n{result['device']}: one-kernel Gluon backward, {KEY} off (l0) / on (l1). Kernel: the Gluon kernel "
           "alone, best of 4 profiler rounds (us); whole call TFLOP/s, best of 3 do_bench rounds")
