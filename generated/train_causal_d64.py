@@ -1023,9 +1023,10 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
 # (a constexpr: the launch takes it from dq_local_rows query rows on). A consumer waits for all its
 # products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
 # wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
-# the next block's lse and delta during this block. A buffer is freed once both consumers' products
-# that read it are done. Queries past N_Q read as zeros with lse = +inf (P = 0); keys past N_K are
-# computed and clipped at the TMA store. A causal program starts at the first query block that sees its
+# the next block's lse and delta during this block; with ROWS_SMEM, LATE_ROWS (1: delta, 2: lse too) reads
+# them from shared memory where they are used rather than before the step's waits. A buffer is freed
+# once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf
+# (P = 0); keys past N_K are computed and clipped at the TMA store. A causal program starts at the first query block that sees its
 # first key and masks the blocks on the diagonal.
 
 @gluon_builtin
@@ -1059,7 +1060,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMERS: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -1107,10 +1108,14 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
             rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M],
                                                      gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            lse = rows_s.slice(0, BLOCK_M).load(col_s)
-            delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
+            if LATE_ROWS < 2:
+                lse = rows_s.slice(0, BLOCK_M).load(col_s)
+            if LATE_ROWS < 1:
+                delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
+        if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
+            lse = rows_s.slice(0, BLOCK_M).load(col_s)
         if CAUSAL:
             cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
             if start_m + offset < row0 + BN - 1:  # a block on the diagonal: key r sees query c when c + offset >= r
@@ -1119,6 +1124,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         pt = gl.exp2(st * qk_scale - lse[None, :])
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        if ROWS_SMEM and LATE_ROWS >= 1:  # delta read where it is used
+            delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         if DQ_ATOMIC and DQ_LOCAL:  # dS^T to shared memory, where this warpgroup reads it for its part of dQ = dS K
@@ -1185,14 +1192,14 @@ def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr,
                       CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
 
 
 @gluon.jit
@@ -1201,14 +1208,14 @@ def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr,
                       CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
 
 
 @gluon.jit
@@ -1217,7 +1224,7 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
                    N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                    stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
                    CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
@@ -1244,7 +1251,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
                      sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                     DQ_LOCAL: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
+                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
     with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator (DQ_LOCAL: each
     consumer its own keys' partial sum, every column; dq_desc's block is then HEAD_DIM wide)"""
@@ -1288,21 +1295,21 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                 do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                                 start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
         (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                                 do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                                 start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
         (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
                          do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                          start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                          stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 64}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 64, 'LATE_ROWS': 0}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
@@ -1357,7 +1364,8 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
         rows_desc, lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
-        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL, num_warps=4,
+        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"], ROWS_SMEM=rows_smem,
+        CAUSAL=WS_CAUSAL, num_warps=4,
         maxnreg=WS_BWD_SHAPE["maxnreg"],
     )
 

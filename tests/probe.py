@@ -10,8 +10,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
            "num_stages": 3, "ptr_dtypes": {"LSE": "*fp32", ...}}
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
-({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" to
-set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
+({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
+"late_rows" to set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
 "wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
@@ -77,7 +77,8 @@ def _compile_gluon_ws(module, job):
                  "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
-                     DQ_LOCAL=dq_local, ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
+                     DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]), ROWS_SMEM=rows_smem,
+                     CAUSAL=module.WS_CAUSAL)
         pointers = ("LSE", "DELTA")
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws

@@ -130,6 +130,8 @@ def test_which_specs_get_the_gluon_backward(text, expected):
         assert {key: shape[key] for key in expected} == expected
         assert shape["BLOCK_N"] == 128 and shape["DQ_ATOMIC"] and shape["ROWS_SMEM"]
         assert shape["min_keys"] == warp_specialize.BWD_MIN_KEYS[program.attr("mask") != "none"]
+        assert shape["LATE_ROWS"] == warp_specialize.BWD_LATE_ROWS[(program.attr("head_dim"),
+                                                                    program.attr("mask") != "none")]
 
 
 def test_the_gluon_backward_compiles_for_sm90():
@@ -139,6 +141,8 @@ def test_the_gluon_backward_compiles_for_sm90():
     jobs = [{"path": str(p), "gluon_ws": "backward"} for p in paths]
     jobs += [{"path": str(p), "gluon_ws": "backward", "dq_atomic": False} for p in paths[:2]]  # dK, dV only
     jobs += [{"path": str(p), "gluon_ws": "backward", "dq_local": True} for p in (paths[0], paths[3])]  # DQ_LOCAL
+    # every LATE_ROWS at both head dims, not only the pass's (d=128 1 without a mask, 2 causal; d=64 0)
+    jobs += [{"path": str(paths[i]), "gluon_ws": "backward", "late_rows": r} for i, r in ((0, 0), (0, 2), (3, 1), (3, 2))]
     for job, result in zip(jobs, probe(jobs)):
         assert "error" not in result, (job, result)
         # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma

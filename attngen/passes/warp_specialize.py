@@ -143,6 +143,17 @@ whole call +1.7-2.9% at 4096-16384 (N=4096: 411 -> 423 TFLOP/s), but at N=512 th
 H100 (491 -> 518 us) and level on the H200 (496 -> 497); d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
 +23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice the reduction bytes)."""
 
+BWD_LATE_ROWS = {(64, False): 0, (64, True): 0, (128, False): 1, (128, True): 2}
+"""By (head dim, causal): which of a step's rows the consumers read from shared memory where they use them
+rather than before the step's waits for its S^T and dP^T products (LATE_ROWS; ROWS_SMEM only). 0: lse and
+delta both before; 1: delta after the dP^T wait; 2: lse after the S^T wait too. Read early, each [BLOCK_M]
+row costs a consumer 16 registers across those waits, at the point where it also holds dK, dV, P^T and
+dP^T: ptxas spilled 184 bytes at d=128 without a mask and 232 causal; with 1, 68 and 76; with 2, 4 and 16.
+Measured (H100, NOTES.md v28, experiments/gluon_bwd_templates.py, the Gluon kernel by torch.profiler): d=128
+without a mask 1: -3.0 to -4.4% at N = 512-16384 (2: -2.0 to -4.3%), causal 2: -5.0 to -8.7% (1: -3.7 to
+-7.1%); H200 with 2: -4.1 to -5.3% without a mask, -8.3 to -13.7% causal; d=64 (no spills either way) +1-7%
+with 1 and +1-12% with 2."""
+
 BWD_SPLIT = {64: False, 128: True}
 """By head dim: whether the kernel without DQ_ATOMIC (dK, dV only) beats the Triton dK/dV kernel, for
 when dQ must come from the Triton kernel (deterministic algorithms). At d=128 it does (558-570 TFLOP/s
@@ -188,5 +199,6 @@ def run(program: ir.Program) -> ir.Program:
             warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", causal),
                                               ("dq_local_rows", BWD_DQ_LOCAL_ROWS[(d, causal)]),
                                               ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
-                                              ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d)))
+                                              ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d),
+                                              ("LATE_ROWS", BWD_LATE_ROWS[(d, causal)])))
     return program

@@ -203,6 +203,45 @@ def gluon_variant_module(spec, name: str, shape: dict, tag: str, attr: str = "wa
     return load(path, f"{spec.name}_{name}")
 
 
+def template_module(spec, name: str, path: str, shape: dict, tag: str, attr: str = "warp_specialized_bwd"):
+    """gluon_variant_module(spec, name, shape, tag, attr) with the Gluon backward's template,
+    gluon_backward.py.j2, read from `path` instead of the checkout's (an older or patched version)."""
+    import jinja2
+
+    import attngen.codegen as cg
+
+    def load_template(tname: str) -> str:
+        if tname == "gluon_backward.py.j2":
+            with open(path) as f:
+                return f.read()
+        return cg.template_files().joinpath(tname).read_text()
+
+    cg._ENV = jinja2.Environment(loader=jinja2.FunctionLoader(load_template), undefined=jinja2.StrictUndefined,
+                                 keep_trailing_newline=True, autoescape=False)
+    try:
+        return gluon_variant_module(spec, name, shape, tag, attr=attr)
+    finally:
+        cg._ENV = None
+
+
+def print_backward_rows(result: dict, names: list, checked: str) -> None:
+    """The table of backward_variants_row rows in result["rows"] for the variants `names`: GPU us of all the
+    call's kernels and the Gluon kernel's (best round), whole-call TFLOP/s beside Flex and cuDNN, gradient
+    errors over 2e-2; then how many of result["checks"] (backward_float64_check rows of `checked`) passed."""
+    nan = float("nan")
+    print(f"{'mask':>6} {'N':>6} " + " ".join(f"{x + ' gpu':>10} {x + ' krn':>10}" for x in names) + "   "
+          + " ".join(f"{x:>6}" for x in names + ["flex", "cudnn"]) + "  errs")
+    for r in result["rows"]:
+        cells = " ".join(f"{min(r.get(f'{x} gpu us', [nan])):10.1f} {min(r.get(f'{x} kernel us', [nan])):10.1f}"
+                         for x in names)
+        errs = " ".join(k_ for k_ in r if (k_.endswith("err") and r[k_] > 2e-2) or k_.endswith("error"))
+        print(f"{'causal' if r['causal'] else 'full':>6} {r['n']:>6} {cells}   "
+              + " ".join(f"{r.get(x, nan):6.0f}" for x in names + ["flex", "cudnn"]) + f"  {errs}")
+    bad = [c for c in result["checks"] if c["nan"] or max(c["dq_err"], c["dk_err"], c["dv_err"]) > 2e-2 or not c["ran_gluon"]]
+    print(f"float64 checks ({checked}): {len(result['checks']) - len(bad)} of {len(result['checks'])} passed"
+          + "".join(f"\n  {c}" for c in bad))
+
+
 def poisoned_case(b: int, h: int, hkv: int, n_q: int, n_k: int, d: int, seed: int):
     """A small odd float64-check case: bf16 q (b, h, n_q, d), k and v (b, hkv, n_k, d) from a generator seeded
     with `seed`, and out and lse filled with NaN, so that an element no program writes shows."""
@@ -399,7 +438,8 @@ def profiled_us(fn, prefix: str, reps: int = 10) -> dict:
 def backward_variants_row(mods: dict, base: str, d: int, causal: bool, n: int, flex: bool = False) -> dict:
     """One prefill-bench case (bf16, batch 16384/N, hidden 2048) of the backward variants `mods` (name ->
     generated module): each variant's gradients against `base`'s (relative error), its Gluon kernel's time by
-    torch.profiler (4 alternating rounds of 10 calls), and the whole `module.backward` call by do_bench in
+    torch.profiler (4 alternating rounds of 10 calls; "gpu us": every attn_bwd* kernel of the call, the row passes
+    too), and the whole `module.backward` call by do_bench in
     alternating rounds beside SDPA cuDNN's backward (and with `flex`, FlexAttention's, compiled as the bench
     does) as TFLOP/s. A variant that fails records its error instead."""
     import torch
@@ -422,12 +462,15 @@ def backward_variants_row(mods: dict, base: str, d: int, causal: bool, n: int, f
             fns[x] = lambda m=mods[x]: m.backward(q, k, v, out, lse, do, scale)
         except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
             row[f"{x} error"] = error_text(e)
-    kus = {x: [] for x in fns}
+    kus, gus = {x: [] for x in fns}, {x: [] for x in fns}
     for rnd in range(4):
         for x in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-            kus[x].append(sum(profiled_us(fns[x], "attn_bwd_dkdv_ws").values()))
+            us = profiled_us(fns[x], "attn_bwd")
+            kus[x].append(sum(t for name, t in us.items() if name.startswith("attn_bwd_dkdv_ws")))
+            gus[x].append(sum(us.values()))
     for x, ts in kus.items():
         row[f"{x} kernel us"] = ts
+        row[f"{x} gpu us"] = gus[x]
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ref = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
@@ -444,6 +487,48 @@ def backward_variants_row(mods: dict, base: str, d: int, causal: bool, n: int, f
         row[x] = flops / min(ts) / 1e9
         row[f"{x} rounds"] = [flops / t / 1e9 for t in ts]
     return row
+
+
+BACKWARD_CHECK_CASES = ((2, 4, 2, 333, None), (3, 2, 1, 700, 900), (1, 3, 1, 130, 200))
+"""Small odd float64-check cases (b, h, h_kv, n_q, n_k), GQA among them; n_k None: 1111 under a causal mask (more
+keys than queries), 777 without."""
+
+
+def backward_checks(make, d: int, cases=BACKWARD_CHECK_CASES, reps: int = 1, **extra) -> list:
+    """backward_float64_check rows, for each mask ("none", "top_left", "bottom_right"), of the module make(spec)
+    (spec: backward_check_spec's at head dim d) on each case `reps` times; `extra` is added to each row."""
+    import torch
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for mask in ("none", "top_left", "bottom_right"):
+        m = make(backward_check_spec("bwd_check", mask, d))
+        for b, h, hkv, n_q, n_k in cases:
+            n_k = n_k or (1111 if mask != "none" else 777)
+            for rep in range(reps):
+                rows.append(dict(backward_float64_check(m, mask, b, h, hkv, n_q, n_k, gen), **extra,
+                                 **({"rep": rep} if reps > 1 else {})))
+                print("check", rows[-1], flush=True)
+    return rows
+
+
+def backward_rows(result: dict, path: str, d: int, lengths, make_mods, base: str) -> None:
+    """backward_variants_row of the modules make_mods(spec) (name -> module; `base` among them) for the bench's
+    bf16 spec at head dim d, without a mask and causal, at each length: appended to result["rows"], printed,
+    and result written to `path` after each."""
+    import json
+
+    import attngen
+    from attngen.api import sdpa_spec
+
+    for causal in (False, True):
+        for n in lengths:
+            row = backward_variants_row(make_mods(attngen.load(sdpa_spec("bf16", d, causal)).spec), base, d, causal,
+                                        n, flex=True)
+            result["rows"].append(row)
+            print(json.dumps({k_: v_ for k_, v_ in row.items() if "rounds" not in k_}), flush=True)
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
 
 
 def backward_check_spec(tag: str, mask: str, d: int):

@@ -43,7 +43,6 @@ TFLOP/s, Flex 235); level or worse elsewhere. Not adopted; the template change i
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -51,71 +50,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 OLD = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--old=")), None)
 
-from common import (backward_check_spec, backward_float64_check, backward_variants_row,  # noqa: E402
-                    gluon_variant_module)
+from common import (BACKWARD_CHECK_CASES, backward_checks, backward_rows, gluon_variant_module,  # noqa: E402
+                    template_module)
 
 
-def old_module(spec, path: str):
-    """spec's generated module with gluon_backward.py.j2 read from `path` instead."""
-    import jinja2
-
-    import attngen.codegen as cg
-
-    def load(name: str) -> str:
-        if name == "gluon_backward.py.j2":
-            with open(path) as f:
-                return f.read()
-        return cg.template_files().joinpath(name).read_text()
-
-    cg._ENV = jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
-                                 keep_trailing_newline=True, autoescape=False)
-    try:
-        return gluon_variant_module(spec, "old", {}, "bwd_persistent", attr="warp_specialized_bwd")
-    finally:
-        cg._ENV = None
-
-
-def float64_checks(d: int) -> list:
-    import torch
-
-    rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for mask in ("none", "top_left", "bottom_right"):
-        m = gluon_variant_module(backward_check_spec("bwd_persistent", mask, d), "p",
-                                 {"PERSISTENT": True, "min_scores": 0, "min_keys": 0}, "bwd_persistent",
-                                 attr="warp_specialized_bwd")
-        m._ws_programs = lambda device: 3
-        for b, h, hkv, n_q, n_k in ((2, 4, 2, 333, 1111 if mask != "none" else 777), (3, 2, 1, 700, 900)):
-            rows.append(backward_float64_check(m, mask, b, h, hkv, n_q, n_k, gen))
-            print("check", rows[-1], flush=True)
-    return rows
+def checked_module(spec):
+    """The persistent variant (p) on a grid of 3 programs, every program several tiles."""
+    m = gluon_variant_module(spec, "p", {"PERSISTENT": True, "min_scores": 0, "min_keys": 0}, "bwd_persistent",
+                             attr="warp_specialized_bwd")
+    m._ws_programs = lambda device: 3
+    return m
 
 
 def main() -> int:
     import torch
 
-    import attngen
-    from attngen.api import sdpa_spec
-
     out_dir, d = ARGS[0], int(ARGS[1])
     os.makedirs(out_dir, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "old": OLD, "checks": float64_checks(d), "rows": []}
-    path = os.path.join(out_dir, f"gluon_bwd_persistent_d{d}.json")
-    for causal in (False, True):
-        for n in [int(a) for a in ARGS[2:]]:
-            spec = attngen.load(sdpa_spec("bf16", d, causal)).spec
-            mods = {x: gluon_variant_module(spec, x, {"PERSISTENT": x != "np"}, "bwd_persistent",
-                                            attr="warp_specialized_bwd") for x in ("np", "p", "pall")}
-            # pall: the persistent code with a program per unit of work (a tile; causal, a pair of tiles)
-            mods["pall"]._ws_programs = lambda device: 1 << 30
-            if OLD:
-                mods["old"] = old_module(spec, OLD)
-            row = backward_variants_row(mods, "np", d, causal, n, flex=True)
-            result["rows"].append(row)
-            print(json.dumps({k_: v_ for k_, v_ in row.items() if "rounds" not in k_}), flush=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
+    result = {"device": torch.cuda.get_device_name(), "old": OLD,
+              "checks": backward_checks(checked_module, d, cases=BACKWARD_CHECK_CASES[:2]), "rows": []}
 
+    def make_mods(spec) -> dict:
+        mods = {x: gluon_variant_module(spec, x, {"PERSISTENT": x != "np"}, "bwd_persistent",
+                                        attr="warp_specialized_bwd") for x in ("np", "p", "pall")}
+        # pall: the persistent code with a program per unit of work (a tile; causal, a pair of tiles)
+        mods["pall"]._ws_programs = lambda device: 1 << 30
+        if OLD:
+            mods["old"] = template_module(spec, "old", OLD, {}, "bwd_persistent")
+        return mods
+
+    backward_rows(result, os.path.join(out_dir, f"gluon_bwd_persistent_d{d}.json"), d, [int(a) for a in ARGS[2:]],
+                  make_mods, "np")
     names = [x for x in ("old", "np", "p", "pall") if OLD or x != "old"]
     print(f"\n{result['device']} d={d}: one-kernel Gluon backward, persistent grid off (np) / on (p)"
           f"{' / the template before (old)' if OLD else ''}. Kernel: best of 4 profiler rounds (us); whole call "
