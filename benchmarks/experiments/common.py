@@ -237,9 +237,14 @@ def print_backward_rows(result: dict, names: list, checked: str) -> None:
         errs = " ".join(k_ for k_ in r if (k_.endswith("err") and r[k_] > 2e-2) or k_.endswith("error"))
         print(f"{'causal' if r['causal'] else 'full':>6} {r['n']:>6} {cells}   "
               + " ".join(f"{r.get(x, nan):6.0f}" for x in names + ["flex", "cudnn"]) + f"  {errs}")
-    bad = [c for c in result["checks"] if c["nan"] or max(c["dq_err"], c["dk_err"], c["dv_err"]) > 2e-2 or not c["ran_gluon"]]
-    print(f"float64 checks ({checked}): {len(result['checks']) - len(bad)} of {len(result['checks'])} passed"
-          + "".join(f"\n  {c}" for c in bad))
+    print_backward_checks(result["checks"], checked)
+
+
+def print_backward_checks(checks: list, label: str) -> None:
+    """How many backward_float64_check rows passed (no NaN left, relative errors <= 2e-2, the Gluon kernel ran),
+    and the rows that did not."""
+    bad = [c for c in checks if c["nan"] or max(c["dq_err"], c["dk_err"], c["dv_err"]) > 2e-2 or not c["ran_gluon"]]
+    print(f"float64 checks ({label}): {len(checks) - len(bad)} of {len(checks)} passed" + "".join(f"\n  {c}" for c in bad))
 
 
 def poisoned_case(b: int, h: int, hkv: int, n_q: int, n_k: int, d: int, seed: int):

@@ -51,7 +51,7 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 OLD = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--old=")), None)
 
 from common import (BACKWARD_CHECK_CASES, backward_checks, backward_rows, gluon_variant_module,  # noqa: E402
-                    template_module)
+                    print_backward_checks, template_module)
 
 
 def checked_module(spec):
@@ -93,9 +93,7 @@ def main() -> int:
         print(f"{'causal' if r['causal'] else 'full':>6} {r['n']:>6} " + " ".join(f"{ks[x]:9.1f}" for x in names)
               + f" {ks['p'] / ks['np']:6.3f}   " + " ".join(f"{r.get(x, float('nan')):5.0f}" for x in names + ["flex", "cudnn"])
               + f"  {errs}")
-    bad = [c for c in result["checks"] if c["nan"] or max(c["dq_err"], c["dk_err"], c["dv_err"]) > 2e-2 or not c["ran_gluon"]]
-    print(f"float64 checks (p, 3 programs): {len(result['checks']) - len(bad)} of {len(result['checks'])} passed"
-          + "".join(f"\n  {c}" for c in bad))
+    print_backward_checks(result["checks"], "p, 3 programs")
     return 0
 
 

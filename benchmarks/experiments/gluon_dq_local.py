@@ -47,25 +47,20 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 KEY = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--key=")), "dq_local_rows")
 ON, OFF = (1, 0) if KEY == "dq_local_rows" else (True, False)
 
-from common import (backward_check_spec, backward_float64_check, backward_variants_row,  # noqa: E402
-                    gluon_variant_module)
+from common import (BACKWARD_CHECK_CASES, backward_checks, backward_variants_row, gluon_variant_module,  # noqa: E402
+                    print_backward_checks)
 
 CASES = [(64, c, n) for c in (False, True) for n in (1024, 4096, 16384)] + \
         [(128, c, n) for c in (False, True) for n in (4096, 16384)]
 
 
 def float64_checks() -> list:
-    import torch
-
-    rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for d in [x for x in (64, 128) if len(ARGS) < 2 or x == int(ARGS[1])]:
-        for mask in ("none", "top_left", "bottom_right"):
-            m = gluon_variant_module(backward_check_spec("dq_local", mask, d), "l1",
-                                     {KEY: ON, "min_scores": 0, "min_keys": 0}, "dq_local", attr="warp_specialized_bwd")
-            rows.append(backward_float64_check(m, mask, 2, 4, 2, 333, 1111 if mask != "none" else 777, gen))
-            print("check", rows[-1], flush=True)
-    return rows
+    """KEY on, at each head dim asked for, on the first of the common check cases, all three masks."""
+    def make(spec):
+        return gluon_variant_module(spec, "l1", {KEY: ON, "min_scores": 0, "min_keys": 0}, "dq_local",
+                                    attr="warp_specialized_bwd")
+    return [row for d in (64, 128) if len(ARGS) < 2 or d == int(ARGS[1])
+            for row in backward_checks(make, d, cases=BACKWARD_CHECK_CASES[:1])]
 
 
 def main() -> int:
@@ -97,9 +92,7 @@ def main() -> int:
         errs = " ".join(k for k in r if (k.endswith("err") and r[k] > 2e-2) or k.endswith("error"))
         print(f"{r['head_dim']:>4} {'causal' if r['causal'] else 'full':>6} {r['n']:>6} {k0:9.1f} {k1:9.1f} {k1 / k0:6.3f}   "
               + " ".join(f"{r.get(x, float('nan')):5.0f}" for x in ("l0", "l1", "cudnn")) + f"  {errs}")
-    bad = [c for c in result["checks"] if c["nan"] or max(c["dq_err"], c["dk_err"], c["dv_err"]) > 2e-2 or not c["ran_gluon"]]
-    print(f"float64 checks: {len(result['checks']) - len(bad)} of {len(result['checks'])} passed"
-          + "".join(f"\n  {c}" for c in bad))
+    print_backward_checks(result["checks"], f"{KEY} on")
     return 0
 
 
