@@ -985,7 +985,12 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
 # float32 accumulator by a TMA reduction, FlashAttention 3's scheme. With DQ_LOCAL instead each consumer
 # computes every column of dQ over its own keys only (dS^T from its own buffer, its own K) and adds that
 # partial sum by its own reduction: twice the reduction traffic, but no consumer waits for another's dS
-# (a constexpr: the launch takes it from dq_local_rows query rows on). A consumer waits for all its
+# (a constexpr: the launch takes it from dq_local_rows query rows on). With DQ_CLAIM (up to dq_claim_keys
+# keys) the accumulator is not zeroed: the first warpgroup to claim a tile (a compare-and-swap on a word per
+# tile and warpgroup column block) stores its part, announces it once written, and the others add theirs
+# after the announcement; a claim is made after the S^T wait and read at the step's end, an announcement
+# made in the owner's next step after its S^T wait, where it waits on no other program (no deadlock: what an
+# owner waits for between its claim and its store was claimed earlier). A consumer waits for all its
 # products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
 # wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
 # the next block's lse and delta during this block; with ROWS_SMEM, LATE_ROWS (1: delta, 2: lse too) reads
@@ -1001,6 +1006,59 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     Gluon builder has the operation but its hopper.tma module no wrapper. tma.store_wait covers it."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_CLAIM_ANNOUNCED = gl.constexpr(1 << 30)
+"""DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below it: the owner's id)."""
+
+
+@gluon.jit
+def _ws_bwd_claim(ptr, my_id):
+    """DQ_CLAIM: lane 0 of each warp tries to claim the tile whose claim word is at `ptr` for `my_id` (compare
+    and swap 0 -> my_id); returns the word it found in lane 0, 0 in the others (see _ws_bwd_lane0): so every
+    warp of the winning warpgroup finds 0 or its own id. Issued after a step's S^T wait and read at its end.
+    Relaxed, not acquire: an acquire holds the thread's later memory accesses until the answer comes (the kernel
+    +8-9% at N >= 1024, NOTES.md v29). Found announced, the reduction that follows needs no other ordering: the
+    owner announced only once its store was written to L2, where the reduction is performed."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0;\n\t"
+        "@p atom.relaxed.gpu.global.cas.b32 $0, [$1], 0, $2; }", "=r,l,r", [ptr, my_id], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_lane0(x):
+    """x as lane 0 of this thread's warp holds it."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_peek(ptr):
+    """The claim word at `ptr` (acquire; DQ_CLAIM's wait for an announcement)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_async_after(x):
+    """Order what this thread acquired (generic proxy) before its later TMA operations (async proxy)."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_announce(ptr, x):
+    """DQ_CLAIM, in the step after an owner's store: wait for the store to be written (cp.async.bulk.wait_group
+    without .read, which tma.store_wait waits for), then set the tile's announced bit (release), so that the
+    warpgroups that found it claimed add into it."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
+                              [x], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()  # (every thread's stores written, whichever thread issued them)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;\n\t"
+        "@p red.release.gpu.global.or.b32 [$1], 1073741824; mov.u32 $0, $2; }", "=r,l,r", [ptr, x],
+        dtype=gl.int32, is_pure=False, pack=1)  # (the bit: _CLAIM_ANNOUNCED)
 
 
 @gluon.jit
@@ -1020,12 +1078,12 @@ def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b,
 
 
 @gluon.jit
-def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
                     CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
@@ -1047,6 +1105,11 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                                                            instr_shape=[16, DQ_COLS, 16])
         zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
     n_iters = GROUP * n_m
+    if DQ_CLAIM:  # the first warpgroup to claim a dQ tile stores it, the others add into it once it is there
+        my_id = 1 + ((b * gl.num_programs(1) + hkv) * gl.num_programs(0) + gl.program_id(0)) * CONSUMERS + WG
+        n_mb = gl.cdiv(N_Q, BLOCK_M)
+        owned = my_id < 0  # the previous step stored its tile, not yet announced (its claim word at claim_ptr)
+        claim_ptr = CLAIM
     mbarrier.wait(kv_bar, 0)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes
         start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, 0, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
@@ -1079,6 +1142,14 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                 delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
+        if DQ_CLAIM:
+            if owned:  # the previous step's store was issued most of a step ago: announce it (waits on no other program)
+                _ws_bwd_announce(claim_ptr, my_id)
+                owned = my_id < 0
+            # this step's tile claimed now, the answer read at the step's end
+            claim_ptr = CLAIM + ((((b * gl.num_programs(1) + hkv) * GROUP + t // n_m) * n_mb + m_row // BLOCK_M) * CONSUMERS
+                                 + WG)
+            claim = _ws_bwd_claim(claim_ptr, my_id)
         if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
             lse = rows_s.slice(0, BLOCK_M).load(col_s)
         if CAUSAL:
@@ -1130,13 +1201,29 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, hkv * GROUP + t // n_m, m_row, 0 if DQ_LOCAL else WG * DQ_COLS], dq_smem.index(WG))
+            dq_coord = [b, hkv * GROUP + t // n_m, m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
+            if DQ_CLAIM:
+                found = _ws_bwd_lane0(claim)
+                if (found == 0) | (found == my_id):  # this warpgroup's claim won (one warp's swap, the others see it)
+                    tma.async_copy_shared_to_global(dq_desc, dq_coord, dq_smem.index(WG))
+                    owned = found >= 0
+                else:  # another's: add once its store is announced
+                    if (found & _CLAIM_ANNOUNCED) == 0:
+                        while (_ws_bwd_peek(claim_ptr) & _CLAIM_ANNOUNCED) == 0:
+                            pass
+                        _ws_bwd_async_after(found)
+                    _tma_reduce_add(dq_desc, dq_coord, dq_smem.index(WG))
+            else:
+                _tma_reduce_add(dq_desc, dq_coord, dq_smem.index(WG))
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         if not DQ_ATOMIC:
             mbarrier.arrive(empty.index(s), count=1)
     if AHEAD:
         st = warpgroup_mma_wait(0, deps=(st, ))
+    if DQ_CLAIM:  # the last step's store
+        if owned:
+            _ws_bwd_announce(claim_ptr, my_id)
     # dK and dV leave through this warpgroup's K and V buffers (its products are done; with DQ_ATOMIC
     # the other warpgroups' dQ products read this K too, so K waits for all of them) and TMA stores
     v.store(dv.to(dtype))
@@ -1152,44 +1239,44 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
 
 
 @gluon.jit
-def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
                       do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
                       ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
 
 
 @gluon.jit
-def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
                       do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                       start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
                       ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
                     do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem, do_smem,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem, do_smem,
                    k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n, GROUP,
                    N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                    stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
                    CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
@@ -1212,17 +1299,19 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
-def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, stride_lse_b,
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                     stride_lse_b,
                      stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
                      sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
+                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
     with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator (DQ_LOCAL: each
     consumer its own keys' partial sum, every column; dq_desc's block is then HEAD_DIM wide)"""
     CONSUMERS: gl.constexpr = 2
     BN: gl.constexpr = BLOCK_N // CONSUMERS
     gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
+    gl.static_assert(not DQ_CLAIM or (DQ_ATOMIC and not DQ_LOCAL), "DQ_CLAIM claims DQ_ATOMIC's tiles per warpgroup")
     start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
     hkv = gl.program_id(1)
     b = gl.program_id(2)
@@ -1256,25 +1345,25 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
-                                do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                                start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                                hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
-        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
-                                do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                                start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
+        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                                hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                                 stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
-        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, q_smem,
-                         do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                         start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
+        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                         q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                         hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                          stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, ROWS_SMEM, CAUSAL, CONSUMERS)),
+                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
     ], [4, 1], [240, 24])
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 1}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 1, 'dq_claim_keys': 0}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.float16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.float16)
@@ -1304,11 +1393,14 @@ def ws_bwd_dq_local(n_q):
     return 0 < WS_BWD_SHAPE["dq_local_rows"] <= n_q
 
 
-def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None):
+def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None, claims=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
     (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
     also adds dS K into it (DQ_ATOMIC; dQ is then sm_scale * dq_acc); with `rows` too (`attn_bwd_prep_ws`'s
-    lse and delta rows) and WS_BWD_SHAPE["ROWS_SMEM"], it reads lse and delta from there by TMA."""
+    lse and delta rows) and WS_BWD_SHAPE["ROWS_SMEM"], it reads lse and delta from there by TMA. With
+    `claims` too (int32, zeroed, a word per consumer of each (batch, head, block of BLOCK_M queries); not with
+    DQ_LOCAL) dq_acc need be zeroed only in the query blocks that no program sees: the first warpgroup to
+    reach each tile stores it (DQ_CLAIM)."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
@@ -1326,22 +1418,27 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
     attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
         _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
-        rows_desc, lse, delta, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K, sm_scale,
+        rows_desc, lse, delta, lse if claims is None else claims, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K,
+        sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
         STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
-        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"], ROWS_SMEM=rows_smem,
+        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"],
+        DQ_CLAIM=claims is not None, ROWS_SMEM=rows_smem,
         CAUSAL=WS_CAUSAL, num_warps=4,
         maxnreg=WS_BWD_SHAPE["maxnreg"],
     )
 
 
 @triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
-def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
+def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
                      stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
-                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     ZERO_ROWS, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CLAIMS: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
     """For BLOCK rows of one (batch, head): ROWS (float32, contiguous (B, H, 2, N_PAD)) gets lse in log2
     units (+inf where P must be 0: rows past N_Q, rows that saw no key) and delta = rowsum(dO * O);
-    their rows of DQ_ACC (float32, contiguous (B, H, N_Q, HEAD_DIM)) get zeros."""
+    their rows of DQ_ACC (float32, contiguous (B, H, N_Q, HEAD_DIM)) get zeros. With CLAIMS (> 0, DQ_CLAIM:
+    the kernel stores each tile's first part) only rows below ZERO_ROWS do, and CLAIM (int32, contiguous
+    (B, H, N_PAD / BLOCK_M, CLAIMS)) gets zeros in the blocks of BLOCK_M rows that start here."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -1357,8 +1454,17 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, stride_o_b, stride_o_h, stride_o_
     out = ROWS + (b * H + h) * 2 * N_PAD + rows
     tl.store(out, lse, mask=rows < N_PAD)
     tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)
-    tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
-             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
+    if CLAIMS:
+        tl.static_assert(BLOCK_M % BLOCK == 0)
+        if tl.program_id(0) * BLOCK % BLOCK_M == 0:
+            c = ((b * H + h) * (N_PAD // BLOCK_M) + tl.program_id(0) * BLOCK // BLOCK_M) * CLAIMS + tl.arange(0, CLAIMS)
+            tl.store(CLAIM + c, tl.zeros([CLAIMS], tl.int32))
+        if tl.program_id(0) * BLOCK < ZERO_ROWS:  # (bottom-right causal, N_Q > N_K: rows no key block reaches)
+            tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                     tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask & (rows < ZERO_ROWS)[:, None])
+    else:
+        tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_dq_b", "N_Q"])  # one binary for all lengths
@@ -1375,6 +1481,14 @@ def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_
              (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
 
 
+def ws_bwd_dq_claim(B, H_KV, N_Q, N_K):
+    """Whether the fused backward's kernel claims its dQ tiles (DQ_CLAIM): up to WS_BWD_SHAPE["dq_claim_keys"]
+    keys (0: never), not with DQ_LOCAL, and every warpgroup's id under the claim word's announced bit."""
+    ids = B * H_KV * cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]) * WS_BWD_SHAPE["consumers"]
+    return (N_K <= WS_BWD_SHAPE["dq_claim_keys"] and not ws_bwd_dq_local(N_Q)
+            and ids < _CLAIM_ANNOUNCED.value)
+
+
 def ws_bwd_fused():
     """Whether the Gluon kernel also makes dQ (DQ_ATOMIC): the shape has it and PyTorch is not asked
     for deterministic algorithms (its float32 reductions into dQ land in any order)."""
@@ -1389,12 +1503,18 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
     rows = torch.empty((B, H, 2, n_pad), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((B, H, N_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
     grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, B)  # (ROW_BLOCK divides BLOCK_M)
-    attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, *out.stride(), *do.stride(), *lse.stride(), H, N_Q, n_pad,
-                           BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, num_warps=4)
+    claims, zero_rows = None, 0
+    if ws_bwd_dq_claim(B, k.shape[1], N_Q, k.shape[2]):
+        claims = torch.empty((B, H, n_pad // WS_BWD_SHAPE["BLOCK_M"], WS_BWD_SHAPE["consumers"]), device=q.device,
+                             dtype=torch.int32)
+    attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, lse if claims is None else claims, *out.stride(), *do.stride(),
+                           *lse.stride(), H, N_Q, n_pad, zero_rows, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM,
+                           CLAIMS=0 if claims is None else WS_BWD_SHAPE["consumers"], BLOCK_M=WS_BWD_SHAPE["BLOCK_M"],
+                           num_warps=4)
     # The pointer path (no ROWS_SMEM) reads the forward's lse and the rows' delta; with ROWS_SMEM the kernel
     # reads both from `rows` by TMA and the delta argument is a placeholder (no view made: host time).
     delta = lse if WS_BWD_SHAPE["ROWS_SMEM"] else rows[:, :, 1, :N_Q]
-    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows)
+    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows, claims=claims)
     attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
                          HEAD_DIM=HEAD_DIM, num_warps=4)
 

@@ -11,7 +11,7 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
-"late_rows" to set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
+"late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
 "wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
@@ -77,9 +77,10 @@ def _compile_gluon_ws(module, job):
                  "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
-                     DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]), ROWS_SMEM=rows_smem,
-                     CAUSAL=module.WS_CAUSAL)
-        pointers = ("LSE", "DELTA")
+                     DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
+                     DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
+                     ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
+        pointers = ("LSE", "DELTA", "CLAIM")
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
         short = job.get("short", False)  # the launch's shape for short sequences (short_keys)
@@ -91,8 +92,9 @@ def _compile_gluon_ws(module, job):
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1)
         pointers = ("LSE",)
-    sig = {arg: "constexpr" if arg in const else descs.get(arg, "*fp32" if arg in pointers else "fp32" if arg == "sm_scale"
-                                                            else "i32") for arg in fn.arg_names}
+    sig = {arg: "constexpr" if arg in const else descs.get(arg, ("*i32" if arg == "CLAIM" else "*fp32") if arg in pointers
+                                                            else "fp32" if arg == "sm_scale" else "i32")
+           for arg in fn.arg_names}
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=shape["maxnreg"]))

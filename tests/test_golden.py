@@ -70,13 +70,16 @@ def test_generated_files_compile_for_sm90():
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
             if hasattr(module, "COMBINE_BLOCK_S"):  # the combine kernel's splits per step
                 values["BLOCK_S"] = module.COMBINE_BLOCK_S
-            if hasattr(module, "WS_BWD_SHAPE"):  # the Gluon backward's row passes: ROW_BLOCK rows per program
-                values["BLOCK"] = module.WS_BWD_SHAPE["ROW_BLOCK"]
+            if hasattr(module, "WS_BWD_SHAPE"):  # the Gluon backward's row passes: ROW_BLOCK rows per program;
+                # the prep pass zeroes claim words (CLAIMS per block of BLOCK_M rows) where the spec claims dQ tiles
+                shape = module.WS_BWD_SHAPE
+                values.update(BLOCK=shape["ROW_BLOCK"], BLOCK_M=shape["BLOCK_M"],
+                              CLAIMS=shape["consumers"] if shape["dq_claim_keys"] else 0)
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
                                          "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
-                                         "ROWS": "*fp32", "DQ_ACC": "*fp32"}))
+                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32"}))
             names.append(f"{spec.name}.{kernel}")
     assert any(name.endswith(".attn_combine") for name in names)
     for name, result in zip(names, probe(jobs)):

@@ -130,8 +130,10 @@ def test_which_specs_get_the_gluon_backward(text, expected):
         assert {key: shape[key] for key in expected} == expected
         assert shape["BLOCK_N"] == 128 and shape["DQ_ATOMIC"] and shape["ROWS_SMEM"]
         assert shape["min_keys"] == warp_specialize.BWD_MIN_KEYS[program.attr("mask") != "none"]
-        assert shape["LATE_ROWS"] == warp_specialize.BWD_LATE_ROWS[(program.attr("head_dim"),
-                                                                    program.attr("mask") != "none")]
+        key = (program.attr("head_dim"), program.attr("mask") != "none")
+        assert shape["LATE_ROWS"] == warp_specialize.BWD_LATE_ROWS[key]
+        assert shape["dq_claim_keys"] == warp_specialize.BWD_DQ_CLAIM_KEYS[key]
+        assert shape["dq_claim_keys"] == (1024 if key == (128, True) else 0)
 
 
 def test_the_gluon_backward_compiles_for_sm90():
@@ -143,6 +145,8 @@ def test_the_gluon_backward_compiles_for_sm90():
     jobs += [{"path": str(p), "gluon_ws": "backward", "dq_local": True} for p in (paths[0], paths[3])]  # DQ_LOCAL
     # every LATE_ROWS at both head dims, not only the pass's (d=128 1 without a mask, 2 causal; d=64 0)
     jobs += [{"path": str(paths[i]), "gluon_ws": "backward", "late_rows": r} for i, r in ((0, 0), (0, 2), (3, 1), (3, 2))]
+    # DQ_CLAIM at both head dims (the pass's: d=128 causal), and off where the pass has it
+    jobs += [{"path": str(paths[i]), "gluon_ws": "backward", "dq_claim": c} for i, c in ((0, True), (1, False), (4, True))]
     for job, result in zip(jobs, probe(jobs)):
         assert "error" not in result, (job, result)
         # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma
@@ -151,6 +155,9 @@ def test_the_gluon_backward_compiles_for_sm90():
         # with dQ: each consumer's columns (DQ_LOCAL: its keys' partial sum, every column) added into the
         # float32 accumulator by a TMA reduction
         assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
+        # DQ_CLAIM: a claimed tile's first part stored by TMA beside dK and dV
+        claim = job.get("dq_claim", job["path"] in map(str, paths[1:3])) and job.get("dq_atomic", True)
+        assert (result["tma_stores"] > 4) is claim, (job, result)
         assert result["shared"] <= 232448, result
 
 
@@ -184,8 +191,9 @@ def test_the_backward_row_passes(n_q, head_dim):
     lse[0, 1, 0] = float("-inf")  # a row that saw no key
     rows = torch.full((B, H, 2, n_pad), float("nan"), device=DEVICE)
     acc = torch.full((B, H, n_q, head_dim), float("nan"), device=DEVICE)
-    m.attn_bwd_prep_ws[(n_pad // block, H, B)](out, do, lse, rows, acc, *out.stride(), *do.stride(), *lse.stride(),
-                                                H, n_q, n_pad, BLOCK=block, HEAD_DIM=head_dim)
+    grid = (n_pad // block, H, B)
+    m.attn_bwd_prep_ws[grid](out, do, lse, rows, acc, lse, *out.stride(), *do.stride(), *lse.stride(), H, n_q, n_pad, 0,
+                             BLOCK=block, HEAD_DIM=head_dim, CLAIMS=0, BLOCK_M=m.WS_BWD_SHAPE["BLOCK_M"])
     want_lse = torch.full((B, H, n_pad), float("inf"), device=DEVICE)
     want_lse[..., :n_q] = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     want_delta = torch.zeros(B, H, n_pad, device=DEVICE)
@@ -193,6 +201,18 @@ def test_the_backward_row_passes(n_q, head_dim):
     torch.testing.assert_close(rows[:, :, 0], want_lse)
     torch.testing.assert_close(rows[:, :, 1], want_delta, rtol=1e-4, atol=1e-4)
     assert torch.equal(acc, torch.zeros_like(acc))
+    # DQ_CLAIM: the claim words zeroed instead, and the accumulator only below ZERO_ROWS (rows no key block reaches)
+    claims = torch.full((B, H, n_pad // m.WS_BWD_SHAPE["BLOCK_M"], 2), -1, device=DEVICE, dtype=torch.int32)
+    acc.fill_(float("nan"))
+    rows.fill_(float("nan"))
+    zero_rows = 64 if n_q > 64 else 0
+    m.attn_bwd_prep_ws[grid](out, do, lse, rows, acc, claims, *out.stride(), *do.stride(), *lse.stride(), H, n_q, n_pad,
+                             zero_rows, BLOCK=block, HEAD_DIM=head_dim, CLAIMS=2, BLOCK_M=m.WS_BWD_SHAPE["BLOCK_M"])
+    assert torch.equal(claims, torch.zeros_like(claims))
+    assert torch.equal(acc[:, :, :zero_rows], torch.zeros_like(acc[:, :, :zero_rows]))
+    assert acc[:, :, zero_rows:].isnan().all()
+    torch.testing.assert_close(rows[:, :, 0], want_lse)
+    torch.testing.assert_close(rows[:, :, 1], want_delta, rtol=1e-4, atol=1e-4)
     acc.normal_()
     dq = torch.full((B, n_q, H, head_dim), float("nan"), device=DEVICE).half().transpose(1, 2)
     m.attn_bwd_dq_ws[(n_pad // block, H, B)](acc, dq, *dq.stride(), H, n_q, 0.125, BLOCK=block, HEAD_DIM=head_dim)
@@ -210,6 +230,20 @@ def test_without_hopper_the_triton_kernel_runs(monkeypatch):
     assert not called
     result = compare(kernel.spec, Case(1, 2, 2, 37, 53), out, lse, q, k, v)
     assert result.ok, result
+
+
+class PoisonedTorch:
+    """A generated module's `torch` whose `empty` hands out NaN (floating) or -1 (integer) filled tensors."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def empty(self, *shape, **kwargs):
+        out = self.real.empty(*shape, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -1)
 
 
 def _poisoned_run(kernel, q, k, v):
@@ -313,10 +347,17 @@ def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, ca
     for name in ("launch_attn_bwd_ws", "launch_attn_bwd_dkdv_ws", "launch_attn_bwd_dq"):
         monkeypatch.setattr(m, name, lambda *a, f=getattr(m, name), name=name, **kw: (calls.append(name), f(*a, **kw)))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    local = m.WS_BWD_SHAPE["dq_local_rows"]
+    local, claim = m.WS_BWD_SHAPE["dq_local_rows"], m.WS_BWD_SHAPE["dq_claim_keys"]
     assert local == (1024 if (head_dim, mask) == (64, "none") else 0)
-    for rows in ([0, 1] if local and not deterministic else [local]):
-        monkeypatch.setitem(m.WS_BWD_SHAPE, "dq_local_rows", rows)
+    assert claim == (1024 if head_dim == 128 and mask != "none" else 0)
+    # DQ_LOCAL (from dq_local_rows query rows) and DQ_CLAIM (up to dq_claim_keys keys) on and off where the spec
+    # has them; with DQ_CLAIM the module's torch.empty poisoned, so that accumulator rows or claim words left
+    # unwritten show
+    settings = [("dq_local_rows", local)] if not (local or claim) or deterministic else (
+        [("dq_local_rows", 0), ("dq_local_rows", 1)] if local else [("dq_claim_keys", 0), ("dq_claim_keys", 1 << 30)])
+    for key, value in settings:
+        monkeypatch.setitem(m.WS_BWD_SHAPE, key, value)
+        monkeypatch.setattr(m, "torch", PoisonedTorch(torch) if key == "dq_claim_keys" and value else torch)
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         assert m.ws_bwd_ready(q, k, v, do, grads[1], grads[2])
         calls.clear()
@@ -326,7 +367,7 @@ def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, ca
         else:
             assert calls == ["launch_attn_bwd_dq"] + (["launch_attn_bwd_dkdv_ws"] if head_dim == 128 else [])
         results = compare_grads(kernel.spec, q, k, v, do, grads)
-        assert all(r.ok for r in results), (rows, results)
+        assert all(r.ok for r in results), (key, value, results)
 
 
 @pytest.mark.gpu

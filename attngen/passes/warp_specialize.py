@@ -154,6 +154,19 @@ without a mask 1: -3.0 to -4.4% at N = 512-16384 (2: -2.0 to -4.3%), causal 2: -
 -7.1%); H200 with 2: -4.1 to -5.3% without a mask, -8.3 to -13.7% causal; d=64 (no spills either way) +1-7%
 with 1 and +1-12% with 2."""
 
+BWD_DQ_CLAIM_KEYS = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 1024}
+"""By (head dim, causal): up to how many keys the one-kernel backward claims its dQ tiles (DQ_CLAIM) instead of
+the prep pass zeroing the float32 dQ accumulator; 0: never. Each consumer warpgroup claims each step's tile (its
+columns of a block of BLOCK_M query rows) after the step's S^T wait (a compare-and-swap on a word per tile, which
+the prep pass zeroes instead); the first to claim stores its part at the step's end and sets the word's announced
+bit once that store is written, in its next step; the others add theirs by TMA reduction once the bit is set. The
+prep pass writes 4 bytes per dQ element less and no reduction reads zeros back from DRAM; each step pays for its
+claim. Measured (H100, NOTES.md v29, experiments/gluon_dq_claim.py; all three kernels / the Gluon kernel):
+d=128 causal -12% / -7% at N=512, -5% / +3% at 768, -2.5% / +5% at 1024, level / +5% at 2048, +2-3% / +5.5% at
+4096 (the prep pass saves the same bytes at every length, the claims cost per step); d=64 causal +8-22% / +23-26%
+(shorter steps hide less of the claim); without a mask every program of a head reaches each tile at once and
+waits for its owner (d=128 +20-30%). A constexpr of the kernel, so a spec that runs both gets two binaries."""
+
 BWD_SPLIT = {64: False, 128: True}
 """By head dim: whether the kernel without DQ_ATOMIC (dK, dV only) beats the Triton dK/dV kernel, for
 when dQ must come from the Triton kernel (deterministic algorithms). At d=128 it does (558-570 TFLOP/s
@@ -200,5 +213,6 @@ def run(program: ir.Program) -> ir.Program:
                                               ("dq_local_rows", BWD_DQ_LOCAL_ROWS[(d, causal)]),
                                               ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
                                               ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d),
-                                              ("LATE_ROWS", BWD_LATE_ROWS[(d, causal)])))
+                                              ("LATE_ROWS", BWD_LATE_ROWS[(d, causal)]),
+                                              ("dq_claim_keys", BWD_DQ_CLAIM_KEYS[(d, causal)])))
     return program

@@ -494,6 +494,21 @@ def backward_variants_row(mods: dict, base: str, d: int, causal: bool, n: int, f
     return row
 
 
+class PoisonedTorch:
+    """torch, except that `empty` fills what it returns: NaN (floating) or -1 (integers). Set as a generated
+    module's `torch`, it shows an accumulator row left unzeroed or a counter not reset."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def empty(self, *args, **kwargs):
+        t = self._torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
 BACKWARD_CHECK_CASES = ((2, 4, 2, 333, None), (3, 2, 1, 700, 900), (1, 3, 1, 130, 200))
 """Small odd float64-check cases (b, h, h_kv, n_q, n_k), GQA among them; n_k None: 1111 under a causal mask (more
 keys than queries), 777 without."""
@@ -517,16 +532,16 @@ def backward_checks(make, d: int, cases=BACKWARD_CHECK_CASES, reps: int = 1, **e
     return rows
 
 
-def backward_rows(result: dict, path: str, d: int, lengths, make_mods, base: str) -> None:
+def backward_rows(result: dict, path: str, d: int, lengths, make_mods, base: str, masks=(False, True)) -> None:
     """backward_variants_row of the modules make_mods(spec) (name -> module; `base` among them) for the bench's
-    bf16 spec at head dim d, without a mask and causal, at each length: appended to result["rows"], printed,
-    and result written to `path` after each."""
+    bf16 spec at head dim d, for each of `masks` (causal or not) at each length: appended to result["rows"],
+    printed, and result written to `path` after each."""
     import json
 
     import attngen
     from attngen.api import sdpa_spec
 
-    for causal in (False, True):
+    for causal in masks:
         for n in lengths:
             row = backward_variants_row(make_mods(attngen.load(sdpa_spec("bf16", d, causal)).spec), base, d, causal,
                                         n, flex=True)

@@ -1,8 +1,8 @@
 """Experiment: the one-kernel Gluon backward as rendered from other versions of its template, against this one.
 
-    python benchmarks/experiments/gluon_bwd_templates.py OUT_DIR HEAD_DIM N [N ...] --tpl=NAME=PATH [--tpl=...]
+    python benchmarks/experiments/gluon_bwd_templates.py OUT_DIR HEAD_DIM N [N ...] --tpl=NAME=PATH [--tpl=...] [--causal]
     (GPU; each --tpl: a variant rendered from the gluon_backward.py.j2 at PATH, e.g. `git show
-    <commit>:templates/gluon_backward.py.j2 > old.j2`; "new" is the checkout's template)
+    <commit>:templates/gluon_backward.py.j2 > old.j2`; "new" is the checkout's template; --causal: causal rows only)
 
 Cases: bf16, batch 16384/N, hidden 2048, without a mask and causal. Each variant's gradients against new's
 (relative error); times of every attn_bwd* kernel of a call by torch.profiler ("gpu us": prep + kernel + dQ pass;
@@ -45,7 +45,7 @@ def main() -> int:
         return mods
 
     backward_rows(result, os.path.join(out_dir, f"gluon_bwd_templates_d{d}.json"), d, [int(a) for a in ARGS[2:]],
-                  make_mods, "new")
+                  make_mods, "new", masks=(True,) if "--causal" in sys.argv else (False, True))
     names = list(TEMPLATES) + ["new"]
     print(f"\n{result['device']} d={d}: the one-kernel Gluon backward from other templates ({', '.join(TEMPLATES)}) "
           "and this one (new). GPU us (prep + kernel + dQ pass), the kernel's, best of 4 profiler rounds; whole call "

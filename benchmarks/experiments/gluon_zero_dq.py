@@ -51,21 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 INLOOP = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--inloop=")), None)
 
-from common import backward_checks, backward_rows, gluon_variant_module, print_backward_rows, template_module  # noqa: E402
-
-
-class PoisonedTorch:
-    """torch, except that `empty` fills what it returns: NaN (floating) or -1 (integers)."""
-
-    def __init__(self, torch):
-        self._torch = torch
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-    def empty(self, *args, **kwargs):
-        t = self._torch.empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -1)
+from common import (PoisonedTorch, backward_checks, backward_rows, gluon_variant_module, print_backward_rows,  # noqa: E402
+                    template_module)
 
 
 def main() -> int:
