@@ -1009,7 +1009,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 _CLAIM_ANNOUNCED = gl.constexpr(1 << 30)
-"""DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below it: the owner's id)."""
+"""DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below: the owner's id)."""
 
 
 @gluon.jit
@@ -1078,13 +1078,13 @@ def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b,
 
 
 @gluon.jit
-def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                    CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
+                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -1143,12 +1143,12 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
         if DQ_CLAIM:
-            if owned:  # the previous step's store was issued most of a step ago: announce it (waits on no other program)
+            if owned:  # the previous step's store was issued most of a step ago: announce it (waits on no program)
                 _ws_bwd_announce(claim_ptr, my_id)
                 owned = my_id < 0
             # this step's tile claimed now, the answer read at the step's end
-            claim_ptr = CLAIM + ((((b * gl.num_programs(1) + hkv) * GROUP + t // n_m) * n_mb + m_row // BLOCK_M) * CONSUMERS
-                                 + WG)
+            tile = ((b * gl.num_programs(1) + hkv) * GROUP + t // n_m) * n_mb + m_row // BLOCK_M
+            claim_ptr = CLAIM + tile * CONSUMERS + WG
             claim = _ws_bwd_claim(claim_ptr, my_id)
         if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
             lse = rows_s.slice(0, BLOCK_M).load(col_s)
@@ -1206,7 +1206,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                 found = _ws_bwd_lane0(claim)
                 if (found == 0) | (found == my_id):  # this warpgroup's claim won (one warp's swap, the others see it)
                     tma.async_copy_shared_to_global(dq_desc, dq_coord, dq_smem.index(WG))
-                    owned = found >= 0
+                    owned = found >= 0  # (true, as the tensor the loop carries)
                 else:  # another's: add once its store is announced
                     if (found & _CLAIM_ANNOUNCED) == 0:
                         while (_ws_bwd_peek(claim_ptr) & _CLAIM_ANNOUNCED) == 0:
@@ -1239,45 +1239,45 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
 
 
 @gluon.jit
-def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                      do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                      start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                      hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                      ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
                     PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
 
 
 @gluon.jit
-def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                      do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                      start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                      hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                       stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                      ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                    do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                     start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
                     stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
                     PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem, do_smem,
-                   k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n, GROUP,
-                   N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
+                   do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n,
+                   GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                    stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                   CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
@@ -1300,11 +1300,11 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
 def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                     stride_lse_b,
-                     stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP, N_Q, N_K,
-                     sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP,
+                     N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr):
+                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                     CAUSAL: gl.constexpr):
     """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
     with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator (DQ_LOCAL: each
     consumer its own keys' partial sum, every column; dq_desc's block is then HEAD_DIM wide)"""
