@@ -222,9 +222,9 @@ def launch_attn_fwd(q, k, v, o, lse, sm_scale, *, BLOCK_M, BLOCK_N, num_warps, n
 # multiprocessor, and a program takes tiles in rounds (_ws_tile_index); else one program per tile. A
 # loader warp moves each tile's Q (two buffers when persistent, so the next tile's arrives during this
 # one) and then each K and V block into a ring of STAGES shared buffers by TMA, each buffer signalled on
-# its own mbarrier; the ring runs on across tiles. 3 consumer warpgroups own 64 rows each: scores
+# its own mbarrier; the ring runs on across tiles. CONSUMERS consumer warpgroups (2 or 3) own 64 rows each: scores
 # and output on wgmma, P from registers, the online softmax in exp2 with the scale folded in. A
-# consumer frees a buffer by arriving on its `empty` barrier (count 3: every consumer); the consumers
+# consumer frees a buffer by arriving on its `empty` barrier (count CONSUMERS: every consumer); the consumers
 # never wait for each other. With OVERLAP a consumer issues block j's Q K^T before it waits for block
 # j-1's P V, so the softmax of block j runs while the tensor cores multiply. Rows and keys past the
 # tensors' ends read as zeros (TMA); keys past N_K are masked out of the last block, and the output
@@ -483,7 +483,7 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_r
                 v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                 STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                QBUF: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+                QBUF: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
     """Warpgroup WG's part of each of the program's tiles, in the loader's order."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0  # key blocks of earlier tiles: the ring's place
@@ -539,12 +539,12 @@ def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
                   v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                  QBUF: gl.constexpr):
+                  QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 0, 3)
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS, 0)
 
 
 @gluon.jit
@@ -552,12 +552,12 @@ def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
                   v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                  QBUF: gl.constexpr):
+                  QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 1, 3)
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS, 1)
 
 
 @gluon.jit
@@ -565,12 +565,12 @@ def _ws_consumer2(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q
                   v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                  QBUF: gl.constexpr):
+                  QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 2: rows [2 * BM, 3 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, 2, 3)
+                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS, 2)
 
 
 @gluon.jit
@@ -578,7 +578,7 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_re
                v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-               QBUF: gl.constexpr):
+               QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     n_m = gl.cdiv(N_Q, BLOCK_M)
     it = 0
     i = 0
@@ -588,13 +588,13 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_re
         if valid:
             it, i = _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M, BM, BLOCK_N, STAGES,
-                                  QBUF)
+                                  QBUF, CONSUMERS)
 
 
 @gluon.jit
 def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M: gl.constexpr, BM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """The loader's part of tile t, the program's i-th: its Q, then its K and V blocks into the ring's places
     it, it + 1, ...; returns (it, i) for the next tile."""
     b, h, start_m, offset, n_blocks = _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M, BLOCK_N)
@@ -602,8 +602,8 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
     qb = i % QBUF
     if QBUF > 1:  # a Q buffer is free once every consumer has stored the output it carried two tiles ago
         mbarrier.wait(q_empty.index(qb), ((i // QBUF) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(qb), 3 * q_desc.block_type.nbytes)
-    for c in gl.static_range(3):
+    mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_ready.index(qb),
                                         q_smem.index(qb * 4 + c))
     for j in range(n_blocks):
@@ -623,11 +623,12 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "B", "H", "GROUP", "N_Q", "N_K"])
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, B, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr):
+                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr,
+                CONSUMERS: gl.constexpr):
     """Tiles of BLOCK_M queries of one (batch, head), n_m * H * B of them, taken by the grid's programs in
-    rounds (_ws_tile_index): a TMA loader warp, 3 consumer warpgroups. QBUF = 2 Q buffers let a program
-    that takes several tiles (a persistent grid) load the next tile's queries during this one."""
-    BM: gl.constexpr = BLOCK_M // 3
+    rounds (_ws_tile_index): a TMA loader warp, CONSUMERS consumer warpgroups (2 or 3). QBUF = 2 Q
+    buffers let a program that takes several tiles (a persistent grid) load the next tile's queries during this one."""
+    BM: gl.constexpr = BLOCK_M // CONSUMERS
     gl.static_assert(QBUF == 1 or not PINGPONG, "PINGPONG's turns count one tile's blocks")
     qk_scale = sm_scale * 1.4426950408889634
     dtype: gl.constexpr = q_desc.dtype
@@ -644,33 +645,55 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     turn = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(QBUF):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=3)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=3)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=3)
-    for i in gl.static_range(3):
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     # the partitions' arguments are spelled out in each tuple: constexprs passed through a tuple variable
     # arrive as tensors
-    gl.warp_specialize([
-        (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
-                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
-        (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
-                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
-        (_ws_consumer2, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
-                            qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
-        (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                     v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n,
-                     qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF)),
-    ], [4, 4, 1], [160, 160, 24])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                                QBUF, CONSUMERS)),
+            (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                                QBUF, CONSUMERS)),
+            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                         stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                         QBUF, CONSUMERS)),
+        ], [4, 1], [240, 24])
+    elif CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                                QBUF, CONSUMERS)),
+            (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                                QBUF, CONSUMERS)),
+            (_ws_consumer2, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                                QBUF, CONSUMERS)),
+            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
+                         stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
+                         QBUF, CONSUMERS)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.static_assert(False, "CONSUMERS: 2 or 3")
 
 
-WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 3, 'min_keys': 4096, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': True}
+WS_SHAPE = {'BLOCK_M': 192, 'BLOCK_N': 128, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 3, 'consumer_regs': 160, 'loader_regs': 24, 'maxnreg': 128, 'SHORT_BLOCK_M': 128, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'min_keys': 2048, 'short_keys': 4096, 'min_scores': 33554432, 'BALANCE': True}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM],
                                                     gl.float16)
@@ -697,13 +720,12 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     """Launch `attn_fwd_ws` on q, k, v, o (B, H, N, D) and lse (B, H, N_Q); check `ws_ready` first."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
-    q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]
-    if N_K <= WS_SHAPE["short_keys"]:  # short sequences: smaller key blocks, more stages
-        block_n, stages, kv_layout = WS_SHAPE["SHORT_BLOCK_N"], WS_SHAPE["SHORT_STAGES"], _WS_KV_LAYOUT_SHORT
-    else:
-        block_n, stages, kv_layout = WS_SHAPE["BLOCK_N"], WS_SHAPE["STAGES"], _WS_KV_LAYOUT
+    q_block = [1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM]  # (the same rows in the short shape)
+    short = "SHORT_" if N_K <= WS_SHAPE["short_keys"] else ""  # short sequences: the shape for them
+    block_m, block_n, stages = WS_SHAPE[short + "BLOCK_M"], WS_SHAPE[short + "BLOCK_N"], WS_SHAPE[short + "STAGES"]
+    kv_layout = _WS_KV_LAYOUT_SHORT if block_n == WS_SHAPE["SHORT_BLOCK_N"] else _WS_KV_LAYOUT
     kv_block = [1, 1, block_n, HEAD_DIM]
-    tiles = cdiv(N_Q, WS_SHAPE["BLOCK_M"]) * H * B
+    tiles = cdiv(N_Q, block_m) * H * B
     persistent = WS_SHAPE["PERSISTENT"]
     attn_fwd_ws[(min(tiles, _ws_programs(q.device)) if persistent else tiles,)](
         _gluon_desc(q, q_block, _WS_Q_LAYOUT),
@@ -711,9 +733,9 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
         _gluon_desc(v, kv_block, kv_layout),
         _gluon_desc(o, q_block, _WS_Q_LAYOUT),
         lse, *lse.stride(), B, H, H // H_KV, N_Q, N_K, sm_scale,
-        BLOCK_M=WS_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=stages,
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, QBUF=2 if persistent else 1,
-        num_warps=4, maxnreg=WS_SHAPE["maxnreg"],
+        CONSUMERS=WS_SHAPE[short + "consumers"], num_warps=4, maxnreg=WS_SHAPE[short + "maxnreg"],
     )
 
 

@@ -81,23 +81,26 @@ def _compile_gluon_ws(module, job):
                      DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
         pointers = ("LSE", "DELTA", "CLAIM")
+        maxnreg = shape["maxnreg"]
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
-        short = job.get("short", False)  # the launch's shape for short sequences (short_keys)
-        block_n, stages = (shape["SHORT_BLOCK_N"], shape["SHORT_STAGES"]) if short else (shape["BLOCK_N"], shape["STAGES"])
+        short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
+        block_n = shape[short + "BLOCK_N"]
         q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
-        kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if short else module._WS_KV_LAYOUT)
+        kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if block_n == shape["SHORT_BLOCK_N"] else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
-        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+        const = dict(BLOCK_M=shape[short + "BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
-                     QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1)
+                     QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])
+        maxnreg = shape[short + "maxnreg"]
         pointers = ("LSE",)
     sig = {arg: "constexpr" if arg in const else descs.get(arg, ("*i32" if arg == "CLAIM" else "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=shape["maxnreg"]))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, maxnreg=maxnreg))
     ptx = compiled.asm["ptx"]
     if job.get("ptx_to"):  # for a look at the code (ptxas -v: spills, serialised wgmma)
         with open(job["ptx_to"], "w") as f:

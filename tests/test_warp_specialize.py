@@ -44,7 +44,10 @@ def test_which_specs_get_the_gluon_forward(text, expected):
     min_keys = warp_specialize.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
     short_keys = warp_specialize.SHORT_KEYS.get((spec.head_dim, spec.mask.is_causal))
     rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
+    short = dict(warp_specialize.SHORT_SHAPE.get((spec.head_dim, spec.mask.is_causal), ()))
     assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
+            and shape.get("SHORT_BLOCK_M") == short.get("BLOCK_M", rows)
+            and shape.get("SHORT_BLOCK_N") == short.get("BLOCK_N", shape.get("BLOCK_N"))
             and shape.get("TRIM") is True and shape.get("PERSISTENT") is True
             and shape.get("short_keys") == short_keys
             and shape.get("BALANCE") is warp_specialize.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
@@ -96,15 +99,17 @@ def test_the_persistent_grid_deals_short_tiles_evenly(mask):
 def test_the_gluon_kernel_compiles_for_sm90():
     shapes = ((128, "bf16", "none"), (64, "fp16", "none"), (128, "fp16", "causal(bottom_right)"))
     kernels = [attngen.load(spec_text(f"ws{d}{mask[:3]}", d, dt, mask)) for d, dt, mask in shapes]
-    # each spec's kernel as launched, and at its shape for short sequences where it has one (causal d=128)
-    jobs = [(d, {"path": str(k.path), "gluon_ws": True, "short": short}) for (d, _, _), k in zip(shapes, kernels)
-            for short in (False, True) if not short or k.module.WS_SHAPE["short_keys"]]
-    assert len(jobs) == 4
-    for (d, _), result in zip(jobs, probe([job for _, job in jobs])):
+    # each spec's kernel as launched, and at its shape for short sequences where it has one (d=64: two consumer
+    # warpgroups; causal d=128: 64-key blocks)
+    jobs = [(k.module.WS_SHAPE, {"path": str(k.path), "gluon_ws": True, "short": short})
+            for k in kernels for short in (False, True) if not short or k.module.WS_SHAPE["short_keys"]]
+    assert len(jobs) == 5
+    for (shape, job), result in zip(jobs, probe([job for _, job in jobs])):
         assert "error" not in result, result
-        # consumer warpgroups (three at d=64, two at d=128) + the loader warp padded to a warpgroup; both
-        # products on wgmma, K/V by TMA
-        assert result["warps"] == 4 * (1 + {64: 3, 128: 2}[d]) and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
+        # consumer warpgroups (three at d=64, two at d=128 and in d=64's short shape) + the loader warp padded to a
+        # warpgroup; both products on wgmma, K/V by TMA
+        consumers = shape["SHORT_consumers" if job["short"] else "consumers"]
+        assert result["warps"] == 4 * (1 + consumers) and result["wgmma"] > 0 and result["tma_loads"] >= 3, result
         assert result["shared"] <= 232448, result
 
 
@@ -286,6 +291,31 @@ def test_gluon_forward_against_float64(mask, dtype, head_dim, case, programs, mo
     finally:
         kernel.module.launch_attn_fwd_ws = launch
     assert bool(called) is gluon
+    result = compare(kernel.spec, case, out, lse, q, k, v)
+    assert result.ok, result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("dtype, head_dim", [("fp16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 4, 2, 333, 2111), Case(3, 2, 1, 64, 4097)])
+@pytest.mark.parametrize("programs", [None, 3])
+def test_gluon_forward_short_shape_against_float64(mask, dtype, head_dim, case, programs, monkeypatch):
+    """The shape for short sequences (SHORT_SHAPE: at d=64 two consumer warpgroups instead of three, causal d=128
+    64-key blocks) at every length and mask, which the shipped thresholds take only up to short_keys keys."""
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"ws_short_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
+                                    heads=case.heads, kv_heads=case.kv_heads))
+    for key, value in (("min_scores", 0), ("min_keys", 1), ("short_keys", 1 << 30)):
+        monkeypatch.setitem(kernel.module.WS_SHAPE, key, value)
+    if programs:
+        monkeypatch.setattr(kernel.module, "_ws_programs", lambda device: programs)
+    torch_dtype = kernel.spec.dtype.torch
+    q = torch.randn(case.batch, case.heads, case.n_q, head_dim, device="cuda").to(torch_dtype)
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
+    assert kernel.module.ws_ready(q, k, v, q) is (mask != "causal(bottom_right)" or case.n_k >= case.n_q)
+    out, lse = _poisoned_run(kernel, q, k, v)
     result = compare(kernel.spec, case, out, lse, q, k, v)
     assert result.ok, result
 

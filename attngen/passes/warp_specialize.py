@@ -14,7 +14,8 @@ and 427-482 for the Triton kernel and 612-626 / 528-561 for cuDNN; d=64 474-513 
 The rewrite records the decision and the kernel's fixed shape on the program (`warp_specialized`:
 at d=128 tiles of 128 query rows in two consumer warpgroups of 64, at d=64 192 rows in three;
 128-key blocks, 2 stages, the next block's scores issued before this block's softmax, the register
-split between the partitions, a persistent grid of one program per multiprocessor).
+split between the partitions, a persistent grid of one program per multiprocessor) and the shape of calls
+of at most SHORT_KEYS keys (SHORT_SHAPE: at d=64 two consumer warpgroups, causal d=128 64-key blocks).
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
 Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
@@ -51,8 +52,7 @@ NAME = "warp-specialize"
 
 HEAD_DIMS = (64, 128)
 SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
-         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168),
-         ("SHORT_BLOCK_N", 64), ("SHORT_STAGES", 3))
+         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
 """The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
 padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
 so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
@@ -68,7 +68,7 @@ its loader moves the next tile's Q into a second buffer and its first K/V blocks
 finish a tile, so a tile's start-up and output store no longer stand between tiles. Against one program
 per tile (H200, NOTES.md v22): d=128 +35% at N=512 and +6-18% at 1024-2048 without a mask, +10-16% causal
 at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096.
-SHORT_BLOCK_N, SHORT_STAGES: the key blocks and stages of calls of at most SHORT_KEYS keys."""
+SHORT_KEYS, SHORT_SHAPE: the shape of calls of at most SHORT_KEYS keys."""
 
 SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
 """What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
@@ -78,24 +78,34 @@ wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a m
 causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
 d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
 
-MIN_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 1, (128, True): 1}
+MIN_KEYS = {(64, False): 512, (64, True): 2048, (128, False): 1, (128, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
 the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 TFLOP/s against 346
 without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
 half-size products of d=64 leave more of its time to fixed costs. Since BALANCE (NOTES.md v26, H100) the
 Gluon kernel wins without a mask from 512 keys (363-368 against 340-344; 256 keys 220 against 257), and
-causal still loses at 1024 and 2048 (213 against 281, 305 against 345). At d=128 the Gluon kernel wins from
-512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
+causal still lost at 1024 and 2048 (213 against 281, 305 against 345); with two consumer warpgroups up to 4096 keys
+(SHORT_SHAPE, NOTES.md v30, H100) it wins from 2048 (377 against 343) and ties at 1024 (283 against 281). At d=128
+the Gluon kernel wins from 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
 
 
-SHORT_KEYS = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 1024}
-"""Most keys for which the Gluon kernel takes SHORT_BLOCK_N-key blocks in SHORT_STAGES stages instead of
-BLOCK_N in STAGES, by (head dim, causal); 0: never. The same kernel at other constexprs: a second binary,
-compiled on the first call that takes it. Causal d=128 (H200, NOTES.md v22,
-benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at
-N=512 (a 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at
-1024, 477 against 509 at 2048. Without a mask and at d=64 they lose at every length measured (d=64
-gains from two consumer warpgroups instead, which is another kernel: not done)."""
+SHORT_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 0, (128, True): 1024}
+"""Most keys for which the Gluon kernel takes SHORT_SHAPE's shape instead of its own, by (head dim, causal); 0:
+never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
+
+_TWO_CONSUMERS = (("BLOCK_M", 128), ("consumers", 2), ("consumer_regs", 240), ("maxnreg", 168))
+SHORT_SHAPE = {(64, False): _TWO_CONSUMERS, (64, True): _TWO_CONSUMERS, (128, False): (),
+               (128, True): (("BLOCK_N", 64), ("STAGES", 3))}
+"""What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal); in the attribute as SHORT_BLOCK_M,
+SHORT_BLOCK_N, SHORT_STAGES, SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg (each consumer warpgroup keeps its
+64 rows, so the Q and output descriptors are the same). Causal d=128 (H200, NOTES.md v22,
+benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
+4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
+509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30,
+benchmarks/experiments/gluon_d64_consumers.py): two consumer warpgroups (128-row tiles, as at d=128) instead of
+three, causal 283 / 377 / 421 TFLOP/s against 213 / 302 / 417 at N = 1024 / 2048 / 4096 (the Triton kernel 281 /
+343 / 373) but 441 / 466 against 460 / 476 at 8192 / 16384; without a mask 374 against 361 at 512, level at 1024,
+455 against 493 at 4096."""
 
 
 BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
@@ -198,10 +208,13 @@ def applies(program: ir.Program) -> bool:
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    min_keys = MIN_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
-    shape = tuple(dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[program.attr("head_dim")])).items())
-    short_keys = SHORT_KEYS[(program.attr("head_dim"), program.attr("mask") != "none")]
-    balance = BALANCE[(program.attr("head_dim"), program.attr("mask") != "none")]
+    key = (program.attr("head_dim"), program.attr("mask") != "none")
+    min_keys, short_keys, balance = MIN_KEYS[key], SHORT_KEYS[key], BALANCE[key]
+    main = dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[program.attr("head_dim")]))
+    short = dict(main, **dict(SHORT_SHAPE[key]))
+    assert short["BLOCK_M"] // short["consumers"] == main["BLOCK_M"] // main["consumers"]  # one Q descriptor
+    shape = tuple(main.items()) + tuple(("SHORT_" + k, short[k]) for k in ("BLOCK_M", "BLOCK_N", "STAGES", "consumers",
+                                                                          "consumer_regs", "maxnreg"))
     program = program.with_attrs(warp_specialized=shape + (("min_keys", min_keys), ("short_keys", short_keys),
                                                            ("min_scores", MIN_SCORES), ("BALANCE", balance)))
     if program.attr("head_dim") in BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
