@@ -1,7 +1,7 @@
 """Experiment: the d=64 Gluon forward with two consumer warpgroups (128-row tiles) instead of three (192), on the
 persistent grid with BALANCE, at every bench length (v30).
 
-    python benchmarks/experiments/gluon_d64_consumers.py OUT_DIR    (GPU)
+    python benchmarks/experiments/gluon_d64_consumers.py OUT_DIR [--stages]    (GPU)
 
 d=64 takes three consumer warpgroups (FlashAttention 3's shape, v12: +7% at 4096-16384 before the persistent
 grid). The rows still furthest below cuDNN are d=64 causal at N=512-2048 (0.79-0.90x), which run the Triton
@@ -29,12 +29,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_gluon_variants  # noqa: E402
 
-VARIANTS = {"base": {}, "c2": {"consumers": 2, "BLOCK_M": 128, "maxnreg": 168, "consumer_regs": 240}}
+C2 = {"consumers": 2, "BLOCK_M": 128, "maxnreg": 168, "consumer_regs": 240}
+VARIANTS = {"base": {}, "c2": C2}
 CASES = ([(64, True, n) for n in (1024, 2048, 4096, 8192, 16384)]
          + [(64, False, n) for n in (512, 1024, 4096, 16384)])
+STAGE_VARIANTS = {"c2": dict(C2, short_keys=0), "c2s3": dict(C2, STAGES=3, short_keys=0),
+                  "c2s4": dict(C2, STAGES=4, short_keys=0)}
+"""--stages (after the change: two consumers are the shipped short shape): its K/V ring in 2 (shipped), 3 or 4 stages,
+at every length (short_keys 0: one shape). Prediction: a deeper ring hides more of each tile's start at 1024-2048,
++2-4%, and might take causal 1024 past the Triton kernel; level from 4096."""
+STAGE_CASES = [(64, True, n) for n in (1024, 2048, 4096)] + [(64, False, n) for n in (512, 1024)]
 
 
 if __name__ == "__main__":
     os.makedirs(sys.argv[1], exist_ok=True)
-    bench_gluon_variants(VARIANTS, CASES, os.path.join(sys.argv[1], "gluon_d64_consumers.json"),
-                         "Gluon forward (persistent), d=64: three consumer warpgroups (base) / two (c2)")
+    if "--stages" in sys.argv:
+        bench_gluon_variants(STAGE_VARIANTS, STAGE_CASES, os.path.join(sys.argv[1], "gluon_d64_consumers_stages.json"),
+                             "Gluon forward (persistent), d=64, two consumer warpgroups: 2 / 3 / 4 stages")
+    else:
+        bench_gluon_variants(VARIANTS, CASES, os.path.join(sys.argv[1], "gluon_d64_consumers.json"),
+                             "Gluon forward (persistent), d=64: three consumer warpgroups (base) / two (c2)")
