@@ -6,10 +6,16 @@
 One new token per sequence (seqlen_q = 1) against a full cache: batch 1, 16, 64 x context 1k, 8k,
 32k; 32 query heads, 8 kv heads, d = 128, bf16. Measured on the same fresh random data (never
 zeros), triton.testing.do_bench medians:
-  attngen contiguous     attention_with_kvcache on a (B, ctx, 8, 128) cache, splits chosen (auto)
+  attngen contiguous     attention_with_kvcache on a (B, ctx, 8, 128) cache, splits chosen (auto),
+                         cache_seqlens = ctx as an int: every sequence full, the problem SDPA's
+                         backends are given (they take no lengths); the launch takes the tuned
+                         bucket's config for equal lengths
   attngen contig 1 split the same with num_splits=1 (what split-KV buys)
   attngen paged 16 / 64  the same tokens in a pool of 16- or 64-token pages, pages shuffled
   ... [graph]            the same call captured in a CUDA graph and replayed (no Python launch cost)
+  attngen ... lens [graph]
+                         contiguous and paged 16 with cache_seqlens as a (B,) tensor (lengths the
+                         call cannot know are equal: the bucket's config for mixed lengths)
   sdpa flash / cudnn / efficient
                          torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION
                          backend on the contiguous cache viewed (B, 8, ctx, 128), enable_gqa=True (or,
@@ -206,20 +212,28 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
             row["notes"][name] = note
 
     ref = attngen.attention_with_kvcache(q, k, v, seqlens)
-    record("attngen contiguous", bench(lambda: attngen.attention_with_kvcache(q, k, v, seqlens)))
-    record("attngen contig 1 split", bench(lambda: attngen.attention_with_kvcache(q, k, v, seqlens, num_splits=1)))
-    record("attngen contiguous [graph]", bench_graph(lambda: attngen.attention_with_kvcache(q, k, v, seqlens)))
+    full = ctx  # every sequence holds ctx keys: cache_seqlens as an int says so
+    err = (attngen.attention_with_kvcache(q, k, v, full).float() - ref.float()).abs().max().item()
+    if err > 2e-2:
+        raise SystemExit(f"int cache_seqlens disagrees with the tensor at B={batch} ctx={ctx}: {err}")
+    record("attngen contiguous", bench(lambda: attngen.attention_with_kvcache(q, k, v, full)))
+    record("attngen contig 1 split", bench(lambda: attngen.attention_with_kvcache(q, k, v, full, num_splits=1)))
+    record("attngen contiguous [graph]", bench_graph(lambda: attngen.attention_with_kvcache(q, k, v, full)))
+    record("attngen contiguous lens [graph]", bench_graph(lambda: attngen.attention_with_kvcache(q, k, v, seqlens)))
     for page in (16, 64):
         n_pages = batch * ctx // page
         perm = torch.randperm(n_pages, device="cuda", generator=gen)
         kp, vp = paged_copy(k, page, perm), paged_copy(v, page, perm)
         table = perm.view(batch, ctx // page).to(torch.int32)
-        out = attngen.attention_with_kvcache(q, kp, vp, seqlens, table)
-        err = (out.float() - ref.float()).abs().max().item()
-        record(f"attngen paged {page}", bench(lambda: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)),
+        out = attngen.attention_with_kvcache(q, kp, vp, full, table)
+        err = max((o.float() - ref.float()).abs().max().item()
+                  for o in (out, attngen.attention_with_kvcache(q, kp, vp, seqlens, table)))
+        record(f"attngen paged {page}", bench(lambda: attngen.attention_with_kvcache(q, kp, vp, full, table)),
                f"max |diff| vs contiguous {err:.1e}")
         if page == 16:
-            record("attngen paged 16 [graph]", bench_graph(lambda: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)))
+            record("attngen paged 16 [graph]", bench_graph(lambda: attngen.attention_with_kvcache(q, kp, vp, full, table)))
+            record("attngen paged 16 lens [graph]",
+                   bench_graph(lambda: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)))
         if err > 2e-2:
             raise SystemExit(f"paged {page} disagrees with contiguous at B={batch} ctx={ctx}: {err}")
         del kp, vp
@@ -231,12 +245,12 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
                           torch.randn(v.shape, device="cuda", dtype=DTYPE, generator=gen)) for _ in range(layers - 1)]
     note = f"{layers} layers in one CUDA graph"
     record("attngen contiguous [layers]", bench_layers([
-        (lambda kl=kl, vl=vl: attngen.attention_with_kvcache(q, kl, vl, seqlens)) for kl, vl in caches]), note)
+        (lambda kl=kl, vl=vl: attngen.attention_with_kvcache(q, kl, vl, full)) for kl, vl in caches]), note)
     perm = torch.randperm(batch * ctx // 16, device="cuda", generator=gen)
     table = perm.view(batch, ctx // 16).to(torch.int32)
     pools = [(paged_copy(kl, 16, perm), paged_copy(vl, 16, perm)) for kl, vl in caches]
     record("attngen paged 16 [layers]", bench_layers([
-        (lambda kp=kp, vp=vp: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)) for kp, vp in pools]), note)
+        (lambda kp=kp, vp=vp: attngen.attention_with_kvcache(q, kp, vp, full, table)) for kp, vp in pools]), note)
     del pools
     for name, make in PEERS.items():
         ms, why = peer(make, q, k, v, ref, caches)

@@ -87,7 +87,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
     (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` takes the
     Flash-Decoding split count tuned for this GPU and shape bucket (`attngen tune`), else picks it
-    from the batch, the heads and the GPU's multiprocessors.
+    from the batch, the heads and the GPU's multiprocessors. `cache_seqlens` is a (B,) int32 tensor,
+    or an int when every sequence holds that many keys: the launch then takes the bucket's config
+    tuned for equal lengths where the table has one (with lengths that differ, a split count that
+    evens them out is faster; with equal ones, often fewer splits).
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
@@ -139,10 +142,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         capacity = k_cache.shape[1]
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise TypeError(f"cache_seqlens must be an int32 tensor or an int, not {type(cache_seqlens).__name__}")
-    if isinstance(cache_seqlens, int):
+    uniform = isinstance(cache_seqlens, int)  # every sequence holds the same number of keys
+    if uniform:
         if not 0 <= cache_seqlens <= capacity:
             raise KernelInputError(f"cache_seqlens = {cache_seqlens} does not fit a cache of {capacity} tokens")
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        cache_seqlens = _equal_lengths(batch, cache_seqlens, q.device)
     _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
@@ -169,7 +173,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         from .tuning.key import Shape
 
         tuner = kernel.tuner("kvcache")
-        config = tuner.config(Shape(batch, heads, kv_heads, seqlen_q, capacity), q.device.index)
+        config = tuner.config(Shape(batch, heads, kv_heads, seqlen_q, capacity), q.device.index, uniform)
         # Resolve the split count here (tuned for this shape bucket, else as the module would:
         # attngen/splits.py) so that the launch it implies is checked before it happens.
         tuned_splits = config.pop("num_splits", 0)
@@ -185,6 +189,27 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         tuner.launch(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out.transpose(1, 2), lse, config,
                      num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+_EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys
+_EQUAL_LENGTHS_KEPT = 1024
+
+
+def _equal_lengths(batch: int, keys: int, device) -> torch.Tensor:
+    """cache_seqlens for an int: a (batch,) int32 tensor of `keys`, made once per (device, batch, keys) and
+    kept for the process, so that repeated calls launch no fill kernel of their own (at batch 1 and 8k keys
+    the fill cost a CUDA-graph replay 7%). A kept tensor is never freed or written, so a graph captured
+    around a call may read it. Made afresh per call while a graph is being captured (it would live in the
+    graph's memory pool) and after _EQUAL_LENGTHS_KEPT distinct ones (an int that grows every step)."""
+    key = (device, batch, keys)
+    found = _EQUAL_LENGTHS.get(key)
+    if found is not None:
+        return found
+    made = torch.full((batch,), keys, dtype=torch.int32, device=device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and len(_EQUAL_LENGTHS) < _EQUAL_LENGTHS_KEPT:
+        _EQUAL_LENGTHS[key] = made
+    return made
 
 
 def _auto_splits(module, config: dict, batch: int, heads: int, kv_heads: int, seqlen_q: int, capacity: int,

@@ -20,7 +20,8 @@ STYLE = {"attngen": ("tab:red", "o"), "flex": ("tab:blue", "s"), "sdpa_flash": (
 DECODE_COLORS = {"attngen_contiguous_graph": "tab:red", "attngen_paged_16_graph": "darkred",
                  "attngen_contiguous": "salmon", "attngen_paged_16": "rosybrown", "attngen_paged_64": "sienna",
                  "attngen_contig_1_split": "chocolate", "attngen_contiguous_layers": "crimson",
-                 "attngen_paged_16_layers": "maroon"}
+                 "attngen_paged_16_layers": "maroon", "attngen_contiguous_lens_graph": "orange",
+                 "attngen_paged_16_lens_graph": "peru"}
 
 
 def _style(provider):

@@ -285,6 +285,99 @@ def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(m
     assert part.config(shape, 0)["num_splits"] == 2
 
 
+def test_the_fastest_decode_config_at_capacity_serves_calls_of_equal_lengths(monkeypatch):
+    """Where the fastest config with every sequence at capacity is another than the bucket's least-worst
+    best, the entry keeps it as `uniform` (after a runoff of its own that leaves the best's times alone),
+    the report says so, and calls that give cache_seqlens as an int take it; lengths given as a tensor
+    keep the best. Both are right against float64."""
+    kernel = decode_kernel()
+    part = kernel.tuner("kvcache")
+    shape = Shape(2, 4, 2, 1, 96)
+    real = part.tuning_run
+    runs, at_capacity = [], {}
+
+    def run(inputs, config, poison=False):
+        lens = inputs["lens"]
+        if lens.data_ptr() not in at_capacity:
+            at_capacity[lens.data_ptr()] = bool((lens == shape.n_k).all())
+        runs.append((config["num_splits"], at_capacity[lens.data_ptr()]))
+        return real(inputs, config, poison=poison)
+
+    # (spread, at capacity): 2 splits are the least worst (1.05, 1.11); 1 split is fastest at capacity
+    times = {0: (1.0, 1.3), 1: (1.2, 0.9), 2: (1.05, 1.0)}
+    timed = []
+
+    def timer(fn, rep_ms, cuda):
+        fn()
+        timed.append(runs[-1])
+        return times[runs[-1][0]][runs[-1][1]]
+
+    monkeypatch.setattr(part, "tuning_run", run)
+    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1, 2)), timer=timer, runoff=2)
+    (best,) = outcome.best
+    assert best.trial.config["num_splits"] == 2 and best.ms == 1.05 and best.also == {"at capacity": (1.0, 0.9)}
+    trial, ms, name = best.uniform
+    assert trial.config["num_splits"] == 1 and ms == 0.9 and name == "at capacity" and trial is not best.trial
+    assert timed.count((1, True)) == 1 + 3 + 3  # timed, then in the runoff of the best and in its own
+    report = format_outcome(outcome)
+    assert "kept for calls whose sequences all have one length: BLOCK_N=32 num_warps=4 num_stages=1 num_splits=1, " \
+        "0.9000 ms at capacity (1.11x the best config's speed)" in report
+    ((_, entry),) = outcome.records()
+    assert entry["config"]["num_splits"] == 2 and entry["uniform"] == {"config": trial.config, "ms": 0.9}
+    save(outcome)
+    monkeypatch.undo()
+    assert part.config(shape, 0)["num_splits"] == 2 and part.config(shape, 0, uniform=True)["num_splits"] == 1
+
+    splits = []
+    real_launch = kernel.module.forward_kvcache
+    monkeypatch.setattr(kernel.module, "forward_kvcache", lambda *a: splits.append((a[8], a[3])) or real_launch(*a))
+    q, k, v = rand(2, 1, 4, 32), rand(2, 96, 2, 32), rand(2, 96, 2, 32)
+    for lens, expected in ((torch.tensor([96, 40], dtype=torch.int32, device=DEVICE), 2), (77, 1), (77, 1)):
+        out = attngen.attention_with_kvcache(q, k, v, lens, causal=True)
+        assert splits[-1][0] == expected
+        full = lens if torch.is_tensor(lens) else torch.full((2,), lens, dtype=torch.int32, device=DEVICE)
+        ref, _ = reference.kvcache_attention(q, k, v, full, None, causal=True)
+        assert (out.double() - ref).abs().max().item() < 5e-3
+    assert splits[-1][1] is splits[-2][1]  # an int's lengths tensor is made once (no fill kernel per call)
+
+
+@pytest.mark.parametrize("at_capacity", [0.8, 0.99])
+def test_a_config_at_capacity_within_the_noise_is_not_kept_and_a_bad_uniform_config_is_ignored(monkeypatch,
+                                                                                              at_capacity):
+    """The fastest config at capacity is kept for equal lengths only where it differs from the bucket's best
+    and is UNIFORM_GAIN (2%) faster there; a stored one that cannot run is ignored with a warning."""
+    part = decode_kernel().tuner("kvcache")
+    shape = Shape(2, 4, 2, 1, 96)
+    seen, runs = [], []
+    monkeypatch.setattr(part, "tuning_run", spy(part, seen))
+    # 0 splits: the best (1.0 on both inputs); 1 split: far behind on spread lengths, ahead at capacity (the
+    # capacity input is each candidate's second run: its lengths are all the bucket's capacity)
+    times = {0: (1.0, 1.0), 1: (1.5, at_capacity)}
+
+    def timer(fn, rep_ms, cuda):
+        fn()
+        runs.append(seen[-1]["num_splits"])
+        return times[runs[-1]][len([r for r in runs if r == runs[-1]]) % 2 == 0]
+
+    outcome = tune(part, [shape], values=dict(DECODE, num_splits=(0, 1)), timer=timer)
+    (best,) = outcome.best
+    assert best.trial.config["num_splits"] == 0 and best.uniform[0].config["num_splits"] == 1
+    ((bucket, entry),) = outcome.records()
+    kept = at_capacity == 0.8
+    assert ("uniform" in entry) == kept and ("all have one length" in format_outcome(outcome)) == kept
+
+    problem = part.tuning_problem()
+    one = dict(entry["config"], num_splits=1, BLOCK_N=16)
+    bad = dict(entry, uniform={"config": dict(one, BLOCK_N=0)})
+    store.remember(Device.current(), problem, part.spec.name, [(bucket, bad)])
+    with pytest.warns(store.CacheWarning, match=r"\(uniform\)' in this process: its config values must be positive"):
+        assert part.config(shape, 0, uniform=True)["num_splits"] == 0  # the entry's own config serves
+    store.remember(Device.current(), problem, part.spec.name, [(bucket, dict(entry, uniform={"config": one}))])
+    assert part.config(shape, 0, uniform=True) == dict(one, BLOCK_M=16) and part.config(shape, 0)["num_splits"] == 0
+    other = Shape(8, 4, 2, 1, 96)  # another bucket: served by the nearest bucket's tiles, never its uniform config
+    assert part.config(other, 0, uniform=True) == dict(entry["config"], BLOCK_M=16)
+
+
 def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
     part = decode_kernel(16).tuner("kvcache")
     real = part.tuning_run

@@ -120,9 +120,10 @@ def launch_config(kernel, shape: Shape, device_index: int | None = None) -> dict
     return launch_choice(kernel, shape, device_index)[0]
 
 
-def launch_choice(kernel, shape: Shape, device_index: int | None = None) -> tuple[dict, bool]:
+def launch_choice(kernel, shape: Shape, device_index: int | None = None, uniform: bool = False) -> tuple[dict, bool]:
     """`launch_config`, and whether the config was tuned for this very bucket (not the nearest one
-    or the default): keys that only suit the shapes they were measured at need to know."""
+    or the default): keys that only suit the shapes they were measured at need to know. `uniform`:
+    the call's sequences all have one length, and the bucket's entry may hold a config for that."""
     # NOTE: this runs on every call; the memo makes it a handful of dictionary operations. (The
     # kernel objects are per mode, interpreted or compiled: runtime.load keys them by it.)
     memo_key = (store.generation(), device_index, kernel, shape.batch * shape.heads, shape.n_q, shape.n_k)
@@ -131,7 +132,7 @@ def launch_choice(kernel, shape: Shape, device_index: int | None = None) -> tupl
         if len(_MEMO) > 4096:
             _MEMO.clear()
         found = _MEMO[memo_key] = _launch_config(kernel, shape, device_index)
-    return dict(found.config), found.exact
+    return dict(found.uniform if uniform and found.uniform else found.config), found.exact
 
 
 _MEMO: dict = {}

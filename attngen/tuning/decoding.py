@@ -18,6 +18,9 @@ A spec with `split_kv` other than 1 or a paged `kv_layout` generates `forward_kv
     different split counts (batch 16, 8k keys on an H200: two splits are fastest on spread lengths,
     and 4% behind the fastest at capacity; every config nearer the fastest at capacity is more than 4%
     behind on the spread lengths), and a table tuned on one mix alone can give more away on the other.
+    The fastest config at capacity alone (after a runoff of its own) is kept beside it as the bucket's
+    `uniform` config, which calls that pass `cache_seqlens` as an int (every sequence of one length,
+    so no split has to even out long and short sequences) take.
   * a spec with the Gluon decode kernel (pass warp-specialize-decode) has a key `warp_specialized`:
     1 runs the Gluon kernel (fixed tiles: one candidate per split count, `tuning_canonical`), 0 the
     Triton kernel. A bucket's entry thus says which kernel runs, and at which split count; on GPUs
@@ -48,6 +51,7 @@ class KVCacheKernel:
 
     kind = "decode"
     tuning_graph = True  # timed as CUDA-graph replays: a decoding step is shorter than its Python
+    tuning_uniform = "at capacity"  # its fastest config is kept too, for calls of equal lengths
 
     def __init__(self, kernel):
         self.kernel, self.spec = kernel, kernel.spec
@@ -75,23 +79,24 @@ class KVCacheKernel:
             return self.spec.block_m
         return min(64, max(16, 1 << max(0, self.rows(shape) - 1).bit_length()))  # tl.dot needs 16
 
-    def config(self, shape: Shape, device_index: int | None = None) -> dict:
+    def config(self, shape: Shape, device_index: int | None = None, uniform: bool = False) -> dict:
         """Tuned (or heuristic) config for a call of this shape, with BLOCK_M set for its rows, and
-        `num_splits` (when the spec searches it) 0 unless this very bucket was tuned."""
+        `num_splits` (when the spec searches it) 0 unless this very bucket was tuned. `uniform`: every
+        sequence of the call holds the same number of keys (the bucket's config for that, if it has one)."""
         # NOTE: runs on every decoding step: memoised per shape (and tuning-table generation; this
         # object belongs to one loaded kernel, which is interpreted or compiled, not both).
-        memo_key = (store.generation(), device_index, shape)
+        memo_key = (store.generation(), device_index, shape, uniform)
         found = self._configs.get(memo_key)
         if found is None:
             if len(self._configs) > 4096:
                 self._configs.clear()
-            found = self._configs[memo_key] = self._config(shape, device_index)
+            found = self._configs[memo_key] = self._config(shape, device_index, uniform)
         return dict(found)
 
-    def _config(self, shape: Shape, device_index: int | None) -> dict:
+    def _config(self, shape: Shape, device_index: int | None, uniform: bool = False) -> dict:
         from . import launch_choice
 
-        found, exact = launch_choice(self, shape, device_index)
+        found, exact = launch_choice(self, shape, device_index, uniform)
         config = dict(found, BLOCK_M=self.block_m(shape))
         if not exact and "num_splits" in config:
             config["num_splits"] = 0

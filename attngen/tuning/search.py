@@ -19,6 +19,11 @@ on each, and the best is the one whose worst ratio to the fastest candidate on a
      (benchmarks/NOTES.md v20), as much as the gaps between the best few. The best RUNOFF of a bucket
      are timed again, RUNOFF_ROUNDS times on each input, in alternating order (forward, backward, ...);
      each finalist's time is the median of its rounds, and the best is chosen again by the same rule.
+A kernel may also name one of its further inputs `tuning_uniform` (decoding: "at capacity", every
+sequence of the same length): the fastest config on that input alone, after a runoff of its own best
+RUNOFF, is kept beside the bucket's best as the config for calls known to have that form (decoding:
+`cache_seqlens` given as an int), where it differs from the best and is at least UNIFORM_GAIN times as
+fast there.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ INTERPRETER_BUDGET = 4
 DEFAULT_REP_MS = 25
 RUNOFF = 4         # finalists re-timed per bucket on a GPU (0: none; the interpreter's timings mean nothing)
 RUNOFF_ROUNDS = 3  # alternating rounds of the runoff
+UNIFORM_GAIN = 1.02  # a bucket keeps a config for equal lengths only if it is this much faster there
 
 
 @dataclass
@@ -63,6 +69,16 @@ class Best:
     default_ms: float | None  # the untuned default's median on the same inputs, if it was tried
     gbps: float | None = None  # for kernels that report bytes read (decoding): GB/s
     also: dict = field(default_factory=dict)  # further inputs' name -> (this config's ms, the fastest's ms)
+    uniform: tuple | None = None  # (trial, its ms, the input's name): fastest on the kernel's `tuning_uniform` input
+
+    @property
+    def uniform_kept(self) -> bool:
+        """Whether the config for the uniform input is another than the bucket's best, and at least
+        UNIFORM_GAIN times as fast there (closer is within the runoff's noise)."""
+        if self.uniform is None or self.uniform[0].config == self.trial.config:
+            return False
+        trial, ms, name = self.uniform
+        return name in self.also and self.also[name][0] >= UNIFORM_GAIN * ms
 
     @property
     def ms(self) -> float:
@@ -103,6 +119,8 @@ class Outcome:
                 "rel_err": float(f"{b.trial.rel[b.bucket]:.3g}"),
                 **({"also": {name: {"ms": round(ms, 5), "best_ms": round(fastest, 5)}
                              for name, (ms, fastest) in b.also.items()}} if b.also else {}),
+                **({"uniform": {"config": dict(b.uniform[0].config), "ms": round(b.uniform[1], 5)}}
+                   if b.uniform_kept else {}),
                 "default_ms": None if b.default_ms is None else round(b.default_ms, 5),
                 "shape": b.shape.as_dict(), "tried": len(self.trials),
                 "pruned": sum(len(g.configs) for g in self.pruned), "failed": self.count("failed"),
@@ -231,7 +249,8 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
         gbps = None if moved is None else moved / seconds / 1e9
         best.append(Best(shape, b, winner, kernel.tuning_flops(shape) / seconds / 1e12,
                          default_trial.ms[b] if default_trial else None, gbps,
-                         {name: (winner.also[b][name], ms) for name, ms in fastest.items()}))
+                         {name: (winner.also[b][name], ms) for name, ms in fastest.items()},
+                         _uniform(kernel, passed, b, runs[b], runoff, rep_ms, cuda, timer)))
     timing = (f"triton.testing.do_bench median ({rep_ms} ms per measurement"
               + (f"; the best {finals} of each bucket re-timed, median of {RUNOFF_ROUNDS} alternating rounds)"
                  if finals else ")")
@@ -241,6 +260,25 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     return Outcome(getattr(kernel, "label", kernel.spec.name), kernel.spec, kernel.tuning_problem(), device, space,
                    pruned, len(feasible), trials, best, missing, timing, time.perf_counter() - started,
                    total - len(candidates))
+
+
+def _uniform(kernel, passed: list, b: str, runs: list, runoff: int, rep_ms: int, cuda: bool, timer):
+    """(trial, ms, name) fastest on the kernel's `tuning_uniform` input (so named) at bucket b, after a
+    runoff of the best `runoff` there (on copies: the bucket's best and its recorded times stay as
+    chosen); None if the kernel names no such input."""
+    name = getattr(kernel, "tuning_uniform", None)
+    pool = [t for t in passed if name in t.also.get(b, {})]
+    if not name or not pool:
+        return None
+    top = [Trial(dict(t.config), t.status, t.reason, dict(t.ms), dict(t.rel), {k: dict(v) for k, v in t.also.items()})
+           for t in sorted(pool, key=lambda t: t.also[b][name])[: max(runoff, 1)]]
+    if len(top) > 1:
+        _runoff(kernel, top, b, runs, rep_ms, cuda, timer)
+    top = [t for t in top if t.status == "ok"]
+    if not top:
+        return None
+    fastest = min(top, key=lambda t: t.also[b][name])
+    return fastest, fastest.also[b][name], name
 
 
 def ranked(passed: list, b: str) -> list:

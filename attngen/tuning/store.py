@@ -18,6 +18,11 @@ A file (the user's `<cache>/tuning/<device slug>.json`, or a table shipped in `a
               "timing": "do_bench median", "attngen": "0.1.0", "tuned": "2026-11-20"}}}}
     }
 
+A decode entry may also hold `"uniform": {"config": {...}, "ms": ...}`: the fastest config when every
+sequence holds the same number of keys (timed at capacity), where that is another than the bucket's best
+(which must also do well on spread lengths). Calls that say their lengths are equal (`cache_seqlens` an
+int) take it, from their own bucket's entry only.
+
 Writers hold an exclusive `fcntl.flock` on a lock file beside it, read what is there, merge their
 entries in (a new entry replaces the one for its bucket) and write atomically (`cache.write_atomic`),
 so two processes tuning at once both land and a reader never sees half a file. A file that does not
@@ -153,6 +158,7 @@ class Found:
     config: dict
     source: str   # "user cache <path>", "shipped table <file>", "this process", "default", ...
     exact: bool   # an entry for this very bucket (False: the nearest tuned bucket, or the default)
+    uniform: dict | None = None  # this very bucket's config for calls whose sequences all have one length
 
 
 class Tables:
@@ -196,7 +202,7 @@ class Tables:
                     candidates[name] = (source, entry)
         if bucket in candidates:
             source, entry = candidates[bucket]
-            return Found(dict(entry["config"]), source, True)
+            return Found(dict(entry["config"]), source, True, self._uniform(kernel, source, bucket, entry))
         wanted = bucket_sizes(bucket)
         near = sorted((bucket_distance(bucket_sizes(name), wanted), name) for name in candidates)
         if near:
@@ -204,8 +210,18 @@ class Tables:
             return Found(dict(entry["config"]), f"{source} (nearest tuned bucket {near[0][1]})", False)
         return Found(kernel.tuning_default(), "default", False)
 
-    def _usable(self, kernel, source: str, bucket: str, entry) -> bool:
-        problem = entry_problem(kernel, bucket, entry)
+    def _uniform(self, kernel, source: str, bucket: str, entry: dict) -> dict | None:
+        """The entry's config for calls of equal lengths, if it has a usable one (else a warning, once)."""
+        uniform = entry.get("uniform")
+        if uniform is None:
+            return None
+        uniform = uniform if isinstance(uniform, dict) else {}
+        if self._usable(kernel, source, f"{bucket} (uniform)", uniform, bucket):
+            return dict(uniform["config"])
+        return None
+
+    def _usable(self, kernel, source: str, bucket: str, entry, shape_bucket: str | None = None) -> bool:
+        problem = entry_problem(kernel, shape_bucket or bucket, entry)
         if problem is None:
             return True
         if (source, bucket) not in self._warned:

@@ -604,3 +604,21 @@ def write_rows(out_dir: str, name: str, rows: list) -> None:
 
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def decode_layers_case(batch: int, ctx: int, gen):
+    """One decode bench case on the GPU, as the decode experiments draw it: (layers, caches, q, full
+    lengths, odd lengths); caches is a list of (k, v) per layer, (B, H_KV, ctx, D) views of (B, ctx, H_KV,
+    D) storage (enough layers for attngen bench's [layers] timing), q (B, H, 1, D)."""
+    import torch
+
+    from attngen.bench_decode import DTYPE, H, H_KV, D, layer_count
+
+    layers = max(2, layer_count(batch, ctx))
+    caches = [(torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen).transpose(1, 2),
+               torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen).transpose(1, 2))
+              for _ in range(layers)]
+    q = torch.randn(batch, H, 1, D, device="cuda", dtype=DTYPE, generator=gen)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    odd = torch.randint(1, ctx, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+    return layers, caches, q, lens, odd
