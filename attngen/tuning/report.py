@@ -78,8 +78,7 @@ def format_outcome(outcome) -> str:
     for b in outcome.best:
         if b.uniform_kept:  # kept beside the best config, for calls known to have that input's form
             trial, ms, name = b.uniform
-            main_ms = b.also.get(name, (None,))[0]
             lines.append(f"  {b.bucket}, kept for calls whose sequences all have one length: {describe(trial.config)}, "
-                         f"{ms:.4f} ms {name}" + (f" ({main_ms / ms:.2f}x the best config's speed)" if main_ms else ""))
+                         f"{ms:.4f} ms {name} ({b.also[name][0] / ms:.2f}x the best config's speed)")
     lines.append(f"  timings: {outcome.timing}; {outcome.seconds:.1f} s in all")
     return "\n".join(lines)

@@ -28,6 +28,7 @@ fast there.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import statistics
 import time
@@ -267,11 +268,10 @@ def _uniform(kernel, passed: list, b: str, runs: list, runoff: int, rep_ms: int,
     runoff of the best `runoff` there (on copies: the bucket's best and its recorded times stay as
     chosen); None if the kernel names no such input."""
     name = getattr(kernel, "tuning_uniform", None)
-    pool = [t for t in passed if name in t.also.get(b, {})]
-    if not name or not pool:
+    pool = [t for t in passed if name in t.also.get(b, {})] if name else []
+    if not pool:
         return None
-    top = [Trial(dict(t.config), t.status, t.reason, dict(t.ms), dict(t.rel), {k: dict(v) for k, v in t.also.items()})
-           for t in sorted(pool, key=lambda t: t.also[b][name])[: max(runoff, 1)]]
+    top = copy.deepcopy(sorted(pool, key=lambda t: t.also[b][name])[: max(runoff, 1)])
     if len(top) > 1:
         _runoff(kernel, top, b, runs, rep_ms, cuda, timer)
     top = [t for t in top if t.status == "ok"]
