@@ -329,65 +329,69 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_sta
         num_stages=num_stages,
     )
 
-# -- the warp-specialised Hopper paged decode (pass warp-specialize-decode), in Gluon ------------------
+# -- the warp-specialised Hopper split-KV decode (pass warp-specialize-decode), in Gluon ---------------
 # One program = one (split, K/V head, sequence), as in attn_fwd. A loader warp reads the block table 32
 # entries at a time, a chunk ahead, and copies each page's rows of K and V by TMA (a [rows, HEAD_DIM]
 # box of the pool seen as (pages x page_size, kv_heads x HEAD_DIM)) into a ring of STAGES buffers of
 # BLOCK_N keys, each signalled on an mbarrier: no table lookup sits between two copies, and the
-# consumer does no address arithmetic. One consumer warpgroup holds the query rows of the K/V head's
-# group (GROUP x N_Q of them, padded to wgmma's 64), Q in shared memory, and runs both products on wgmma
-# and the online softmax in exp2. The copies read whole pages, so a sequence's last block holds slots
-# past its length: their scores are masked, and their V rows are zeroed in shared memory before P V.
-# The consumer's partial output and log-sum-exp go where attn_fwd's would.
+# consumer does no address arithmetic. One consumer warpgroup runs both products on wgmma with the
+# operands swapped, as FlashInfer's and FlashAttention 3's decode kernels do: the keys fill wgmma's M and
+# the query rows of the K/V head's group (GROUP x N_Q of them, padded to NQ, a power of two from 8) its
+# N, so S^T = K Q^T and O^T += V^T P^T (Q and P^T in shared memory, V read transposed), and the online
+# softmax runs down the columns in exp2. With the rows padded to M = 64 instead, each thread held and
+# exponentiated 16x as many scores: the swap read 1-7% faster (benchmarks/NOTES.md v32). The copies read
+# whole pages, so a sequence's last block holds slots past its length: their scores are masked, and their
+# V rows are zeroed in shared memory before P V. The partial output and log-sum-exp go where attn_fwd's
+# would.
 
 @gluon.jit
-def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv, split, j0,
-                  j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
-                  stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
+                  split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
+                  stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p,
+                  qk_scale, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """The group's rows (row r: query head hkv * GROUP + r % GROUP, query r // GROUP) over key blocks
-    [j0, j1): scores, online softmax, output; the partial output and log-sum-exp stored."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    [j0, j1), held as the NQ columns of transposed products: S^T = K Q^T, online softmax down the
+    columns, O^T += V^T P^T; the partial output and log-sum-exp stored."""
+    # the keys fill wgmma's M (over the 4 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
+    # and O^T [HEAD_DIM, NQ], a few registers a thread where rows padded to M = 64 took 16x as many
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
     io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io))
+    rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, io))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
-    valid = rows < GROUP * N_Q
     q_ptr = (Q + b.to(gl.int64) * stride_q_b + (hkv * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_q_h
              + (rows // GROUP)[:, None] * stride_q_n + cols[None, :])
-    # Q through shared memory, as the scores' operand: from registers it gave wrong scores where BLOCK_N
-    # equals HEAD_DIM (NOTES.md v13)
-    q_smem.store(gl.load(q_ptr, mask=valid[:, None], other=0.0))
+    q_smem.store(gl.load(q_ptr, mask=(rows < GROUP * N_Q)[:, None], other=0.0))
     fence_async_shared()
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    s_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)
+    zero_s = gl.zeros([BLOCK_N, NQ], gl.float32, layout=mma)
+    # the row sums, kept per key slot and rescaled like acc: one cross-warp sum at the end, not one a block
+    l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=mma)
+    s_cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, mma))
     # query row n sees the keys below n_k - N_Q + 1 + n (the causal mask aligned bottom-right)
-    limit = n_k - N_Q + 1 + s_rows // GROUP
+    limit = n_k - N_Q + 1 + s_cols // GROUP
     first_limit = n_k - N_Q + 1
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     for j in range(j0, j1):
         s = (j - j0) % STAGES
         phase = ((j - j0) // STAGES) & 1
         mbarrier.wait(k_ready.index(s), phase)
-        sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sc = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s), count=1)
         if (j + 1) * BLOCK_N > first_limit:  # a block some row must not see all of
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = (keys[None, :] < limit[:, None]) & (keys < n_k)[None, :]
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+            keep = (keys[:, None] < limit[None, :]) & (keys < n_k)[:, None]
             sc = gl.where(keep, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc * qk_scale - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        p = gl.exp2(sc * qk_scale - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p
         m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc = acc * alpha[None, :]
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
         mbarrier.wait(v_ready.index(s), phase)
         if (j + 1) * BLOCK_N > n_k:  # the sequence's last block: zero its V rows past n_k
             # Those slots hold whatever the pool has there (a last page's unwritten slots; page 0, read for
@@ -396,26 +400,30 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready
             v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
             v_block.store(gl.where((v_keys < n_k)[:, None], v_block.load(io), 0.0))
             fence_async_shared()
-        acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma(v_smem.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(s), count=1)
     # rows that saw no key give 0 and a log-sum-exp of -inf
+    l_i = gl.sum(l_acc, 0)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    out = gl.convert_layout(acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None], io)
+    out_t: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])  # O^T, the head dim contiguous
+    out = gl.convert_layout(acc / l_safe[None, :], out_t)
+    o_rows = gl.arange(0, NQ, layout=gl.SliceLayout(0, out_t))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_t))
     o_ptr = (OP + b.to(gl.int64) * stride_op_b + split.to(gl.int64) * stride_op_s
-             + (hkv * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_op_h + (rows // GROUP)[:, None] * stride_op_n
-             + cols[None, :])
-    gl.store(o_ptr, out.to(OP.dtype.element_ty), mask=valid[:, None])
+             + (hkv * GROUP + o_rows % GROUP).to(gl.int64)[None, :] * stride_op_h
+             + (o_rows // GROUP)[None, :] * stride_op_n + o_cols[:, None])
+    gl.store(o_ptr, out.to(OP.dtype.element_ty), mask=(o_rows < GROUP * N_Q)[None, :])
     lp = (LP + b.to(gl.int64) * stride_lp_b + split.to(gl.int64) * stride_lp_s
-          + (hkv * GROUP + s_rows % GROUP).to(gl.int64) * stride_lp_h + (s_rows // GROUP) * stride_lp_n)
-    gl.store(lp, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=s_rows < GROUP * N_Q)
+          + (hkv * GROUP + s_cols % GROUP).to(gl.int64) * stride_lp_h + (s_cols // GROUP) * stride_lp_n)
+    gl.store(lp, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=s_cols < GROUP * N_Q)
 
 
 @gluon.jit
-def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv, split, j0,
-                j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
+def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
+                split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
                 stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale,
-                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """K and V blocks [j0, j1) of (sequence b, K/V head hkv) into the ring by TMA: COPIES copies of RPC
     rows per block (a page each when pages are smaller than a block, else a part of one page)."""
@@ -460,7 +468,7 @@ def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, 
                               "stride_lp_n", "stride_bt_b"])
 def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS, stride_q_b, stride_q_h, stride_q_n,
                  stride_op_b, stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                 stride_seqlens_b, stride_bt_b, stride_bt_p, sm_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 stride_seqlens_b, stride_bt_b, stride_bt_p, sm_scale, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
     """one program per (split, K/V head, sequence): a TMA loader warp, one consumer warpgroup"""
@@ -474,8 +482,10 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     j0 = start // BLOCK_N
     j1 = gl.maximum(j0, gl.cdiv(gl.minimum(n_k, start + keys_per_split), BLOCK_N))
     qk_scale = sm_scale * 1.4426950408889634
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, HEAD_DIM], q_layout)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_DIM], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, HEAD_DIM], q_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], gl.bfloat16)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, BLOCK_N], p_layout)  # P^T, wgmma's B
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], layout)
@@ -489,14 +499,14 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=1)
     gl.warp_specialize([
-        (_wsd_consumer, (Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
-                          split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
-                          stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b,
-                          stride_bt_p, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
-        (_wsd_loader, (Q, OP, LP, BT, k_desc, v_desc, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
-                        split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
-                        stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b,
-                        stride_bt_p, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+        (_wsd_consumer, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                          b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                          stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                          stride_bt_b, stride_bt_p, qk_scale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+        (_wsd_loader, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                        b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                        stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                        stride_bt_b, stride_bt_p, qk_scale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
     ], [1], [LOADER_REGS])
 
 
@@ -522,6 +532,11 @@ def wsd_ready(q, k_cache, v_cache, out):
     return _ws_hopper(q.device) and tma_layouts(k_cache, v_cache)
 
 
+def _wsd_columns(rows):
+    """wgmma's N for `rows` query rows per K/V head: a power of two, at least 8 (the smallest N)."""
+    return max(8, 1 << (rows - 1).bit_length())
+
+
 def _wsd_descriptor(pool):
     """The TMA descriptor of a page pool as (pages x PAGE_SIZE, H_KV x HEAD_DIM) rows read in _WSD_BOX
     boxes (`_gluon_desc`: the constructor's checks are `wsd_ready`'s)."""
@@ -534,13 +549,14 @@ def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_ta
     (B, SPLITS, H, N_Q); check `wsd_ready` first."""
     B, H, N_Q, _ = q.shape
     H_KV = k_cache.shape[2]
+    table, table_strides, page = block_table, block_table.stride(), PAGE_SIZE
     attn_fwd_wsd[(o_part.shape[1], H_KV, B)](
-        q, o_part, lse_part, seqlens, block_table, _wsd_descriptor(k_cache), _wsd_descriptor(v_cache), N_Q,
+        q, o_part, lse_part, seqlens, table, _wsd_descriptor(k_cache), _wsd_descriptor(v_cache), N_Q,
         H // H_KV, o_part.shape[1],
         q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), seqlens.stride(0),
-        *block_table.stride(), sm_scale, ROWS=WSD_SHAPE["ROWS"], BLOCK_N=WSD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
-        STAGES=WSD_SHAPE["STAGES"], PAGE=PAGE_SIZE, CAUSAL=WSD_CAUSAL, LOADER_REGS=WSD_SHAPE["loader_regs"],
-        num_warps=4,
+        *table_strides, sm_scale, NQ=_wsd_columns((H // H_KV) * N_Q), BLOCK_N=WSD_SHAPE["BLOCK_N"],
+        HEAD_DIM=HEAD_DIM, STAGES=WSD_SHAPE["STAGES"], PAGE=page, CAUSAL=WSD_CAUSAL,
+        LOADER_REGS=WSD_SHAPE["loader_regs"], num_warps=4,
     )
 
 

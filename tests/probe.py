@@ -11,7 +11,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
-"late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon paged split-KV kernel, `attn_fwd_wsd`) and adds {"warps": ...,
+"late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
+"rows" (default 8) padded query rows per K/V head) and adds {"warps": ...,
 "wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
@@ -40,14 +41,15 @@ def _compile_gluon_ws(module, job):
         made = module.GluonTensorDescriptor(base, list(base.shape), list(base.stride()), [1, 1, rows, cols], layout)
         return native_specialize_impl(CUDABackend, made, False, True, True)[0]
 
-    if job.get("gluon_ws") == "decode":  # the paged split-KV kernel: 2-D descriptors over the page pools
+    if job.get("gluon_ws") == "decode":  # the split-KV kernel: 2-D descriptors over the page pools or caches
         shape, fn = module.WSD_SHAPE, module.attn_fwd_wsd
-        pool = torch.empty(64 * module.PAGE_SIZE, 8 * d, dtype=module.DTYPE)
+        page = getattr(module, "PAGE_SIZE", shape["BLOCK_N"])  # a contiguous cache's loader ignores PAGE
+        pool = torch.empty(64 * page, 8 * d, dtype=module.DTYPE)
         kv = native_specialize_impl(CUDABackend, module.GluonTensorDescriptor(
             pool, list(pool.shape), list(pool.stride()), module._WSD_BOX, module._WSD_LAYOUT), False, True, True)[0]
         descs = {"k_desc": kv, "v_desc": kv}
-        const = dict(ROWS=shape["ROWS"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
-                     PAGE=module.PAGE_SIZE, CAUSAL=module.WSD_CAUSAL, LOADER_REGS=shape["loader_regs"])
+        const = dict(NQ=job.get("rows", 8), BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+                     PAGE=page, CAUSAL=module.WSD_CAUSAL, LOADER_REGS=shape["loader_regs"])
         ptrs = {"Q": _PTR[str(module.DTYPE).removeprefix("torch.")], "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32",
                 "BT": "*i32"}
         sig = {arg: "constexpr" if arg in const else descs.get(arg, ptrs.get(arg, "fp32" if arg == "sm_scale" else "i32"))
@@ -60,7 +62,8 @@ def _compile_gluon_ws(module, job):
             with open(job["ptx_to"], "w") as f:
                 f.write(ptx)
         return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
-                "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared")}
+                "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
+                f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16")}
     if job.get("gluon_ws") == "backward":  # the dK/dV kernel (job "dq_atomic": with dQ, default the shape's)
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape["BLOCK_N"] // shape["consumers"],

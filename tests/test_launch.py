@@ -160,15 +160,16 @@ def test_fast_launch_is_off_in_the_interpreter_and_by_variable(monkeypatch):
 @pytest.mark.gpu
 def test_cached_launches_compute_what_tritons_path_computes():
     """On the GPU: the same kernel through FastJIT's cached path and through Triton's, on aligned and
-    misaligned views, gives bit-identical outputs, and the misaligned call got a binary of its own."""
+    misaligned views, gives bit-identical outputs, and the misaligned call got a binary of its own. (Head
+    dim 96: the Triton decode kernel; at 64 and 128 an sm_90 GPU runs the Gluon one, tested below.)"""
     import attngen
 
     gen = torch.Generator(DEVICE).manual_seed(0)
-    q = torch.randn(2, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(2, 300, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(2, 1, 8, 96, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(2, 300, 2, 96, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
     lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
-    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, None))
+    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 96, True, None))
     fast = kernel.module.attn_fwd
     assert isinstance(fast, FastJIT)
     first = attngen.attention_with_kvcache(q, k, v, lens)
@@ -336,21 +337,23 @@ def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monke
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_GPU and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the Gluon decode kernel runs on sm_90 only")
-def test_kept_tensor_maps_read_the_pool_they_were_built_for():
-    """On Hopper: paged decoding through the Gluon kernel, its tensor maps kept by FastJIT, over three
-    pools of one layout (each map is built for its pool's address) and a freed pool's address taken
-    by a new one; bit-identical to Triton's own launch path, which encodes every map afresh."""
+@pytest.mark.parametrize("page_size", [16, None])
+def test_kept_tensor_maps_read_the_pool_they_were_built_for(page_size):
+    """On Hopper: decoding through the Gluon kernel, its tensor maps kept by FastJIT, over three page pools
+    (or contiguous caches) of one layout (each map is built for its pool's address) and a freed pool's
+    address taken by a new one; bit-identical to Triton's own launch path, which encodes every map afresh."""
     import attngen
 
     gen = torch.Generator(DEVICE).manual_seed(0)
     q = torch.randn(3, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     lens = torch.tensor([700, 1, 333], device=DEVICE, dtype=torch.int32)
-    table = torch.randperm(3 * 48, device=DEVICE, generator=gen).view(3, 48).int()
+    table = torch.randperm(3 * 48, device=DEVICE, generator=gen).view(3, 48).int() if page_size else None
 
     def pool():
-        return torch.randn(3 * 48, 16, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        shape = (3 * 48, 16, 2, 128) if page_size else (3, 48 * 16, 2, 128)
+        return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
 
-    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, 16))
+    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, page_size))
     fast = kernel.module.attn_fwd_wsd
     assert isinstance(fast, FastJIT)
     pools = [(pool(), pool()) for _ in range(3)]

@@ -197,7 +197,7 @@ def test_specs_with_the_gluon_decode_tune_which_kernel_runs(monkeypatch):
     part = kernel.tuner("kvcache")
     assert part.tuning_space()["warp_specialized"] == (0, 1)
     assert part.tuning_default()["warp_specialized"] == int(part.gluon_runs_here())
-    assert "warp_specialized" not in decode_kernel().tuner("kvcache").tuning_space()  # contiguous: no Gluon kernel
+    assert "warp_specialized" not in decode_kernel().tuner("kvcache").tuning_space()  # head dim 32: no Gluon kernel
     values = dict(DECODE, block_n=(16, 32), num_splits=(0, 2))
     shape = Shape(2, 4, 2, 1, 64)
     if not part.gluon_runs_here():
@@ -237,6 +237,32 @@ def test_specs_with_the_gluon_decode_tune_which_kernel_runs(monkeypatch):
         ref, _ = reference.kvcache_attention(q, k, v, lens, table, causal=True)
         assert (out.double() - ref).abs().max().item() < 5e-3
     assert configs[0]["warp_specialized"] == 1 and "warp_specialized" not in configs[1]
+
+
+def test_a_contiguous_cache_entry_from_before_its_gluon_kernel_runs_the_triton_kernel(monkeypatch):
+    """Contiguous caches gained the Gluon decode kernel after tables were tuned for them: a stored entry
+    without `warp_specialized` was measured on the Triton kernel and asks for it (0); an entry with the key
+    keeps it; a call served by another bucket's entry takes the default (no key: the Gluon kernel where it
+    runs)."""
+    import attngen.tuning as tuning
+    from attngen.tuning.store import entry_problem
+
+    part = attngen.load(kvcache_spec("fp16", 64, True, None)).tuner("kvcache")
+    assert part.has_gluon() and part.tuning_space()["warp_specialized"] == (0, 1)
+    old = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "num_splits": 2}  # an entry from before the key
+    for config, problem in ((old, None), (dict(old, warp_specialized=1), None),
+                            ({k: v for k, v in old.items() if k != "BLOCK_N"}, "must set exactly"),
+                            (dict(old, colour=1), "must set exactly")):
+        found = entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": config})
+        assert (found is None) if problem is None else problem in found, (config, found)
+    for stored, exact, expected in (({}, True, 0), ({"warp_specialized": 1}, True, 1), ({}, False, None),
+                                    ({"warp_specialized": 0}, False, None)):
+        entry = dict(stored, BLOCK_N=32, num_warps=4, num_stages=2, num_splits=2)
+        monkeypatch.setattr(tuning, "launch_choice", lambda *a, entry=entry, exact=exact: (dict(entry), exact))
+        part._configs.clear()
+        config = part.config(Shape(2, 4, 2, 1, 64), None)
+        assert config.get("warp_specialized") == expected, (stored, exact, config)
+        assert config["num_splits"] == (2 if exact else 0) and config["BLOCK_N"] == 32
 
 
 def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(monkeypatch):

@@ -53,7 +53,8 @@ def test_which_specs_get_the_gluon_forward(text, expected):
             and shape.get("BALANCE") is warp_specialize.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_ws") is expected
-    assert ("warp-specialize" in kernel.source.split("\n", 3)[2]) is expected  # the "# Passes:" header line
+    passes = kernel.source.split("\n", 3)[2].removeprefix("# Passes: ").rstrip(".").split(", ")  # the header line
+    assert ("warp-specialize" in passes) is expected
 
 
 def _makespans(plan, slot, P, n_m, HB):
@@ -456,7 +457,9 @@ def test_deterministic_algorithms_give_the_same_gradients_twice(head_dim):
 @pytest.mark.parametrize("text, expected", [
     (spec_text("wsd_a", 128, "bf16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), True),
     (spec_text("wsd_b", 64, "fp16", "none", split_kv=4, kv_layout="paged(page_size = 256)"), True),
-    (spec_text("wsd_c", 128, "bf16", "causal(bottom_right)", split_kv="auto"), False),  # contiguous: the Triton kernel
+    (spec_text("wsd_c", 128, "bf16", "causal(bottom_right)", split_kv="auto"), True),  # a contiguous cache
+    (spec_text("wsd_c2", 64, "fp16", "none", split_kv=2), True),
+    (spec_text("wsd_c3", 128, "bf16", "causal(top_left)", split_kv="auto"), False),  # the Triton kernel's mask
     (spec_text("wsd_d", 128, "bf16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 8)"), False),
     (spec_text("wsd_e", 128, "fp32", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), False),
     (spec_text("wsd_f", 80, "fp16", "causal(bottom_right)", split_kv="auto", kv_layout="paged(page_size = 16)"), False),
@@ -479,17 +482,25 @@ def test_which_specs_get_the_gluon_decode(text, expected):
 def test_the_gluon_decode_compiles_for_sm90():
     from attngen.decode import kvcache_spec
 
-    shapes = (("bf16", 128, True, 16), ("fp16", 64, False, 64), ("bf16", 128, True, 256), ("bf16", 64, True, 32))
-    paths = [attngen.load(kvcache_spec(dt, d, causal, page)).path for dt, d, causal, page in shapes]
-    for (_, d, _, page), result in zip(shapes, probe([{"path": str(p), "gluon_ws": "decode"} for p in paths])):
+    # (dtype, head dim, causal, page size, query rows per K/V head as wgmma's N: 8 is decoding's 4 padded)
+    shapes = (("bf16", 128, True, 16, 8), ("fp16", 64, False, 64, 8), ("bf16", 128, True, 256, 64),
+              ("bf16", 64, True, 32, 16), ("bf16", 128, True, None, 8), ("fp16", 64, False, None, 32))
+    paths = [attngen.load(kvcache_spec(dt, d, causal, page)).path for dt, d, causal, page, _ in shapes]
+    jobs = [{"path": str(p), "gluon_ws": "decode", "rows": rows} for p, (*_, rows) in zip(paths, shapes)]
+    for (_, d, _, page, rows), result in zip(shapes, probe(jobs)):
         assert "error" not in result, result
-        # one consumer warpgroup + the loader warp padded to a warpgroup; both products on wgmma; K and V each
-        # one TMA copy per page in a 64-key block (one per block for pages of 64 keys and more), in messages of
-        # 128-byte rows (the swizzle's width: two per copy at d=128)
-        assert result["warps"] == 8 and result["wgmma"] > 0, result
-        assert result["tma_loads"] == 2 * max(1, 64 // page) * (d * 2 // 128), result
-        # 3 stages of 64-key K and V blocks and the padded Q tile
-        assert (3 * 2 + 1) * 64 * d * 2 <= result["shared"] <= (3 * 2 + 1) * 64 * d * 2 + 16 * 1024, result
+        # one consumer warpgroup + the loader warp padded to a warpgroup; K and V each one TMA copy per page in
+        # a 64-key block (one per block for pages of 64 keys and more, and for contiguous caches), in messages
+        # of 128-byte rows (the swizzle's width: two per copy at d=128)
+        assert result["warps"] == 8, result
+        assert result["tma_loads"] == 2 * max(1, 64 // (page or 64)) * (d * 2 // 128), result
+        # both products swapped, on wgmma with N = the rows: S^T = K Q^T, d / 16 instructions of 64 keys;
+        # O^T = V^T P^T, d / 64 x 64 / 16
+        assert result["wgmma"] == 2 * d // 16 and result[f"wgmma_n{rows}"] == result["wgmma"], result
+        # 3 stages of 64-key K and V blocks, Q and P^T, and scratch for the layout changes: at most the float32
+        # O^T tile (the store's layout) and the barriers
+        fixed = 3 * 2 * 64 * d * 2 + rows * (d + 64) * 2
+        assert fixed <= result["shared"] <= fixed + rows * d * 4 + 1024, result
 
 
 def test_without_hopper_paged_decoding_runs_the_triton_kernel():
@@ -543,6 +554,30 @@ def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_di
             pool, [pool.shape[0] * page_size, 2 * head_dim], [pool.stride(1), 1], module._WSD_BOX, module._WSD_LAYOUT))
 
 
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("fp16", 64)])
+def test_cache_descriptors_are_what_the_checked_constructor_builds(dtype, head_dim):
+    """Over a contiguous cache `_wsd_descriptor` sees the (B, H_KV, N_MAX, D) view of flash-attn's (B, N_MAX, H_KV,
+    D) storage as (rows, H_KV x D), sequence b from row b x stride(0) / stride(2) on, and skips the constructor:
+    on a dense cache, its first sequences, and its first slots (sequences further apart than N_MAX rows) it
+    holds the constructor's fields, which it accepts, and its last row is the view's last key."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from attngen.decode import kvcache_spec
+
+    module = attngen.load(kvcache_spec(dtype, head_dim, True, None)).module
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    big = torch.empty(5, 70, 2, head_dim, dtype=torch_dtype)
+    for cache in (big, big[:3], big[:, :33]):
+        view = cache.transpose(1, 2)
+        seq_rows = cache.stride(0) // cache.stride(1)
+        rows = (cache.shape[0] - 1) * seq_rows + cache.shape[1]
+        desc = module._wsd_descriptor(view)
+        assert_same_descriptor(desc, TensorDescriptor(view, [rows, 2 * head_dim], [2 * head_dim, 1], module._WSD_BOX,
+                                                      module._WSD_LAYOUT))
+        last = cache[-1, -1].flatten()  # the last sequence's last key: row rows - 1 of the 2-D view
+        assert last.data_ptr() == view.data_ptr() + (rows - 1) * 2 * head_dim * view.element_size()
+
+
 @pytest.mark.parametrize("dtype, head_dim, causal", [("bf16", 128, True), ("fp16", 64, False)])
 def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_dim, causal):
     """`_gluon_desc` skips TensorDescriptor's constructor (the forward's and backward's descriptors: eight a
@@ -573,6 +608,53 @@ def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
         assert module.tma_layouts(t)
         assert_same_descriptor(module._gluon_desc(t, block, layout),
                                TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode runs on sm_90 only")
+@pytest.mark.parametrize("dtype, head_dim, causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False)])
+@pytest.mark.parametrize("heads, kv_heads, seqlen_q", [(32, 8, 1), (8, 2, 3), (16, 2, 8), (8, 2, 17)])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("layout", ["dense", "cut", "heads_major"])
+def test_gluon_decode_over_a_contiguous_cache_against_float64(dtype, head_dim, causal, heads, kv_heads, seqlen_q,
+                                                              num_splits, layout):
+    """Through attention_with_kvcache over a contiguous cache: odd lengths (0, 1, block edges) in a capacity that
+    is not a whole number of blocks (a sequence's last block reads into the next one's keys, the last one's
+    past the tensor), every slot past a length NaN, outputs poisoned. "cut": the first sequences and slots of a
+    larger cache; "heads_major": a (B, H_KV, N, D) cache seen as (B, N, H_KV, D), which TMA cannot read as
+    rows of all heads: the Triton kernel. More than 64 query rows per K/V head: the Triton kernel too."""
+    from attngen.decode import kvcache_spec
+    from test_decode import check, rand, run
+
+    gen = torch.Generator("cuda").manual_seed(head_dim + seqlen_q + num_splits)
+    lengths = [max(n, seqlen_q) if n > 1 else n for n in (0, 1, 1350, 65, 1000, 64, 1349)]
+    batch, capacity = len(lengths), 1350
+    extra = 2 if layout == "cut" else 0
+    if layout == "heads_major":
+        k, v = (rand(batch, kv_heads, capacity, head_dim, dtype=dtype, device="cuda", gen=gen).transpose(1, 2)
+                for _ in range(2))
+    else:
+        k, v = (rand(batch + extra, capacity + 7 * extra, kv_heads, head_dim, dtype=dtype, device="cuda",
+                     gen=gen) for _ in range(2))
+    for b, n in enumerate(lengths):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    if extra:
+        k, v = k[:batch, :capacity], v[:batch, :capacity]
+    q = rand(batch, seqlen_q, heads, head_dim, dtype=dtype, device="cuda", gen=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    module = attngen.load(kvcache_spec({torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], head_dim, causal,
+                                       None)).module
+    gluon = heads // kv_heads * seqlen_q <= module.WSD_SHAPE["ROWS"] and layout != "heads_major"
+    called = []
+    launch = module.launch_attn_fwd_wsd
+    module.launch_attn_fwd_wsd = lambda *a: (called.append(1), launch(*a))
+    try:
+        out, lse = run(q, k, v, seqlens, causal=causal, num_splits=num_splits)
+    finally:
+        module.launch_attn_fwd_wsd = launch
+    assert bool(called) is gluon
+    check(out, lse, q, k, v, seqlens, None, causal=causal)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@
     paged           (paged cache) K/V addresses through the block table
     tma             (training, no mask, 16-bit, head dim >= 64) dK/dV's streamed Q and dO tiles via TMA descriptors
     warp-specialize (prefill, 16-bit, head dim 64/128, auto tiles) the forward also as a Hopper Gluon kernel
-    warp-specialize-decode (paged split-KV decoding, pages >= 16, 16-bit, head dim 64/128) also as a Hopper Gluon kernel
+    warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, head dim 64/128) also as a Hopper Gluon kernel
 
 The passes marked with a condition are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.

@@ -1,4 +1,4 @@
-"""warp-specialize-decode: on Hopper a paged cache is decoded by a warp-specialised Gluon kernel.
+"""warp-specialize-decode: on Hopper a KV cache is decoded by a warp-specialised Gluon kernel.
 
 The Triton split-KV kernel over a paged cache (pass paged) looks its pages up in the block table row by
 row, in the same threads that then load K and V, and Triton's software pipeline spends stages on the
@@ -10,19 +10,24 @@ entries at a time, a chunk ahead, and each page's rows arrive by their own TMA c
 shared buffers (templates/gluon_decode.py.j2). Measured (NOTES.md v13, experiments/gluon_decode.py,
 H200, 32/8 heads, d=128, 16-token pages): batch 1 at 8k 1475 GB/s against 1353 for the Triton kernel
 in a CUDA graph (1977 against 1731 per layer), 0.97x of the contiguous cache (was 0.89x); from batch
-16 0-7% faster, except batch 16 at 8k with the tuned 4 splits (-1%).
-The same kernel on a contiguous cache is within 3% of the Triton kernel either way (v13), so
-contiguous caches keep the Triton kernel.
+16 0-7% faster, except batch 16 at 8k with the tuned 4 splits (-1%). Its consumer now runs both
+products swapped (the keys as wgmma's M, the group's query rows as its N), which read another 1-7%
+faster than the group's rows padded to M = 64 (v32, experiments/gluon_decode_swap.py).
+On a contiguous cache the padded kernel was within 3% of the Triton kernel either way (v13), so
+contiguous caches kept the Triton kernel; the swapped one reads 2-8% faster than it at batch 1 and
+batch 16 1k and level elsewhere (v32), so contiguous caches (flash-attn's (batch, seq, kv heads, d)
+layout, one TMA copy a block) take it too, and the tuner picks between the two kernels per bucket.
 
 The rewrite records the decision and the kernel's fixed shape on the program
 (`warp_specialized_decode`); the code generator then emits the Gluon kernel beside the Triton one,
 and `forward_kvcache` takes it where it can run: sm_90, at most ROWS query rows per K/V head (GROUP x
-N_Q: decoding and short chunks), page pools TMA can read (`wsd_ready`). The split count and the
+N_Q: decoding and short chunks), caches TMA can read (`wsd_ready`). The split count and the
 merge are the Triton path's; the tuned BLOCK_N, warps and stages serve the Triton kernel only.
 
-Applies to decoding specs with a paged cache of pages of at least 16 tokens (a TMA copy of fewer
-rows would cut through the shared tiles' swizzle pattern), split-KV, GQA packing, no mask or a causal
-one aligned bottom-right, 16-bit inputs, a head dim of 64 or 128 and the tile keys left `auto`.
+Applies to decoding specs with a contiguous cache or a paged cache of pages of at least 16 tokens (a
+TMA copy of fewer rows would cut through the shared tiles' swizzle pattern), split-KV, GQA packing, no
+mask or a causal one aligned bottom-right, 16-bit inputs, a head dim of 64 or 128 and the tile keys
+left `auto`.
 """
 
 from __future__ import annotations
@@ -35,17 +40,17 @@ HEAD_DIMS = (64, 128)
 MIN_PAGE = 16
 
 SHAPE = (("BLOCK_N", 64), ("STAGES", 3), ("ROWS", 64), ("loader_regs", 40))
-"""The Gluon kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, the group's query rows
-padded to wgmma's 64 (Q in shared memory), a loader warp of 40 registers: 122 KB of shared memory at
-d=128, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages were faster
-than 6 at every batch and context measured, by 1-5% (NOTES.md v13). With Q in registers as the
-scores' operand, blocks of as many keys as the head dim (128-key blocks at d=128, 64-key at d=64)
-gave wrong scores; through shared memory they do not arise (not looked into further)."""
+"""The Gluon kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, at most 64 query rows
+per K/V head (wgmma's N of the swapped products, padded to a power of two from 8; more rows go to the
+Triton kernel), a loader warp of 40 registers: 98 KB of shared memory for the ring at d=128 and a few
+KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages
+were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
 
 
 def applies(program: ir.Program) -> bool:
+    page = program.attr("page_size")
     return (program.attr("kvcache", False) and program.attr("split_kv") is not None
-            and (program.attr("page_size") or 0) >= MIN_PAGE and bool(program.attr("pack_gqa"))
+            and (page is None or page >= MIN_PAGE) and bool(program.attr("pack_gqa"))
             and program.attr("mask") in ("none", "causal(bottom_right)")
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and program.attr("head_dim") == program.attr("head_dim_padded") in HEAD_DIMS)

@@ -55,6 +55,9 @@ objects for each launch of a spec: itself, `backward.BackwardPart` x 2, or
     tuning_canonical(config) -> dict   (optional)
         The config as it runs: candidates with one canonical form are tried once (a decode kernel's
         Gluon candidates, whose tiles are fixed, differ by split count only).
+    tuning_optional: tuple   (optional)
+        Keys of the space a stored entry may lack (store.entry_problem): added to the space after
+        entries were tuned, which the kernel's config lookup then fills with what those entries ran.
 
 At run time, the kernel's launch path calls `launch_config(kernel, shape, device_index)` (or
 `launch_choice`, which also says whether the entry was tuned for this very bucket); a kind whose

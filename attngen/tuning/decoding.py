@@ -24,8 +24,9 @@ A spec with `split_kv` other than 1 or a paged `kv_layout` generates `forward_kv
   * a spec with the Gluon decode kernel (pass warp-specialize-decode) has a key `warp_specialized`:
     1 runs the Gluon kernel (fixed tiles: one candidate per split count, `tuning_canonical`), 0 the
     Triton kernel. A bucket's entry thus says which kernel runs, and at which split count; on GPUs
-    without the Gluon kernel 1 is the same as 0. Calls in other buckets take the default (the Gluon
-    kernel where it runs).
+    without the Gluon kernel 1 is the same as 0. An entry without the key was tuned before the spec
+    had the Gluon kernel and runs the Triton kernel it was measured on. Calls in other buckets take the
+    default (the Gluon kernel where it runs).
 
 Speeds are reported in GB/s of K/V read (`tuning_bytes`), as decoding is memory bound, and timed as
 CUDA-graph replays (`tuning_graph`): at batch 1 a step takes tens of microseconds, less than the
@@ -52,6 +53,7 @@ class KVCacheKernel:
     kind = "decode"
     tuning_graph = True  # timed as CUDA-graph replays: a decoding step is shorter than its Python
     tuning_uniform = "at capacity"  # its fastest config is kept too, for calls of equal lengths
+    tuning_optional = ("warp_specialized",)  # absent from entries tuned before the spec had the Gluon kernel
 
     def __init__(self, kernel):
         self.kernel, self.spec = kernel, kernel.spec
@@ -102,6 +104,10 @@ class KVCacheKernel:
             config["num_splits"] = 0
         if not exact:  # which kernel won is the tuned bucket's finding too: elsewhere the default's
             config.pop("warp_specialized", None)
+        elif self.has_gluon() and "warp_specialized" not in config:
+            # an entry tuned before the spec had the Gluon kernel (contiguous caches gained it in v32) was
+            # measured on the Triton kernel, so that is what it runs
+            config["warp_specialized"] = 0
         if not self._fit(config):
             config = self._fitted(config["BLOCK_M"])
         return config

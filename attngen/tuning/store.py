@@ -239,11 +239,14 @@ def entry_problem(kernel, bucket: str, entry, target=None) -> str | None:
         return "not a shape bucket"
     config = entry.get("config") if isinstance(entry, dict) else None
     space = kernel.tuning_space()
-    if not isinstance(config, dict) or set(config) != set(space):
-        return f"its config must set exactly {', '.join(space)}"
+    optional = set(getattr(kernel, "tuning_optional", ()))  # keys an entry from before they existed lacks
+    if not isinstance(config, dict) or not set(space) - optional <= set(config) <= set(space):
+        required = [k for k in space if k not in optional]
+        return (f"its config must set exactly {', '.join(required)}"
+                + "".join(f" (and may set {k})" for k in space if k in optional))
     if any(type(v) is not int or v < (0 if 0 in space[k] else 1) for k, v in config.items()):
         return "its config values must be positive whole numbers (0 only where the key allows it)"
-    fixed = {k: v[0] for k, v in space.items() if len(v) == 1 and config[k] != v[0]}
+    fixed = {k: v[0] for k, v in space.items() if len(v) == 1 and config.get(k, v[0]) != v[0]}
     if fixed:
         return f"the spec fixes {', '.join(f'{k}={v}' for k, v in fixed.items())}"
     return kernel.tuning_infeasible(config, target or Target.current())

@@ -284,10 +284,12 @@ def pages_of(x, page, gen):
     return pool, perm.view(B, n_pages).int()
 
 
-def check(cases, configs, strict=True) -> float:
+def check(cases, configs, strict=True, fn=None, nan_tail=False) -> float:
     """Largest output error against float64 over `cases` ((B, H, H_KV, N_Q, N, lengths or None, page or
-    None)) and `configs` ((num_splits, BLOCK_N, STAGES)); outputs poisoned first. Not `strict`: print
-    every failure instead of raising at the first."""
+    None)) and `configs` ((num_splits, BLOCK_N, STAGES)) of `fn` (gdecode's signature; default gdecode);
+    outputs poisoned first, and with `nan_tail` every K/V row past a sequence's length NaN (what a real
+    cache holds there is unknown). Not `strict`: print every failure instead of raising at the first."""
+    fn = gdecode if fn is None else fn
     gen = torch.Generator("cuda").manual_seed(3)
     worst = 0.0
     for B, H, H_KV, N_Q, N, lengths, page in cases:
@@ -298,6 +300,9 @@ def check(cases, configs, strict=True) -> float:
             lengths = torch.randint(0, N + 1, (B,), generator=torch.Generator().manual_seed(B + N)).tolist()
         seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
         want, want_lse = reference(q, k, v, seqlens)
+        for b, n in enumerate(lengths if nan_tail else ()):
+            k[b, :, n:] = float("nan")
+            v[b, :, n:] = float("nan")
         kc, vc, table = k, v, None
         if page:
             kc, table = pages_of(k, page, torch.Generator("cuda").manual_seed(N))
@@ -305,7 +310,7 @@ def check(cases, configs, strict=True) -> float:
         for num_splits, block_n, stages in configs:
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-            gdecode(q, kc, vc, seqlens, table, num_splits=num_splits, BLOCK_N=block_n, STAGES=stages, out=out, lse=lse)
+            fn(q, kc, vc, seqlens, table, num_splits=num_splits, BLOCK_N=block_n, STAGES=stages, out=out, lse=lse)
             torch.cuda.synchronize()
             err = (out.double().cpu() - want).abs().max().item()
             finite = want_lse.isfinite()
@@ -352,27 +357,29 @@ def shipped_splits(batch: int, ctx: int, page) -> int:
                                                        torch.device("cuda"))
 
 
-def main() -> int:
-    if "--compile" in sys.argv:
-        return compile_only()
-    import attngen
-    from attngen.bench_decode import H, H_KV, D, DTYPE, bench_graph, bench_layers, gbps, layer_count, sdpa
+def variant_call(fn, q, lens, table, splits: int, block_n: int, stages: int):
+    """fn (gdecode's signature) as a call on one layer's (k, v), which are page pools when `table` is
+    given, else flash-attn's (B, N, H_KV, D) caches; q (B, 1, H, D). Returns the output as (B, H, 1, D)."""
+    def call(kl, vl):
+        if table is not None:
+            return fn(q.transpose(1, 2), kl, vl, lens, table, num_splits=splits, BLOCK_N=block_n, STAGES=stages)[0]
+        return fn(q.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2), lens, num_splits=splits,
+                  BLOCK_N=block_n, STAGES=stages)[0]
+    return call
 
-    out_dir = next((a for a in sys.argv[1:] if not a.startswith("--")), ".")
-    os.makedirs(out_dir, exist_ok=True)
-    configs = ((1, 64, 6), (3, 64, 4), (16, 64, 6), (2, 64, 3))
-    if "--diagnose" in sys.argv:
-        configs = ((1, 64, 6), (1, 128, 3), (16, 64, 6), (16, 128, 3), (3, 128, 3), (2, 64, 2), (1, 64, 3))
-    worst = check(((1, 32, 8, 1, 4097, [4097], None), (7, 32, 8, 1, 1000, None, None),
-                   (3, 8, 2, 3, 333, [3, 200, 333], None), (2, 32, 8, 1, 300, [0, 17], None),
-                   (1, 32, 8, 1, 4097, [4097], 16), (7, 32, 8, 1, 1000, None, 16), (3, 8, 2, 3, 333, [2, 200, 333], 64),
-                   (5, 32, 8, 1, 2100, None, 16)), configs, strict="--diagnose" not in sys.argv)
-    print(f"float64 check done (worst passing {worst:.2e})", flush=True)
-    if "--diagnose" in sys.argv:
-        return 0
+
+def bench_cases(cases, variants, int_lengths: bool = True) -> list:
+    """For each (batch, ctx) of `cases` (every sequence full): contiguous and 16-token paged caches of enough
+    layers for the [layers] timing, the shipped `attention_with_kvcache` (given the length as an int if
+    `int_lengths`, as the decode bench does, else as a tensor) and `variants(batch, ctx, page, shipped splits,
+    q, lens, table)`'s {name: call(k, v)} (outputs (B, H, 1, D)), each checked against the shipped call's
+    output (`name err`) and timed as [graph] and [layers] GB/s, cuDNN beside them. Returns one row per case."""
+    import attngen
+    from attngen.bench_decode import D, DTYPE, H, H_KV, bench_graph, bench_layers, gbps, layer_count, paged_copy, sdpa
+
     gen = torch.Generator("cuda").manual_seed(0)
     rows = []
-    for batch, ctx in CASES:
+    for batch, ctx in cases:
         layers = max(2, layer_count(batch, ctx))
         caches = [(torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen),
                    torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)) for _ in range(layers)]
@@ -383,25 +390,15 @@ def main() -> int:
             tag = "paged16 " if page else ""
             if page:
                 perm = torch.randperm(batch * ctx // page, device="cuda", generator=gen)
-                from attngen.bench_decode import paged_copy
                 layer_kv = [(paged_copy(k, page, perm), paged_copy(v, page, perm)) for k, v in caches]
                 table = perm.view(batch, -1).int()
             else:
                 layer_kv, table = caches, None
             shipped = shipped_splits(batch, ctx, page)
             row[f"{tag}shipped splits"] = shipped
-            calls = {"shipped": lambda kl, vl: attngen.attention_with_kvcache(q, kl, vl, cache_seqlens=lens,
-                                                                              block_table=table)}
-            split_options = sorted({shipped, 1 if batch >= 16 else 2 * shipped, max(1, shipped // 2)})
-            for splits in split_options:
-                for block_n, stages in ((64, 6), (64, 3)):
-                    def call(kl, vl, splits=splits, block_n=block_n, stages=stages):
-                        if page:
-                            return gdecode(q.transpose(1, 2), kl, vl, lens, table, num_splits=splits, BLOCK_N=block_n,
-                                           STAGES=stages)[0]
-                        return gdecode(q.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2), lens,
-                                       num_splits=splits, BLOCK_N=block_n, STAGES=stages)[0]
-                    calls[f"g{block_n}x{stages}/s{splits}"] = call
+            calls = {"shipped": lambda kl, vl: attngen.attention_with_kvcache(
+                q, kl, vl, cache_seqlens=ctx if int_lengths else lens, block_table=table)}
+            calls.update(variants(batch, ctx, page, shipped, q, lens, table))
             k0, v0 = layer_kv[0]
             want = calls["shipped"](k0, v0).float()
             for name, call in calls.items():
@@ -422,6 +419,28 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         del caches, layer_kv
         torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    if "--compile" in sys.argv:
+        return compile_only()
+    out_dir = next((a for a in sys.argv[1:] if not a.startswith("--")), ".")
+    os.makedirs(out_dir, exist_ok=True)
+    configs = ((1, 64, 6), (3, 64, 4), (16, 64, 6), (2, 64, 3))
+    if "--diagnose" in sys.argv:
+        configs = ((1, 64, 6), (1, 128, 3), (16, 64, 6), (16, 128, 3), (3, 128, 3), (2, 64, 2), (1, 64, 3))
+    worst = check(((1, 32, 8, 1, 4097, [4097], None), (7, 32, 8, 1, 1000, None, None),
+                   (3, 8, 2, 3, 333, [3, 200, 333], None), (2, 32, 8, 1, 300, [0, 17], None),
+                   (1, 32, 8, 1, 4097, [4097], 16), (7, 32, 8, 1, 1000, None, 16), (3, 8, 2, 3, 333, [2, 200, 333], 64),
+                   (5, 32, 8, 1, 2100, None, 16)), configs, strict="--diagnose" not in sys.argv)
+    print(f"float64 check done (worst passing {worst:.2e})", flush=True)
+    if "--diagnose" in sys.argv:
+        return 0
+    rows = bench_cases(CASES, lambda batch, ctx, page, shipped, q, lens, table: {
+        f"g{block_n}x{stages}/s{splits}": variant_call(gdecode, q, lens, table, splits, block_n, stages)
+        for splits in sorted({shipped, 1 if batch >= 16 else 2 * shipped, max(1, shipped // 2)})
+        for block_n, stages in ((64, 6), (64, 3))}, int_lengths=False)
     with open(os.path.join(out_dir, "gluon_decode.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\nGB/s [graph] / [layers]; best Gluon variant per layout")
