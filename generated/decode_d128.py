@@ -499,7 +499,8 @@ def wsd_ready(q, k_cache, v_cache, out):
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     row = H_KV * HEAD_DIM
     if (k_strides[1] != HEAD_DIM or k_strides[2] != row or v_strides[1] != HEAD_DIM or v_strides[2] != row
-            or k_strides[0] != v_strides[0] or k_strides[0] % row or (B - 1) * (k_strides[0] // row) + N_MAX >= 2 ** 31):
+            or k_strides[0] != v_strides[0] or k_strides[0] % row
+            or (B - 1) * (k_strides[0] // row) + N_MAX + WSD_SHAPE["BLOCK_N"] > 2 ** 31):  # a last block's rows too
         return False
     return _ws_hopper(q.device) and tma_layouts(k_cache, v_cache)
 
