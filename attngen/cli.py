@@ -333,7 +333,7 @@ def gluon_note(part, capability) -> str | None:
         return None
     if part.kind == "kvcache":
         return (f"on this GPU, calls with at most {shape['ROWS']} query rows per K/V head (heads/kv_heads x seqlen_q) "
-                f"on page pools TMA can read may run the fixed-shape Gluon kernel (pass warp-specialize-decode): "
+                f"on caches TMA can read may run the fixed-shape Gluon kernel (pass warp-specialize-decode): "
                 f"warp_specialized=1 entries run it at their split count, warp_specialized=0 ones the Triton "
                 f"kernel; the Triton keys serve the Triton kernel elsewhere too (more rows, other GPUs)")
     left = "smaller calls, other GPUs" + (", deterministic algorithms" if part.kind == "backward" else "")
