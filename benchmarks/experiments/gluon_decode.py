@@ -214,9 +214,10 @@ def _module():
 
 
 def gdecode(q, k, v, seqlens, block_table=None, *, num_splits, BLOCK_N=64, STAGES=6, out=None, lse=None,
-            sm_scale=None):
+            sm_scale=None, kernel=None, **constexprs):
     """q (B, H, N_Q, D); contiguous k/v (B, H_KV, N_MAX, D) views of (B, N_MAX, H_KV, D) storage, or page
-    pools (NUM_PAGES, PAGE, H_KV, D) with block_table (B, MAX_PAGES). Returns (out, lse)."""
+    pools (NUM_PAGES, PAGE, H_KV, D) with block_table (B, MAX_PAGES). Returns (out, lse). `kernel`: another
+    kernel of gdecode_fwd's signature (default gdecode_fwd), launched with `constexprs` besides its own."""
     B, H, N_Q, D = q.shape
     paged = block_table is not None
     if paged:
@@ -242,11 +243,10 @@ def gdecode(q, k, v, seqlens, block_table=None, *, num_splits, BLOCK_N=64, STAGE
         lse_part = torch.empty((B, num_splits, H, N_Q), device=q.device, dtype=torch.float32)
     bt = block_table if paged else seqlens
     assert q.stride(3) == 1
-    gdecode_fwd[(num_splits, H_KV, B)](
-        q, o_part, lse_part, seqlens, bt, k_desc, v_desc, N_Q, H // H_KV, 0 if paged else n_max, num_splits, q.stride(0), q.stride(1),
-        q.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3), lse_part.stride(0),
-        lse_part.stride(1), lse_part.stride(2), lse_part.stride(3), bt.stride(0), sm_scale,
-        BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES, PAGE=page, PAGED=paged, num_warps=4)
+    (gdecode_fwd if kernel is None else kernel)[(num_splits, H_KV, B)](
+        q, o_part, lse_part, seqlens, bt, k_desc, v_desc, N_Q, H // H_KV, 0 if paged else n_max, num_splits,
+        q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), bt.stride(0), sm_scale,
+        BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES, PAGE=page, PAGED=paged, num_warps=4, **constexprs)
     if num_splits > 1:
         _module().launch_attn_combine(o_part, lse_part, out, lse, BLOCK_S=32, num_warps=4, num_stages=1)
     return out, lse

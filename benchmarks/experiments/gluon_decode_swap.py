@@ -33,18 +33,16 @@ import json
 import os
 import sys
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from gluon_decode import LOADER_REGS, _gd_loader, _module, check  # noqa: E402
+from gluon_decode import LOADER_REGS, _gd_loader, check, gdecode  # noqa: E402
 
 
 @gluon.jit
@@ -161,43 +159,12 @@ def sdecode_fwd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, N_MAX, NUM_S
     ], [1], [LOADER_REGS])
 
 
-def sdecode(q, k, v, seqlens, block_table=None, *, num_splits, BLOCK_N=64, STAGES=3, out=None, lse=None, sm_scale=None):
-    """q (B, H, N_Q, D); contiguous k/v (B, H_KV, N_MAX, D) views of (B, N_MAX, H_KV, D) storage, or page
-    pools (NUM_PAGES, PAGE, H_KV, D) with block_table (B, MAX_PAGES). Returns (out, lse)."""
-    B, H, N_Q, D = q.shape
-    paged = block_table is not None
-    if paged:
-        pages, page, H_KV, _ = k.shape
-        flat = [t.reshape(pages * page, H_KV * D) for t in (k, v)]
-        box = [page, D]
-    else:
-        H_KV, n_max = k.shape[1], k.shape[2]
-        page = BLOCK_N
-        flat = [t.transpose(1, 2).reshape(B * n_max, H_KV * D) for t in (k, v)]
-        box = [BLOCK_N, D]
-    for t, src in zip(flat, (k, v)):
-        assert t.data_ptr() == src.data_ptr(), "the K/V storage must be (rows, kv heads, D) contiguous"
-    rows = (H // H_KV) * N_Q
+def sdecode(q, k, v, seqlens, block_table=None, *, num_splits, BLOCK_N=64, STAGES=3, **kw):
+    """gdecode (its tensors, partials and merge) with the swapped kernel; at most 16 query rows per K/V head."""
+    rows = q.shape[1] // k.shape[2 if block_table is not None else 1] * q.shape[2]
     assert rows <= 16, "at most 16 query rows per K/V head"
-    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
-    k_desc, v_desc = (GluonTensorDescriptor(t, list(t.shape), list(t.stride()), box, layout) for t in flat)
-    sm_scale = D ** -0.5 if sm_scale is None else sm_scale
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if lse is None else lse
-    if num_splits == 1:
-        o_part, lse_part = out.unsqueeze(1), lse.unsqueeze(1)
-    else:
-        o_part = torch.empty((B, num_splits, H, N_Q, D), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((B, num_splits, H, N_Q), device=q.device, dtype=torch.float32)
-    bt = block_table if paged else seqlens
-    assert q.stride(3) == 1
-    sdecode_fwd[(num_splits, H_KV, B)](
-        q, o_part, lse_part, seqlens, bt, k_desc, v_desc, N_Q, H // H_KV, 0 if paged else n_max, num_splits,
-        q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), bt.stride(0), sm_scale,
-        NQ=8 if rows <= 8 else 16, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES, PAGE=page, PAGED=paged, num_warps=4)
-    if num_splits > 1:
-        _module().launch_attn_combine(o_part, lse_part, out, lse, BLOCK_S=32, num_warps=4, num_stages=1)
-    return out, lse
+    return gdecode(q, k, v, seqlens, block_table, num_splits=num_splits, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                   kernel=sdecode_fwd, NQ=8 if rows <= 8 else 16, **kw)
 
 
 def compile_only() -> int:
@@ -220,7 +187,7 @@ CASES = ((16, 8192), (16, 1024), (16, 32768), (1, 8192), (1, 32768), (64, 8192))
 def main() -> int:
     if "--compile" in sys.argv:
         return compile_only()
-    from gluon_decode import bench_cases, gdecode, variant_call
+    from gluon_decode import bench_cases, variant_call
 
     out_dir = next((a for a in sys.argv[1:] if not a.startswith("--")), ".")
     os.makedirs(out_dir, exist_ok=True)
