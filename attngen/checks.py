@@ -230,7 +230,12 @@ def check_out(out, like: torch.Tensor, name: str = "out", inputs: dict | None = 
             f"{name} has strides {out.stride()} for shape {tuple(out.shape)}, so some of its elements share "
             f"memory (an expanded or overlapping view); the kernel needs a distinct place for every output"
         )
-    for other, t in (inputs or {}).items():
+    check_disjoint(out, name, inputs or {})
+
+
+def check_disjoint(out, name: str, inputs: dict) -> None:
+    """check_out's part that reads addresses: `out` shares no memory with `inputs` (name -> tensor)."""
+    for other, t in inputs.items():
         if shares_memory(out, t):
             raise KernelInputError(f"{name} shares memory with {other}; pass an output that does not overlap the inputs")
 

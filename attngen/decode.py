@@ -9,7 +9,10 @@ loads it, and calls the generated module's `forward_kvcache` on (batch, heads, s
 same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
 a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
 TypeError naming it, before anything is launched: layouts, dtypes and devices, and what the
-generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`).
+generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`). A
+decoding step repeats its calls' layouts: a call whose signature (`_signature`: everything the checks read
+but addresses) matches an earlier call's takes that call's outcome (`_PLANS`) and checks only that `out`
+shares no memory with an input.
 There is no backward: inputs that require grad are refused while grad mode is on. Tensors may be on
 any GPU; the launch then runs under `torch.cuda.device(q.device)`.
 
@@ -26,14 +29,15 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from .api import _DTYPES
-from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_out, check_packed_indexing, check_scale,
-                     check_span, check_split_launch, check_tensor, on_other_gpu)
+from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out, check_packed_indexing,
+                     check_scale, check_span, check_split_launch, check_tensor, on_other_gpu)
 from .errors import KernelInputError
-from .runtime import load
+from .runtime import _tuning, interpreting, load
 from .spec import Spec, parse
 
 
@@ -94,12 +98,101 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
+    key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None and out is not None:  # the layout is the key's; addresses are this call's
+        check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    if plan is None or on_other_gpu(q):
+        plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+        if plan is None:  # q is on another GPU: Triton launches on the current device, so make q's current
+            with torch.cuda.device(q.device):
+                return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                              softmax_scale, num_splits, return_softmax_lse, out=out)
+        if key is not None:
+            if len(_PLANS) >= _PLANS_KEPT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if plan.uniform:
+        cache_seqlens = _equal_lengths(plan.batch, cache_seqlens, q.device)
+    if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
+        _check_values(cache_seqlens, block_table, plan.capacity, k_cache.shape[0], plan.page_size or 1)
+    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
+    if plan.page_size:
+        k4, v4 = k_cache, v_cache
+    elif k_cache.shape[0] == plan.batch:
+        k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    else:
+        k4, v4 = k_cache[:plan.batch].transpose(1, 2), v_cache[:plan.batch].transpose(1, 2)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
+    if plan.tuner is not None:
+        plan.tuner.launch(q.transpose(1, 2), k4, v4, cache_seqlens, block_table, plan.softmax_scale,
+                          out.transpose(1, 2), lse, plan.config, plan.num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+class _Plan(NamedTuple):
+    """What the checks and choices of `attention_with_kvcache` decide for one call signature: the tuner
+    (None where q is empty: nothing to launch), its config and split count, the softmax scale, whether
+    cache_seqlens is an int, and the sizes the launch reads."""
+    tuner: object
+    config: dict
+    num_splits: int
+    softmax_scale: float
+    uniform: bool
+    batch: int
+    heads: int
+    seqlen_q: int
+    capacity: int
+    page_size: int | None
+
+
+# _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so from
+# its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
+# v33); the signature holds everything the checks read, so a call that would fail them never hits.
+_PLANS: dict = {}
+_PLANS_KEPT = 256
+
+
+def _tensor_signature(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.layout, t.requires_grad)
+
+
+def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+    """The key of `_PLANS`: every tensor's shape, strides, dtype, device, layout and requires_grad, grad
+    mode, the other arguments' values, the tuning tables' generation and whether Triton interprets (all
+    that the checks read but whether `out` shares memory with the inputs); None where an argument is not
+    of the plain type the checks expect (those calls are checked afresh)."""
+    if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
+            and type(causal) is bool and type(num_splits) is int
+            and (softmax_scale is None or type(softmax_scale) in (float, int))):
+        return None
+    if type(cache_seqlens) is int:
+        lens = cache_seqlens
+    elif type(cache_seqlens) is torch.Tensor:
+        lens = _tensor_signature(cache_seqlens)
+    else:
+        return None
+    if block_table is None:
+        table = None
+    elif type(block_table) is torch.Tensor:
+        table = _tensor_signature(block_table)
+    else:
+        return None
+    if out is not None and type(out) is not torch.Tensor:
+        return None
+    return (None if out is None else _tensor_signature(out), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens, table, causal,
+            softmax_scale, num_splits, torch.is_grad_enabled(), _tuning().store.generation(), interpreting())
+
+
+def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+    """Every check of `attention_with_kvcache`'s arguments (a bad one raises before anything is launched),
+    then the kernel, config and split count of the call, as a _Plan; None where q is on a GPU other than
+    the current one (the caller then calls again under torch.cuda.device(q.device))."""
     q = _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
     if on_other_gpu(q):
-        # Triton launches on the current device: make q's current for this call.
-        with torch.cuda.device(q.device):
-            return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale,
-                                          num_splits, return_softmax_lse, out=out)
+        return None
     paged = block_table is not None
     cache_layout = "(num_pages, page_size, kv_heads, head_dim)" if paged else "(batch, seqlen_max, kv_heads, head_dim)"
     k_cache = _tensor("k_cache", k_cache, 4, cache_layout)
@@ -146,29 +239,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if uniform:
         if not 0 <= cache_seqlens <= capacity:
             raise KernelInputError(f"cache_seqlens = {cache_seqlens} does not fit a cache of {capacity} tokens")
-        cache_seqlens = _equal_lengths(batch, cache_seqlens, q.device)
-    _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
+    else:
+        _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
-    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
-    q4 = q.transpose(1, 2)
-    if paged:
-        k4, v4 = k_cache, v_cache
-    elif k_cache.shape[0] == batch:
-        k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    else:
-        k4, v4 = k_cache[:batch].transpose(1, 2), v_cache[:batch].transpose(1, 2)
-    _check_indexing(q4, q, k_cache, v_cache, block_table, capacity, page_size)
+    _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
         if out.stride() != q.stride():
             check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out,
                                   "pass a denser out (e.g. torch.empty_like(q)) or fewer queries per call")
-    if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
-        _check_values(cache_seqlens, block_table, capacity, k_cache.shape[0], page_size or 1)
+    else:
+        fresh = torch.empty_like(q)  # what the call allocates: q's layout if dense, else laid out afresh
+        if fresh.stride() != q.stride():  # q is expanded
+            check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
+    tuner, config = None, {}
     if q.numel():
         from .tuning.key import Shape
 
@@ -180,15 +268,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
                                                                 seqlen_q, capacity, q.device)
         check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
-    if out is None:
-        out = torch.empty_like(q)
-        if out.stride() != q.stride():  # q is expanded: out is laid out afresh
-            check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out)
-    lse = torch.empty((batch, heads, seqlen_q), device=q.device, dtype=torch.float32)
-    if q.numel():
-        tuner.launch(q4, k4, v4, cache_seqlens, block_table, float(softmax_scale), out.transpose(1, 2), lse, config,
-                     num_splits)
-    return (out, lse) if return_softmax_lse else out
+    return _Plan(tuner, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size)
 
 
 _EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys

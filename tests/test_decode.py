@@ -206,7 +206,7 @@ def _args():
                 block_table=table)
 
 
-@pytest.mark.parametrize("change,match", [
+BAD_ARGUMENTS = [
     (dict(cache_seqlens=lambda a: a["cache_seqlens"].long()), "cache_seqlens must be int32"),
     (dict(cache_seqlens=lambda a: a["cache_seqlens"][:1]), r"cache_seqlens must have shape \(2,\)"),
     (dict(cache_seqlens=lambda a: 2.5), "cache_seqlens must be an int32 tensor"),
@@ -225,13 +225,55 @@ def _args():
     (dict(num_splits=lambda a: 1000), "num_splits"),
     (dict(softmax_scale=lambda a: float("inf")), "softmax_scale"),
     (dict(out=lambda a: a["q"][:1]), "out must be"),
-])
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_ARGUMENTS)
 def test_bad_arguments_are_named_before_any_launch(change, match):
     args = _args()
     for key, make in change.items():
         args[key] = make(args)
     with pytest.raises((KernelInputError, TypeError), match=match):
         attngen.attention_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("change,match", BAD_ARGUMENTS)
+def test_bad_arguments_are_refused_after_good_calls_were_planned(change, match):
+    """A call repeats the checks' outcome of an earlier call with the same layouts (`_PLANS`): one that
+    differs in anything the checks read is checked afresh, whatever ran before."""
+    good = _args()
+    attngen.attention_with_kvcache(**good)
+    attngen.attention_with_kvcache(**dict(good, cache_seqlens=20, out=torch.empty_like(good["q"])))
+    args = _args()
+    for key, make in change.items():
+        args[key] = make(args)
+    with pytest.raises((KernelInputError, TypeError), match=match):
+        attngen.attention_with_kvcache(**args)
+
+
+def test_a_planned_call_checks_its_output_memory_and_reads_this_calls_values(monkeypatch):
+    """The second call of a signature skips the checks (one `_checked_plan`), still refuses an out that
+    shares memory with an input (addresses are not in the signature), and computes with its own lengths,
+    queries and caches."""
+    from attngen import decode
+
+    monkeypatch.setattr(decode, "_PLANS", {})
+    planned = []
+    checked = decode._checked_plan
+    monkeypatch.setattr(decode, "_checked_plan", lambda *a: planned.append(1) or checked(*a))
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    for lengths in ([20, 5], [3, 33], [0, 17]):
+        k, v, table = make_cache([33, 33], 16, 2, 32, torch.float16, gen)
+        q = rand(2, 1, 4, 32, gen=gen)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        out = torch.full_like(q, float("nan"))
+        got, lse = attngen.attention_with_kvcache(q, k, v, seqlens, table, out=out, return_softmax_lse=True)
+        assert got is out
+        check(out, lse, q, k, v, seqlens, table, causal=True)
+    assert len(planned) == 1
+    with pytest.raises(KernelInputError, match="out shares memory with q"):
+        attngen.attention_with_kvcache(q, k, v, seqlens, table, out=q)
+    assert len(planned) == 1
 
 
 @pytest.mark.parametrize("grads,match", [
