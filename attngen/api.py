@@ -16,8 +16,9 @@ from functools import lru_cache
 import torch
 
 from . import autograd
-from .checks import check_attention_inputs, check_scale
+from .checks import check_attention_inputs, check_scale, tensor_signature
 from .errors import KernelInputError
+from .runtime import interpreting
 from .spec import Spec, parse
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -43,6 +44,46 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     `is_causal` aligns the mask top-left, as SDPA does (query i sees keys 0..i, also when L != S).
     `enable_gqa` lets H be a multiple of H_KV. `attn_mask` and `dropout_p` are not supported.
     """
+    if torch.compiler.is_compiling():  # traced: the shapes are checked (`_checked_plan`), no plans kept
+        plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    else:
+        signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        plan = None if signature is None else _PLANS.get(signature)
+        if plan is None:
+            plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            if signature is not None:
+                if len(_PLANS) >= _PLANS_KEPT:
+                    _PLANS.clear()
+                _PLANS[signature] = plan
+    op_key, scale, squeeze = plan
+    if squeeze:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    out, _ = autograd.attention_forward(op_key, query, key, value, scale)
+    return out.squeeze(0) if squeeze else out
+
+
+# _signature(...) -> (op key, scale, whether the inputs are 3-D) of calls that passed `_checked_plan`: a
+# training loop or a decoder's prefill repeats its layouts, and the second call of one skips the checks
+# (as attngen/decode.py's plans do, benchmarks/NOTES.md v33). The signature holds everything the checks
+# read, so a call that would fail them never hits.
+_PLANS: dict = {}
+_PLANS_KEPT = 256
+
+
+def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The key of `_PLANS`: each tensor's `tensor_signature`, the other arguments' values and whether Triton
+    interprets; None where an argument is not of the plain type the checks expect (checked afresh)."""
+    if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
+            and attn_mask is None and type(is_causal) is bool and type(enable_gqa) is bool
+            and type(dropout_p) in (float, int) and (scale is None or type(scale) in (float, int))):
+        return None
+    return (tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal, scale,
+            enable_gqa, interpreting())
+
+
+def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
+    """`attention`'s checks (a bad argument raises, naming it, before anything runs): (the key of the kernel
+    that runs the call, the softmax scale, whether the inputs are 3-D)."""
     if attn_mask is not None:
         raise KernelInputError("attn_mask is not supported; use is_causal, or write a spec with the mask you need")
     if dropout_p != 0.0:
@@ -82,6 +123,4 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    op_key = f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}"
-    out, _ = autograd.attention_forward(op_key, query, key, value, float(scale))
-    return out.squeeze(0) if squeeze else out
+    return f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze

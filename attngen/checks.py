@@ -41,6 +41,13 @@ def _runtime_device_ok(name: str, t: torch.Tensor) -> None:
     raise KernelInputError(f"{name} is on {t.device}; attngen kernels run on CUDA GPUs")
 
 
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What the checks read of a tensor but its address: shape, strides, dtype, device, layout and whether it
+    requires grad (a part of the API's keys of checked calls, `attngen.decode._signature`,
+    `attngen.api._signature`)."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.layout, t.requires_grad)
+
+
 def on_other_gpu(t: torch.Tensor) -> bool:
     """Whether `t` is on a CUDA device other than the current one. Triton launches on the current
     device, so the launch paths then run under `torch.cuda.device(t.device)`; on the usual path

@@ -35,7 +35,7 @@ import torch
 
 from .api import _DTYPES
 from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out, check_packed_indexing,
-                     check_scale, check_span, check_split_launch, check_tensor, on_other_gpu)
+                     check_scale, check_span, check_split_launch, check_tensor, on_other_gpu, tensor_signature)
 from .errors import KernelInputError
 from .runtime import _tuning, interpreting, load
 from .spec import Spec, parse
@@ -155,10 +155,6 @@ _PLANS: dict = {}
 _PLANS_KEPT = 256
 
 
-def _tensor_signature(t) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.layout, t.requires_grad)
-
-
 def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
     """The key of `_PLANS`: every tensor's shape, strides, dtype, device, layout and requires_grad, grad
     mode, the other arguments' values, the tuning tables' generation and whether Triton interprets (all
@@ -171,18 +167,18 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
     if type(cache_seqlens) is int:
         lens = cache_seqlens
     elif type(cache_seqlens) is torch.Tensor:
-        lens = _tensor_signature(cache_seqlens)
+        lens = tensor_signature(cache_seqlens)
     else:
         return None
     if block_table is None:
         table = None
     elif type(block_table) is torch.Tensor:
-        table = _tensor_signature(block_table)
+        table = tensor_signature(block_table)
     else:
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
-    return (None if out is None else _tensor_signature(out), _tensor_signature(q), _tensor_signature(k_cache), _tensor_signature(v_cache), lens, table, causal,
+    return (None if out is None else tensor_signature(out), tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table, causal,
             softmax_scale, num_splits, torch.is_grad_enabled(), _tuning().store.generation(), interpreting())
 
 

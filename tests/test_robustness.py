@@ -320,6 +320,40 @@ def test_decode_refuses_bad_arguments_before_launch(case, no_launch):
     assert_refused(family, *case[1:])
 
 
+@pytest.mark.parametrize("case", [("sdpa",) + c for c in COMMON_CASES + SDPA_CASES]
+                         + [("decode",) + c for c in DECODE_CASES], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, monkeypatch):
+    """`attngen.attention` and `attention_with_kvcache` keep the outcome of a valid call's checks per
+    signature (`_PLANS`): a call that differs from a planned one in anything the checks read is checked
+    afresh and refused, and an out= that aliases an input is refused on a planned signature too."""
+    from triton.runtime import interpreter, jit
+
+    from attngen import api, decode
+    from attngen.launch import FastJIT
+
+    which, _, spoil, exc, pattern = case
+    if which == "sdpa":
+        attngen.load(sdpa_spec("fp16", 32, False))
+        family = _sdpa_family()
+    else:
+        attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
+        family = _decode_family()
+        family.names.update(block_table="block_table", cache_seqlens="cache_seqlens")
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(decode, "_PLANS", {})
+    launches = []
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction, FastJIT):
+        monkeypatch.setattr(cls, "run", lambda *a, **k: launches.append(1))
+    valid = family.make()
+    family.call(valid)
+    if which == "decode":
+        family.call(dict(valid, out=torch.empty_like(valid["q"])))
+    assert launches and len(api._PLANS) + len(decode._PLANS) == (1 if which == "sdpa" else 2)
+    launches.clear()
+    assert_refused(family, spoil, exc, pattern)
+    assert not launches, "a kernel was launched for a call that should have been refused"
+
+
 @pytest.mark.parametrize("problem,pattern", [
     (lambda a: a["block_table"].__setitem__((0, 1), 6), r"block_table\[0\] names pages outside the pool of 6"),
     (lambda a: a["block_table"].__setitem__((1, 0), -1), r"block_table\[1\] names pages outside the pool"),

@@ -1,4 +1,4 @@
-"""Experiment: the host time an eager decoding call saves by repeating the checks' outcome (`_PLANS`).
+"""Experiment: the host time an eager call saves by repeating the checks' outcome (`_PLANS`).
 
     python benchmarks/experiments/decode_plans.py OUT_DIR      (GPU)
 
@@ -12,9 +12,10 @@ host_overhead.py's `host_us`) with plans kept ("plans") and with every call chec
 the same code with a `_PLANS` that keeps nothing), SDPA's cuDNN backend on the same cache beside them,
 and checks that both give the same output bit for bit.
 Cases: 32 query / 8 K/V heads, d=128, bf16, 1k keys; batch 1 contiguous with an int and with a
-tensor of lengths, with `out=`, paged (16-token pages); batch 16 contiguous.
+tensor of lengths, with `out=`, paged (16-token pages); batch 16 contiguous. And `attngen.attention`
+(its own `_PLANS`, attngen/api.py) at batch 1, 16 heads, N=128, d=64, causal, bf16, beside SDPA.
 Prediction: -15 to -20 us per call in every case (the checks' share), ~95 -> ~78 us at batch 1.
-Writes OUT_DIR/decode_plans.json and prints a table (us per call).
+Writes OUT_DIR/decode_plans.json and prints a table (us per call; "cudnn" is SDPA's cuDNN backend).
 """
 
 from __future__ import annotations
@@ -37,11 +38,34 @@ class NoPlans(dict):
         pass
 
 
-def main() -> int:
-    import attngen
-    from attngen import decode
-    from attngen.bench_decode import H, H_KV, D, DTYPE, PEERS
+def measure(row: dict, call, cudnn) -> dict:
+    """row with host us per call of `call` with plans kept ("plans") and with a `_PLANS` that keeps nothing
+    ("checked"), and of `cudnn`; whether both ways give the same output."""
+    from attngen import api, decode
     from host_overhead import host_us
+
+    kept = (api._PLANS, decode._PLANS)
+
+    def checked():
+        api._PLANS, decode._PLANS = NoPlans(), NoPlans()
+        try:
+            return call()
+        finally:
+            api._PLANS, decode._PLANS = kept
+
+    same = torch.equal(call().clone(), checked())
+    us = host_us({"plans": call, "checked": checked, "cudnn": cudnn})
+    row = dict(row, same_output=same, **{f"{name} us": t for name, t in us.items()})
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attngen
+    from attngen.bench_decode import H, H_KV, D, DTYPE, PEERS
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
@@ -64,21 +88,17 @@ def main() -> int:
             call = lambda: attngen.attention_with_kvcache(q, k, v, ctx, out=out)  # noqa: E731
         else:
             call = lambda: attngen.attention_with_kvcache(q, k, v, ctx)  # noqa: E731
-        kept = decode._PLANS
-
-        def checked(call=call):
-            decode._PLANS = NoPlans()
-            try:
-                return call()
-            finally:
-                decode._PLANS = kept
-
-        same = torch.equal(call().clone(), checked())
         cudnn = PEERS["sdpa cudnn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
-        us = host_us({"plans": call, "checked": checked, "cudnn": cudnn})
-        row = dict(batch=batch, layout=layout, same_output=same, **{f"{name} us": t for name, t in us.items()})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(measure(dict(batch=batch, layout=layout), call, cudnn))
+    q, k, v = (torch.randn(1, 16, 128, 64, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        rows.append(measure(dict(batch=1, layout="prefill N=128"), lambda: attngen.attention(q, k, v, is_causal=True),
+                            sdpa))
     with open(os.path.join(out_dir, "decode_plans.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"\n{'B':>3} {'case':>15} {'checked':>8} {'plans':>8} {'saved':>8} {'cudnn':>8} same")
