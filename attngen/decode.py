@@ -178,8 +178,9 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
-    return (None if out is None else tensor_signature(out), tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table, causal,
-            softmax_scale, num_splits, torch.is_grad_enabled(), _tuning().store.generation(), interpreting())
+    return (tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
+            None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, torch.is_grad_enabled(),
+            _tuning().store.generation(), interpreting())
 
 
 def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
