@@ -11,8 +11,10 @@ a CUDA graph. Every argument is checked first; a bad one is a ValueError (Kernel
 TypeError naming it, before anything is launched: layouts, dtypes and devices, and what the
 generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`). A
 decoding step repeats its calls' layouts: a call whose signature (`_signature`: everything the checks read
-but addresses) matches an earlier call's takes that call's outcome (`_PLANS`) and checks only that `out`
-shares no memory with an input.
+but addresses and an int cache_seqlens' value) matches an earlier call's takes that call's outcome
+(`_PLANS`) and checks only that `out` shares no memory with an input and that an int length fits. The
+signature's second call records its launches, and later calls replay them on their own tensors
+(attngen/replay.py) instead of running the generated module's `forward_kvcache` again.
 There is no backward: inputs that require grad are refused while grad mode is on. Tensors may be on
 any GPU; the launch then runs under `torch.cuda.device(q.device)`.
 
@@ -37,6 +39,8 @@ from .api import _DTYPES
 from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out, check_packed_indexing,
                      check_scale, check_span, check_split_launch, check_tensor, on_other_gpu, tensor_signature)
 from .errors import KernelInputError
+from .launch import generation
+from .replay import record
 from .runtime import _tuning, interpreting, load
 from .spec import Spec, parse
 
@@ -100,7 +104,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     """
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
     plan = None if key is None else _PLANS.get(key)
-    if plan is not None and out is not None:  # the layout is the key's; addresses are this call's
+    planned = plan is not None
+    if planned and out is not None:  # the layout is the key's; addresses are this call's
         check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if plan is None or on_other_gpu(q):
         plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
@@ -108,27 +113,45 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
             with torch.cuda.device(q.device):
                 return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                               softmax_scale, num_splits, return_softmax_lse, out=out)
+        planned = False
         if key is not None:
             if len(_PLANS) >= _PLANS_KEPT:
                 _PLANS.clear()
             _PLANS[key] = plan
     if plan.uniform:
+        if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
+            _check_uniform_length(cache_seqlens, plan.capacity)
         cache_seqlens = _equal_lengths(plan.batch, cache_seqlens, q.device)
     if os.environ.get("ATTNGEN_CHECK_KVCACHE", "0") not in ("", "0"):
         _check_values(cache_seqlens, block_table, plan.capacity, k_cache.shape[0], plan.page_size or 1)
-    # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
-    if plan.page_size:
-        k4, v4 = k_cache, v_cache
-    elif k_cache.shape[0] == plan.batch:
-        k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    else:
-        k4, v4 = k_cache[:plan.batch].transpose(1, 2), v_cache[:plan.batch].transpose(1, 2)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
-    if plan.tuner is not None:
+    if plan.tuner is None:  # q is empty
+        return (out, lse) if return_softmax_lse else out
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse)
+    if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
+        return (out, lse) if return_softmax_lse else out
+
+    def run():
+        # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
+        if plan.page_size:
+            k4, v4 = k_cache, v_cache
+        elif k_cache.shape[0] == plan.batch:
+            k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        else:
+            k4, v4 = k_cache[:plan.batch].transpose(1, 2), v_cache[:plan.batch].transpose(1, 2)
         plan.tuner.launch(q.transpose(1, 2), k4, v4, cache_seqlens, block_table, plan.softmax_scale,
                           out.transpose(1, 2), lse, plan.config, plan.num_splits)
+
+    module = plan.tuner.kernel.module
+    if planned and (plan.replay is None or (plan.replay and plan.replay.generation != generation(module))):
+        # The signature's second call (or the first since the module's functions were replaced): its
+        # launches are recorded for the calls after it (attngen/replay.py; False where they cannot be)
+        _, replay = record(run, inputs, module)
+        _PLANS[key] = plan._replace(replay=replay or False)
+    else:
+        run()
     return (out, lse) if return_softmax_lse else out
 
 
@@ -146,11 +169,13 @@ class _Plan(NamedTuple):
     seqlen_q: int
     capacity: int
     page_size: int | None
+    replay: object = None  # a Replay of the launches (attngen/replay.py), False where they cannot be replayed
 
 
 # _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so from
 # its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
-# v33); the signature holds everything the checks read, so a call that would fail them never hits.
+# v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
+# everything the checks read, so a call that would fail them never hits.
 _PLANS: dict = {}
 _PLANS_KEPT = 256
 
@@ -158,14 +183,15 @@ _PLANS_KEPT = 256
 def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
     """The key of `_PLANS`: every tensor's shape, strides, dtype, device, layout and requires_grad, grad
     mode, the other arguments' values, the tuning tables' generation and whether Triton interprets (all
-    that the checks read but whether `out` shares memory with the inputs); None where an argument is not
-    of the plain type the checks expect (those calls are checked afresh)."""
+    that the checks read but whether `out` shares memory with the inputs, and an int cache_seqlens' value,
+    both checked per call); None where an argument is not of the plain type the checks expect (those calls
+    are checked afresh)."""
     if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
             and type(causal) is bool and type(num_splits) is int
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
         return None
     if type(cache_seqlens) is int:
-        lens = cache_seqlens
+        lens = int  # its value is checked per call (`_check_uniform_length`): nothing else of the plan reads it
     elif type(cache_seqlens) is torch.Tensor:
         lens = tensor_signature(cache_seqlens)
     else:
@@ -234,8 +260,7 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         raise TypeError(f"cache_seqlens must be an int32 tensor or an int, not {type(cache_seqlens).__name__}")
     uniform = isinstance(cache_seqlens, int)  # every sequence holds the same number of keys
     if uniform:
-        if not 0 <= cache_seqlens <= capacity:
-            raise KernelInputError(f"cache_seqlens = {cache_seqlens} does not fit a cache of {capacity} tokens")
+        _check_uniform_length(cache_seqlens, capacity)
     else:
         _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
@@ -270,6 +295,11 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
 
 _EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys
 _EQUAL_LENGTHS_KEPT = 1024
+
+
+def _check_uniform_length(keys: int, capacity: int) -> None:
+    if not 0 <= keys <= capacity:
+        raise KernelInputError(f"cache_seqlens = {keys} does not fit a cache of {capacity} tokens")
 
 
 def _equal_lengths(batch: int, keys: int, device) -> torch.Tensor:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import threading
+import types
 
 import torch
 
@@ -40,8 +42,36 @@ def enabled() -> bool:
 
 
 def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is set: None, or (Triton 3.6) a HookChain with no calls, is not."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """Whether a Triton launch hook is set: None, or (Triton 3.6) a HookChain with no calls but
+    `recording_hook`, is not."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    if calls is None:
+        return True
+    for call in calls:
+        if call is not recording_hook:
+            return True
+    return False
+
+
+def recording_hook(*args, **kwargs) -> None:
+    """Triton's launch enter hook while a call is recorded (attngen/replay.py): Triton calls it for every
+    launch through its own path (FastJIT's cached path calls none), which spoils this thread's recording;
+    `_hooked` does not count it."""
+    recording = getattr(RECORDING, "current", None)
+    if recording is not None:
+        recording.ok = False
+
+
+# .current: the attngen.replay.Recording this thread is making, if any: FastJIT reports each launch to it.
+RECORDING = threading.local()
+
+
+def hooked() -> bool:
+    """Whether Triton's launch enter or exit hook is set (a profiler): launches then take Triton's path."""
+    runtime = _knobs().runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
 
 
 def _stream_handle(device: int) -> int:
@@ -126,8 +156,11 @@ class FastJIT:
 
     def run(self, grid, args: tuple, kwargs: dict):
         knobs = _knobs()
+        recording = getattr(RECORDING, "current", None)
         if (not self._ordered or len(args) != self._n_positional or type(grid) is not tuple
                 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+            if recording is not None:  # Triton's path: not a launch a replay can repeat
+                recording.ok = False
             return self.fn[grid](*args, **kwargs)
         device = _current_device()
         hit = None
@@ -136,8 +169,12 @@ class FastJIT:
                 key, ptrs = self.signature(args, kwargs)
                 hit = self._cache.get((device, knobs.runtime.debug, key))
             except (AttributeError, TypeError):  # not a tensor where one was; an unhashable value
+                if recording is not None:
+                    recording.ok = False
                 return self.fn[grid](*args, **kwargs)
         if hit is None:
+            if recording is not None:  # a compile or a binary not kept yet
+                recording.ok = False
             compiled = self.fn[grid](*args, **kwargs)
             if self._cacheable(args) and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
                 try:
@@ -150,6 +187,8 @@ class FastJIT:
                 plan = _tma_plan(compiled, self._desc_args) if self._desc_args else None
                 self._cache[(device, knobs.runtime.debug, key)] = (compiled, tail, plan)
             return compiled
+        if recording is not None:
+            recording.launches.append((self, grid, args, key, ptrs, device, knobs.runtime.debug, hit))
         compiled, tail, plan = hit
         if plan is not None:
             self._launch_tma(grid, args, key[0], ptrs, device, compiled, tail, plan)
@@ -272,10 +311,32 @@ def _knobs():
 _KNOBS = None
 
 
+class _CountedModule(types.ModuleType):
+    """A generated module that counts assignments and deletions of its names (`generation`): a replay of a
+    call's launches (attngen/replay.py) stands for the module's functions as they were when it was recorded,
+    and tests and experiments replace them."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        self.__dict__["_attngen_generation"] = self.__dict__.get("_attngen_generation", 0) + 1
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        self.__dict__["_attngen_generation"] = self.__dict__.get("_attngen_generation", 0) + 1
+
+
+def generation(module) -> int:
+    """How many times a name of `module` was assigned or deleted since `install` (0 for other modules)."""
+    return module.__dict__.get("_attngen_generation", 0)
+
+
 def install(module) -> None:
-    """Put a FastJIT in place of each kernel of a generated module (compiled mode)."""
+    """Put a FastJIT in place of each kernel of a generated module (compiled mode), and count later
+    assignments to the module's names (`generation`)."""
     if not enabled():
         return
+    if type(module) is types.ModuleType:
+        module.__class__ = _CountedModule
     from triton.runtime.jit import JITFunction
 
     for name, value in list(vars(module).items()):

@@ -276,6 +276,89 @@ def test_a_planned_call_checks_its_output_memory_and_reads_this_calls_values(mon
     assert len(planned) == 1
 
 
+def test_int_lengths_share_one_plan_and_each_is_checked(monkeypatch):
+    """A decoding loop passes a growing int as cache_seqlens: its calls share one plan (one `_checked_plan`),
+    each computes with its own length, and a length past the cache is refused after planning."""
+    from attngen import decode
+
+    monkeypatch.setattr(decode, "_PLANS", {})
+    planned = []
+    checked = decode._checked_plan
+    monkeypatch.setattr(decode, "_checked_plan", lambda *a: planned.append(1) or checked(*a))
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    k, v = rand(2, 40, 2, 32, gen=gen), rand(2, 40, 2, 32, gen=gen)
+    for n in (5, 17, 40, 0):
+        q = rand(2, 1, 4, 32, gen=gen)
+        out, lse = attngen.attention_with_kvcache(q, k, v, n, return_softmax_lse=True)
+        check(out, lse, q, k, v, torch.full((2,), n, dtype=torch.int32, device=DEVICE), None, causal=True)
+    assert len(planned) == 1
+    for n in (41, -1):
+        with pytest.raises(KernelInputError, match=f"cache_seqlens = {n} does not fit a cache of 40 tokens"):
+            attngen.attention_with_kvcache(q, k, v, n)
+    assert len(planned) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["d128 lengths", "d128 int", "paged16 d128", "d96 out=", "d64 one split",
+                                  "longer cache batch", "paged16 d64 int"])
+def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
+    """On the GPU, from a signature's third call on, the launches recorded at its second are replayed
+    (attngen/replay.py) on the call's own tensors: over caches whose values change in place and caches at
+    new addresses (and an int length that changes every call), every call matches float64 and is bit for
+    bit the module's own path (replays off), with NaN-poisoned outputs. Gluon kernels (d=64 and 128 on
+    sm_90) and the Triton kernel (d=96)."""
+    from attngen import decode, replay
+
+    monkeypatch.setattr(decode, "_PLANS", {})
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    d = 64 if "d64" in case else 96 if "d96" in case else 128
+    paged = "paged" in case
+    lengths = [300, 77, 1]
+    gen = torch.Generator(DEVICE).manual_seed(11)
+    kwargs = {"num_splits": 1} if "one split" in case else {}
+
+    def caches():
+        if paged:
+            return make_cache([304] * 3, 16, 2, d, torch.bfloat16, gen)
+        extra = 2 if "longer" in case else 0
+        return rand(3 + extra, 304, 2, d, dtype=torch.bfloat16, gen=gen), \
+            rand(3 + extra, 304, 2, d, dtype=torch.bfloat16, gen=gen), None
+
+    def call(q, k, v, table, i):
+        # an int that changes every call, as a decoding loop's: one plan, one replay for all of them
+        seqlens = 300 - 7 * i if "int" in case else torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        if "out=" in case:
+            out = torch.full_like(q, float("nan"))
+            got, lse = attngen.attention_with_kvcache(q, k, v, seqlens, table, return_softmax_lse=True, out=out,
+                                                      **kwargs)
+            assert got is out
+        else:
+            got, lse = attngen.attention_with_kvcache(q, k, v, seqlens, table, return_softmax_lse=True, **kwargs)
+        return got, lse, seqlens
+
+    k, v, table = caches()
+    for i in range(6):
+        if i == 3:
+            k, v, table = caches()  # new addresses: the replay builds the Gluon kernel's tensor maps afresh
+        else:
+            k.copy_(rand(*k.shape, dtype=k.dtype, gen=gen))
+        q = rand(3, 1, 8, d, dtype=torch.bfloat16, gen=gen)
+        got, lse, seqlens = call(q, k, v, table, i)
+        if isinstance(seqlens, int):
+            seqlens = torch.full((3,), seqlens, dtype=torch.int32, device=DEVICE)
+        check(got, lse, q, k[:3] if table is None else k, v[:3] if table is None else v, seqlens, table, causal=True)
+        with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
+            m.setattr(decode, "_PLANS", {})
+            m.setattr(decode, "record", lambda fn, inputs, module: (fn(), None))
+            for _ in range(3):
+                want, want_lse, _ = call(q, k, v, table, i)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse), i
+    assert replayed == [True] * 4  # calls 3 to 6
+
+
 @pytest.mark.parametrize("grads,match", [
     (("q",), r"^q requires grad, but attention_with_kvcache has no backward .*torch.no_grad\(\) or torch.inference_mode\(\)"),
     (("k_cache", "v_cache"), r"^k_cache and v_cache require grad, but attention_with_kvcache has no backward"),

@@ -269,14 +269,12 @@ class _FakeLauncher:
                     *args)
 
 
-@pytest.mark.parametrize("scratch", [0, 256])
-def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch, scratch):
-    """A cached Gluon launch hands the C launcher exactly what Triton's launcher would, but encodes a
-    descriptor's tensor map only for a base address or layout it has not seen (Triton: every launch).
-    A launcher that needs scratch memory keeps Triton's path."""
+def fake_gluon_kernel(monkeypatch, scratch=0):
+    """A Gluon kernel (X, n, K, Y, V, BLOCK), K and V TMA descriptors, as FastJIT sees it: (its JIT function,
+    whose Triton path compiles a kernel around `launcher` and launches it; `launcher`, Triton 3.6's
+    CudaLauncher logging the C launcher's arguments in `log`; `made`, the base address of each tensor map
+    built, by a stand-in for the driver's `make_tensordesc_arg`)."""
     import triton.backends.nvidia.driver as driver
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     made = []
 
@@ -301,6 +299,18 @@ def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monke
         return run
 
     fn.__class__ = type("_FakeGluonJIT", (_FakeJIT,), {"__getitem__": lambda self, grid: triton_path(grid)})
+    return fn, launcher, log, made
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch, scratch):
+    """A cached Gluon launch hands the C launcher exactly what Triton's launcher would, but encodes a
+    descriptor's tensor map only for a base address or layout it has not seen (Triton: every launch).
+    A launcher that needs scratch memory keeps Triton's path."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    fn, launcher, log, made = fake_gluon_kernel(monkeypatch, scratch)
     fast = FastJIT(fn)
     layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
     k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)

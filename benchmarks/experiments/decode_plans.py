@@ -60,12 +60,40 @@ def measure(row: dict, call, cudnn) -> dict:
     return row
 
 
+def case_call(batch: int, layout: str, d: int, ctx: int, gen):
+    """(q, k, v, an eager attngen call on them) for one case: 32 query / 8 K/V heads, bf16, ctx keys in a
+    cache of ctx; layout "contiguous" (an int length), "growing int" (another int every call, 512 to 1023
+    keys, as a decoding loop's), "lengths tensor", "out=" or "paged 16" (k and v as 16-token pages)."""
+    import attngen
+    from attngen.bench_decode import H, H_KV, DTYPE
+
+    q = torch.randn(batch, 1, H, d, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(batch, ctx, H_KV, d, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(batch, ctx, H_KV, d, device="cuda", dtype=DTYPE, generator=gen)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    if layout == "paged 16":
+        table = torch.arange(batch * ctx // 16, device="cuda", dtype=torch.int32).view(batch, -1)
+        kp, vp = k.reshape(-1, 16, H_KV, d), v.reshape(-1, 16, H_KV, d)
+        call = lambda: attngen.attention_with_kvcache(q, kp, vp, ctx, table)  # noqa: E731
+    elif layout == "growing int":
+        step = iter(range(10 ** 9))
+        call = lambda: attngen.attention_with_kvcache(q, k, v, 512 + next(step) % 512)  # noqa: E731
+    elif layout == "lengths tensor":
+        call = lambda: attngen.attention_with_kvcache(q, k, v, lens)  # noqa: E731
+    elif layout == "out=":
+        call = lambda: attngen.attention_with_kvcache(q, k, v, ctx, out=out)  # noqa: E731
+    else:
+        call = lambda: attngen.attention_with_kvcache(q, k, v, ctx)  # noqa: E731
+    return q, k, v, call
+
+
 def main() -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attngen
-    from attngen.bench_decode import H, H_KV, D, DTYPE, PEERS
+    from attngen.bench_decode import D, DTYPE, PEERS
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
@@ -73,21 +101,7 @@ def main() -> int:
     ctx = 1024
     rows = []
     for batch, layout in ((1, "contiguous"), (1, "lengths tensor"), (1, "out="), (1, "paged 16"), (16, "contiguous")):
-        q = torch.randn(batch, 1, H, D, device="cuda", dtype=DTYPE, generator=gen)
-        k = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
-        v = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
-        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-        out = torch.empty_like(q)
-        if layout == "paged 16":
-            table = torch.arange(batch * ctx // 16, device="cuda", dtype=torch.int32).view(batch, -1)
-            kp, vp = k.reshape(-1, 16, H_KV, D), v.reshape(-1, 16, H_KV, D)
-            call = lambda: attngen.attention_with_kvcache(q, kp, vp, ctx, table)  # noqa: E731
-        elif layout == "lengths tensor":
-            call = lambda: attngen.attention_with_kvcache(q, k, v, lens)  # noqa: E731
-        elif layout == "out=":
-            call = lambda: attngen.attention_with_kvcache(q, k, v, ctx, out=out)  # noqa: E731
-        else:
-            call = lambda: attngen.attention_with_kvcache(q, k, v, ctx)  # noqa: E731
+        q, k, v, call = case_call(batch, layout, D, ctx, gen)
         cudnn = PEERS["sdpa cudnn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
         rows.append(measure(dict(batch=batch, layout=layout), call, cudnn))
     q, k, v = (torch.randn(1, 16, 128, 64, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3))

@@ -1,0 +1,174 @@
+"""Replays of a call's launches (attngen/replay.py): a replay hands each binary's launcher exactly what the
+call itself would, with the new call's addresses, or declines; a call it could not repeat is never
+recorded. (Fake kernels on the CPU, as tests/test_launch.py; the GPU tests in tests/test_decode.py run
+the real decoding kernels through replays.)"""
+
+from __future__ import annotations
+
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_launch import _FakeJIT, fake_gluon_kernel
+
+from attngen import launch, replay
+from attngen.launch import FastJIT
+
+
+@pytest.fixture
+def no_hooks(monkeypatch):
+    from triton import knobs
+    from triton.knobs import HookChain
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", HookChain(reversed=True))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+
+
+def _module():
+    """A generated module in miniature: two kernels, and a host function that allocates a scratch tensor
+    between them (as forward_kvcache's partial outputs)."""
+    module = types.ModuleType("fake_generated")
+    module.__class__ = launch._CountedModule
+    first = _FakeJIT(["Q", "K", "P", "n", "s", "BLOCK"], constexprs=("BLOCK",))
+    second = _FakeJIT(["P", "O", "n", "BLOCK"], constexprs=("BLOCK",))
+    module.partial, module.merge = FastJIT(first), FastJIT(second)
+
+    def forward(q, k, out, zero=False):
+        part = torch.empty(4, 8, dtype=torch.float32)
+        if zero:
+            part.zero_()
+        module.partial[(2, 3)](q, k, part, 8, 0.5, BLOCK=16)
+        module.merge[(2,)](part[1:], out.unsqueeze(0), 8, BLOCK=16)
+
+    module.forward = forward
+    return module, first, second
+
+
+def _tensors(offset=0):
+    flat = torch.empty(64 + offset, dtype=torch.float16)
+    return flat[offset:offset + 32], torch.empty(32, dtype=torch.float16), torch.empty(16, dtype=torch.float32)
+
+
+def test_a_replay_launches_what_the_call_would_on_the_new_addresses(no_hooks):
+    module, first, second = _module()
+    q, k, out = _tensors()
+    module.forward(q, k, out)  # Triton's path: compiles, FastJIT keeps the binaries
+    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    assert kept is not None and [e[0] for e in first.log] == ["triton", "cached"]
+    q2, k2, out2 = _tensors()
+    before = len(first.log), len(second.log)
+    assert kept((q2, k2, out2))
+    got = first.log[-1][1], second.log[-1][1]
+    assert (len(first.log), len(second.log)) == (before[0] + 1, before[1] + 1)
+    module.forward(q2, k2, out2)  # the call itself, through FastJIT's cached path
+    want = first.log[-1][1], second.log[-1][1]
+    # the same arguments but for the scratch tensor's address: the replay's one block against torch.empty
+    scratch = got[0][11]
+    assert got[0][:11] == want[0][:11] and got[0][12:] == want[0][12:]
+    assert got[0][9:11] == (q2.data_ptr(), k2.data_ptr())
+    assert got[1][9] == scratch + 8 * 4 and got[1][10:] == want[1][10:] and got[1][10] == out2.data_ptr()
+    assert want[1][9] - want[0][11] == 8 * 4 and scratch % 16 == 0
+
+
+def test_what_a_replay_could_not_repeat_is_not_recorded(no_hooks):
+    module, first, _ = _module()
+    q, k, out = _tensors()
+    # the first call compiles: Triton's path
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is not None
+    # GPU work torch does (a fill) between the launches
+    assert replay.record(lambda: module.forward(q, k, out, zero=True), (q, k, out), module)[1] is None
+    # an address two inputs share: which one a later call means is unknown
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out, q[:4]), module)[1] is None
+    # a pointer that is neither an input nor scratch
+    assert replay.record(lambda: module.forward(q, k, out), (q, out), module)[1] is None
+    # nothing launched through FastJIT (the interpreter, fast launches off)
+    assert replay.record(lambda: None, (q, k, out), module)[1] is None
+
+    def triton_launch(*args):  # a kernel launched through Triton's own path: it calls the enter hooks
+        from triton import knobs
+
+        knobs.runtime.launch_enter_hook(SimpleNamespace(name="kernel"))
+
+    def with_a_triton_launch():
+        module.forward(q, k, out)
+        triton_launch(q)
+
+    assert replay.record(with_a_triton_launch, (q, k, out), module)[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is not None
+    assert not launch.hooked()  # the recording's hook is gone, and was never counted as a user's
+
+
+def test_a_replay_declines_where_the_launch_could_differ(no_hooks, monkeypatch):
+    from triton import knobs
+
+    module, first, second = _module()
+    q, k, out = _tensors()
+    module.forward(q, k, out)
+    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    n = len(first.log), len(second.log)
+
+    def declines(*tensors):
+        return not kept(tensors) and (len(first.log), len(second.log)) == n
+
+    assert declines(*_tensors(offset=1))  # q 2 bytes off 16-byte alignment: Triton compiles another binary
+    with monkeypatch.context() as m:
+        m.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+        assert declines(q, k, out)
+    with monkeypatch.context() as m:
+        m.setattr(launch, "_current_device", lambda: 1)
+        assert declines(q, k, out)
+    with monkeypatch.context() as m:
+        m.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+        assert declines(q, k, out)
+    with monkeypatch.context() as m:
+        m.setattr(module, "merge", lambda *a: None)  # a function of the module replaced (a test's spy)
+        assert declines(q, k, out)
+    assert declines(q, k, out)  # and put back: still not the module that was recorded
+    _, again = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    assert again((q, k, out))
+
+
+def test_replayed_gluon_launches_keep_their_tensor_maps_per_address(no_hooks, monkeypatch):
+    """A Gluon kernel's descriptors: the replay gives the C launcher what Triton's launcher would for the
+    new call's caches, building a tensor map only for a base address FastJIT has not built one for."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
+    module = types.ModuleType("fake_gluon")
+    module.__class__ = launch._CountedModule
+    module.kernel = FastJIT(fn)
+    layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+
+    def forward(x, k, v):
+        y = torch.empty(8)
+        module.kernel[(3, 2)](x, 5, TensorDescriptor(k, [64, 256], [256, 1], [16, 128], layout), y,
+                              TensorDescriptor(v, [64, 256], [256, 1], [16, 128], layout), BLOCK=16)
+
+    def caches():
+        return torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+
+    x = torch.empty(8, dtype=torch.bfloat16)
+    k, v = caches()
+    forward(x, k, v)
+    _, kept = replay.record(lambda: forward(x, k, v), (x, k, v), module)
+    assert kept is not None and len(made) == 4  # Triton's launch, then FastJIT's kept maps
+    k2, v2 = caches()
+    y_at = 13 + 2 + 5  # the C launcher's arguments: 13 of the launch's own, then x, 5, K's map and sizes, y
+    for caches_now, new_maps in (((k, v), 0), ((k2, v2), 2), ((k2, v2), 0), ((v2, k2), 2)):
+        before = len(made)
+        assert kept((x, *caches_now))
+        assert len(made) - before == new_maps
+        got = list(log[-1][1])
+        probe = torch.empty(8)
+        launcher(3, 2, 1, 1234, "fn", "meta", None, None, None, x, 5,
+                 TensorDescriptor(caches_now[0], [64, 256], [256, 1], [16, 128], layout), probe,
+                 TensorDescriptor(caches_now[1], [64, 256], [256, 1], [16, 128], layout), 16)  # Triton's launcher
+        want = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in log[-1][1]]
+        assert want[y_at] == probe.data_ptr() and got[y_at] % 16 == 0  # y: the replay's scratch block
+        want[y_at] = got[y_at]
+        assert got == want
