@@ -5,20 +5,25 @@ does and runs the kernels of the spec it needs (one per dtype, head dim and mask
 batch and heads are run-time arguments of one compiled kernel) through
 `attngen.autograd.attention_forward`: the custom op `torch.ops.attngen.forward` while torch.compile
 traces (it keeps the call and its registered backward inside one graph), a plain autograd.Function
-in eager mode. The spec is loaded on first use.
+in eager mode. The spec is loaded on first use. A call whose signature (`_signature`) repeats an earlier
+call's skips the checks that call passed (`_PLANS`); one without autograd, from the signature's third call
+on, replays the launches of its second (attngen/replay.py) instead of running `Kernel.forward` again.
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from . import autograd
 from .checks import check_attention_inputs, check_scale, tensor_signature
 from .errors import KernelInputError
-from .runtime import interpreting
+from .launch import generation
+from .replay import record
+from .runtime import _tuning, interpreting
 from .spec import Spec, parse
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -44,46 +49,74 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     `is_causal` aligns the mask top-left, as SDPA does (query i sees keys 0..i, also when L != S).
     `enable_gqa` lets H be a multiple of H_KV. `attn_mask` and `dropout_p` are not supported.
     """
+    planned = False
     if torch.compiler.is_compiling():  # traced: the shapes are checked (`_checked_plan`), no plans kept
         plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     else:
         signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         plan = None if signature is None else _PLANS.get(signature)
+        planned = plan is not None
         if plan is None:
             plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             if signature is not None:
                 if len(_PLANS) >= _PLANS_KEPT:
                     _PLANS.clear()
                 _PLANS[signature] = plan
-    op_key, scale, squeeze = plan
+    op_key, scale, squeeze = plan.op_key, plan.scale, plan.squeeze
+    if planned and not autograd.needs_grad(query, key, value):
+        # Inference: from the signature's third call on, the launches of its second (attngen/replay.py)
+        out = torch.empty_like(query)
+        if plan.replay and plan.replay((query, key, value, out)):
+            return out
+        kernel = autograd.resolve(op_key)
+        q4, k4, v4, out4 = ((t.unsqueeze(0) for t in (query, key, value, out)) if squeeze
+                            else (query, key, value, out))
+        if plan.replay is None or (plan.replay and plan.replay.generation != generation(kernel.module)):
+            _, replay = record(lambda: kernel.forward(q4, k4, v4, scale, out=out4), (query, key, value, out),
+                               kernel.module)
+            _PLANS[signature] = plan._replace(replay=replay or False)
+        else:
+            kernel.forward(q4, k4, v4, scale, out=out4)
+        return out
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     out, _ = autograd.attention_forward(op_key, query, key, value, scale)
     return out.squeeze(0) if squeeze else out
 
 
-# _signature(...) -> (op key, scale, whether the inputs are 3-D) of calls that passed `_checked_plan`: a
-# training loop or a decoder's prefill repeats its layouts, and the second call of one skips the checks
-# (as attngen/decode.py's plans do, benchmarks/NOTES.md v33). The signature holds everything the checks
-# read, so a call that would fail them never hits.
+class _Plan(NamedTuple):
+    """What `attention`'s checks decide for one call signature: the key of the kernel that runs it, the
+    softmax scale, whether the inputs are 3-D; and for calls without autograd, a Replay of the launches
+    (attngen/replay.py), False where they cannot be replayed."""
+    op_key: str
+    scale: float
+    squeeze: bool
+    replay: object = None
+
+
+# _signature(...) -> _Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
+# repeats its layouts, and the second call of one skips the checks (as attngen/decode.py's plans do,
+# benchmarks/NOTES.md v33), the third of one without autograd the module's Python too (v35). The signature
+# holds everything the checks read, so a call that would fail them never hits.
 _PLANS: dict = {}
 _PLANS_KEPT = 256
 
 
 def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """The key of `_PLANS`: each tensor's `tensor_signature`, the other arguments' values and whether Triton
-    interprets; None where an argument is not of the plain type the checks expect (checked afresh)."""
+    """The key of `_PLANS`: each tensor's `tensor_signature`, the other arguments' values, whether Triton
+    interprets and the tuning tables' generation (a replay keeps the config it was recorded with); None
+    where an argument is not of the plain type the checks expect (checked afresh)."""
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and attn_mask is None and type(is_causal) is bool and type(enable_gqa) is bool
             and type(dropout_p) in (float, int) and (scale is None or type(scale) in (float, int))):
         return None
     return (tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal, scale,
-            enable_gqa, interpreting())
+            enable_gqa, interpreting(), _tuning().store.generation())
 
 
 def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
-    """`attention`'s checks (a bad argument raises, naming it, before anything runs): (the key of the kernel
-    that runs the call, the softmax scale, whether the inputs are 3-D)."""
+    """`attention`'s checks (a bad argument raises, naming it, before anything runs): a _Plan (the key of the
+    kernel that runs the call, the softmax scale, whether the inputs are 3-D)."""
     if attn_mask is not None:
         raise KernelInputError("attn_mask is not supported; use is_causal, or write a spec with the mask you need")
     if dropout_p != 0.0:
@@ -123,4 +156,4 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    return f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze
+    return _Plan(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze)

@@ -88,6 +88,39 @@ def test_kernel_object_exposes_source_and_spec(kernel):
     assert attngen.load(spec_text("checked", 64, "fp16", "causal", heads=4, kv_heads=2)) is kernel
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["d64 causal 3-D", "d128 gqa n_q != n_k", "d64 long"])
+def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeypatch):
+    """On the GPU, an inference call whose signature repeats replays, from its third call on, the launches
+    of its second (attngen/replay.py): each call, on fresh inputs at new addresses, matches float64 SDPA
+    and is bit for bit the kernel's own path (replays off). "d64 long" takes the Gluon forward on sm_90."""
+    from attngen import api, replay
+
+    monkeypatch.setattr(api, "_PLANS", {})
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    dtype = torch.bfloat16 if "long" in case else torch.float16
+    if "3-D" in case:
+        shapes, kw = ((16, 130, 64), (16, 77, 64)), {"is_causal": True}
+    elif "gqa" in case:
+        shapes, kw = ((2, 8, 100, 128), (2, 2, 300, 128)), {"enable_gqa": True, "scale": 0.1}
+    else:
+        shapes, kw = ((4, 16, 2048, 64), (4, 16, 2048, 64)), {}
+    for i in range(4):
+        q, k, v = rand(*shapes[0], dtype=dtype), rand(*shapes[1], dtype=dtype), rand(*shapes[1], dtype=dtype)
+        got = attngen.attention(q, k, v, **kw)
+        assert (got.double() - sdpa64(q, k, v, **kw)).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+        with monkeypatch.context() as m:  # the kernel's own path: a fresh plan, no replay recorded
+            m.setattr(api, "_PLANS", {})
+            m.setattr(api, "record", lambda fn, inputs, module: (fn(), None))
+            for _ in range(3):
+                want = attngen.attention(q, k, v, **kw)
+        assert torch.equal(got, want), i
+    assert replayed == [True, True]  # calls 3 and 4
+
+
 def test_torch_compile_keeps_one_graph():
     from torch._dynamo.testing import CompileCounter
 

@@ -12,11 +12,14 @@ times the host side of eager calls three ways, in one process, rounds interleave
 with SDPA's cuDNN backend on the same cache beside them, and checks that all three give the same output
 bit for bit (but for "growing int"). Cases: 32 query / 8 K/V heads, d=128, bf16, 1k keys; batch 1
 contiguous with an int, with an int that changes every call as a decoding loop's does (v33 planned each
-value afresh: its "checked" column), and with a tensor of lengths, with `out=`, paged (16-token pages); batch 16 contiguous; batch 1 at d=96
-(the Triton decode kernel, not the Gluon one). Also each case's per-call host time (the call alone,
-the GPU idle before it: medians of 300) for replay and module, paired within each sample.
+value afresh: its "checked" column), with a tensor of lengths, with `out=`, paged (16-token pages);
+batch 16 contiguous; batch 1 at d=96 (the Triton decode kernel, not the Gluon one); and
+`attngen.attention` (since v35 it replays too, from attngen/api.py's plans) at B=1 H=16 N=128 d=64
+causal beside SDPA cuDNN. Also each case's per-call host time (the call alone, the GPU idle before it:
+medians of 300) for replay and module, paired within each sample.
 Prediction: -35 to -45 us per call against "module" (forward_kvcache's Python: views, readiness,
-descriptors, two FastJIT keys), batch 1 ~92 -> ~50 us, near SDPA cuDNN's ~45.
+descriptors, two FastJIT keys), batch 1 ~92 -> ~50 us, near SDPA cuDNN's ~45. Prefill (v35): -15 to -20
+us (Kernel.forward's allocation, config lookup and one FastJIT key), ~45 -> ~28 us against SDPA's ~41.
 Writes OUT_DIR/decode_replay.json and prints a table (us per call).
 """
 
@@ -35,27 +38,27 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def variants(call):
-    """(name -> fn, name -> plan table): the call with replays, with plans but no replays, and checked every time (each with
-    its own plan table, swapped in around the call)."""
-    from attngen import decode
+def variants(call, module):
+    """(name -> fn, name -> plan table): the call with replays, with plans but no replays, and checked every
+    time (each with its own plan table, swapped in around the call); `module`: attngen.decode or attngen.api,
+    whose `_PLANS` and `record` the call uses."""
     from decode_plans import NoPlans
 
-    real_record = decode.record
+    real_record = module.record
     tables = {"replay": {}, "module": {}, "checked": NoPlans()}
 
-    def keep_none(fn, inputs, module):
+    def keep_none(fn, inputs, generated):
         return fn(), None
 
     def way(name):
         def run():
-            kept = decode._PLANS
-            decode._PLANS = tables[name]
-            decode.record = real_record if name == "replay" else keep_none
+            kept = module._PLANS
+            module._PLANS = tables[name]
+            module.record = real_record if name == "replay" else keep_none
             try:
                 return call()
             finally:
-                decode._PLANS, decode.record = kept, real_record
+                module._PLANS, module.record = kept, real_record
         return run
 
     return {name: way(name) for name in tables}, tables
@@ -77,7 +80,12 @@ def paired(calls: dict, n: int = 300) -> dict:
 
 
 def main() -> int:
-    from attngen.bench_decode import D, PEERS
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attngen
+    from attngen import api, decode
+    from attngen.bench_decode import D, DTYPE, PEERS
     from decode_plans import case_call
     from host_overhead import host_us
 
@@ -87,13 +95,21 @@ def main() -> int:
     ctx = 1024
     rows = []
     for batch, layout, d in ((1, "contiguous", D), (1, "growing int", D), (1, "lengths tensor", D), (1, "out=", D),
-                             (1, "paged 16", D), (16, "contiguous", D), (1, "contiguous", 96)):
-        q, k, v, call = case_call(batch, layout, d, ctx, gen)
-        ways, tables = variants(call)
+                             (1, "paged 16", D), (16, "contiguous", D), (1, "contiguous", 96), (1, "prefill N=128", 64)):
+        if layout == "prefill N=128":  # attngen.attention, B=1 H=16 d=64 causal (its own plans, attngen/api.py)
+            q, k, v = (torch.randn(1, 16, 128, d, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3))
+            ways, tables = variants(lambda: attngen.attention(q, k, v, is_causal=True), api)
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            q, k, v, call = case_call(batch, layout, d, ctx, gen)
+            ways, tables = variants(call, decode)
+            cudnn = PEERS["sdpa cudnn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
         results = {name: [fn().clone() for _ in range(3)][-1] for name, fn in ways.items()}
         built = [bool(p.replay) for p in tables["replay"].values()]
         same = all(torch.equal(results["replay"], r) for r in results.values()) if layout != "growing int" else None
-        cudnn = PEERS["sdpa cudnn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
         us = host_us(dict(ways, cudnn=cudnn))
         row = dict(batch=batch, layout=layout, head_dim=d, same_output=same, replay_built=built,
                    **{f"{name} us": t for name, t in us.items()}, **paired({n: ways[n] for n in ("replay", "module")}))
