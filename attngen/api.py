@@ -21,8 +21,7 @@ import torch
 from . import autograd
 from .checks import check_attention_inputs, check_scale, tensor_signature
 from .errors import KernelInputError
-from .launch import generation
-from .replay import record
+from .replay import record, wanted
 from .runtime import _tuning, interpreting
 from .spec import Spec, parse
 
@@ -71,7 +70,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         kernel = autograd.resolve(op_key)
         q4, k4, v4, out4 = ((t.unsqueeze(0) for t in (query, key, value, out)) if squeeze
                             else (query, key, value, out))
-        if plan.replay is None or (plan.replay and plan.replay.generation != generation(kernel.module)):
+        if wanted(plan.replay, kernel.module):
             _, replay = record(lambda: kernel.forward(q4, k4, v4, scale, out=out4), (query, key, value, out),
                                kernel.module)
             _PLANS[signature] = plan._replace(replay=replay or False)

@@ -39,8 +39,7 @@ from .api import _DTYPES
 from .checks import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out, check_packed_indexing,
                      check_scale, check_span, check_split_launch, check_tensor, on_other_gpu, tensor_signature)
 from .errors import KernelInputError
-from .launch import generation
-from .replay import record
+from .replay import record, wanted
 from .runtime import _tuning, interpreting, load
 from .spec import Spec, parse
 
@@ -145,7 +144,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                           out.transpose(1, 2), lse, plan.config, plan.num_splits)
 
     module = plan.tuner.kernel.module
-    if planned and (plan.replay is None or (plan.replay and plan.replay.generation != generation(module))):
+    if planned and wanted(plan.replay, module):
         # The signature's second call (or the first since the module's functions were replaced): its
         # launches are recorded for the calls after it (attngen/replay.py; False where they cannot be)
         _, replay = record(run, inputs, module)

@@ -91,6 +91,12 @@ def record(fn, inputs: tuple, module):
     return result, Replay.build(recording, inputs, module)
 
 
+def wanted(replay, module) -> bool:
+    """Whether a plan holding `replay` (None: none recorded yet; False: its launches cannot be replayed)
+    should record its next call: none yet, or one recorded before a function of `module` was replaced."""
+    return replay is None or (replay is not False and replay.generation != launch.generation(module))
+
+
 # Recordings in progress in any thread: the hook leaves Triton's chain when the last one ends.
 _HOOK_LOCK = threading.Lock()
 _HOOK_USERS = [0]

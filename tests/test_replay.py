@@ -128,7 +128,9 @@ def test_a_replay_declines_where_the_launch_could_differ(no_hooks, monkeypatch):
         m.setattr(module, "merge", lambda *a: None)  # a function of the module replaced (a test's spy)
         assert declines(q, k, out)
     assert declines(q, k, out)  # and put back: still not the module that was recorded
+    assert replay.wanted(kept, module) and replay.wanted(None, module) and not replay.wanted(False, module)
     _, again = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    assert not replay.wanted(again, module)
     assert again((q, k, out))
 
 
