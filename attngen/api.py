@@ -6,8 +6,9 @@ batch and heads are run-time arguments of one compiled kernel) through
 `attngen.autograd.attention_forward`: the custom op `torch.ops.attngen.forward` while torch.compile
 traces (it keeps the call and its registered backward inside one graph), a plain autograd.Function
 in eager mode. The spec is loaded on first use. A call whose signature (`_signature`) repeats an earlier
-call's skips the checks that call passed (`_PLANS`); one without autograd, from the signature's third call
-on, replays the launches of its second (attngen/replay.py) instead of running `Kernel.forward` again.
+call's skips the checks that call passed (`_PLANS`), and from the signature's third call on replays the
+launches of its second (attngen/replay.py) instead of running `Kernel.forward` again: without autograd
+here, with it in `autograd._Planned`, whose backward replays too.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         else:
             kernel.forward(q4, k4, v4, scale, out=out4)
         return out
+    if planned:
+        # Training: from the signature's third call on, the forward's and the backward's launches are those
+        # recorded at its second (autograd._Planned)
+        training = plan.training
+        if training is None:
+            training = autograd.Training()
+            _PLANS[signature] = plan._replace(training=training)
+        return autograd.planned_forward(training, op_key, scale, squeeze, query, key, value)
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     out, _ = autograd.attention_forward(op_key, query, key, value, scale)
@@ -85,17 +94,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
 class _Plan(NamedTuple):
     """What `attention`'s checks decide for one call signature: the key of the kernel that runs it, the
-    softmax scale, whether the inputs are 3-D; and for calls without autograd, a Replay of the launches
-    (attngen/replay.py), False where they cannot be replayed."""
+    softmax scale, whether the inputs are 3-D; for calls without autograd, a Replay of the launches
+    (attngen/replay.py), False where they cannot be replayed; for calls with it, their replays
+    (`autograd.Training`)."""
     op_key: str
     scale: float
     squeeze: bool
     replay: object = None
+    training: object = None
 
 
 # _signature(...) -> _Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
 # repeats its layouts, and the second call of one skips the checks (as attngen/decode.py's plans do,
-# benchmarks/NOTES.md v33), the third of one without autograd the module's Python too (v35). The signature
+# benchmarks/NOTES.md v33), the third the module's Python too (v35; with autograd, v36). The signature
 # holds everything the checks read, so a call that would fail them never hits.
 _PLANS: dict = {}
 _PLANS_KEPT = 256

@@ -84,6 +84,98 @@ class _Eager(torch.autograd.Function):
                           resolve(key).backward_saved(q, k, v, out, lse, do, scale))
 
 
+class Training:
+    """The replays (attngen/replay.py) of one `attngen.attention` call signature's autograd calls: the
+    forward's, writing out and lse into tensors the call allocates (None: none recorded yet, False: its
+    launches cannot be replayed), and the backward's, one per output-gradient layout (autograd hands the
+    backward whatever layout the loss made: `out.sum()` gives an expanded one) and deterministic-algorithms
+    setting (None: seen once, recorded at the next)."""
+
+    __slots__ = ("forward", "backward")
+    KEPT = 16  # backward layouts kept per signature, then the table starts over
+
+    def __init__(self):
+        self.forward = None
+        self.backward: dict = {}
+
+
+class _Planned(torch.autograd.Function):
+    """`_Eager` for a call signature `attngen.attention` has planned: the same kernels, but the forward's and
+    the backward's launches replayed from the second planned call on (the first records them; api.py's
+    plans skip the checks), and only `out` returned (the log-sum-exp is kept for the backward, so autograd
+    makes no zero gradient for it). q, k and v are the caller's (3-D where `squeeze`)."""
+
+    @staticmethod
+    def forward(ctx, training: Training, key: str, scale: float, squeeze: bool, q, k, v):
+        from .replay import record, wanted
+
+        out = torch.empty_like(q)
+        lse = torch.empty(((1,) if squeeze else ()) + q.shape[:-1], device=q.device, dtype=torch.float32)
+        replay = training.forward
+        if not (replay and replay((q, k, v, out, lse))):
+            kernel = resolve(key)
+            q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
+
+            def run():
+                kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
+
+            if wanted(replay, kernel.module):
+                training.forward = record(run, (q, k, v, out, lse), kernel.module)[1] or False
+            else:
+                run()
+        ctx.training, ctx.key, ctx.scale, ctx.squeeze = training, key, scale, squeeze
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        from .checks import check_like, tensor_signature
+        from .replay import record, wanted
+        from .runtime import gradient_tensors
+
+        q, k, v, out, lse = ctx.saved_tensors
+        layouts = ctx.training.backward
+        # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
+        layout = (tensor_signature(do), torch.are_deterministic_algorithms_enabled())
+        replay = layouts.get(layout, _NEW)
+        if replay is _NEW:
+            check_like(do, q, "do")  # once per layout: the rest of the layout is the signature's
+        grads = gradient_tensors(q, k, v)
+        inputs = (q, k, v, out, lse, do) + grads
+        if not (replay and replay is not _NEW and replay(inputs)):
+            kernel = resolve(ctx.key)
+            q4, k4, v4, out4, do4, dq4, dk4, dv4 = ((t.unsqueeze(0) for t in inputs if t is not lse) if ctx.squeeze
+                                                    else (t for t in inputs if t is not lse))
+
+            def run():
+                kernel._backward(q4, k4, v4, out4, lse, do4, ctx.scale, None, (dq4, dk4, dv4))
+
+            if replay is _NEW:
+                # A layout's first backward runs as it is (its launches may compile, or take Triton's path
+                # to a binary FastJIT has not kept: a recording of them would fail); its second records
+                if len(layouts) >= Training.KEPT:
+                    layouts.clear()
+                layouts[layout] = None
+                run()
+            elif wanted(replay, kernel.module):
+                layouts[layout] = record(run, inputs, kernel.module)[1] or False
+            else:
+                run()
+        need = ctx.needs_input_grad
+        return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[4:]))
+
+
+_NEW = object()  # a layout `Training.backward` has not seen
+
+
+def planned_forward(training: Training, key: str, scale: float, squeeze: bool, q, k, v) -> torch.Tensor:
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` planned (checked
+    at an earlier call), recorded for autograd (q, k or v requires grad) with the signature's replays
+    `training` (`_Planned`). Eager calls only: torch.compile traces the custom op."""
+    return _Planned.apply(training, key, scale, squeeze, q, k, v)
+
+
 def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k or v

@@ -123,10 +123,11 @@ class FastJIT:
         tensor's dtype and 16-byte alignment, the keyword arguments. Raises AttributeError or
         TypeError (unhashable) where the call does not fit the layout learned from the first one."""
         values = self._values(args)
-        if self._desc_args:  # Gluon TMA descriptors: keyed by everything they hold but the base's address
+        if self._desc_args:  # TMA descriptors: keyed by everything they hold but the base's address (or None)
             values = list(values)
             for j, _ in self._desc_args:
-                values[j] = _desc_key(values[j])
+                if values[j] is not None:
+                    values[j] = _desc_key(values[j])
             values = tuple(values)
         tensors = self._tensors(args)
         ptrs = [t.data_ptr() for t in tensors]
@@ -151,7 +152,7 @@ class FastJIT:
             # (place among the values, place among the arguments) of each descriptor
             self._desc_args = tuple((j, self._value_pos[j]) for j in sorted(self._desc_pos))
         return (all(isinstance(args[i], torch.Tensor) for i in self._tensor_pos)
-                and all(_is_desc(args[i]) if j in self._desc_pos else type(args[i]) in _SCALARS
+                and all((args[i] is None or _is_desc(args[i])) if j in self._desc_pos else type(args[i]) in _SCALARS
                         for j, i in enumerate(self._value_pos)))
 
     def run(self, grid, args: tuple, kwargs: dict):
@@ -208,7 +209,8 @@ class FastJIT:
         return compiled
 
     def _launch_tma(self, grid, args, values, ptrs, device, compiled, tail, plan) -> None:
-        """Launch a Gluon kernel straight through its C launcher, each descriptor's tensor map built once per
+        """Launch a kernel that takes TMA descriptors (a Gluon kernel, or a Triton one on host descriptors)
+        straight through its C launcher, each descriptor's tensor map built once per
         (argument, base address, descriptor key) and kept in `plan`, rather than once per launch."""
         launch, cooperative, pdl, descs, make, maps = plan
         launch_args = list(args)
@@ -232,16 +234,18 @@ _SCALARS = (int, float, bool, type(None))
 
 
 def _is_desc(x) -> bool:
-    """Whether x is a Gluon host-side TMA descriptor (triton.experimental.gluon.nvidia.hopper)."""
-    return type(x).__name__ == "TensorDescriptor" and hasattr(x, "layout") and hasattr(x, "block_shape")
+    """Whether x is a host-side TMA descriptor: Gluon's (triton.experimental.gluon.nvidia.hopper, with a shared
+    layout) or Triton's (triton.tools.tensor_descriptor, which the Triton dK/dV kernel takes)."""
+    return type(x).__name__ == "TensorDescriptor" and hasattr(x, "block_shape") and hasattr(x, "base")
 
 
 def _desc_key(d) -> tuple:
     """A descriptor's part of the key: the base's dtype and 16-byte alignment, shape, strides, block
     shape, layout (as `_layout_token`) and padding (the launcher builds the tensor map from the base's
     address per call)."""
+    layout = getattr(d, "layout", None)  # Triton's descriptors have none: the compiler picks the swizzle
     return (d.base.dtype, d.base.data_ptr() % 16 == 0, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
-            _layout_token(d.layout), d.padding)
+            None if layout is None else _layout_token(layout), d.padding)
 
 
 def _layout_token(layout) -> int:
@@ -264,7 +268,7 @@ _TOKENS = itertools.count()
 
 
 def _tma_plan(compiled, desc_args: tuple):
-    """How FastJIT launches a compiled Gluon kernel that takes TMA descriptors, keeping their tensor maps:
+    """How FastJIT launches a compiled kernel that takes TMA descriptors, keeping their tensor maps:
     (C launcher, cooperative flag, PDL flag, ((place among values, place among arguments, metadata), ...)
     right to left, the function that expands one descriptor into the launcher's arguments, a dict of
     expanded descriptors). Triton 3.6's launcher rebuilds every tensor map on every launch (a driver call

@@ -144,6 +144,16 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
         return _LOADED[variant]
 
 
+def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Uninitialised (dq, dk, dv), laid out as `empty_like` lays out q, k and v; one laid out afresh (its input is
+    expanded) is checked for the kernels' 32-bit indexing, as the inputs were."""
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if g.stride() != like.stride():
+            check_indexing(name, g)
+    return grads
+
+
 class Kernel:
     """A generated attention kernel. Call it like attention: `kernel(q, k, v)`.
 
@@ -279,13 +289,16 @@ class Kernel:
             out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None):
-        """Run the forward on checked inputs; returns (out, lse). No autograd."""
+    def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None,
+                lse: torch.Tensor | None = None):
+        """Run the forward on checked inputs; returns (out, lse). No autograd. `lse`, if given, is a
+        contiguous float32 (B, H, N_Q) tensor on q's device to write the log-sum-exp into (not checked:
+        attngen's autograd path allocates it)."""
         if on_other_gpu(q):
             # Triton launches on the current device: make q's current for this call (the tuning
             # lookup, the launch and the stream it runs on).
             with torch.cuda.device(q.device):
-                return self.forward(q, k, v, scale, out=out, config=config)
+                return self.forward(q, k, v, scale, out=out, config=config, lse=lse)
         if out is not None:
             check_out(out, q, inputs={"q": q, "k": k, "v": v})
         else:
@@ -294,7 +307,8 @@ class Kernel:
             check_indexing("out", out)
             if self.spec.packs_gqa:
                 check_packed_indexing("out", out, q.shape[1] // k.shape[1])
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        if lse is None:
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         if q.numel() and q.shape[2]:
             launch = dict(self.config(q, k))
             if config:
@@ -338,13 +352,7 @@ class Kernel:
         if on_other_gpu(q):
             with torch.cuda.device(q.device):
                 return self._backward(q, k, v, out, lse, do, sm_scale, config, grads)
-        if grads is not None:
-            dq, dk, dv = grads
-        else:
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-                if g.stride() != like.stride():  # laid out afresh: `like` is expanded
-                    check_indexing(name, g)
+        dq, dk, dv = gradient_tensors(q, k, v) if grads is None else grads
         if q.numel() == 0 or k.numel() == 0:
             # Nothing attends: every gradient is zero (and no kernel can be launched on an empty grid).
             return dq.zero_(), dk.zero_(), dv.zero_()

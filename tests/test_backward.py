@@ -186,3 +186,238 @@ def test_gpu_gradients_at_4096(dtype, head_dim, mask):
     kernel = train_spec(f"gpu_bwd_{dtype}_{head_dim}_{mask}", head_dim, dtype, mask)
     for result in validate(kernel, [Case(1, 4, 4, 4096, 4096), Case(1, 2, 2, 4093, 4099)], device="cuda"):
         assert result.ok, result
+
+
+def _training_step(q, k, v, do, causal, compiled=None):
+    """attngen.attention's output and (dq, dk, dv) through autograd, eagerly or through `compiled`."""
+    out = (compiled or attngen.attention)(q, k, v, is_causal=causal)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def _check_step(results, q, k, v, do, causal, scale=None):
+    """A training step's output and gradients against float64 (the gradients by attngen's validation
+    rule); 3-D inputs are taken as batch 1."""
+    from attngen.api import _DTYPES, sdpa_spec
+    from attngen.reference import attention as reference
+
+    if q.dim() == 3:
+        q, k, v, do, *results = (t.unsqueeze(0) for t in (q, k, v, do, *results))
+    spec = sdpa_spec(_DTYPES[q.dtype], q.shape[-1], causal)
+    scale = spec.softmax_scale if scale is None else scale
+    ref, _ = reference(q.detach(), k.detach(), v.detach(), spec.mask, scale)
+    out = results[0]
+    assert not torch.isnan(out).any()
+    assert (out.double() - ref).norm() / ref.norm() < 1e-2
+    for grad in compare_grads(spec, q.detach(), k.detach(), v.detach(), do, results[1:], scale):
+        assert grad.ok, grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, causal, n", [(64, False, 2048), (128, True, 2048), (128, False, 333)])
+def test_gpu_training_step_captured_in_a_cuda_graph(head_dim, causal, n):
+    """attngen.attention's forward and backward read nothing back from the GPU, so a training step (the
+    forward, then autograd's backward) can be captured in a CUDA graph after warm-up calls on a side stream
+    (torch's recipe for whole-network capture) and replayed on new data written in place into the same
+    tensors. N=2048 with 16 heads runs the Gluon forward and backward on Hopper; 333 the Triton kernels."""
+    gen = torch.Generator("cuda").manual_seed(head_dim + n)
+
+    def fresh(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+    q, k, v = (fresh(1, 16, n, head_dim).requires_grad_() for _ in range(3))
+    do = fresh(1, 16, n, head_dim)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # checks, then a plan: the capture sees the steady state
+            _training_step(q, k, v, do, causal)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _training_step(q, k, v, do, causal)
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v, do):
+                t.copy_(fresh(*t.shape))
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_step(captured, q, k, v, do, causal)
+        assert torch.equal(captured[0], attngen.attention(q.detach(), k.detach(), v.detach(), is_causal=causal))
+
+
+@pytest.mark.gpu
+def test_gpu_inference_calls_captured_in_a_cuda_graph_after_their_replay_is_recorded():
+    """Without autograd a signature's third call replays the launches recorded from its second
+    (attngen/replay.py): capturing such a call captures the replay, which must follow new data too."""
+    gen = torch.Generator("cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 16, 1024, 64, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    for _ in range(3):
+        attngen.attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attngen.attention(q, k, v, is_causal=True)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+        assert (out.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_reduce_overhead_trains_in_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") runs a block around attngen.attention, forward and backward,
+    in CUDA graphs (inductor skips graphs with ops it cannot capture, and counts those skips), and its
+    output and gradients follow new data, against float64."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def block(q, k, v, is_causal):
+        return attngen.attention(q * 1.0, k, v, is_causal=is_causal)
+
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator("cuda").manual_seed(8)
+    for step in range(4):
+        q, k, v, do = (torch.randn(2, 16, 512, 128, device="cuda", generator=gen).bfloat16() for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        results = _training_step(q, k, v, do, True, compiled)
+        if step >= 2:  # cudagraph trees record on the second run and replay from the third
+            _check_step(results, q, k, v, do, True)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("three_d", [False, True])
+def test_planned_training_calls_match_float64_for_each_output_gradient_layout(three_d, monkeypatch):
+    """A repeated attngen.attention signature with autograd takes the planned path (autograd._Planned: no
+    checks, the launches of its second call replayed where FastJIT runs; here, interpreted, the kernels
+    run each time): every call, on fresh inputs, has float64's gradients, for output gradients laid out
+    contiguously, expanded (from out.sum()) and transposed, for any subset of q, k, v requiring grad, and
+    3-D inputs too."""
+    from attngen import api, autograd
+    from attngen.reference import attention_grads
+    from attngen.spec import Mask
+
+    monkeypatch.setattr(api, "_PLANS", {})
+    lead = () if three_d else (1,)
+    every, k_only, q_v = (True, True, True), (False, True, False), (True, False, True)
+    calls = [(every, "contiguous"), (every, "expanded"), (every, "transposed"), (k_only, "contiguous"),
+             (k_only, "expanded"), (q_v, "transposed"), (q_v, "contiguous"), (every, "expanded")]
+    for call, (want, layout) in enumerate(calls):
+        q = rand(*lead, 4, 19, 32, dtype=torch.float32)
+        k, v = (rand(*lead, 2, 27, 32, dtype=torch.float32) for _ in range(2))
+        leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), want)]
+        out = attngen.attention(*leaves, is_causal=True, enable_gqa=True)
+        if layout == "expanded":
+            do = torch.ones((), device=out.device).expand(out.shape)
+            out.sum().backward()
+        else:
+            do = rand(*out.shape, dtype=torch.float32)
+            if layout == "transposed":
+                do = do.transpose(-1, -2).contiguous().transpose(-1, -2)
+            out.backward(do)
+        ref_out = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True, enable_gqa=True)
+        assert (out.double() - ref_out).norm() / ref_out.norm() < 1e-5
+        refs = attention_grads(*(t.unsqueeze(0) if three_d else t for t in (q, k, v, do)),
+                               Mask.CAUSAL_TOP_LEFT, 32 ** -0.5)
+        for leaf, w, ref in zip(leaves, want, refs):
+            if not w:
+                assert leaf.grad is None
+                continue
+            ref = ref.squeeze(0) if three_d else ref
+            assert leaf.grad.shape == leaf.shape and (leaf.grad.double() - ref).norm() / ref.norm() < 1e-5, call
+    plans = [p for p in api._PLANS.values() if p.training is not None]
+    assert len(plans) == 3  # one per requires_grad pattern (each called twice or more)
+    assert all(isinstance(p.training, autograd.Training) for p in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["d64 causal 3-D", "d128 gqa n_q != n_k", "d64 long", "d128 long causal"])
+def test_gpu_replayed_training_calls_compute_what_the_kernels_compute(case, monkeypatch):
+    """On the GPU, a training call whose signature repeats replays, from its third call on, the forward's and
+    the backward's launches of its second (autograd._Planned): each call, on fresh inputs at new addresses,
+    matches float64, and its output, dK and dV are bit for bit those of the unplanned path (dQ adds its
+    parts in any order on the Gluon backward: it is held to float64 only). The long cases take the Gluon
+    forward and backward on sm_90."""
+    from attngen import api, replay
+
+    monkeypatch.setattr(api, "_PLANS", {})
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    causal, scale, dtype = "causal" in case, None, torch.bfloat16
+    if "3-D" in case:
+        shapes, kw, dtype = ((16, 130, 64), (16, 77, 64)), {}, torch.float16
+    elif "gqa" in case:
+        shapes, kw, scale = ((2, 8, 100, 128), (2, 2, 300, 128)), {"enable_gqa": True, "scale": 0.1}, 0.1
+    else:
+        n, d = 2048, int(case[1:4].strip())
+        shapes, kw = ((2, 2048 // d, n, d), (2, 2048 // d, n, d)), {}
+    gen = torch.Generator("cuda").manual_seed(len(case))
+    for i in range(10):  # calls 5-7: a transposed output gradient (heads and rows swapped); 8-10: an expanded one
+        q, k, v, do = (torch.randn(*shapes[j], device="cuda", generator=gen).to(dtype) for j in (0, 1, 1, 0))
+        if 4 <= i < 7:
+            do = do.transpose(-3, -2).contiguous().transpose(-3, -2)
+        elif i >= 7:  # (a loss of out.sum(): TMA cannot read it, so the Triton kernels run, on pointers)
+            do = torch.ones((), device="cuda", dtype=dtype).expand(do.shape)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = attngen.attention(q, k, v, is_causal=causal, **kw)
+        got = (out, *torch.autograd.grad(out, (q, k, v), do))
+        _check_step(got, q, k, v, do, causal, scale)
+        with monkeypatch.context() as m:  # the unplanned path: a fresh plan table, the signature's first call
+            m.setattr(api, "_PLANS", {})
+            out = attngen.attention(q, k, v, is_causal=causal, **kw)
+            want = (out, *torch.autograd.grad(out, (q, k, v), do))
+        assert all(torch.equal(a, b) for a, b in zip(got[::2], want[::2])), i  # out and dk
+        assert torch.equal(got[3], want[3]), i  # dv
+    # the forward from call 3 on; the backward from a layout's third planned call on (the first runs as it is,
+    # the second records): calls 4, 7 and 10
+    assert replayed == [True] * 11
+
+
+def test_planned_backward_records_once_per_output_gradient_layout_and_determinism(monkeypatch):
+    """The planned path records a signature's forward once and its backward once per (layout of the output
+    gradient, deterministic-algorithms setting), at its second planned call (the first may compile, or
+    launch binaries FastJIT has not kept): the generated backward picks its kernels by that setting
+    (the Gluon dQ adds in any order), so a replay recorded under one must not run under the other. (A stand-in
+    replay that declines, so the kernels run and the gradients can be checked.)"""
+    from attngen import api, launch, replay
+
+    monkeypatch.setattr(api, "_PLANS", {})
+    recorded = []
+
+    class Declines:
+        def __init__(self, module):
+            self.generation = launch.generation(module)
+
+        def __call__(self, inputs):
+            return False
+
+    def record(fn, inputs, module):
+        recorded.append(len(inputs))  # 5: the forward's (q, k, v, out, lse); 9: the backward's
+        return fn(), Declines(module)
+
+    monkeypatch.setattr(replay, "record", record)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for call, (strict, expanded) in enumerate([(False, False)] * 3 + [(True, False)] * 2 + [(False, True)] * 2
+                                              + [(True, True)] * 2):
+        q, k, v = (rand(1, 2, 21, 32, dtype=torch.float32, grad=True) for _ in range(3))
+        do = torch.ones((), device=DEVICE).expand(q.shape) if expanded else rand(*q.shape, dtype=torch.float32)
+        torch.use_deterministic_algorithms(strict)
+        try:
+            attngen.attention(q, k, v, is_causal=True).backward(do)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*leaves, is_causal=True).backward(do.double())
+        for got, ref in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+            assert (got.double() - ref).norm() / ref.norm() < 1e-5, call
+    # call 2 records the forward, 3 the backward; 5 the strict backward; 7 and 9 the expanded ones
+    assert recorded == [5, 9, 9, 9, 9]

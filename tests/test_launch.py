@@ -288,13 +288,17 @@ def fake_gluon_kernel(monkeypatch, scratch=0):
     signature = {0: "*bf16", 1: "i32", 2: "tensordesc<bf16[16, 128]>", 3: "*fp32", 4: "tensordesc<bf16[16, 128]>",
                  5: "constexpr"}
     launcher = _FakeLauncher(log, signature, [{"swizzle": 128}, {"swizzle": 64}], scratch)
+    # passed None for K and V (as the Triton dK/dV kernel is where TMA cannot read its tensors), Triton compiles
+    # another binary, whose K and V are constexprs
+    plain = _FakeLauncher(log, {**signature, 2: "constexpr", 4: "constexpr"}, None, scratch)
     fn = _FakeJIT(["X", "n", "K", "Y", "V", "BLOCK"], constexprs=("BLOCK",))
 
     def triton_path(grid):  # Triton's launch: compile (here: a compiled kernel around `launcher`), launch
         def run(*args, **kwargs):
-            compiled = SimpleNamespace(run=launcher, function="fn", packed_metadata="meta")
+            use = launcher if args[2] is not None else plain
+            compiled = SimpleNamespace(run=use, function="fn", packed_metadata="meta")
             fn.log.append(("triton",))
-            launcher(*grid, 1, 1234, "fn", "meta", None, None, None, *args, kwargs["BLOCK"])
+            use(*grid, 1, 1234, "fn", "meta", None, None, None, *args, kwargs["BLOCK"])
             return compiled
         return run
 
@@ -302,21 +306,31 @@ def fake_gluon_kernel(monkeypatch, scratch=0):
     return fn, launcher, log, made
 
 
-@pytest.mark.parametrize("scratch", [0, 256])
-def test_gluon_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch, scratch):
-    """A cached Gluon launch hands the C launcher exactly what Triton's launcher would, but encodes a
-    descriptor's tensor map only for a base address or layout it has not seen (Triton: every launch).
-    A launcher that needs scratch memory keeps Triton's path."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+def tma_descriptor(kind: str):
+    """(base, rows) -> a [rows, 256] descriptor of 16 x 128 blocks: Gluon's (with its shared layout) or Triton's
+    (triton.tools.tensor_descriptor, as the Triton dK/dV kernel takes; the compiler picks its swizzle)."""
+    if kind == "gluon":
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+        layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+        return lambda t, rows=64: TensorDescriptor(t, [rows, 256], [256, 1], [16, 128], layout)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return lambda t, rows=64: TensorDescriptor(t, [rows, 256], [256, 1], [16, 128])
+
+
+@pytest.mark.parametrize("kind", ["gluon", "triton"])
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch, scratch, kind):
+    """A cached launch of a kernel on TMA descriptors (Gluon's, or Triton's host descriptors) hands the C
+    launcher exactly what Triton's launcher would, but encodes a descriptor's tensor map only for a base
+    address or layout it has not seen (Triton: every launch). A launcher that needs scratch memory keeps
+    Triton's path."""
     fn, launcher, log, made = fake_gluon_kernel(monkeypatch, scratch)
     fast = FastJIT(fn)
-    layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
     k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
-
-    def desc(t, rows=64):
-        return TensorDescriptor(t, [rows, 256], [256, 1], [16, 128], layout)
+    desc = tma_descriptor(kind)
 
     def as_ptrs(args):
         return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)

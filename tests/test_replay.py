@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_launch import _FakeJIT, fake_gluon_kernel
+from test_launch import _FakeJIT, fake_gluon_kernel, tma_descriptor
 
 from attngen import launch, replay
 from attngen.launch import FastJIT
@@ -134,22 +134,20 @@ def test_a_replay_declines_where_the_launch_could_differ(no_hooks, monkeypatch):
     assert again((q, k, out))
 
 
-def test_replayed_gluon_launches_keep_their_tensor_maps_per_address(no_hooks, monkeypatch):
-    """A Gluon kernel's descriptors: the replay gives the C launcher what Triton's launcher would for the
-    new call's caches, building a tensor map only for a base address FastJIT has not built one for."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+@pytest.mark.parametrize("kind", ["gluon", "triton"])
+def test_replayed_descriptor_launches_keep_their_tensor_maps_per_address(no_hooks, monkeypatch, kind):
+    """A kernel's TMA descriptors (Gluon's, or Triton's host descriptors): the replay gives the C launcher what
+    Triton's launcher would for the new call's caches, building a tensor map only for a base address FastJIT
+    has not built one for."""
     fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
     module = types.ModuleType("fake_gluon")
     module.__class__ = launch._CountedModule
     module.kernel = FastJIT(fn)
-    layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
+    desc = tma_descriptor(kind)
 
     def forward(x, k, v):
         y = torch.empty(8)
-        module.kernel[(3, 2)](x, 5, TensorDescriptor(k, [64, 256], [256, 1], [16, 128], layout), y,
-                              TensorDescriptor(v, [64, 256], [256, 1], [16, 128], layout), BLOCK=16)
+        module.kernel[(3, 2)](x, 5, desc(k), y, desc(v), BLOCK=16)
 
     def caches():
         return torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
@@ -167,10 +165,64 @@ def test_replayed_gluon_launches_keep_their_tensor_maps_per_address(no_hooks, mo
         assert len(made) - before == new_maps
         got = list(log[-1][1])
         probe = torch.empty(8)
-        launcher(3, 2, 1, 1234, "fn", "meta", None, None, None, x, 5,
-                 TensorDescriptor(caches_now[0], [64, 256], [256, 1], [16, 128], layout), probe,
-                 TensorDescriptor(caches_now[1], [64, 256], [256, 1], [16, 128], layout), 16)  # Triton's launcher
+        launcher(3, 2, 1, 1234, "fn", "meta", None, None, None, x, 5, desc(caches_now[0]), probe,
+                 desc(caches_now[1]), 16)  # Triton's launcher
         want = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in log[-1][1]]
         assert want[y_at] == probe.data_ptr() and got[y_at] % 16 == 0  # y: the replay's scratch block
         want[y_at] = got[y_at]
         assert got == want
+
+
+def test_descriptors_a_launcher_encodes_itself_are_not_recorded(no_hooks, monkeypatch):
+    """Where FastJIT keeps no tensor maps (a launcher that needs scratch memory: Triton's launcher encodes
+    the descriptors it is handed), a replay would hand it the recorded call's descriptors, reading the old
+    caches: such a call is not recorded."""
+    fn, launcher, log, made = fake_gluon_kernel(monkeypatch, scratch=256)
+    module = types.ModuleType("fake_gluon")
+    module.__class__ = launch._CountedModule
+    module.kernel = FastJIT(fn)
+    desc = tma_descriptor("triton")
+    x, y = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
+    k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+
+    def forward():
+        module.kernel[(3, 2)](x, 5, desc(k), y, desc(v), BLOCK=16)
+
+    forward()
+    launches = []
+    real = replay.Replay.build.__func__
+    monkeypatch.setattr(replay.Replay, "build", classmethod(
+        lambda cls, recording, inputs, generated: launches.append(len(recording.launches))
+        or real(cls, recording, inputs, generated)))
+    assert replay.record(forward, (x, k, y, v), module)[1] is None
+    assert launches == [1]  # the launch took FastJIT's cached path, and only the descriptors stopped it
+
+
+def test_launches_passed_no_descriptors_are_kept_and_replayed(no_hooks, monkeypatch):
+    """A kernel that takes descriptors, passed None for them (another binary), takes FastJIT's cached path and
+    is replayed; with descriptors again, the first binary is launched from FastJIT's cache too."""
+    fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
+    module = types.ModuleType("fake_gluon")
+    module.__class__ = launch._CountedModule
+    module.kernel = FastJIT(fn)
+    desc = tma_descriptor("triton")
+    k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+
+    def forward(x, with_desc):
+        y = torch.empty(8)
+        module.kernel[(3, 2)](x, 5, desc(k) if with_desc else None, y, desc(v) if with_desc else None, BLOCK=16)
+
+    x = torch.empty(8, dtype=torch.bfloat16)
+    for with_desc in (True, False, False):
+        fn.log.clear()
+        forward(x, with_desc)
+    assert fn.log == []  # the second call without descriptors took the cached path
+    _, kept = replay.record(lambda: forward(x, False), (x,), module)
+    assert kept is not None
+    x2 = torch.empty(8, dtype=torch.bfloat16)
+    assert kept((x2,))
+    got = log[-1][1]
+    # the C launcher's arguments: 13 of the launch's own, then x, 5, K, y (the replay's scratch block), V, BLOCK
+    assert got[13:16] == (x2.data_ptr(), 5, None) and got[16] % 16 == 0 and got[17:] == (None, 16)
+    forward(x, True)
+    assert fn.log == []

@@ -38,13 +38,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def variants(call, module):
+def variants(call, module, recorder=None):
     """(name -> fn, name -> plan table): the call with replays, with plans but no replays, and checked every
     time (each with its own plan table, swapped in around the call); `module`: attngen.decode or attngen.api,
-    whose `_PLANS` and `record` the call uses."""
+    whose `_PLANS` the call uses, and whose `record` it calls unless `recorder` is the module it takes
+    `record` from (attngen.replay, for attngen.autograd's training calls)."""
     from decode_plans import NoPlans
 
-    real_record = module.record
+    recorder = recorder or module
+    real_record = recorder.record
     tables = {"replay": {}, "module": {}, "checked": NoPlans()}
 
     def keep_none(fn, inputs, generated):
@@ -54,11 +56,11 @@ def variants(call, module):
         def run():
             kept = module._PLANS
             module._PLANS = tables[name]
-            module.record = real_record if name == "replay" else keep_none
+            recorder.record = real_record if name == "replay" else keep_none
             try:
                 return call()
             finally:
-                module._PLANS, module.record = kept, real_record
+                module._PLANS, recorder.record = kept, real_record
         return run
 
     return {name: way(name) for name in tables}, tables
