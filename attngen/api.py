@@ -22,7 +22,6 @@ import torch
 from . import autograd
 from .checks import check_attention_inputs, check_scale, tensor_signature
 from .errors import KernelInputError
-from .replay import record, wanted
 from .runtime import _tuning, interpreting
 from .spec import Spec, parse
 
@@ -63,29 +62,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                     _PLANS.clear()
                 _PLANS[signature] = plan
     op_key, scale, squeeze = plan.op_key, plan.scale, plan.squeeze
-    if planned and not autograd.needs_grad(query, key, value):
-        # Inference: from the signature's third call on, the launches of its second (attngen/replay.py)
-        out = torch.empty_like(query)
-        if plan.replay and plan.replay((query, key, value, out)):
-            return out
-        kernel = autograd.resolve(op_key)
-        q4, k4, v4, out4 = ((t.unsqueeze(0) for t in (query, key, value, out)) if squeeze
-                            else (query, key, value, out))
-        if wanted(plan.replay, kernel.module):
-            _, replay = record(lambda: kernel.forward(q4, k4, v4, scale, out=out4), (query, key, value, out),
-                               kernel.module)
-            _PLANS[signature] = plan._replace(replay=replay or False)
-        else:
-            kernel.forward(q4, k4, v4, scale, out=out4)
-        return out
     if planned:
-        # Training: from the signature's third call on, the forward's and the backward's launches are those
-        # recorded at its second (autograd._Planned)
-        training = plan.training
-        if training is None:
-            training = autograd.Training()
-            _PLANS[signature] = plan._replace(training=training)
-        return autograd.planned_forward(training, op_key, scale, squeeze, query, key, value)
+        # from the signature's third call on, the launches of its second (attngen/replay.py)
+        if not autograd.needs_grad(query, key, value):
+            return autograd.replayed_forward(plan.inference, op_key, scale, squeeze, query, key, value)
+        return autograd.planned_forward(plan.training, op_key, scale, squeeze, query, key, value)
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     out, _ = autograd.attention_forward(op_key, query, key, value, scale)
@@ -94,14 +75,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
 class _Plan(NamedTuple):
     """What `attention`'s checks decide for one call signature: the key of the kernel that runs it, the
-    softmax scale, whether the inputs are 3-D; for calls without autograd, a Replay of the launches
-    (attngen/replay.py), False where they cannot be replayed; for calls with it, their replays
-    (`autograd.Training`)."""
+    softmax scale, whether the inputs are 3-D; and the replays of its launches (attngen/replay.py) for calls
+    without autograd and with it (`autograd.Replays`, filled in by later calls)."""
     op_key: str
     scale: float
     squeeze: bool
-    replay: object = None
-    training: object = None
+    inference: autograd.Replays
+    training: autograd.Replays
 
 
 # _signature(...) -> _Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
@@ -166,4 +146,5 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    return _Plan(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze)
+    return _Plan(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze,
+                 autograd.Replays(), autograd.Replays())

@@ -84,10 +84,10 @@ class _Eager(torch.autograd.Function):
                           resolve(key).backward_saved(q, k, v, out, lse, do, scale))
 
 
-class Training:
-    """The replays (attngen/replay.py) of one `attngen.attention` call signature's autograd calls: the
-    forward's, writing out and lse into tensors the call allocates (None: none recorded yet, False: its
-    launches cannot be replayed), and the backward's, one per output-gradient layout (autograd hands the
+class Replays:
+    """The replays (attngen/replay.py) of one `attngen.attention` call signature's calls, of its inference
+    calls or of its autograd calls: the forward's (None: none recorded yet, False: its launches cannot be
+    replayed), and for autograd calls the backward's, one per output-gradient layout (autograd hands the
     backward whatever layout the loss made: `out.sum()` gives an expanded one) and deterministic-algorithms
     setting (None: seen once, recorded at the next)."""
 
@@ -99,31 +99,43 @@ class Training:
         self.backward: dict = {}
 
 
+def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None) -> torch.Tensor:
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` checked at an earlier
+    call (3-D where `squeeze`), in a tensor allocated here: `replays.forward`'s launches where it holds them,
+    else the kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of
+    q's rows (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch."""
+    from .replay import record, wanted
+
+    out = torch.empty_like(q)
+    inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
+    replay = replays.forward
+    if replay and replay(inputs):
+        return out
+    kernel = resolve(key)
+    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
+
+    def run():
+        kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
+
+    if wanted(replay, kernel.module):
+        replays.forward = record(run, inputs, kernel.module)[1] or False
+    else:
+        run()
+    return out
+
+
 class _Planned(torch.autograd.Function):
-    """`_Eager` for a call signature `attngen.attention` has planned: the same kernels, but the forward's and
-    the backward's launches replayed from the second planned call on (the first records them; api.py's
-    plans skip the checks), and only `out` returned (the log-sum-exp is kept for the backward, so autograd
-    makes no zero gradient for it). q, k and v are the caller's (3-D where `squeeze`)."""
+    """`_Eager` for a call signature `attngen.attention` has planned: the same kernels, without the checks, the
+    forward's launches replayed from the second planned call on (the first records them: `replayed_forward`),
+    the backward's from a layout's third (the first runs as it is, the second records), and only `out`
+    returned (the log-sum-exp is kept for the backward, so autograd makes no zero gradient for it). q, k and v
+    are the caller's (3-D where `squeeze`)."""
 
     @staticmethod
-    def forward(ctx, training: Training, key: str, scale: float, squeeze: bool, q, k, v):
-        from .replay import record, wanted
-
-        out = torch.empty_like(q)
+    def forward(ctx, replays: Replays, key: str, scale: float, squeeze: bool, q, k, v):
         lse = torch.empty(((1,) if squeeze else ()) + q.shape[:-1], device=q.device, dtype=torch.float32)
-        replay = training.forward
-        if not (replay and replay((q, k, v, out, lse))):
-            kernel = resolve(key)
-            q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
-
-            def run():
-                kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
-
-            if wanted(replay, kernel.module):
-                training.forward = record(run, (q, k, v, out, lse), kernel.module)[1] or False
-            else:
-                run()
-        ctx.training, ctx.key, ctx.scale, ctx.squeeze = training, key, scale, squeeze
+        out = replayed_forward(replays, key, scale, squeeze, q, k, v, lse)
+        ctx.replays, ctx.key, ctx.scale, ctx.squeeze = replays, key, scale, squeeze
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -135,7 +147,7 @@ class _Planned(torch.autograd.Function):
         from .runtime import gradient_tensors
 
         q, k, v, out, lse = ctx.saved_tensors
-        layouts = ctx.training.backward
+        layouts = ctx.replays.backward
         # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
         layout = (tensor_signature(do), torch.are_deterministic_algorithms_enabled())
         replay = layouts.get(layout, _NEW)
@@ -154,7 +166,7 @@ class _Planned(torch.autograd.Function):
             if replay is _NEW:
                 # A layout's first backward runs as it is (its launches may compile, or take Triton's path
                 # to a binary FastJIT has not kept: a recording of them would fail); its second records
-                if len(layouts) >= Training.KEPT:
+                if len(layouts) >= Replays.KEPT:
                     layouts.clear()
                 layouts[layout] = None
                 run()
@@ -166,14 +178,14 @@ class _Planned(torch.autograd.Function):
         return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[4:]))
 
 
-_NEW = object()  # a layout `Training.backward` has not seen
+_NEW = object()  # a layout `Replays.backward` has not seen
 
 
-def planned_forward(training: Training, key: str, scale: float, squeeze: bool, q, k, v) -> torch.Tensor:
+def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v) -> torch.Tensor:
     """The output of the kernel named by `key` on inputs of a signature `attngen.attention` planned (checked
-    at an earlier call), recorded for autograd (q, k or v requires grad) with the signature's replays
-    `training` (`_Planned`). Eager calls only: torch.compile traces the custom op."""
-    return _Planned.apply(training, key, scale, squeeze, q, k, v)
+    at an earlier call), recorded for autograd (q, k or v requires grad) with the signature's autograd
+    replays (`_Planned`). Eager calls only: torch.compile traces the custom op."""
+    return _Planned.apply(replays, key, scale, squeeze, q, k, v)
 
 
 def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -86,7 +86,7 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attngen
-    from attngen import api, decode
+    from attngen import api, decode, replay
     from attngen.bench_decode import D, DTYPE, PEERS
     from decode_plans import case_call
     from host_overhead import host_us
@@ -100,7 +100,7 @@ def main() -> int:
                              (1, "paged 16", D), (16, "contiguous", D), (1, "contiguous", 96), (1, "prefill N=128", 64)):
         if layout == "prefill N=128":  # attngen.attention, B=1 H=16 d=64 causal (its own plans, attngen/api.py)
             q, k, v = (torch.randn(1, 16, 128, d, device="cuda", dtype=DTYPE, generator=gen) for _ in range(3))
-            ways, tables = variants(lambda: attngen.attention(q, k, v, is_causal=True), api)
+            ways, tables = variants(lambda: attngen.attention(q, k, v, is_causal=True), api, recorder=replay)
 
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -110,7 +110,7 @@ def main() -> int:
             ways, tables = variants(call, decode)
             cudnn = PEERS["sdpa cudnn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
         results = {name: [fn().clone() for _ in range(3)][-1] for name, fn in ways.items()}
-        built = [bool(p.replay) for p in tables["replay"].values()]
+        built = [bool(p.replay if hasattr(p, "replay") else p.inference.forward) for p in tables["replay"].values()]
         same = all(torch.equal(results["replay"], r) for r in results.values()) if layout != "growing int" else None
         us = host_us(dict(ways, cudnn=cudnn))
         row = dict(batch=batch, layout=layout, head_dim=d, same_output=same, replay_built=built,
