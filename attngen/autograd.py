@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_like, tensor_signature
 from .errors import AttnGenError
+from . import replay as _replay  # (its `record` looked up per call: tests and experiments replace it)
+from .runtime import gradient_tensors  # (runtime imports this module only inside functions)
 
 _KERNELS: dict = {}
 _SDPA_SPECS: dict = {}
@@ -104,8 +107,6 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
     call (3-D where `squeeze`), in a tensor allocated here: `replays.forward`'s launches where it holds them,
     else the kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of
     q's rows (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch."""
-    from .replay import record, wanted
-
     out = torch.empty_like(q)
     inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
     replay = replays.forward
@@ -117,8 +118,8 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
     def run():
         kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
 
-    if wanted(replay, kernel.module):
-        replays.forward = record(run, inputs, kernel.module)[1] or False
+    if _replay.wanted(replay, kernel.module):
+        replays.forward = _replay.record(run, inputs, kernel.module)[1] or False
     else:
         run()
     return out
@@ -142,10 +143,6 @@ class _Planned(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        from .checks import check_like, tensor_signature
-        from .replay import record, wanted
-        from .runtime import gradient_tensors
-
         q, k, v, out, lse = ctx.saved_tensors
         layouts = ctx.replays.backward
         # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
@@ -170,8 +167,8 @@ class _Planned(torch.autograd.Function):
                     layouts.clear()
                 layouts[layout] = None
                 run()
-            elif wanted(replay, kernel.module):
-                layouts[layout] = record(run, inputs, kernel.module)[1] or False
+            elif _replay.wanted(replay, kernel.module):
+                layouts[layout] = _replay.record(run, inputs, kernel.module)[1] or False
             else:
                 run()
         need = ctx.needs_input_grad
