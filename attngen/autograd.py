@@ -88,8 +88,8 @@ class _Eager(torch.autograd.Function):
 
 
 class Replays:
-    """The replays (attngen/replay.py) of one `attngen.attention` call signature's calls, of its inference
-    calls or of its autograd calls: the forward's (None: none recorded yet, False: its launches cannot be
+    """The replays (attngen/replay.py) of one `attngen.attention` or `Kernel.__call__` signature's calls, of its
+    inference calls or of its autograd calls: the forward's (None: none recorded yet, False: its launches cannot be
     replayed), and for autograd calls the backward's, one per output-gradient layout (autograd hands the
     backward whatever layout the loss made: `out.sum()` gives an expanded one) and deterministic-algorithms
     setting (None: seen once, recorded at the next)."""
@@ -103,10 +103,11 @@ class Replays:
 
 
 def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None) -> torch.Tensor:
-    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` checked at an earlier
-    call (3-D where `squeeze`), in a tensor allocated here: `replays.forward`'s launches where it holds them,
-    else the kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of
-    q's rows (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch."""
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` (or `Kernel.__call__`)
+    checked at an earlier call (3-D where `squeeze`), in a tensor allocated here: `replays.forward`'s launches
+    where it holds them, else the kernel's own path, recorded into `replays.forward` at the first call. `lse`: a
+    float32 tensor of q's rows (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is
+    scratch."""
     out = torch.empty_like(q)
     inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
     replay = replays.forward
@@ -126,23 +127,26 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
 
 
 class _Planned(torch.autograd.Function):
-    """`_Eager` for a call signature `attngen.attention` has planned: the same kernels, without the checks, the
-    forward's launches replayed from the second planned call on (the first records them: `replayed_forward`),
-    the backward's from a layout's third (the first runs as it is, the second records), and only `out`
-    returned (the log-sum-exp is kept for the backward, so autograd makes no zero gradient for it). q, k and v
-    are the caller's (3-D where `squeeze`)."""
+    """`_Eager` for a call signature `attngen.attention` or `Kernel.__call__` planned: the same kernels, without the
+    checks, the forward's launches replayed from the second planned call on (the first records them:
+    `replayed_forward`), the backward's from a layout's third (the first runs as it is, the second records),
+    and only `out` returned unless `with_lse` (the log-sum-exp is kept for the backward, so autograd makes no
+    zero gradient for it). q, k and v are the caller's (3-D where `squeeze`)."""
 
     @staticmethod
-    def forward(ctx, replays: Replays, key: str, scale: float, squeeze: bool, q, k, v):
+    def forward(ctx, replays: Replays, key: str, scale: float, squeeze: bool, with_lse: bool, q, k, v):
         lse = torch.empty(((1,) if squeeze else ()) + q.shape[:-1], device=q.device, dtype=torch.float32)
         out = replayed_forward(replays, key, scale, squeeze, q, k, v, lse)
         ctx.replays, ctx.key, ctx.scale, ctx.squeeze = replays, key, scale, squeeze
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        if not with_lse:
+            return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
+    def backward(ctx, do, _d_lse=None):
         q, k, v, out, lse = ctx.saved_tensors
         layouts = ctx.replays.backward
         # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
@@ -172,17 +176,18 @@ class _Planned(torch.autograd.Function):
             else:
                 run()
         need = ctx.needs_input_grad
-        return (None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[4:]))
+        return (None, None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[5:]))
 
 
 _NEW = object()  # a layout `Replays.backward` has not seen
 
 
-def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v) -> torch.Tensor:
-    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` planned (checked
-    at an earlier call), recorded for autograd (q, k or v requires grad) with the signature's autograd
-    replays (`_Planned`). Eager calls only: torch.compile traces the custom op."""
-    return _Planned.apply(replays, key, scale, squeeze, q, k, v)
+def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, with_lse: bool = False):
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` or `Kernel.__call__`
+    planned (checked at an earlier call), recorded for autograd (q, k or v requires grad) with the
+    signature's autograd replays (`_Planned`); with `with_lse`, (out, lse), lse not differentiable. Eager calls
+    only: torch.compile traces the custom op."""
+    return _Planned.apply(replays, key, scale, squeeze, with_lse, q, k, v)
 
 
 def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

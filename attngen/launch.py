@@ -141,19 +141,29 @@ class FastJIT:
         self._value_pos = tuple(i for i in range(n) if i not in tensor_pos)
         self._tensors, self._values = _getter(self._tensor_pos), _getter(self._value_pos)
         self._prefix = tensor_pos == tuple(range(len(tensor_pos)))  # tensors first: attngen's kernels
-        self._desc_pos, self._desc_args = frozenset(), ()  # set by `_cacheable` from the first call
+        self._desc_pos, self._desc_args = frozenset(), ()  # learnt by `_learn_descriptors` from calls that pass them
 
     def _cacheable(self, args: tuple) -> bool:
         """Whether this call's arguments are tensors where the layout has tensors and plain Python
         scalars elsewhere (learning the layout on the first call)."""
         if self._tensor_pos is None:
             self.learn(tuple(i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), len(args))
-            self._desc_pos = frozenset(j for j, i in enumerate(self._value_pos) if _is_desc(args[i]))
-            # (place among the values, place among the arguments) of each descriptor
-            self._desc_args = tuple((j, self._value_pos[j]) for j in sorted(self._desc_pos))
+        self._learn_descriptors(args)
         return (all(isinstance(args[i], torch.Tensor) for i in self._tensor_pos)
                 and all((args[i] is None or _is_desc(args[i])) if j in self._desc_pos else type(args[i]) in _SCALARS
                         for j, i in enumerate(self._value_pos)))
+
+    def _learn_descriptors(self, args: tuple) -> bool:
+        """Add the places among the values where this call passes TMA descriptors and earlier calls did not
+        (the first call, or only None there: a kernel passed None where TMA cannot read a tensor, as the
+        Triton dK/dV kernel is for an expanded do, is another binary); whether there were any. Keys made
+        before stay valid: a place that held None keys None either way."""
+        new = [j for j, i in enumerate(self._value_pos) if j not in self._desc_pos and _is_desc(args[i])]
+        if new:
+            self._desc_pos = self._desc_pos.union(new)
+            # (place among the values, place among the arguments) of each descriptor
+            self._desc_args = tuple((j, self._value_pos[j]) for j in sorted(self._desc_pos))
+        return bool(new)
 
     def run(self, grid, args: tuple, kwargs: dict):
         knobs = _knobs()
@@ -170,9 +180,11 @@ class FastJIT:
                 key, ptrs = self.signature(args, kwargs)
                 hit = self._cache.get((device, knobs.runtime.debug, key))
             except (AttributeError, TypeError):  # not a tensor where one was; an unhashable value
-                if recording is not None:
-                    recording.ok = False
-                return self.fn[grid](*args, **kwargs)
+                if not self._learn_descriptors(args):
+                    if recording is not None:
+                        recording.ok = False
+                    return self.fn[grid](*args, **kwargs)
+                # (a descriptor where earlier calls passed None: keyed from now on, and this call a miss)
         if hit is None:
             if recording is not None:  # a compile or a binary not kept yet
                 recording.ok = False

@@ -293,6 +293,19 @@ def test_gpu_torch_compile_reduce_overhead_trains_in_cuda_graphs():
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+def backward_with(out, layout: str):
+    """Run out's backward with an output gradient laid out `layout` (contiguous; expanded: from out.sum();
+    transposed: the last two dimensions swapped in memory) of fresh float32 values; returns that gradient."""
+    if layout == "expanded":
+        out.sum().backward()
+        return torch.ones((), device=out.device).expand(out.shape)
+    do = rand(*out.shape, dtype=torch.float32)
+    if layout == "transposed":
+        do = do.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out.backward(do)
+    return do
+
+
 @pytest.mark.parametrize("three_d", [False, True])
 def test_planned_training_calls_match_float64_for_each_output_gradient_layout(three_d, monkeypatch):
     """A repeated attngen.attention signature with autograd takes the planned path (autograd._Planned: no
@@ -314,14 +327,7 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
         k, v = (rand(*lead, 2, 27, 32, dtype=torch.float32) for _ in range(2))
         leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), want)]
         out = attngen.attention(*leaves, is_causal=True, enable_gqa=True)
-        if layout == "expanded":
-            do = torch.ones((), device=out.device).expand(out.shape)
-            out.sum().backward()
-        else:
-            do = rand(*out.shape, dtype=torch.float32)
-            if layout == "transposed":
-                do = do.transpose(-1, -2).contiguous().transpose(-1, -2)
-            out.backward(do)
+        do = backward_with(out, layout)
         ref_out = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True, enable_gqa=True)
         assert (out.double() - ref_out).norm() / ref_out.norm() < 1e-5
         refs = attention_grads(*(t.unsqueeze(0) if three_d else t for t in (q, k, v, do)),
@@ -336,6 +342,111 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
     # (its forward recorded, or refused as interpreted: not None; each output-gradient layout it saw noted)
     plans = list(api._PLANS.values())
     assert len(plans) == 3 and all(p.training.forward is not None and p.training.backward for p in plans)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse, monkeypatch):
+    """`Kernel.__call__` (a user's own spec) plans its checked calls per signature as `attngen.attention` does
+    (`Kernel._plans`: a repeated signature skips the checks and replays the launches of its second call where
+    FastJIT runs; here, interpreted, the kernels run each time): repeated inference calls and autograd calls
+    (output gradients contiguous, expanded and transposed, any subset of q, k, v requiring grad), each on fresh
+    inputs, have float64's outputs, log-sum-exps (not differentiable) and gradients."""
+    from attngen.reference import attention as reference
+    from attngen.reference import attention_grads
+    from attngen.spec import Mask
+
+    kernel = train_spec("planned_call", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
+    monkeypatch.setattr(kernel, "_plans", {})
+    none, every, k_only, q_v = (False,) * 3, (True,) * 3, (False, True, False), (True, False, True)
+    calls = [(none, None)] * 3 + [(every, "contiguous"), (every, "expanded"), (every, "transposed"),
+                                  (k_only, "contiguous"), (k_only, "expanded"), (q_v, "transposed"),
+                                  (q_v, "contiguous"), (every, "expanded")]
+    for call, (want, layout) in enumerate(calls):
+        q = rand(1, 4, 19, 32, dtype=torch.float32)
+        k, v = (rand(1, 2, 27, 32, dtype=torch.float32) for _ in range(2))
+        leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), want)]
+        got = kernel(*leaves, scale=0.2, return_lse=return_lse)
+        out, lse = got if return_lse else (got, None)
+        ref_out, ref_lse = reference(q, k, v, Mask.CAUSAL_BOTTOM_RIGHT, 0.2)
+        assert out.requires_grad == any(want) and (out.double() - ref_out).norm() / ref_out.norm() < 1e-5, call
+        if return_lse:
+            assert lse.shape == (1, 4, 19) and not lse.requires_grad
+            assert (lse.double() - ref_lse).abs().max().item() < 1e-5, call
+        if layout is None:
+            continue
+        do = backward_with(out, layout)
+        refs = attention_grads(q, k, v, do, Mask.CAUSAL_BOTTOM_RIGHT, 0.2)
+        for leaf, w, ref in zip(leaves, want, refs):
+            if not w:
+                assert leaf.grad is None
+                continue
+            assert leaf.grad.shape == leaf.shape and (leaf.grad.double() - ref).norm() / ref.norm() < 1e-5, call
+    # one plan per requires_grad pattern; the inference one ran replayed_forward, the others _Planned (its
+    # forward recorded, or refused as interpreted: not None; each output-gradient layout it saw noted)
+    plans = list(kernel._plans.values())
+    assert len(plans) == 4 and plans[0].inference.forward is not None
+    assert all(p.training.forward is not None and p.training.backward for p in plans[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["d128 gqa n_q != n_k", "d64 long"])
+def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkeypatch):
+    """On the GPU, a user's spec called repeatedly (`Kernel.__call__`, with the log-sum-exp) replays from a
+    signature's third call: four inference calls, then four training calls, each on fresh inputs at new
+    addresses, match float64 (output, log-sum-exp, gradients), and the output, log-sum-exp, dK and dV are bit
+    for bit the unplanned path's (dQ adds its parts in any order on the Gluon backward: held to float64 only).
+    "d64 long" takes the Gluon forward and backward on sm_90."""
+    from attngen import replay
+    from attngen.check import compare
+
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    if "gqa" in case:
+        kernel = train_spec("replayed_gqa", 128, "bf16", "causal(bottom_right)", heads=8, kv_heads=2)
+        shapes = ((2, 8, 100, 128), (2, 2, 300, 128))
+    else:
+        kernel = train_spec("replayed_long", 64, "bf16", "causal(bottom_right)", heads=16)
+        shapes = ((2, 16, 2048, 64), (2, 16, 2048, 64))
+    monkeypatch.setattr(kernel, "_plans", {})
+    size = Case(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2], shapes[1][2])
+    gen = torch.Generator("cuda").manual_seed(len(case))
+    for i in range(8):
+        training = i >= 4
+        q, k, v, do = (torch.randn(*shapes[j], device="cuda", generator=gen).to(torch.bfloat16) for j in (0, 1, 1, 0))
+        q, k, v = (t.requires_grad_(training) for t in (q, k, v))
+
+        def call():
+            out, lse = kernel(q, k, v, scale=0.1, return_lse=True)
+            return (out, lse, *torch.autograd.grad(out, (q, k, v), do)) if training else (out, lse)
+
+        got = call()
+        assert compare(kernel.spec, size, got[0], got[1], q.detach(), k.detach(), v.detach(), 0.1).ok, i
+        if training:
+            for grad in compare_grads(kernel.spec, q.detach(), k.detach(), v.detach(), do, got[2:], 0.1):
+                assert grad.ok, (i, grad)
+        with monkeypatch.context() as m:  # the unplanned path: a fresh plan table, the signature's first call
+            m.setattr(kernel, "_plans", {})
+            want = call()
+        assert all(torch.equal(a, b) for a, b in zip(got[:2] + got[3:], want[:2] + want[3:])), i
+    # inference calls 3 and 4; training: the forward at calls 7 and 8, the backward at 8 (6 ran it as it is,
+    # 7 recorded it)
+    assert replayed == [True] * 5
+
+
+def test_planned_kernel_calls_still_refuse_gradients_of_a_forward_only_spec(monkeypatch):
+    """Grad mode is not in a plan's signature: a forward-only kernel planned under torch.no_grad() on tensors
+    that require grad still refuses them when grad mode is on."""
+    kernel = attngen.load(spec_text("planned_forward_only", 32, "fp32", "causal", heads=2))
+    monkeypatch.setattr(kernel, "_plans", {})
+    q, k, v = (rand(1, 2, 9, 32, dtype=torch.float32, grad=True) for _ in range(3))
+    with torch.no_grad():
+        for _ in range(2):
+            kernel(q, k, v)
+    assert len(kernel._plans) == 1
+    with pytest.raises(KernelInputError, match="requires grad, but kernel 'planned_forward_only' is forward-only"):
+        kernel(q, k, v)
 
 
 @pytest.mark.gpu

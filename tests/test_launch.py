@@ -358,6 +358,37 @@ def test_tensor_maps_are_built_once_per_address_and_layout(no_hooks, monkeypatch
         assert built == [2, 2, 0, 2, 2, 2, 0]
 
 
+@pytest.mark.parametrize("kind", ["gluon", "triton"])
+def test_descriptors_after_calls_that_passed_none_are_learnt(no_hooks, monkeypatch, kind):
+    """A kernel whose first calls pass None where it takes descriptors (the Triton dK/dV kernel on an expanded
+    do: `out.sum().backward()` as a first step), then descriptors: the binary on descriptors is kept too, and
+    its later launches take the cached path with their tensor maps kept, handing the C launcher what Triton's
+    launcher would; the binary on None stays cached."""
+    fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
+    fast = FastJIT(fn)
+    desc = tma_descriptor(kind)
+    k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+    x, y = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
+    paths, built = [], []
+
+    def as_ptrs(args):
+        return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+    for with_desc in (False, False, True, True, True, False):
+        args = (x, 5, desc(k), y, desc(v)) if with_desc else (x, 5, None, y, None)
+        fn.log.clear()
+        before = len(made)
+        fast[(3, 2)](*args, BLOCK=16)
+        paths.append(fn.log[-1][0] if fn.log else "cached")
+        built.append(len(made) - before)
+        if with_desc:  # (the binary on None is launched through its own launcher, Triton's path or not)
+            got = log[-1][1]
+            launcher(3, 2, 1, 1234, "fn", "meta", None, None, None, *args, 16)  # Triton's launcher, same arguments
+            assert as_ptrs(got) == as_ptrs(log[-1][1])
+    assert paths == ["triton", "cached", "triton", "cached", "cached", "cached"]
+    assert built == [0, 0, 2, 2, 0, 0]  # Triton's path encodes its own; then once per argument and address
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_GPU and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the Gluon decode kernel runs on sm_90 only")
@@ -395,3 +426,46 @@ def test_kept_tensor_maps_read_the_pool_they_were_built_for(page_size):
     for i in range(6):
         assert torch.equal(outs[i], plain[i % 3]), i
     assert not torch.equal(plain[0], plain[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_GPU and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the Triton dK/dV kernel takes TMA descriptors on sm_90")
+def test_the_triton_backward_keeps_its_descriptor_binary_after_an_expanded_output_gradient(monkeypatch):
+    """On Hopper: the Triton dK/dV kernel (d=128 without a mask at 256 keys) first passed an expanded output
+    gradient (None for its q and do descriptors: `out.sum().backward()` as a first step), then contiguous ones
+    (descriptors): only the first call of each binary takes Triton's launch path (before, every call on
+    descriptors did, for the rest of the process), and every call's gradients match float64."""
+    import attngen
+    from attngen.api import sdpa_spec
+    from attngen.check import compare_grads
+
+    class Counting:  # a JIT function whose Triton launch path counts its calls
+        def __init__(self, fn):
+            self.fn, self.calls = fn, 0
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+        def __getitem__(self, grid):
+            self.calls += 1
+            return self.fn[grid]
+
+    kernel = attngen.load(sdpa_spec("fp16", 128, False))
+    assert isinstance(kernel.module.attn_bwd_dkdv, FastJIT)
+    counting = Counting(kernel.module.attn_bwd_dkdv.fn)
+    monkeypatch.setattr(kernel.module, "attn_bwd_dkdv", FastJIT(counting))  # nothing learnt yet
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 128, device=DEVICE, dtype=torch.float16, generator=gen) for _ in range(3))
+    out, lse = kernel.forward(q, k, v, 128 ** -0.5)
+    paths = []
+    for expanded in (True, True, False, False, False):
+        do = (torch.ones((), device=DEVICE, dtype=torch.float16).expand(q.shape) if expanded
+              else torch.randn(q.shape, device=DEVICE, dtype=torch.float16, generator=gen))
+        before = counting.calls
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        kernel.backward(q, k, v, out, lse, do, grads=grads)
+        paths.append(counting.calls - before)
+        for result in compare_grads(kernel.spec, q, k, v, do, grads):
+            assert result.ok, (expanded, result)
+    assert paths == [1, 0, 1, 0, 0]

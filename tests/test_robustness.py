@@ -321,11 +321,13 @@ def test_decode_refuses_bad_arguments_before_launch(case, no_launch):
 
 
 @pytest.mark.parametrize("case", [("sdpa",) + c for c in COMMON_CASES + SDPA_CASES]
-                         + [("decode",) + c for c in DECODE_CASES], ids=lambda c: f"{c[0]}-{c[1]}")
-def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, monkeypatch):
-    """`attngen.attention` and `attention_with_kvcache` keep the outcome of a valid call's checks per
-    signature (`_PLANS`): a call that differs from a planned one in anything the checks read is checked
-    afresh and refused, and an out= that aliases an input is refused on a planned signature too."""
+                         + [("decode",) + c for c in DECODE_CASES]
+                         + [("kernel",) + c for c in COMMON_CASES + KERNEL_CASES], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_kernel, monkeypatch):
+    """`attngen.attention`, `attention_with_kvcache` and `Kernel.__call__` keep the outcome of a valid call's
+    checks per signature (`_PLANS`, `Kernel._plans`): a call that differs from a planned one in anything the
+    checks read is checked afresh and refused, and an out= that aliases an input is refused on a planned
+    signature too."""
     from triton.runtime import interpreter, jit
 
     from attngen import api, decode
@@ -335,6 +337,9 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, monkeypa
     if which == "sdpa":
         attngen.load(sdpa_spec("fp16", 32, False))
         family = _sdpa_family()
+    elif which == "kernel":
+        family = _kernel_family(checked_kernel)
+        monkeypatch.setattr(checked_kernel, "_plans", {})
     else:
         attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
         family = _decode_family()
@@ -348,7 +353,8 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, monkeypa
     family.call(valid)
     if which == "decode":
         family.call(dict(valid, out=torch.empty_like(valid["q"])))
-    assert launches and len(api._PLANS) + len(decode._PLANS) == (1 if which == "sdpa" else 2)
+    planned = {"sdpa": len(api._PLANS), "decode": len(decode._PLANS), "kernel": len(checked_kernel._plans)}
+    assert launches and planned[which] == (2 if which == "decode" else 1)
     launches.clear()
     assert_refused(family, spoil, exc, pattern)
     assert not launches, "a kernel was launched for a call that should have been refused"
