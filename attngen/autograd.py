@@ -102,13 +102,15 @@ class Replays:
         self.backward: dict = {}
 
 
-def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None) -> torch.Tensor:
+def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None,
+                     out=None) -> torch.Tensor:
     """The output of the kernel named by `key` on inputs of a signature `attngen.attention` (or `Kernel.__call__`)
-    checked at an earlier call (3-D where `squeeze`), in a tensor allocated here: `replays.forward`'s launches
-    where it holds them, else the kernel's own path, recorded into `replays.forward` at the first call. `lse`: a
-    float32 tensor of q's rows (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is
-    scratch."""
-    out = torch.empty_like(q)
+    checked at an earlier call (3-D where `squeeze`): `replays.forward`'s launches where it holds them, else the
+    kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of q's rows
+    (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch. `out`: the tensor to
+    write the output into (`Kernel.__call__`'s out=, laid out as the signature's and checked for sharing
+    memory with q, k and v), else one like q allocated here."""
+    out = torch.empty_like(q) if out is None else out
     inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
     replay = replays.forward
     if replay and replay(inputs):

@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from . import cache, configs, launch, warmup
-from .checks import (check_attention_inputs, check_indexing, check_like, check_out, check_packed_indexing,
-                     check_scale, on_other_gpu, tensor_signature)
+from .checks import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out,
+                     check_packed_indexing, check_scale, on_other_gpu, tensor_signature)
 from .codegen import render
 from .errors import KernelInputError
 from .passes import compile_program
@@ -287,22 +287,25 @@ class Kernel:
         log-sum-exp of each query row's scores, (B, H, N_Q) float32 (-inf for rows with no visible key).
         When q, k or v require grad, the call is recorded for autograd (forward+backward specs only).
 
-        A call without `out=` or `config=` whose signature repeats an earlier call's (`_plans`) skips the
-        checks that call passed, and from the signature's third call on replays the launches of its second
-        (attngen/replay.py), with autograd or without, as `attngen.attention` does.
+        A call without `config=` whose signature repeats an earlier call's (`_plans`) skips the checks that
+        call passed (but whether `out` shares memory with an input: addresses are not in the signature), and
+        from the signature's third call on replays the launches of its second (attngen/replay.py), with
+        autograd or without, as `attngen.attention` does.
         """
         from . import autograd
 
         signature = None
-        if out is None and config is None and not torch.compiler.is_compiling():
-            signature = self._signature(q, k, v, scale, return_lse)
+        if config is None and not torch.compiler.is_compiling():
+            signature = self._signature(q, k, v, scale, return_lse, out)
             plan = None if signature is None else self._plans.get(signature)
             if plan is not None:
                 if not autograd.needs_grad(q, k, v):
+                    if out is not None:
+                        check_disjoint(out, "out", {"q": q, "k": k, "v": v})
                     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-                    out = autograd.replayed_forward(plan.inference, self.key, plan.scale, False, q, k, v, lse)
+                    out = autograd.replayed_forward(plan.inference, self.key, plan.scale, False, q, k, v, lse, out)
                     return (out, lse) if return_lse else out
-                if self.spec.backward:  # (grad mode is not in the signature: a forward-only spec is refused below)
+                if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
                     return autograd.planned_forward(plan.training, self.key, plan.scale, False, q, k, v, return_lse)
         check_attention_inputs(self.spec, q, k, v)
         sm_scale = check_scale(scale, self.spec)
@@ -311,26 +314,29 @@ class Kernel:
             raise KernelInputError(
                 f"q, k or v requires grad, but kernel '{self.spec.name}' is forward-only: "
                 "write direction = forward+backward in its spec (or call it under torch.no_grad())")
-        if signature is not None:
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.clear()
-            self._plans[signature] = _Plan(sm_scale, autograd.Replays(), autograd.Replays())
         if grad or torch.compiler.is_compiling():
             if out is not None or config is not None:
                 raise KernelInputError("out= and config= are not supported when recording for autograd")
             out, lse = autograd.attention_forward(self.key, q, k, v, sm_scale)
         else:
-            out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)
+            out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)  # (checks out)
+        if signature is not None:  # (a call that passed every check)
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[signature] = _Plan(sm_scale, autograd.Replays(), autograd.Replays())
         return (out, lse) if return_lse else out
 
-    def _signature(self, q, k, v, scale, return_lse) -> tuple | None:
-        """The key of `_plans`: each tensor's `tensor_signature`, the scale and `return_lse`, whether Triton
-        interprets and the tuning tables' generation (a replay keeps the config it was recorded with); None
-        where an argument is not of the plain type the checks expect (checked afresh)."""
+    def _signature(self, q, k, v, scale, return_lse, out) -> tuple | None:
+        """The key of `_plans`: each tensor's `tensor_signature` (out's too, or None), the scale and
+        `return_lse`, whether Triton interprets and the tuning tables' generation (a replay keeps the config
+        it was recorded with); None where an argument is not of the plain type the checks expect (checked
+        afresh)."""
         if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+                and (out is None or type(out) is torch.Tensor)
                 and (scale is None or type(scale) in (float, int)) and type(return_lse) is bool):
             return None
-        return (tensor_signature(q), tensor_signature(k), tensor_signature(v), scale, return_lse, interpreting(),
+        return (tensor_signature(q), tensor_signature(k), tensor_signature(v),
+                None if out is None else tensor_signature(out), scale, return_lse, interpreting(),
                 _tuning().store.generation())
 
     def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None,

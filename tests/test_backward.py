@@ -348,9 +348,10 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
 def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse, monkeypatch):
     """`Kernel.__call__` (a user's own spec) plans its checked calls per signature as `attngen.attention` does
     (`Kernel._plans`: a repeated signature skips the checks and replays the launches of its second call where
-    FastJIT runs; here, interpreted, the kernels run each time): repeated inference calls and autograd calls
-    (output gradients contiguous, expanded and transposed, any subset of q, k, v requiring grad), each on fresh
-    inputs, have float64's outputs, log-sum-exps (not differentiable) and gradients."""
+    FastJIT runs; here, interpreted, the kernels run each time): repeated inference calls (into a new tensor, or
+    into a NaN-poisoned `out=`) and autograd calls (output gradients contiguous, expanded and transposed, any
+    subset of q, k, v requiring grad), each on fresh inputs, have float64's outputs, log-sum-exps (not
+    differentiable) and gradients."""
     from attngen.reference import attention as reference
     from attngen.reference import attention_grads
     from attngen.spec import Mask
@@ -358,21 +359,23 @@ def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse
     kernel = train_spec("planned_call", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
     monkeypatch.setattr(kernel, "_plans", {})
     none, every, k_only, q_v = (False,) * 3, (True,) * 3, (False, True, False), (True, False, True)
-    calls = [(none, None)] * 3 + [(every, "contiguous"), (every, "expanded"), (every, "transposed"),
-                                  (k_only, "contiguous"), (k_only, "expanded"), (q_v, "transposed"),
-                                  (q_v, "contiguous"), (every, "expanded")]
+    calls = [(none, None)] * 3 + [(none, "out=")] * 3 + [
+        (every, "contiguous"), (every, "expanded"), (every, "transposed"), (k_only, "contiguous"), (k_only, "expanded"),
+        (q_v, "transposed"), (q_v, "contiguous"), (every, "expanded")]
     for call, (want, layout) in enumerate(calls):
         q = rand(1, 4, 19, 32, dtype=torch.float32)
         k, v = (rand(1, 2, 27, 32, dtype=torch.float32) for _ in range(2))
         leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), want)]
-        got = kernel(*leaves, scale=0.2, return_lse=return_lse)
+        given = torch.full_like(q, float("nan")) if layout == "out=" else None
+        got = kernel(*leaves, scale=0.2, return_lse=return_lse, out=given)
         out, lse = got if return_lse else (got, None)
+        assert given is None or out is given
         ref_out, ref_lse = reference(q, k, v, Mask.CAUSAL_BOTTOM_RIGHT, 0.2)
         assert out.requires_grad == any(want) and (out.double() - ref_out).norm() / ref_out.norm() < 1e-5, call
         if return_lse:
             assert lse.shape == (1, 4, 19) and not lse.requires_grad
             assert (lse.double() - ref_lse).abs().max().item() < 1e-5, call
-        if layout is None:
+        if not any(want):
             continue
         do = backward_with(out, layout)
         refs = attention_grads(q, k, v, do, Mask.CAUSAL_BOTTOM_RIGHT, 0.2)
@@ -381,21 +384,22 @@ def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse
                 assert leaf.grad is None
                 continue
             assert leaf.grad.shape == leaf.shape and (leaf.grad.double() - ref).norm() / ref.norm() < 1e-5, call
-    # one plan per requires_grad pattern; the inference one ran replayed_forward, the others _Planned (its
-    # forward recorded, or refused as interpreted: not None; each output-gradient layout it saw noted)
+    # one plan per requires_grad pattern and for out=; the inference ones ran replayed_forward, the others
+    # _Planned (its forward recorded, or refused as interpreted: not None; each output-gradient layout noted)
     plans = list(kernel._plans.values())
-    assert len(plans) == 4 and plans[0].inference.forward is not None
-    assert all(p.training.forward is not None and p.training.backward for p in plans[1:])
+    assert len(plans) == 5 and all(p.inference.forward is not None for p in plans[:2])
+    assert all(p.training.forward is not None and p.training.backward for p in plans[2:])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["d128 gqa n_q != n_k", "d64 long"])
 def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkeypatch):
     """On the GPU, a user's spec called repeatedly (`Kernel.__call__`, with the log-sum-exp) replays from a
-    signature's third call: four inference calls, then four training calls, each on fresh inputs at new
-    addresses, match float64 (output, log-sum-exp, gradients), and the output, log-sum-exp, dK and dV are bit
-    for bit the unplanned path's (dQ adds its parts in any order on the Gluon backward: held to float64 only).
-    "d64 long" takes the Gluon forward and backward on sm_90."""
+    signature's third call: four inference calls, four training calls, then four inference calls into a
+    NaN-poisoned `out=`, each on fresh inputs at new addresses, match float64 (output, log-sum-exp, gradients),
+    and the output, log-sum-exp, dK and dV are bit for bit the unplanned path's (dQ adds its parts in any
+    order on the Gluon backward: held to float64 only). "d64 long" takes the Gluon forward and backward on
+    sm_90."""
     from attngen import replay
     from attngen.check import compare
 
@@ -412,13 +416,15 @@ def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkey
     monkeypatch.setattr(kernel, "_plans", {})
     size = Case(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2], shapes[1][2])
     gen = torch.Generator("cuda").manual_seed(len(case))
-    for i in range(8):
-        training = i >= 4
+    for i in range(12):
+        training = 4 <= i < 8
         q, k, v, do = (torch.randn(*shapes[j], device="cuda", generator=gen).to(torch.bfloat16) for j in (0, 1, 1, 0))
         q, k, v = (t.requires_grad_(training) for t in (q, k, v))
 
         def call():
-            out, lse = kernel(q, k, v, scale=0.1, return_lse=True)
+            given = torch.full_like(q, float("nan")) if i >= 8 else None
+            out, lse = kernel(q, k, v, scale=0.1, return_lse=True, out=given)
+            assert given is None or out is given
             return (out, lse, *torch.autograd.grad(out, (q, k, v), do)) if training else (out, lse)
 
         got = call()
@@ -431,8 +437,8 @@ def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkey
             want = call()
         assert all(torch.equal(a, b) for a, b in zip(got[:2] + got[3:], want[:2] + want[3:])), i
     # inference calls 3 and 4; training: the forward at calls 7 and 8, the backward at 8 (6 ran it as it is,
-    # 7 recorded it)
-    assert replayed == [True] * 5
+    # 7 recorded it); out=: calls 11 and 12
+    assert replayed == [True] * 7
 
 
 def test_planned_kernel_calls_still_refuse_gradients_of_a_forward_only_spec(monkeypatch):

@@ -17,7 +17,9 @@ synchronise, fastest round), as training_replay.py:
 beside SDPA's cuDNN and flash backends, and checks that the three ways agree (out, and dK, dV bit for bit;
 dQ, which the Gluon backward adds in any order, within 1e-2 relative). Also each call's host time alone (GPU
 idle before it; medians of 200, paired).
-Cases: inference B=1 H=16 N=128 d=64 causal; training (out = kernel(q, k, v), then
+Cases: inference B=1 H=16 N=128 d=64 causal, into a new tensor and into one buffer passed as `out=` (planned
+too since v37's second commit: the signature holds out's layout, and whether it shares memory with an input
+is checked every call); training (out = kernel(q, k, v), then
 `torch.autograd.grad(out, (q, k, v), do)`) at that size, B=2 H=16 N=256 d=128 without a mask and B=1 8 query
 / 2 K/V heads N=512 d=128 causal (GQA).
 Prediction: the same as `attngen.attention`'s (v35: inference ~113 -> ~36 us on a slow host; v36: training
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CASES = [  # (name, training, batch, heads, kv heads, N, d, causal)
     ("inference B1 H16 N128 d64 causal", False, 1, 16, 16, 128, 64, True),
+    ("inference out= B1 H16 N128 d64 causal", False, 1, 16, 16, 128, 64, True),
     ("training B1 H16 N128 d64 causal", True, 1, 16, 16, 128, 64, True),
     ("training B2 H16 N256 d128 full", True, 2, 16, 16, 256, 128, False),
     ("training B1 H8/2 N512 d128 causal", True, 1, 8, 2, 512, 128, True),
@@ -87,8 +90,10 @@ def main() -> int:
         do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         gqa = h != hkv
 
+        buffer = torch.empty_like(q) if "out=" in name else None
+
         def step():
-            out = kernel(q, k, v)
+            out = kernel(q, k, v, out=buffer)
             return (out, *torch.autograd.grad(out, (q, k, v), do)) if training else (out,)
 
         def sdpa(backend):
@@ -118,10 +123,10 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     with open(os.path.join(out_dir, "kernel_call_replay.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(f"\n{'case':>34} {'checked':>8} {'module':>8} {'replay':>8} {'cudnn':>7} {'flash':>7}   alone c/m/r/cudnn"
+    print(f"\n{'case':>39} {'checked':>8} {'module':>8} {'replay':>8} {'cudnn':>7} {'flash':>7}   alone c/m/r/cudnn"
           "          same")
     for r in rows:
-        print(f"{r['case']:>34} {r['checked us']:8.1f} {r['module us']:8.1f} {r['replay us']:8.1f} "
+        print(f"{r['case']:>39} {r['checked us']:8.1f} {r['module us']:8.1f} {r['replay us']:8.1f} "
               f"{r['cudnn us']:7.1f} {r['flash us']:7.1f}   {r['checked alone us']:5.1f}/{r['module alone us']:5.1f}/"
               f"{r['replay alone us']:5.1f}/{r['cudnn alone us']:5.1f}  {r['same']} {r['dq_rel_diff']:.1e}")
     print("(host us per eager call of a user's spec, `Kernel.__call__` (training: forward + autograd.grad):"
