@@ -156,9 +156,10 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 
 
 class _Plan(NamedTuple):
-    """What `Kernel.__call__`'s checks decide for one call signature (the softmax scale), and the replays of its
-    launches (attngen/replay.py) for calls without autograd and with it (`autograd.Replays`, filled in by
-    later calls)."""
+    """What `Kernel.__call__`'s checks decide for one call signature (the kernel's `key`, fixed by the
+    signature's interpreted-or-not; the softmax scale), and the replays of its launches (attngen/replay.py)
+    for calls without autograd and with it (`autograd.Replays`, filled in by later calls)."""
+    key: str
     scale: float
     inference: object
     training: object
@@ -303,10 +304,10 @@ class Kernel:
                     if out is not None:
                         check_disjoint(out, "out", {"q": q, "k": k, "v": v})
                     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-                    out = autograd.replayed_forward(plan.inference, self.key, plan.scale, False, q, k, v, lse, out)
+                    out = autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, out)
                     return (out, lse) if return_lse else out
                 if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
-                    return autograd.planned_forward(plan.training, self.key, plan.scale, False, q, k, v, return_lse)
+                    return autograd.planned_forward(plan.training, plan.key, plan.scale, False, q, k, v, return_lse)
         check_attention_inputs(self.spec, q, k, v)
         sm_scale = check_scale(scale, self.spec)
         grad = autograd.needs_grad(q, k, v)
@@ -323,7 +324,7 @@ class Kernel:
         if signature is not None:  # (a call that passed every check)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            self._plans[signature] = _Plan(sm_scale, autograd.Replays(), autograd.Replays())
+            self._plans[signature] = _Plan(self.key, sm_scale, autograd.Replays(), autograd.Replays())
         return (out, lse) if return_lse else out
 
     def _signature(self, q, k, v, scale, return_lse, out) -> tuple | None:
