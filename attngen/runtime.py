@@ -141,6 +141,7 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
             _LOADED[variant].autotune = autotune
             _LOADED[variant]._tuners = {}  # its own, which follow its own autotune setting
             _LOADED[variant]._backward_configs = {}
+            _LOADED[variant]._plans = {}  # (a plan holds its kernel's key and replays of its configs)
             register(_LOADED[variant])
         return _LOADED[variant]
 
