@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 
@@ -61,7 +60,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                 if len(_PLANS) >= _PLANS_KEPT:
                     _PLANS.clear()
                 _PLANS[signature] = plan
-    op_key, scale, squeeze = plan.op_key, plan.scale, plan.squeeze
+    op_key, scale, squeeze = plan.key, plan.scale, plan.squeeze
     if planned:
         # from the signature's third call on, the launches of its second (attngen/replay.py)
         if not autograd.needs_grad(query, key, value):
@@ -73,18 +72,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return out.squeeze(0) if squeeze else out
 
 
-class _Plan(NamedTuple):
-    """What `attention`'s checks decide for one call signature: the key of the kernel that runs it, the
-    softmax scale, whether the inputs are 3-D; and the replays of its launches (attngen/replay.py) for calls
-    without autograd and with it (`autograd.Replays`, filled in by later calls)."""
-    op_key: str
-    scale: float
-    squeeze: bool
-    inference: autograd.Replays
-    training: autograd.Replays
-
-
-# _signature(...) -> _Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
+# _signature(...) -> autograd.Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
 # repeats its layouts, and the second call of one skips the checks (as attngen/decode.py's plans do,
 # benchmarks/NOTES.md v33), the third the module's Python too (v35; with autograd, v36). The signature
 # holds everything the checks read, so a call that would fail them never hits.
@@ -105,8 +93,8 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 
 def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
-    """`attention`'s checks (a bad argument raises, naming it, before anything runs): a _Plan (the key of the
-    kernel that runs the call, the softmax scale, whether the inputs are 3-D)."""
+    """`attention`'s checks (a bad argument raises, naming it, before anything runs): an `autograd.Plan` (the key
+    of the kernel that runs the call, the softmax scale, whether the inputs are 3-D)."""
     if attn_mask is not None:
         raise KernelInputError("attn_mask is not supported; use is_causal, or write a spec with the mask you need")
     if dropout_p != 0.0:
@@ -146,5 +134,5 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    return _Plan(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}", float(scale), squeeze,
-                 autograd.Replays(), autograd.Replays())
+    return autograd.Plan.new(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}",
+                             float(scale), squeeze)

@@ -17,6 +17,8 @@ kernels take to load), and eager calls gain nothing from it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .checks import check_like, tensor_signature
@@ -100,6 +102,21 @@ class Replays:
     def __init__(self):
         self.forward = None
         self.backward: dict = {}
+
+
+class Plan(NamedTuple):
+    """What the checks of `attngen.attention` or `Kernel.__call__` decide for one call signature: the key of the
+    kernel that runs it, the softmax scale, whether the inputs are 3-D; and the replays of its launches
+    (attngen/replay.py) for calls without autograd and with it (filled in by later calls)."""
+    key: str
+    scale: float
+    squeeze: bool
+    inference: Replays
+    training: Replays
+
+    @classmethod
+    def new(cls, key: str, scale: float, squeeze: bool) -> "Plan":
+        return cls(key, scale, squeeze, Replays(), Replays())
 
 
 def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None,

@@ -17,7 +17,6 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 
@@ -156,16 +155,6 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     return grads
 
 
-class _Plan(NamedTuple):
-    """What `Kernel.__call__`'s checks decide for one call signature (the kernel's `key`, fixed by the
-    signature's interpreted-or-not; the softmax scale), and the replays of its launches (attngen/replay.py)
-    for calls without autograd and with it (`autograd.Replays`, filled in by later calls)."""
-    key: str
-    scale: float
-    inference: object
-    training: object
-
-
 _PLANS_KEPT = 256  # signatures planned per kernel, then its table starts over
 
 
@@ -187,7 +176,7 @@ class Kernel:
         self._program = program
         self._tuners: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
-        self._plans: dict = {}  # `_signature(...)` -> `_Plan` of calls that passed `__call__`'s checks
+        self._plans: dict = {}  # `_signature(...)` -> `autograd.Plan` of calls that passed `__call__`'s checks
 
     @property
     def name(self) -> str:
@@ -325,7 +314,7 @@ class Kernel:
         if signature is not None:  # (a call that passed every check)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            self._plans[signature] = _Plan(self.key, sm_scale, autograd.Replays(), autograd.Replays())
+            self._plans[signature] = autograd.Plan.new(self.key, sm_scale, False)  # (key: fixed by the signature)
         return (out, lse) if return_lse else out
 
     def _signature(self, q, k, v, scale, return_lse, out) -> tuple | None:
