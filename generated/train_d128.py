@@ -1002,6 +1002,10 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
 # once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf
 # (P = 0); keys past N_K are computed and clipped at the TMA store. A causal program starts at the first
 # query block that sees its first key and masks the blocks on the diagonal.
+# Calls of at most short_keys keys take the shape for short sequences (SHORT_BLOCK_N, SHORT_STAGES,
+# SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg: the same keys per consumer, so the same descriptors;
+# CONSUMERS a constexpr, one binary per shape): at causal d=64 one consumer warpgroup at 128 registers, so
+# that two programs share a multiprocessor and one's start and drain run beside the other's steps.
 
 @gluon_builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -1282,8 +1286,8 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
-    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for c in gl.static_range(2):
+    mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [b, hkv, start_n + c * BN, 0], kv_bar, v_smem.index(c))
     for t in range(GROUP * n_m):
@@ -1308,11 +1312,11 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                      DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, consumer warpgroups;
-    with DQ_ATOMIC also adds the program's dS K into dq_desc's float32 dQ accumulator (DQ_LOCAL: each
-    consumer its own keys' partial sum, every column; dq_desc's block is then HEAD_DIM wide)"""
-    CONSUMERS: gl.constexpr = 2
+                     CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, CONSUMERS consumer
+    warpgroups of BLOCK_N / CONSUMERS keys each; with DQ_ATOMIC also adds the program's dS K into dq_desc's
+    float32 dQ accumulator (DQ_LOCAL: each consumer its own keys' partial sum, every column; dq_desc's block
+    is then HEAD_DIM wide)"""
     BN: gl.constexpr = BLOCK_N // CONSUMERS
     gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
     gl.static_assert(not DQ_CLAIM or (DQ_ATOMIC and not DQ_LOCAL), "DQ_CLAIM claims DQ_ATOMIC's tiles per warpgroup")
@@ -1325,8 +1329,8 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)  # (a power of two)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1347,34 +1351,40 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    gl.warp_specialize([
-        (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                                hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                                stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
-        (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                                hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                                stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                                PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
-        (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                         q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                         hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                         stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                         PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS)),
-    ], [4, 1], [240, 24])
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
+                                 b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                                 CAUSAL, CONSUMERS)),
+            (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
+                                 b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                                 CAUSAL, CONSUMERS)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                              q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
+                              b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                              stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                              HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                              CAUSAL, CONSUMERS)),
+        ], [4, 1], [240, 24])
+    else:  # (a count the module was not rendered with would launch no partition at all)
+        gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 1, 'dq_claim_keys': 0}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 1, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
-_WS_BWD_DQ_BLOCK = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM // WS_BWD_SHAPE["consumers"]]
-_WS_BWD_DQ_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WS_BWD_DQ_BLOCK, gl.float32)
-_WS_BWD_DQ_LOCAL_BLOCK = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]  # DQ_LOCAL: a consumer's whole partial dQ
-_WS_BWD_DQ_LOCAL_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WS_BWD_DQ_LOCAL_BLOCK, gl.float32)
+_WS_BWD_DQ_LAYOUTS = {cols: gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], gl.float32)
+                      for cols in (HEAD_DIM, HEAD_DIM // 2)}
+"""The float32 dQ accumulator's layout by a consumer's columns: HEAD_DIM / consumers, or with DQ_LOCAL (a
+consumer's whole partial dQ) HEAD_DIM."""
 _WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
 _WS_BWD_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)  # unswizzled
 
@@ -1397,6 +1407,12 @@ def ws_bwd_dq_local(n_q):
     return 0 < WS_BWD_SHAPE["dq_local_rows"] <= n_q
 
 
+def ws_bwd_shape(n_k):
+    """The prefix of WS_BWD_SHAPE's keys for a call with n_k keys: "SHORT_" up to WS_BWD_SHAPE["short_keys"] keys
+    (the shape for short sequences), else "" (BLOCK_N, STAGES, consumers, consumer_regs, maxnreg differ)."""
+    return "SHORT_" if n_k <= WS_BWD_SHAPE["short_keys"] else ""
+
+
 def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None, claims=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
     (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
@@ -1407,29 +1423,30 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     reach each tile stores it (DQ_CLAIM)."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
+    short = ws_bwd_shape(N_K)
+    block_n, consumers = WS_BWD_SHAPE[short + "BLOCK_N"], WS_BWD_SHAPE[short + "consumers"]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
-    kv_block = [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM]
+    kv_block = [1, 1, block_n // consumers, HEAD_DIM]  # (the same keys per consumer in both shapes)
     kv = [_gluon_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
     # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
     dq_local = dq_acc is not None and ws_bwd_dq_local(N_Q)
     if dq_acc is None:
         dq = kv[2]
-    elif dq_local:
-        dq = _gluon_desc(dq_acc, _WS_BWD_DQ_LOCAL_BLOCK, _WS_BWD_DQ_LOCAL_LAYOUT)
-    else:
-        dq = _gluon_desc(dq_acc, _WS_BWD_DQ_BLOCK, _WS_BWD_DQ_LAYOUT)
+    else:  # a consumer's columns, or with DQ_LOCAL its whole partial dQ
+        cols = HEAD_DIM if dq_local else HEAD_DIM // consumers
+        dq = _gluon_desc(dq_acc, [1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], _WS_BWD_DQ_LAYOUTS[cols])
     rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
     rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
-    attn_bwd_dkdv_ws[(cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]), H_KV, B)](
+    attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV, B)](
         _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
         rows_desc, lse, delta, lse if claims is None else claims, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K,
         sm_scale,
-        BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM=HEAD_DIM,
-        STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
+        BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
+        STAGES=WS_BWD_SHAPE[short + "STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
         DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"],
         DQ_CLAIM=claims is not None, ROWS_SMEM=rows_smem,
-        CAUSAL=WS_CAUSAL, num_warps=4,
-        maxnreg=WS_BWD_SHAPE["maxnreg"],
+        CAUSAL=WS_CAUSAL, CONSUMERS=consumers, num_warps=4,
+        maxnreg=WS_BWD_SHAPE[short + "maxnreg"],
     )
 
 
@@ -1488,7 +1505,8 @@ def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_
 def ws_bwd_dq_claim(B, H_KV, N_Q, N_K):
     """Whether the fused backward's kernel claims its dQ tiles (DQ_CLAIM): up to WS_BWD_SHAPE["dq_claim_keys"]
     keys (0: never), not with DQ_LOCAL, and every warpgroup's id under the claim word's announced bit."""
-    ids = B * H_KV * cdiv(N_K, WS_BWD_SHAPE["BLOCK_N"]) * WS_BWD_SHAPE["consumers"]
+    short = ws_bwd_shape(N_K)
+    ids = B * H_KV * cdiv(N_K, WS_BWD_SHAPE[short + "BLOCK_N"]) * WS_BWD_SHAPE[short + "consumers"]
     return (N_K <= WS_BWD_SHAPE["dq_claim_keys"] and not ws_bwd_dq_local(N_Q)
             and ids < _CLAIM_ANNOUNCED.value)
 
@@ -1508,12 +1526,12 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
     dq_acc = torch.empty((B, H, N_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
     grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, B)  # (ROW_BLOCK divides BLOCK_M)
     claims, zero_rows = None, 0
+    consumers = WS_BWD_SHAPE[ws_bwd_shape(k.shape[2]) + "consumers"]
     if ws_bwd_dq_claim(B, k.shape[1], N_Q, k.shape[2]):
-        claims = torch.empty((B, H, n_pad // WS_BWD_SHAPE["BLOCK_M"], WS_BWD_SHAPE["consumers"]), device=q.device,
-                             dtype=torch.int32)
+        claims = torch.empty((B, H, n_pad // WS_BWD_SHAPE["BLOCK_M"], consumers), device=q.device, dtype=torch.int32)
     attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, lse if claims is None else claims, *out.stride(), *do.stride(),
                            *lse.stride(), H, N_Q, n_pad, zero_rows, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM,
-                           CLAIMS=0 if claims is None else WS_BWD_SHAPE["consumers"], BLOCK_M=WS_BWD_SHAPE["BLOCK_M"],
+                           CLAIMS=0 if claims is None else consumers, BLOCK_M=WS_BWD_SHAPE["BLOCK_M"],
                            num_warps=4)
     # The pointer path (no ROWS_SMEM) reads the forward's lse and the rows' delta; with ROWS_SMEM the kernel
     # reads both from `rows` by TMA and the delta argument is a placeholder (no view made: host time).

@@ -12,8 +12,8 @@ and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
 "late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
-"rows" (default 8) padded query rows per K/V head) and adds {"warps": ...,
-"wgmma": count, "tma_loads": count, "tma_stores": count}.
+"rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
+sequences) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores": count}.
 """
 
 from __future__ import annotations
@@ -66,25 +66,26 @@ def _compile_gluon_ws(module, job):
                 f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16")}
     if job.get("gluon_ws") == "backward":  # the dK/dV kernel (job "dq_atomic": with dQ, default the shape's)
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
-        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape["BLOCK_N"] // shape["consumers"],
+        short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
+        consumers = shape[short + "consumers"]
+        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape[short + "BLOCK_N"] // consumers,
                                                                      module._WS_BWD_KV_LAYOUT)
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
-        dq_block, dq_layout = ((module._WS_BWD_DQ_LOCAL_BLOCK, module._WS_BWD_DQ_LOCAL_LAYOUT) if dq_local
-                               else (module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT))
-        dq = (desc(shape["BLOCK_M"], dq_layout, dq_block[-1], torch.empty(t.shape, dtype=torch.float32)) if dq_atomic
-              else kv)
+        cols = d if dq_local else d // consumers
+        dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, torch.empty(t.shape, dtype=torch.float32))
+              if dq_atomic else kv)
         rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
-        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], HEAD_DIM=d, STAGES=shape["STAGES"],
+        const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
                      DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
-                     ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL)
+                     ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL, CONSUMERS=consumers)
         pointers = ("LSE", "DELTA", "CLAIM")
-        maxnreg = shape["maxnreg"]
+        maxnreg = shape[short + "maxnreg"]
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
         short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)

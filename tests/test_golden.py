@@ -60,9 +60,11 @@ def test_generated_files_compile_for_sm90():
         if hasattr(module, "WS_SHAPE"):  # the Gluon forward (passes/warp_specialize.py), at its own fixed shape
             jobs.append(dict(path=golden, gluon_ws=True))
             names.append(f"{spec.name}.attn_fwd_ws")
-        if hasattr(module, "WS_BWD_SHAPE"):  # and the Gluon backward (its row passes are Triton kernels below)
-            jobs.append(dict(path=golden, gluon_ws="backward"))
-            names.append(f"{spec.name}.attn_bwd_dkdv_ws")
+        if hasattr(module, "WS_BWD_SHAPE"):  # and the Gluon backward (its row passes are Triton kernels below),
+            # at its shape for short sequences too where it has one
+            for short in (False, True)[:1 + bool(module.WS_BWD_SHAPE["short_keys"])]:
+                jobs.append(dict(path=golden, gluon_ws="backward", short=short))
+                names.append(f"{spec.name}.attn_bwd_dkdv_ws{' (short)' if short else ''}")
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")

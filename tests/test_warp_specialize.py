@@ -115,12 +115,15 @@ def test_the_gluon_kernel_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("text, expected", [
-    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0)),
+    (spec_text("bw_a", 128, "bf16", "none", direction="forward+backward"),
+     dict(PREFETCH=False, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0, short_keys=0)),
     (spec_text("bw_b", 128, "fp16", "causal(bottom_right)", direction="forward+backward", heads=8, kv_heads=2),
-     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0)),
-    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"), dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64, dq_local_rows=1024)),
-    (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),
-     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64, dq_local_rows=0)),
+     dict(PREFETCH=True, STAGES=2, split=True, ROW_BLOCK=32, dq_local_rows=0, short_keys=0)),
+    (spec_text("bw_c", 64, "bf16", "none", direction="forward+backward"),
+     dict(PREFETCH=False, STAGES=3, split=False, ROW_BLOCK=64, dq_local_rows=1024, short_keys=0)),
+    (spec_text("bw_c2", 64, "fp16", "causal", direction="forward+backward"),  # short: one consumer of 64 keys
+     dict(PREFETCH=True, STAGES=2, split=False, ROW_BLOCK=64, dq_local_rows=0, short_keys=2048, SHORT_BLOCK_N=64,
+          SHORT_consumers=1, SHORT_STAGES=3, SHORT_maxnreg=128)),
     (spec_text("bw_d", 128, "bf16", "none"), None),  # forward only
     (spec_text("bw_e", 128, "fp32", "none", direction="forward+backward"), None),
     (spec_text("bw_f", 80, "fp16", "none", direction="forward+backward"), None),
@@ -140,6 +143,12 @@ def test_which_specs_get_the_gluon_backward(text, expected):
         assert shape["LATE_ROWS"] == warp_specialize.BWD_LATE_ROWS[key]
         assert shape["dq_claim_keys"] == warp_specialize.BWD_DQ_CLAIM_KEYS[key]
         assert shape["dq_claim_keys"] == (1024 if key == (128, True) else 0)
+        # the shape for short sequences keeps a consumer's keys (one K/V descriptor) and is taken up to short_keys
+        assert shape["SHORT_BLOCK_N"] // shape["SHORT_consumers"] == shape["BLOCK_N"] // shape["consumers"] == 64
+        short = shape["short_keys"]
+        assert kernel.module.ws_bwd_shape(max(short, 1)) == ("SHORT_" if short else "") and kernel.module.ws_bwd_shape(short + 1) == ""
+        if not short:
+            assert all(shape["SHORT_" + k] == shape[k] for k in ("BLOCK_N", "STAGES", "consumers", "maxnreg"))
 
 
 def test_the_gluon_backward_compiles_for_sm90():
@@ -153,11 +162,18 @@ def test_the_gluon_backward_compiles_for_sm90():
     jobs += [{"path": str(paths[i]), "gluon_ws": "backward", "late_rows": r} for i, r in ((0, 0), (0, 2), (3, 1), (3, 2))]
     # DQ_CLAIM at both head dims (the pass's: d=128 causal), and off where the pass has it
     jobs += [{"path": str(paths[i]), "gluon_ws": "backward", "dq_claim": c} for i, c in ((0, True), (1, False), (4, True))]
+    # causal d=64's shape for short sequences (one consumer), with and without DQ_LOCAL and dQ
+    jobs += [{"path": str(paths[4]), "gluon_ws": "backward", "short": True, **extra}
+             for extra in ({}, {"dq_local": True}, {"dq_atomic": False})]
     for job, result in zip(jobs, probe(jobs)):
         assert "error" not in result, (job, result)
-        # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma
-        assert result["warps"] == 12 and result["wgmma"] > 0, result
-        assert result["tma_loads"] >= 4 and result["tma_stores"] >= 2, result
+        # Q and dO streamed, K and V once per consumer, dK and dV stored by TMA; all products on wgmma; consumer
+        # warpgroups and the loader warp padded to a warpgroup
+        consumers = 1 if job.get("short") else 2
+        assert result["warps"] == 4 * (1 + consumers) and result["wgmma"] > 0, result
+        if job.get("short"):  # two programs share a multiprocessor (228 KB, 1 KB of it reserved per program)
+            assert 2 * (result["shared"] + 1024) <= 233472, result
+        assert result["tma_loads"] >= 2 + 2 * consumers and result["tma_stores"] >= 2, result
         # with dQ: each consumer's columns (DQ_LOCAL: its keys' partial sum, every column) added into the
         # float32 accumulator by a TMA reduction
         assert (result["tma_reduces"] > 0) is job.get("dq_atomic", True), (job, result)
@@ -401,6 +417,62 @@ def test_gluon_backward_against_float64(mask, dtype, head_dim, deterministic, ca
         assert all(r.ok for r in results), (key, value, results)
 
 
+class _LaunchSpy:
+    """Stands in for a Gluon kernel: records each launch's keyword arguments, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", [Case(2, 4, 2, 333, 1111), Case(1, 2, 2, 1, 1), Case(1, 4, 1, 1000, 77),
+                                  Case(2, 2, 2, 700, 700)])
+def test_gluon_backward_short_shape_against_float64(mask, dtype, case, tmp_path, monkeypatch):
+    """The backward's shape for short sequences (BWD_SHORT_SHAPE: causal d=64 one consumer warpgroup of 64 keys, two
+    programs a multiprocessor) at every length and mask (the module rendered with it as its short shape and
+    short_keys above every length; the shipped thresholds take it only causal, up to short_keys keys); with
+    DQ_LOCAL and without, dQ, dK and dV poisoned first."""
+    import importlib.util
+
+    from attngen.codegen import render
+
+    spec = parse(spec_text(f"wsb_short_{dtype}_{mask[:6]}{len(mask)}", 64, dtype, mask, direction="forward+backward",
+                           heads=case.heads, kv_heads=case.kv_heads))
+    program = compile_program(spec)
+    short = dict(warp_specialize.BWD_SHORT_SHAPE[(64, True)])
+    assert short["consumers"] == 1
+    shape = dict(program.attr("warp_specialized_bwd"), min_scores=0, min_keys=0, short_keys=1 << 30,
+                 **{"SHORT_" + k: v for k, v in short.items()})
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(render(spec, program.with_attrs(warp_specialized_bwd=tuple(shape.items()))))
+    loader = importlib.util.spec_from_file_location(spec.name, path)
+    m = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(m)
+    spy = _LaunchSpy(m.attn_bwd_dkdv_ws)
+    monkeypatch.setattr(m, "attn_bwd_dkdv_ws", spy)
+    torch_dtype = spec.dtype.torch
+    q, do = (torch.randn(case.batch, case.heads, case.n_q, 64, device="cuda").to(torch_dtype) for _ in range(2))
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, 64, device="cuda").to(torch_dtype) for _ in range(2))
+    out, lse = m.forward(q, k, v, spec.softmax_scale)
+    for local in (0, 1):
+        m.WS_BWD_SHAPE["dq_local_rows"] = local
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        spy.launches.clear()
+        m.backward(q, k, v, out, lse, do, spec.softmax_scale, *grads)
+        assert [(c["CONSUMERS"], c["BLOCK_N"], c["DQ_LOCAL"]) for c in spy.launches] == [(1, 64, bool(local))]
+        results = compare_grads(spec, q, k, v, do, grads)
+        assert all(r.ok for r in results), (local, results)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_gluon_backward_strided_and_expanded_inputs(monkeypatch):
@@ -602,8 +674,9 @@ def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
                                   (module.WS_SHAPE["SHORT_BLOCK_N"], module._WS_KV_LAYOUT_SHORT),
                                   (shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT),
                                   (shape["BLOCK_N"] // shape["consumers"], module._WS_BWD_KV_LAYOUT))]
-    cases += [(torch.empty(B, H, N, head_dim), module._WS_BWD_DQ_BLOCK, module._WS_BWD_DQ_LAYOUT),
-              (torch.empty(B, H, 2, n_pad), module._WS_BWD_ROWS_BLOCK, module._WS_BWD_ROWS_LAYOUT)]
+    cases += [(torch.empty(B, H, N, head_dim), [1, 1, shape["BLOCK_M"], cols], layout)
+              for cols, layout in module._WS_BWD_DQ_LAYOUTS.items()]
+    cases += [(torch.empty(B, H, 2, n_pad), module._WS_BWD_ROWS_BLOCK, module._WS_BWD_ROWS_LAYOUT)]
     for t, block, layout in cases:
         assert module.tma_layouts(t)
         assert_same_descriptor(module._gluon_desc(t, block, layout),

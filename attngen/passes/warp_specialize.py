@@ -40,7 +40,8 @@ experiments/gluon_dq_atomic.py, H200, N = 1024-16384): d=128 430-530 TFLOP/s wit
 308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
 kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
 rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels
-elsewhere. The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
+elsewhere; calls of at most BWD_SHORT_KEYS keys take BWD_SHORT_SHAPE's shape (causal d=64: one consumer
+warpgroup of 64 keys, two programs a multiprocessor). The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
 from the Triton dQ kernel (and dK, dV from the Gluon kernel without DQ_ATOMIC where that wins: d=128).
 """
 
@@ -188,6 +189,24 @@ without a mask at 512 keys; the one-kernel form wins from 512 at both head dims 
 TFLOP/s against 289 without a mask, 213 against 166 causal; d=64: 281 against 254, 185 against 186;
 NOTES.md v11), so only BWD_MIN_SCORES limits it."""
 
+BWD_SHORT_KEYS = {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0}
+"""Most keys for which the Gluon backward takes BWD_SHORT_SHAPE's shape instead of its own, by (head dim, causal);
+0: never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
+
+BWD_SHORT_SHAPE = {(64, False): (), (64, True): (("BLOCK_N", 64), ("consumers", 1), ("consumer_regs", 232),
+                                                 ("maxnreg", 128), ("STAGES", 3)),
+                   (128, False): (), (128, True): ()}
+"""What the backward's shape of calls of at most BWD_SHORT_KEYS keys changes, by (head dim, causal); in the attribute
+as SHORT_BLOCK_N, SHORT_STAGES, SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg (each consumer keeps its 64 keys,
+so the K/V descriptors are the same). Causal d=64: one consumer warpgroup of 64 keys a program at 128 registers
+(8 warps: the loader padded to a warpgroup; ptxas: 128 registers, no spills; 100 KB of shared memory at 3 stages),
+so that two programs share a multiprocessor and one's start (K, V, the first Q and dO) and drain (dK, dV stored)
+run beside the other's steps; the main shape fills the register file with one program (12 warps x 168). Each Q and
+dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v38,
+benchmarks/experiments/gluon_bwd_one_consumer.py; the Gluon kernel by torch.profiler / the whole call by do_bench):
+causal N=512 -11% / +10% (184 -> 202 TFLOP/s, cuDNN 171), 1024 -9% / +5%, 2048 -7% / +1%, 4096 -5% / -2%, 8192
+-2% / -4%, 16384 +2% / -6%; without a mask -2% / +2% at 512 and -1% to +15% / -3 to -8% from 1024: not taken."""
+
 BWD_ROW_ELEMENTS = 4096
 """Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
 accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
@@ -221,11 +240,16 @@ def run(program: ir.Program) -> ir.Program:
         d, causal = program.attr("head_dim"), program.attr("mask") != "none"
         # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
         # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
+        main = dict(BWD_SHAPE, STAGES=BWD_STAGES[d][causal])
+        short = dict(main, **dict(BWD_SHORT_SHAPE[(d, causal)]))
+        for s in (main, short):  # keys per consumer fixed (one K/V descriptor); K/V buffers a power of two
+            assert s["BLOCK_N"] // s["consumers"] == main["BLOCK_N"] // main["consumers"]
+            assert s["consumers"] & (s["consumers"] - 1) == 0
         program = program.with_attrs(
-            warp_specialized_bwd=BWD_SHAPE + (("STAGES", BWD_STAGES[d][causal]), ("PREFETCH", causal),
-                                              ("dq_local_rows", BWD_DQ_LOCAL_ROWS[(d, causal)]),
-                                              ("split", BWD_SPLIT[d]), ("min_keys", BWD_MIN_KEYS[causal]),
-                                              ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d),
-                                              ("LATE_ROWS", BWD_LATE_ROWS[(d, causal)]),
-                                              ("dq_claim_keys", BWD_DQ_CLAIM_KEYS[(d, causal)])))
+            warp_specialized_bwd=tuple(main.items()) + (
+                ("PREFETCH", causal), ("dq_local_rows", BWD_DQ_LOCAL_ROWS[(d, causal)]), ("split", BWD_SPLIT[d]),
+                ("min_keys", BWD_MIN_KEYS[causal]), ("min_scores", BWD_MIN_SCORES), ("ROW_BLOCK", BWD_ROW_ELEMENTS // d),
+                ("LATE_ROWS", BWD_LATE_ROWS[(d, causal)]), ("dq_claim_keys", BWD_DQ_CLAIM_KEYS[(d, causal)]),
+                ("short_keys", BWD_SHORT_KEYS[(d, causal)]))
+            + tuple(("SHORT_" + k, short[k]) for k in ("BLOCK_N", "STAGES", "consumers", "consumer_regs", "maxnreg")))
     return program
