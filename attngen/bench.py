@@ -151,7 +151,7 @@ def bench_prefill(lengths=PREFILL_LENGTHS, head_dims=(64, 128), providers=PREFIL
                             torch.cuda.empty_cache()
                         rows.append(row)
                 progress(f"prefill d={d} causal={causal} N={n} done")
-                del q, k, v
+                q = k = v = None  # (freed before the next length; rebound, not deleted: the timed lambdas name them)
                 torch.cuda.empty_cache()
     return rows
 

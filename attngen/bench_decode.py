@@ -236,7 +236,7 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
                    bench_graph(lambda: attngen.attention_with_kvcache(q, kp, vp, seqlens, table)))
         if err > 2e-2:
             raise SystemExit(f"paged {page} disagrees with contiguous at B={batch} ctx={ctx}: {err}")
-        del kp, vp
+        kp = vp = None  # (freed; rebound, not deleted: the timed lambdas name them)
     for name, make in PEERS.items():
         ms, note = peer(make, q, k, v, ref)
         record(name, ms, note)
@@ -255,7 +255,7 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
     for name, make in PEERS.items():
         ms, why = peer(make, q, k, v, ref, caches)
         record(f"{name} [layers]", ms, f"{note}; {why}")
-    del q, k, v, caches
+    q = k = v = caches = None
     torch.cuda.empty_cache()
     return row
 

@@ -311,10 +311,10 @@ def tma_descriptor(kind: str):
     (triton.tools.tensor_descriptor, as the Triton dK/dV kernel takes; the compiler picks its swizzle)."""
     if kind == "gluon":
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
         layout = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
-        return lambda t, rows=64: TensorDescriptor(t, [rows, 256], [256, 1], [16, 128], layout)
+        return lambda t, rows=64: GluonDescriptor(t, [rows, 256], [256, 1], [16, 128], layout)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return lambda t, rows=64: TensorDescriptor(t, [rows, 256], [256, 1], [16, 128])
