@@ -82,8 +82,9 @@ def child() -> None:
     for rep in ("cold", "again"):
         log.clear()
         rows = bench.bench_prefill((512, 1024), (64,), ("attngen", "sdpa_cudnn"), ("backward",), progress=lambda s: None)
+        parts = iter(log)  # one do_bench per row that ran; a failed row made none
         out[rep] = [dict(provider=r.provider, causal=r.params["causal"], n=r.params["seqlen"], tflops=r.tflops,
-                         error=r.error, **parts) for r, parts in zip(rows, log)]
+                         error=r.error, **({} if r.error else next(parts))) for r in rows]
     print("JSON " + json.dumps(out))
 
 
@@ -111,6 +112,9 @@ def main() -> int:
     for i, res in enumerate(results):
         for rep, rows in res.items():
             for x in rows:
+                if x["error"]:
+                    print(f"{i:>5} {rep:>6} {x['provider']:>11} {x['causal']!s:>6} {x['n']:>5} {x['error']}")
+                    continue
                 print(f"{i:>5} {rep:>6} {x['provider']:>11} {x['causal']!s:>6} {x['n']:>5} {x['tflops'] or 0:8.1f} "
                       f"{x['first_s']:8.3f} {x['estimate_ms']:9.3f} {x['estimate_wall_s']:11.3f} {x['n_warmup']:>5} "
                       f"{x['n_repeat']:>5}")
