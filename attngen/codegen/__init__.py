@@ -78,9 +78,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         entries=entries,
         backward_config=backward_config(spec) if "backward" in entries else {},
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
-        ws=dict(program.attr("warp_specialized") or ()),
-        ws_bwd=dict(program.attr("warp_specialized_bwd") or ()),
-        wsd=dict(program.attr("warp_specialized_decode") or ()),
+        gluon_fwd=program.warp_specialized.forward,
+        gluon_bwd=program.warp_specialized.backward,
+        gluon_decode=program.warp_specialized.decode,
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
     )
