@@ -19,6 +19,7 @@ from ..resources import Target
 from ..spec import Spec
 from ..version import __version__
 from .emit import KernelEmitter
+from .hooks import score_hooks
 
 TEMPLATE = "attention.py.j2"
 
@@ -81,6 +82,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
         gluon_decode=program.warp_specialized.decode,
+        fwd_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.forward else None,
+        bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
+        decode_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.decode else None,
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
     )
