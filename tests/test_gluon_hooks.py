@@ -26,9 +26,9 @@ GL = types.SimpleNamespace(max=lambda x, axis: x.amax(axis), exp2=torch.exp2, mi
 SIZES = [(5, 5), (5, 13), (13, 5), (1, 9), (64, 64)]  # (N_Q, N_K); BLOCK_N 16 in the grids below: keys past N_K too
 
 
-def _hooks(text, kernel="attn_fwd"):
+def _hooks(text, kernel="attn_fwd", in_scope=("qk_scale",)):
     program = compile_program(parse(text))
-    return program, score_hooks(program.kernel(kernel))
+    return program, score_hooks(program.kernel(kernel), in_scope)
 
 
 def _run(code, **names):
@@ -73,7 +73,8 @@ def test_the_decode_kernel_keeps_each_sequences_keys(causal, n_q, group, n_k):
     """Decoding: columns are packed (query head, query) rows, query = column // GROUP; the keys a sequence
     has are n_k (its cache length), and causal is aligned bottom-right to it."""
     mask = "causal(bottom_right)" if causal else "none"
-    _, hooks = _hooks(spec_text("hk_dec", 128, "bf16", mask, split_kv="auto", kv_layout="paged(page_size = 16)"))
+    _, hooks = _hooks(spec_text("hk_dec", 128, "bf16", mask, split_kv="auto", kv_layout="paged(page_size = 16)"),
+                      in_scope=("qk_scale", "n_k"))  # the sequence's length, as the template names it
     assert hooks.causal is causal
     columns = 16 * -(-(group * n_q) // 16)
     s_cols = torch.arange(columns)
@@ -165,3 +166,19 @@ def test_the_hooks_refuse_what_they_cannot_spell():
     tanh = replace(hooks, scaled_expr=ir.Call(ir.Op.LOG, (hooks.scaled_expr,)))
     with pytest.raises(InternalError, match="no Gluon hook spelling"):
         tanh.scaled("sc")
+
+
+def test_the_backwards_gradients_are_the_irs():
+    """dS^T = P^T (dP^T - delta), dK = sm_scale dS^T Q and dQ = sm_scale dS K, as the Gluon backward takes them."""
+    program, hooks = _hooks(spec_text("hk_grads", 128, "bf16", "none", direction="forward+backward"), "attn_bwd_dkdv")
+    dq_hooks = score_hooks(program.kernel("attn_bwd_dq"))
+    pt, dpt, delta = torch.rand(8, 4), torch.randn(8, 4), torch.randn(4)
+    code = hooks.value("ds_t", {"p_t": "pt", "dp_t": "dpt", "delta": "delta[None, :]"})
+    assert torch.allclose(_run(code, pt=pt, dpt=dpt, delta=delta), pt * (dpt - delta[None, :]))
+    dk = torch.randn(8, 16)
+    assert torch.equal(_run(hooks.value("DK", {"dk": "dk"}), dk=dk, sm_scale=0.25), dk * 0.25)
+    assert torch.equal(_run(dq_hooks.value("DQ", {"dq": "acc"}, "tl"), acc=dk, sm_scale=0.5), dk * 0.5)
+    with pytest.raises(InternalError, match="names"):  # an IR value over a name the template did not give
+        hooks.value("ds_t", {"p_t": "pt"})
+    with pytest.raises(InternalError, match="defines no"):
+        hooks.value("softcap", {})

@@ -84,7 +84,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         gluon_decode=program.warp_specialized.decode,
         fwd_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.forward else None,
         bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
-        decode_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.decode else None,
+        dq_hooks=score_hooks(program.kernel("attn_bwd_dq")) if program.warp_specialized.backward else None,
+        decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k")) if program.warp_specialized.decode
+        else None,
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
     )

@@ -10,6 +10,9 @@ templates take `{{modification}}`:
     scaled_max(s, a)  their maximum along axis `a` (the IR's new running max, before its max with the old)
     lse(m, l)         the log-sum-exp stored from the running max `m` and sum `l` (base 2 back to e)
     lse_log2(x, lib)  a loaded log-sum-exp `x` in base 2, +inf for a row that saw no key (P = 0 there)
+    value(name, names, lib)
+                      the IR's value of the register or output `name` (its first definition), the IR's
+                      buffers renamed to the template's by `names` (the backward's dS^T, dK, dQ)
     causal_offset     b in the IR's causal predicate `key <= query + b`, over the kernel's sizes ("0" top-left)
     diagonal(rows)    query + b for the packed row positions `rows` (query = row // group)
     keep(...)         the masked blocks' predicate over the template's key positions and diagonal positions
@@ -17,7 +20,8 @@ templates take `{{modification}}`:
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
 instead of generating a kernel that silently drops it. Every identifier in a hook's code is a name the
-template gave, a size or scalar the IR kernel declares, or Gluon's `gl`: nothing else from a spec gets in.
+template gave (in the call, or `in_scope`: the IR values it keeps under the IR's name, such as qk_scale), a
+size or scalar the IR kernel declares, or `gl` / `tl`: nothing else from a spec gets in.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class ScoreHooks:
     lse_read: ir.Expr | None   # a loaded log-sum-exp as exp2 takes it (None: it loads none)
     preds: tuple[Pred, ...]
     query_group: sympy.Expr
+    in_scope: tuple[str, ...]  # IR values the template holds under the IR's names (qk_scale, decoding's n_k)
 
     # -- the scale and the softmax's exponent ------------------------------------------------------
     @property
@@ -78,6 +83,12 @@ class ScoreHooks:
             raise InternalError(f"kernel {self.kernel.name} loads no log-sum-exp")
         loads = {n.buffer.name: x for n in ir.walk_expr(self.lse_read) if isinstance(n, ir.Load)}
         return self._code(_render(self.lse_read, loads, lib=lib), x).replace("gl.", f"{lib}.")
+
+    def value(self, target: str, names: dict, lib: str = "gl") -> str:
+        for st in ir.walk_stmts(self.kernel.body):
+            if isinstance(st, (ir.Assign, ir.Store)) and st.target.name == target:
+                return self._code(_render(st.value, names, lib=lib), *names.values())
+        raise InternalError(f"kernel {self.kernel.name} defines no {target}")
 
     # -- the mask ------------------------------------------------------------------------------------
     @property
@@ -121,8 +132,7 @@ class ScoreHooks:
 
     def _code(self, code: str, *given: str) -> str:
         """`code`, once every identifier in it is a given name's, a symbol's of the kernel, or gl's."""
-        allowed = {"gl", "tl", "None", "float"} | {str(d.symbol) for d in self.kernel.symbols}
-        allowed |= {b.name for b in self.kernel.params} | _declared(self.kernel)
+        allowed = {"gl", "tl", "None", "float"} | {str(d.symbol) for d in self.kernel.symbols} | set(self.in_scope)
         for text in given:
             allowed |= set(_IDENTIFIER.findall(text))
         unknown = set(_IDENTIFIER.findall(re.sub(r'"[^"]*"', "", code))) - allowed  # float("-inf") holds no name
@@ -131,9 +141,10 @@ class ScoreHooks:
         return code
 
 
-def score_hooks(kernel) -> ScoreHooks:
+def score_hooks(kernel, in_scope: tuple[str, ...] = ("qk_scale",)) -> ScoreHooks:
     """The hooks of an IR kernel with an online softmax in exp2 (the forward, the decode kernel) or the
-    backward's recomputed P (exp2 of the scaled scores less the log-sum-exp)."""
+    backward's recomputed P (exp2 of the scaled scores less the log-sum-exp); `in_scope`: the IR values
+    the template holds under the IR's own names."""
     assigns = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Assign)]
     exp = next((st.value.args[0] for st in assigns if isinstance(st.value, Call) and st.value.op is Op.EXP2
                 and len(st.target.shape) == 2), None)
@@ -163,12 +174,8 @@ def score_hooks(kernel) -> ScoreHooks:
         raise InternalError(f"kernel {kernel.name}: masks with different row groupings {groups}")
     return ScoreHooks(kernel=kernel, scale_value=values[scale_buffers[0].name], scaled_expr=scaled,
                       max_expr=max_expr, score=score, lse_value=lse_value, lse_read=lse_read,
-                      preds=tuple(preds), query_group=groups.pop() if groups else sympy.Integer(1))
-
-
-def _declared(kernel) -> set:
-    """The register values a kernel assigns (the scale is one)."""
-    return {st.target.name for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Assign)}
+                      preds=tuple(preds), query_group=groups.pop() if groups else sympy.Integer(1),
+                      in_scope=tuple(in_scope))
 
 
 def _size(expr) -> str:
