@@ -17,8 +17,8 @@ at d=128 tiles of 128 query rows in two consumer warpgroups of 64, at d=64 192 r
 128-key blocks, 2 stages, the next block's scores issued before this block's softmax, the register
 split between the partitions, a persistent grid of one program per multiprocessor) and the shape of calls
 of at most SHORT_KEYS keys (SHORT_SHAPE: at d=64 two consumer warpgroups, causal d=128 64-key blocks).
-The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2) beside the portable
-Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
+The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2), its scaling and masking
+rendered from this program's IR (codegen/hooks.py), beside the portable Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
 stride), at least one query, MIN_KEYS keys and MIN_SCORES scores. Everything else, the interpreter included, runs the
 Triton kernel, which the tuner keeps tuning.

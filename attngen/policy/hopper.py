@@ -55,9 +55,8 @@ never. The same kernel at other constexprs: a second binary, compiled on the fir
 _TWO_CONSUMERS = (("BLOCK_M", 128), ("consumers", 2), ("consumer_regs", 240), ("maxnreg", 168))
 SHORT_SHAPE = {(64, False): _TWO_CONSUMERS, (64, True): _TWO_CONSUMERS, (128, False): (),
                (128, True): (("BLOCK_N", 64), ("STAGES", 3))}
-"""What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal); in the attribute as SHORT_BLOCK_M,
-SHORT_BLOCK_N, SHORT_STAGES, SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg (each consumer warpgroup keeps its
-64 rows, so the Q and output descriptors are the same). Causal d=128 (H200, NOTES.md v22,
+"""What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal): `GluonForward.short` (each
+consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22,
 benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
 509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30,
@@ -154,9 +153,8 @@ BWD_SHORT_KEYS = {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True)
 BWD_SHORT_SHAPE = {(64, False): (), (64, True): (("BLOCK_N", 64), ("consumers", 1), ("consumer_regs", 232),
                                                  ("maxnreg", 128), ("STAGES", 3)),
                    (128, False): (), (128, True): ()}
-"""What the backward's shape of calls of at most BWD_SHORT_KEYS keys changes, by (head dim, causal); in the attribute
-as SHORT_BLOCK_N, SHORT_STAGES, SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg (each consumer keeps its 64 keys,
-so the K/V descriptors are the same). Causal d=64: one consumer warpgroup of 64 keys a program at 128 registers
+"""What the backward's shape of calls of at most BWD_SHORT_KEYS keys changes, by (head dim, causal):
+`GluonBackward.short` (each consumer keeps its 64 keys, so the K/V descriptors are the same; the verifier checks it). Causal d=64: one consumer warpgroup of 64 keys a program at 128 registers
 (8 warps: the loader padded to a warpgroup; ptxas: 128 registers, no spills; 100 KB of shared memory at 3 stages),
 so that two programs share a multiprocessor and one's start (K, V, the first Q and dO) and drain (dK, dV stored)
 run beside the other's steps; the main shape fills the register file with one program (12 warps x 168). Each Q and
