@@ -82,7 +82,7 @@ class ScoreHooks:
         if self.lse_read is None:
             raise InternalError(f"kernel {self.kernel.name} loads no log-sum-exp")
         loads = {n.buffer.name: x for n in ir.walk_expr(self.lse_read) if isinstance(n, ir.Load)}
-        return self._code(_render(self.lse_read, loads, lib=lib), x).replace("gl.", f"{lib}.")
+        return self._code(_render(self.lse_read, loads, lib=lib), x)
 
     def value(self, target: str, names: dict, lib: str = "gl") -> str:
         for st in ir.walk_stmts(self.kernel.body):
@@ -112,15 +112,16 @@ class ScoreHooks:
 
     def keep(self, key: str, diagonal: str, key_axis: int, structural: tuple[str, ...] = ()) -> str:
         """The masked blocks' predicate: `key` the tile's key positions (a vector along `key_axis`), `diagonal`
-        its query positions plus causal_offset (a vector along the other axis). The kinds in `structural` are
-        (PredKind values) are the template's own (say, rows past N_Q given an lse of +inf); every other
-        predicate is rendered."""
+        its query positions plus causal_offset (a vector along the other axis). The predicate kinds named in
+        `structural` (PredKind values) are the template's own (say, rows past N_Q given an lse of +inf); every
+        other predicate is rendered."""
         kb, db = _BROADCAST[key_axis], _BROADCAST[1 - key_axis]
         terms = []
         for p in self.preds:
             if p.kind.value in structural:
                 continue
             if p.kind is PredKind.CAUSAL:
+                self._offset()  # the one diagonal the template built `diagonal` from
                 terms.append(f"({key}{kb} <= {diagonal}{db})")
             elif p.kind is PredKind.KEY_BOUND:
                 terms.append(f"({key} < {_size(p.bound)}){kb}")
