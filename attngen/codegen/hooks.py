@@ -19,7 +19,10 @@ templates take `{{modification}}`:
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
-instead of generating a kernel that silently drops it. Every identifier in a hook's code is a name the
+instead of generating a kernel that silently drops it. To extend: a new predicate kind gets its term in
+`keep` (over `key`, `diagonal`, or the IR's sizes), a new score op its spelling in `_expr`; an expression
+over the head or batch index uses the IR's names (h, b), which a template lists in `in_scope` where it
+holds them. Every identifier in a hook's code is a name the
 template gave (in the call, or `in_scope`: the IR values it keeps under the IR's name, such as qk_scale), a
 size or scalar the IR kernel declares, or `gl` / `tl`: nothing else from a spec gets in.
 """
