@@ -326,18 +326,20 @@ def gluon_note(part, capability) -> str | None:
     """What tuning `part` does not reach on a GPU of this capability: the calls that run the passes
     warp-specialize's or warp-specialize-decode's fixed-shape Gluon kernels instead of the Triton
     kernel the tuner tunes."""
-    module = getattr(part, "module", None) or getattr(getattr(part, "kernel", None), "module", None)
-    shape = getattr(module, {"forward": "WS_SHAPE", "backward": "WS_BWD_SHAPE", "kvcache": "WSD_SHAPE"}.get(part.kind, ""),
-                    None)
-    if capability != (9, 0) or shape is None:
+    if capability != (9, 0):
+        return None
+    kernel = part if hasattr(part, "program") else part.kernel
+    gluon = kernel.program.warp_specialized
+    shape = {"forward": gluon.forward, "backward": gluon.backward, "kvcache": gluon.decode}.get(part.kind)
+    if shape is None:
         return None
     if part.kind == "kvcache":
-        return (f"on this GPU, calls with at most {shape['ROWS']} query rows per K/V head (heads/kv_heads x seqlen_q) "
+        return (f"on this GPU, calls with at most {shape.rows} query rows per K/V head (heads/kv_heads x seqlen_q) "
                 f"on caches TMA can read may run the fixed-shape Gluon kernel (pass warp-specialize-decode): "
                 f"warp_specialized=1 entries run it at their split count, warp_specialized=0 ones the Triton "
                 f"kernel; the Triton keys serve the Triton kernel elsewhere too (more rows, other GPUs)")
     left = "smaller calls, other GPUs" + (", deterministic algorithms" if part.kind == "backward" else "")
-    return (f"on this GPU, {part.kind} calls of at least {shape['min_scores']:,} scores (B*H*N_Q*N_K) run the "
+    return (f"on this GPU, {part.kind} calls of at least {shape.min_scores:,} scores (B*H*N_Q*N_K) run the "
             f"fixed-shape Gluon kernel (pass warp-specialize); these configs serve the Triton kernel elsewhere "
             f"({left})")
 

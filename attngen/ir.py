@@ -13,7 +13,7 @@ children, so structural equality and hashing come for free and passes must build
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Union
 
 import sympy
@@ -303,6 +303,113 @@ class Kernel:
     doc: str = ""
 
 
+# -- the Hopper kernels' shapes and thresholds (set by the warp-specialize passes) ---------------
+
+
+@dataclass(frozen=True, slots=True)
+class GluonShape:
+    """One launch shape of a warp-specialised Gluon kernel: tile rows and keys, ring stages, consumer
+    warpgroups, and the registers a consumer thread gets (`consumer_regs`) under the launch's `maxnreg`."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    consumers: int
+    consumer_regs: int
+    maxnreg: int
+
+
+@dataclass(frozen=True, slots=True)
+class GluonForward:
+    """The Gluon prefill forward (templates/gluon_forward.py.j2): `main` shape, and `short` for calls of at
+    most `short_keys` keys; it runs from `min_keys` keys and `min_scores` scores B * H * N_Q * N_K."""
+
+    main: GluonShape
+    short: GluonShape
+    loader_regs: int
+    overlap: bool      # block j's Q K^T issued before block j-1's P V is waited for
+    pingpong: bool     # the consumers take turns issuing
+    early_p: bool      # P carried as the P V product's 16-bit operand
+    trim: bool         # a consumer takes only the key blocks its rows need
+    persistent: bool   # one program per multiprocessor
+    balance: bool      # a persistent grid deals short tiles over its programs
+    min_keys: int
+    short_keys: int
+    min_scores: int
+
+    def constants(self) -> dict:
+        """The generated module's WS_SHAPE: what its launcher reads at run time."""
+        m, s = self.main, self.short
+        return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
+                "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
+                "consumers": m.consumers, "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs,
+                "maxnreg": m.maxnreg, "SHORT_BLOCK_M": s.block_m, "SHORT_BLOCK_N": s.block_n,
+                "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers, "SHORT_consumer_regs": s.consumer_regs,
+                "SHORT_maxnreg": s.maxnreg, "min_keys": self.min_keys, "short_keys": self.short_keys,
+                "min_scores": self.min_scores, "BALANCE": self.balance}
+
+
+@dataclass(frozen=True, slots=True)
+class GluonBackward:
+    """The Gluon backward (templates/gluon_backward.py.j2): dQ, dK and dV in one kernel, `main` shape and
+    `short` for calls of at most `short_keys` keys; the row passes around it take `row_block` rows."""
+
+    main: GluonShape
+    short: GluonShape
+    loader_regs: int
+    ahead: bool          # the next step's S^T issued first
+    dq_atomic: bool      # dQ added by TMA reductions here (else dK, dV only)
+    rows_smem: bool      # lse and delta by TMA with Q and dO
+    prefetch: bool       # (without rows_smem) the next step's lse and delta loaded during this one
+    late_rows: int       # 0: lse, delta read before the step's waits; 1: delta after; 2: lse too
+    split: bool          # dK, dV from this kernel beside the Triton dQ kernel (deterministic algorithms)
+    dq_local_rows: int   # from this many query rows, each consumer makes dQ over its own keys; 0: never
+    dq_claim_keys: int   # up to this many keys, dQ tiles are claimed instead of zeroed; 0: never
+    row_block: int
+    min_keys: int
+    short_keys: int
+    min_scores: int
+
+    def constants(self) -> dict:
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time."""
+        m, s = self.main, self.short
+        return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
+                "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
+                "DQ_ATOMIC": self.dq_atomic, "ROWS_SMEM": self.rows_smem, "STAGES": m.stages,
+                "PREFETCH": self.prefetch, "dq_local_rows": self.dq_local_rows, "split": self.split,
+                "min_keys": self.min_keys, "min_scores": self.min_scores, "ROW_BLOCK": self.row_block,
+                "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
+                "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
+                "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg}
+
+
+@dataclass(frozen=True, slots=True)
+class GluonDecode:
+    """The Gluon KV-cache decode kernel (templates/gluon_decode.py.j2): blocks of `block_n` keys in a ring of
+    `stages`, at most `rows` query rows per K/V head."""
+
+    block_n: int
+    stages: int
+    rows: int
+    loader_regs: int
+
+    def constants(self) -> dict:
+        """The generated module's WSD_SHAPE: what its launcher reads at run time."""
+        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs}
+
+
+@dataclass(frozen=True, slots=True)
+class WarpSpecialized:
+    """Which Hopper Gluon kernels a program has beside its Triton ones, with their shapes; None: none."""
+
+    forward: GluonForward | None = None
+    backward: GluonBackward | None = None
+    decode: GluonDecode | None = None
+
+    def __bool__(self) -> bool:
+        return any(k is not None for k in (self.forward, self.backward, self.decode))
+
+
 @dataclass(frozen=True, slots=True)
 class Program:
     """Everything generated from one spec: its kernels, and facts the passes agreed on."""
@@ -311,6 +418,7 @@ class Program:
     spec_hash: str
     kernels: tuple[Kernel, ...]
     attrs: tuple[tuple[str, object], ...] = field(default=())
+    warp_specialized: WarpSpecialized = WarpSpecialized()
 
     def attr(self, key: str, default=None):
         return dict(self.attrs).get(key, default)
@@ -604,7 +712,32 @@ def format_kernel(k: Kernel) -> str:
     return "\n".join(out)
 
 
+def _format_shape(s: GluonShape) -> str:
+    return (f"{s.block_m}x{s.block_n} tiles, {s.stages} stages, {s.consumers} consumers x {s.consumer_regs} regs"
+            f" (maxnreg {s.maxnreg})")
+
+
+def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
+    """The Gluon kernels' shapes and thresholds, a few lines each."""
+    out = []
+    for name, k in (("forward", ws.forward), ("backward", ws.backward)):
+        if k is None:
+            continue
+        flags = [f.name for f in fields(k) if isinstance(getattr(k, f.name), bool) and getattr(k, f.name)]
+        numbers = [f"{f.name}={getattr(k, f.name)}" for f in fields(k)
+                   if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")]
+        out += [f"gluon {name}: {_format_shape(k.main)}, loader {k.loader_regs} regs",
+                f"  short (<= {k.short_keys} keys): {_format_shape(k.short)}" if k.short_keys else "  short: never",
+                f"  runs from {k.min_keys} keys and {k.min_scores} scores; " + ", ".join(flags + numbers)]
+    if ws.decode is not None:
+        d = ws.decode
+        out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
+                   f"loader {d.loader_regs} regs")
+    return out
+
+
 def format_program(p: Program) -> str:
     attrs = ", ".join(f"{k}={v}" for k, v in p.attrs)
     head = f"program {p.name} [{p.spec_hash}]" + (f" ({attrs})" if attrs else "")
+    head = "\n".join([head] + format_warp_specialized(p.warp_specialized))
     return "\n\n".join([head] + [format_kernel(k) for k in p.kernels]) + "\n"

@@ -434,7 +434,7 @@ class Kernel:
             inputs["out"].fill_(float("nan"))
             inputs["lse"].fill_(float("nan"))
         warmup.wait()
-        if hasattr(self.module, "WS_SHAPE"):  # the tuner tunes the Triton kernel; the Gluon one has a fixed shape
+        if self.program.warp_specialized.forward is not None:  # the tuner tunes the Triton kernel, not the Gluon one
             config = dict(config, warp_specialized=False)
         return self.module.forward(inputs["q"], inputs["k"], inputs["v"], self.spec.softmax_scale,
                                    out=inputs["out"], lse=inputs["lse"], config=config)

@@ -170,6 +170,7 @@ def verify(program: ir.Program, stage: str) -> ir.Program:
         checker.run()
         checkers.append(checker)
     _program_ok(program, stage, checkers)
+    _warp_specialized_ok(program, stage)
     return program
 
 
@@ -200,3 +201,77 @@ def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> No
             if program.attr("max_block_n") is None or program.attr("max_block_n") > size:
                 fail(f"{checker.kernel.name} looks pages of {size} up once per tile, "
                      f"but the program does not bound BLOCK_N by {size} (attr max_block_n)")
+
+
+_GLUON_HEAD_DIMS = (64, 128)  # the head dims the Gluon templates' layouts and register budgets are written for
+
+
+def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
+    """The Hopper kernels' shapes: what wgmma, setmaxnreg and the templates' descriptors need of them."""
+    ws = program.warp_specialized
+
+    def fail(message: str) -> None:
+        raise InternalError(f"after pass '{stage}': warp-specialized {message}")
+
+    def shape_ok(what: str, s: ir.GluonShape) -> None:
+        if s.consumers < 1 or s.stages < 1:
+            fail(f"{what}: {s.consumers} consumers, {s.stages} stages")
+        if s.block_n % 16:  # the P V product's K dimension
+            fail(f"{what}: BLOCK_N {s.block_n} is not a multiple of 16")
+        regs_ok(what, s.consumer_regs)
+        if not 0 < s.maxnreg <= 255:
+            fail(f"{what}: maxnreg {s.maxnreg}")
+
+    def regs_ok(what: str, regs: int) -> None:
+        if not (24 <= regs <= 256 and regs % 8 == 0):  # setmaxnreg's range and step
+            fail(f"{what}: {regs} registers a thread (setmaxnreg takes multiples of 8 in [24, 256])")
+
+    def counts_ok(what: str, k) -> None:
+        for name in ("min_keys", "short_keys", "min_scores"):
+            if getattr(k, name) < 0:
+                fail(f"{what}: {name} {getattr(k, name)} is negative")
+
+    if ws and not (program.attr("head_dim") == program.attr("head_dim_padded") in _GLUON_HEAD_DIMS):
+        fail(f"kernels for head dim {program.attr('head_dim')} (padded {program.attr('head_dim_padded')}); "
+             f"the templates take {_GLUON_HEAD_DIMS}")
+    if ws and program.attr("dtype") not in ("fp16", "bf16"):
+        fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
+    if ws.forward is not None:
+        f = ws.forward
+        if program.attr("kvcache", False):
+            fail("forward on a KV-cache program")
+        for what, s in (("forward", f.main), ("forward short shape", f.short)):
+            shape_ok(what, s)
+            if s.block_m % s.consumers or (s.block_m // s.consumers) % 64:  # a consumer warpgroup's wgmma rows
+                fail(f"{what}: {s.block_m // s.consumers} rows a consumer, not a multiple of 64")
+        if f.short.block_m // f.short.consumers != f.main.block_m // f.main.consumers:  # one Q descriptor
+            fail("forward: the short shape changes the rows a consumer takes")
+        regs_ok("forward loader", f.loader_regs)
+        counts_ok("forward", f)
+    if ws.backward is not None:
+        b = ws.backward
+        if ws.forward is None or not any(k.name == "attn_bwd_dkdv" for k in program.kernels):
+            fail("backward without the Gluon forward and a dK/dV kernel")
+        for what, s in (("backward", b.main), ("backward short shape", b.short)):
+            shape_ok(what, s)
+            if s.consumers & (s.consumers - 1):  # the K/V buffers' count is a shared allocation's dimension
+                fail(f"{what}: {s.consumers} consumers, not a power of two")
+            if s.block_m % 64 or s.block_n % s.consumers or (s.block_n // s.consumers) % 64 \
+                    or s.block_n // s.consumers != b.main.block_n // b.main.consumers:
+                fail(f"{what}: {s.block_m} query rows a step, {s.block_n // s.consumers} keys a consumer "
+                     f"(a multiple of 64, and the main shape's: one K/V descriptor)")
+        if b.short.block_m != b.main.block_m:
+            fail("backward: the short shape changes the query block")
+        if b.row_block < 1 or b.main.block_m % b.row_block:
+            fail(f"backward: row passes of {b.row_block} rows do not divide BLOCK_M {b.main.block_m}")
+        if b.late_rows not in (0, 1, 2) or b.dq_local_rows < 0 or b.dq_claim_keys < 0:
+            fail(f"backward: late_rows {b.late_rows}, dq_local_rows {b.dq_local_rows}, dq_claim_keys {b.dq_claim_keys}")
+        regs_ok("backward loader", b.loader_regs)
+        counts_ok("backward", b)
+    if ws.decode is not None:
+        d = ws.decode
+        if not program.attr("kvcache", False) or program.attr("split_kv") is None:
+            fail("decode on a program without a split-KV KV cache")
+        if d.block_n % 16 or d.stages < 1 or d.rows & (d.rows - 1) or not 8 <= d.rows <= 256:
+            fail(f"decode: {d.block_n}-key blocks, {d.stages} stages, {d.rows} rows (wgmma's N: a power of two, 8-256)")
+        regs_ok("decode loader", d.loader_regs)

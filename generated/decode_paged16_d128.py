@@ -368,8 +368,8 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
     # the row sums, kept per key slot and rescaled like acc: one cross-warp sum at the end, not one a block
     l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=mma)
     s_cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, mma))
-    # query row n sees the keys below n_k - N_Q + 1 + n (the causal mask aligned bottom-right)
-    limit = n_k - N_Q + 1 + s_cols // GROUP
+    # column n's diagonal: the last key its query sees (the IR's causal mask)
+    diag = n_k - N_Q + s_cols // GROUP
     first_limit = n_k - N_Q + 1
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
     for j in range(j0, j1):
@@ -381,7 +381,7 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         mbarrier.arrive(k_empty.index(s), count=1)
         if (j + 1) * BLOCK_N > first_limit:  # a block some row must not see all of
             keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            keep = (keys[:, None] < limit[None, :]) & (keys < n_k)[:, None]
+            keep = (keys[:, None] <= diag[None, :]) & (keys < n_k)[:, None]
             sc = gl.where(keep, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet

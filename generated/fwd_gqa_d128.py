@@ -234,17 +234,15 @@ def launch_attn_fwd(q, k, v, o, lse, sm_scale, *, BLOCK_M, BLOCK_N, num_warps, n
 @gluon.jit
 def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                 layout: gl.constexpr):
-    """The online-softmax step of key block j: (p, m, l, alpha). Query row i (from 0 at this
-    warpgroup's first row) sees keys up to row0 + i when CAUSAL, and keys below N_K."""
+    """The online-softmax step of key block j: (p, m, l, alpha). row0 is the diagonal (query + causal
+    offset) of this warpgroup's first row; the keys a row keeps are the IR's mask's."""
     limit = N_K
     if CAUSAL:
         limit = gl.minimum(N_K, row0 + 1)
     if (j + 1) * BLOCK_N > limit:  # a block some row must not see all of: the diagonal, or past N_K
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        keep = (cols < N_K)[None, :]
-        if CAUSAL:
-            rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-            keep = keep & (cols[None, :] <= rows[:, None])
+        rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
+        keep = (cols[None, :] <= rows[:, None]) & (cols < N_K)[None, :]
         sc = gl.where(keep, sc, float("-inf"))
     if FIRST:
         m_new = gl.max(sc, 1) * qk_scale

@@ -522,17 +522,14 @@ def launch_attn_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, *, BLOCK_M, 
 @gluon.jit
 def _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, FIRST: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                 layout: gl.constexpr):
-    """The online-softmax step of key block j: (p, m, l, alpha). Query row i (from 0 at this
-    warpgroup's first row) sees keys up to row0 + i when CAUSAL, and keys below N_K."""
+    """The online-softmax step of key block j: (p, m, l, alpha). row0 is the diagonal (query + causal
+    offset) of this warpgroup's first row; the keys a row keeps are the IR's mask's."""
     limit = N_K
     if CAUSAL:
         limit = gl.minimum(N_K, row0 + 1)
     if (j + 1) * BLOCK_N > limit:  # a block some row must not see all of: the diagonal, or past N_K
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         keep = (cols < N_K)[None, :]
-        if CAUSAL:
-            rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-            keep = keep & (cols[None, :] <= rows[:, None])
         sc = gl.where(keep, sc, float("-inf"))
     if FIRST:
         m_new = gl.max(sc, 1) * qk_scale
@@ -1160,11 +1157,6 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             claim = _ws_bwd_claim(claim_ptr, my_id)
         if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
             lse = rows_s.slice(0, BLOCK_M).load(col_s)
-        if CAUSAL:
-            cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-            if start_m + offset < row0 + BN - 1:  # a block on the diagonal: key r sees query c when c + offset >= r
-                rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
-                st = gl.where((cols + offset)[None, :] >= rows[:, None], st, float("-inf"))
         pt = gl.exp2(st * qk_scale - lse[None, :])
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
@@ -1471,7 +1463,7 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, st
     do = tl.load(DO + b * stride_do_b + h * stride_do_h + rows[:, None] * stride_do_n + cols[None, :] * stride_do_d,
                  mask=mask, other=0.0)
     lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + rows * stride_lse_n, mask=live, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     out = ROWS + (b * H + h) * 2 * N_PAD + rows
     tl.store(out, lse, mask=rows < N_PAD)
     tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)

@@ -789,9 +789,9 @@ def test_nonfinite_value_poisons_rows_that_see_it_and_never_corrupts_silently(si
     clean_v[:, :, j] = 0
     ref, ref_lse = reference.attention(q, k, clean_v, Mask.CAUSAL_TOP_LEFT)
     runs = [(dict(BLOCK_M=16, BLOCK_N=16, num_warps=4), 16, 16)]  # (config, query rows, keys) of a tile
-    ws = getattr(kernel.module, "WS_SHAPE", None)
-    if ws is not None:
-        runs = [(dict(runs[0][0], warp_specialized=False), 16, 16), ({}, ws["BLOCK_M"], ws["BLOCK_N"])]
+    gluon = kernel.program.warp_specialized.forward
+    if gluon is not None:
+        runs = [(dict(runs[0][0], warp_specialized=False), 16, 16), ({}, gluon.main.block_m, gluon.main.block_n)]
     for config, block_m, block_n in runs:
         out, lse = run(kernel, q, k, v, config=config)
         bad_rows = _rows_with_nonfinite(out)

@@ -9,6 +9,7 @@ algorithms, and the fallback for inputs TMA cannot read.
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 import attngen
 from attngen.check import Case, compare, compare_grads
 from attngen.passes import compile_program, warp_specialize
+from attngen.policy import hopper
 from attngen.spec import parse
 from conftest import DEVICE, HAS_GPU, spec_text
 from probe import probe
@@ -39,18 +41,19 @@ HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 def test_which_specs_get_the_gluon_forward(text, expected):
     program = compile_program(parse(text))
     assert warp_specialize.applies(program) is expected
-    shape = dict(program.attr("warp_specialized") or ())
+    gluon = program.warp_specialized.forward
+    shape = gluon.constants() if gluon is not None else {}
     spec = parse(text)
-    min_keys = warp_specialize.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
-    short_keys = warp_specialize.SHORT_KEYS.get((spec.head_dim, spec.mask.is_causal))
+    min_keys = hopper.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
+    short_keys = hopper.SHORT_KEYS.get((spec.head_dim, spec.mask.is_causal))
     rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
-    short = dict(warp_specialize.SHORT_SHAPE.get((spec.head_dim, spec.mask.is_causal), ()))
+    short = dict(hopper.SHORT_SHAPE.get((spec.head_dim, spec.mask.is_causal), ()))
     assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
             and shape.get("SHORT_BLOCK_M") == short.get("BLOCK_M", rows)
             and shape.get("SHORT_BLOCK_N") == short.get("BLOCK_N", shape.get("BLOCK_N"))
             and shape.get("TRIM") is True and shape.get("PERSISTENT") is True
             and shape.get("short_keys") == short_keys
-            and shape.get("BALANCE") is warp_specialize.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
+            and shape.get("BALANCE") is hopper.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_ws") is expected
     passes = kernel.source.split("\n", 3)[2].removeprefix("# Passes: ").rstrip(".").split(", ")  # the header line
@@ -83,7 +86,7 @@ def test_the_persistent_grid_deals_short_tiles_evenly(mask):
     as a permutation; at the bench's d=64 shapes on 132 SMs the longest program's work drops (place order gave
     a few programs every short tile), and it is never worse than place order by more than one short unit."""
     module = attngen.load(spec_text(f"ws_balance_{mask[:6]}", 64, "bf16", mask)).module
-    assert module.WS_SHAPE["BALANCE"] is warp_specialize.BALANCE[(64, mask != "none")] is True
+    assert module.WS_SHAPE["BALANCE"] is hopper.BALANCE[(64, mask != "none")] is True
     plan, slot = module._ws_balance_plan.fn, module._ws_balanced_slot.fn
     # (P, units a head, heads x batches) -> (place order, dealt): N = 1024, 2048, 4096 without a mask
     # (192-row tiles), causal N = 4096 (11 pairs a head, the first with a 64-row tile)
@@ -130,7 +133,8 @@ def test_the_gluon_kernel_compiles_for_sm90():
 ])
 def test_which_specs_get_the_gluon_backward(text, expected):
     program = compile_program(parse(text))
-    shape = program.attr("warp_specialized_bwd")
+    gluon = program.warp_specialized.backward
+    shape = gluon.constants() if gluon is not None else None
     assert (shape is None) is (expected is None)
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_bwd_dkdv_ws") is (expected is not None)
@@ -138,10 +142,10 @@ def test_which_specs_get_the_gluon_backward(text, expected):
         shape = dict(shape)
         assert {key: shape[key] for key in expected} == expected
         assert shape["BLOCK_N"] == 128 and shape["DQ_ATOMIC"] and shape["ROWS_SMEM"]
-        assert shape["min_keys"] == warp_specialize.BWD_MIN_KEYS[program.attr("mask") != "none"]
+        assert shape["min_keys"] == hopper.BWD_MIN_KEYS[program.attr("mask") != "none"]
         key = (program.attr("head_dim"), program.attr("mask") != "none")
-        assert shape["LATE_ROWS"] == warp_specialize.BWD_LATE_ROWS[key]
-        assert shape["dq_claim_keys"] == warp_specialize.BWD_DQ_CLAIM_KEYS[key]
+        assert shape["LATE_ROWS"] == hopper.BWD_LATE_ROWS[key]
+        assert shape["dq_claim_keys"] == hopper.BWD_DQ_CLAIM_KEYS[key]
         assert shape["dq_claim_keys"] == (1024 if key == (128, True) else 0)
         # the shape for short sequences keeps a consumer's keys (one K/V descriptor) and is taken up to short_keys
         assert shape["SHORT_BLOCK_N"] // shape["SHORT_consumers"] == shape["BLOCK_N"] // shape["consumers"] == 64
@@ -448,12 +452,14 @@ def test_gluon_backward_short_shape_against_float64(mask, dtype, case, tmp_path,
     spec = parse(spec_text(f"wsb_short_{dtype}_{mask[:6]}{len(mask)}", 64, dtype, mask, direction="forward+backward",
                            heads=case.heads, kv_heads=case.kv_heads))
     program = compile_program(spec)
-    short = dict(warp_specialize.BWD_SHORT_SHAPE[(64, True)])
+    short = dict(hopper.BWD_SHORT_SHAPE[(64, True)])
     assert short["consumers"] == 1
-    shape = dict(program.attr("warp_specialized_bwd"), min_scores=0, min_keys=0, short_keys=1 << 30,
-                 **{"SHORT_" + k: v for k, v in short.items()})
+    gluon = program.warp_specialized.backward
+    short_shape = replace(gluon.main, block_n=short["BLOCK_N"], stages=short["STAGES"], consumers=short["consumers"],
+                          consumer_regs=short["consumer_regs"], maxnreg=short["maxnreg"])
+    gluon = replace(gluon, min_scores=0, min_keys=0, short_keys=1 << 30, short=short_shape)
     path = tmp_path / f"{spec.name}.py"
-    path.write_text(render(spec, program.with_attrs(warp_specialized_bwd=tuple(shape.items()))))
+    path.write_text(render(spec, replace(program, warp_specialized=replace(program.warp_specialized, backward=gluon))))
     loader = importlib.util.spec_from_file_location(spec.name, path)
     m = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(m)
@@ -544,7 +550,7 @@ def test_which_specs_get_the_gluon_decode(text, expected):
 
     program = compile_program(parse(text))
     assert warp_specialize_decode.applies(program) is expected
-    assert (dict(program.attr("warp_specialized_decode") or ()) == dict(warp_specialize_decode.SHAPE)) is expected
+    assert (program.warp_specialized.decode == hopper.decode()) is expected
     kernel = attngen.load(text)
     assert hasattr(kernel.module, "attn_fwd_wsd") is expected
     assert ("warp-specialize-decode" in kernel.source.split("\n", 3)[2]) is expected

@@ -19,6 +19,7 @@ from ..resources import Target
 from ..spec import Spec
 from ..version import __version__
 from .emit import KernelEmitter
+from .hooks import score_hooks
 
 TEMPLATE = "attention.py.j2"
 
@@ -78,9 +79,14 @@ def render(spec: Spec, program: ir.Program) -> str:
         entries=entries,
         backward_config=backward_config(spec) if "backward" in entries else {},
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
-        ws=dict(program.attr("warp_specialized") or ()),
-        ws_bwd=dict(program.attr("warp_specialized_bwd") or ()),
-        wsd=dict(program.attr("warp_specialized_decode") or ()),
+        gluon_fwd=program.warp_specialized.forward,
+        gluon_bwd=program.warp_specialized.backward,
+        gluon_decode=program.warp_specialized.decode,
+        fwd_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.forward else None,
+        bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
+        dq_hooks=score_hooks(program.kernel("attn_bwd_dq")) if program.warp_specialized.backward else None,
+        decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k")) if program.warp_specialized.decode
+        else None,
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
     )

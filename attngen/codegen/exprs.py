@@ -14,9 +14,10 @@ class _Printer(StrPrinter):
     # Dispatch on `_print_<Class>` below, not on the `_sympystr` methods sym.py gives the IR text.
     printmethod = "_attngen_code"
 
-    def __init__(self, device: bool):
+    def __init__(self, device: bool, lib: str = "tl"):
         super().__init__({"order": "none"})
         self.device = device
+        self.lib = lib  # the kernel language's module: tl (Triton) or gl (Gluon)
 
     def _nest(self, fn: str, args) -> str:
         args = sorted(args, key=sympy.default_sort_key)
@@ -26,10 +27,10 @@ class _Printer(StrPrinter):
         return text
 
     def _print_Min(self, expr):
-        return self._nest("tl.minimum" if self.device else "min", expr.args)
+        return self._nest(f"{self.lib}.minimum" if self.device else "min", expr.args)
 
     def _print_Max(self, expr):
-        return self._nest("tl.maximum" if self.device else "max", expr.args)
+        return self._nest(f"{self.lib}.maximum" if self.device else "max", expr.args)
 
     def _print_FloorDiv(self, expr):
         a, b = expr.args
@@ -37,7 +38,7 @@ class _Printer(StrPrinter):
 
     def _print_CeilDiv(self, expr):
         a, b = expr.args
-        fn = "tl.cdiv" if self.device else "cdiv"  # the generated module's own: see the template
+        fn = f"{self.lib}.cdiv" if self.device else "cdiv"  # the generated module's own: see the template
         return f"{fn}({self._print(a)}, {self._print(b)})"
 
     def _print_Float(self, expr):
@@ -46,11 +47,17 @@ class _Printer(StrPrinter):
 
 _DEVICE = _Printer(device=True)
 _HOST = _Printer(device=False)
+_GLUON = _Printer(device=True, lib="gl")
 
 
 def device(expr) -> str:
     """An integer expression as Triton code inside a kernel."""
     return _DEVICE.doprint(sympy.sympify(expr))
+
+
+def gluon(expr) -> str:
+    """An integer expression as Gluon code inside a kernel."""
+    return _GLUON.doprint(sympy.sympify(expr))
 
 
 def host(expr) -> str:

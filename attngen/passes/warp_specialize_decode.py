@@ -18,8 +18,8 @@ contiguous caches kept the Triton kernel; the swapped one reads 2-8% faster than
 batch 16 1k and level elsewhere (v32), so contiguous caches (flash-attn's (batch, seq, kv heads, d)
 layout, one TMA copy a block) take it too, and the tuner picks between the two kernels per bucket.
 
-The rewrite records the decision and the kernel's fixed shape on the program
-(`warp_specialized_decode`); the code generator then emits the Gluon kernel beside the Triton one,
+The pass records the decision and the kernel's fixed shape on the program
+(`Program.warp_specialized.decode`, an `ir.GluonDecode` from attngen/policy/hopper.py); the code generator then emits the Gluon kernel beside the Triton one,
 and `forward_kvcache` takes it where it can run: sm_90, at most ROWS query rows per K/V head (GROUP x
 N_Q: decoding and short chunks), caches TMA can read (`wsd_ready`). The split count and the
 merge are the Triton path's; the tuned BLOCK_N, warps and stages serve the Triton kernel only.
@@ -32,31 +32,25 @@ left `auto`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import ir
+from ..policy import hopper
 
 NAME = "warp-specialize-decode"
 
-HEAD_DIMS = (64, 128)
-MIN_PAGE = 16
-
-SHAPE = (("BLOCK_N", 64), ("STAGES", 3), ("ROWS", 64), ("loader_regs", 40))
-"""The Gluon kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, at most 64 query rows
-per K/V head (wgmma's N of the swapped products, padded to a power of two from 8; more rows go to the
-Triton kernel), a loader warp of 40 registers: 98 KB of shared memory for the ring at d=128 and a few
-KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages
-were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
 
 
 def applies(program: ir.Program) -> bool:
     page = program.attr("page_size")
     return (program.attr("kvcache", False) and program.attr("split_kv") is not None
-            and (page is None or page >= MIN_PAGE) and bool(program.attr("pack_gqa"))
+            and (page is None or page >= hopper.DECODE_MIN_PAGE) and bool(program.attr("pack_gqa"))
             and program.attr("mask") in ("none", "causal(bottom_right)")
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
-            and program.attr("head_dim") == program.attr("head_dim_padded") in HEAD_DIMS)
+            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS)
 
 
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    return program.with_attrs(warp_specialized_decode=SHAPE)
+    return replace(program, warp_specialized=replace(program.warp_specialized, decode=hopper.decode()))

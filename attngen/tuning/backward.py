@@ -105,7 +105,7 @@ class BackwardPart:
                 x[name].fill_(float("nan"))
             other = next(p for p in PARTS if p != self.name)
             launch = {self.name: dict(config), other: self._current_config(other, x)}
-            if hasattr(module, "WS_BWD_SHAPE"):  # the tuner validates the Triton dK/dV kernel, not the Gluon one
+            if self.kernel.program.warp_specialized.backward is not None:  # the tuner validates the Triton dK/dV kernel
                 launch["attn_bwd_dkdv"]["warp_specialized"] = False
             module.backward(x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"], scale,
                             dq=x["dq"], dk=x["dk"], dv=x["dv"], config=launch)

@@ -148,7 +148,7 @@ class KVCacheKernel:
 
     def has_gluon(self) -> bool:
         """Whether the spec has the Gluon decode kernel (pass warp-specialize-decode)."""
-        return hasattr(self.kernel.module, "WSD_SHAPE")
+        return self.kernel.program.warp_specialized.decode is not None
 
     def gluon_runs_here(self) -> bool:
         """Whether this process can run it: compiled mode on an sm_90 GPU."""

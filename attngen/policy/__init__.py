@@ -1,0 +1,1 @@
+"""Decisions and tables the passes read: tile shapes, thresholds and split counts per GPU; no IR rewriting."""

@@ -1,0 +1,225 @@
+"""The Hopper Gluon kernels' shapes and thresholds, by head dim and causal mask, with the measurements that chose them.
+
+The passes warp-specialize and warp-specialize-decode read these tables and set the program's typed
+`ir.WarpSpecialized` value (forward, backward, decode) from them; the verifier checks its invariants and
+`attngen explain` prints it. An experiment changes a setting here, never the generated source.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+
+HEAD_DIMS = (64, 128)
+SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
+         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
+"""The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
+padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
+so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
+64-key blocks with 4 stages (NOTES.md v9, experiments/gluon_shapes.py): this one is the best or
+within 1%. EARLY_P: the softmax's P is converted to the P V product's 16-bit operand as soon as it is
+made, so the loop carries half the registers of it (+1-3% at both head dims, NOTES.md v12).
+TRIM: a consumer takes only the key blocks its own rows need and releases the rest unread: under a
+causal mask it stops at its own last block (the program's blocks reach its last row's keys), and in a
+sequence's last row block it may have no row at all (NOTES.md v12).
+PERSISTENT: one program per multiprocessor, each taking tiles in rounds (under a causal mask a (batch,
+head)'s row blocks in pairs, the k-th longest with the k-th shortest, so that the programs' work is even);
+its loader moves the next tile's Q into a second buffer and its first K/V blocks while the consumers
+finish a tile, so a tile's start-up and output store no longer stand between tiles. Against one program
+per tile (H200, NOTES.md v22): d=128 +35% at N=512 and +6-18% at 1024-2048 without a mask, +10-16% causal
+at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096.
+SHORT_KEYS, SHORT_SHAPE: the shape of calls of at most SHORT_KEYS keys."""
+
+SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
+"""What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
+consumer warpgroups (16 warps x 128 registers; consumers 160, the loader 24), each K/V block feeding
+half again as many rows. With P carried in 16 bits its consumers spill 248 bytes (1.7 KB before) and it
+wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a mask, 479 against 447
+causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
+d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
+
+MIN_KEYS = {(64, False): 512, (64, True): 2048, (128, False): 1, (128, True): 1}
+"""Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
+the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 TFLOP/s against 346
+without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
+half-size products of d=64 leave more of its time to fixed costs. Since BALANCE (NOTES.md v26, H100) the
+Gluon kernel wins without a mask from 512 keys (363-368 against 340-344; 256 keys 220 against 257), and
+causal still lost at 1024 and 2048 (213 against 281, 305 against 345); with two consumer warpgroups up to 4096 keys
+(SHORT_SHAPE, NOTES.md v30, H100) it wins from 2048 (377 against 343) and ties at 1024 (283 against 281). At d=128
+the Gluon kernel wins from 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
+
+
+SHORT_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 0, (128, True): 1024}
+"""Most keys for which the Gluon kernel takes SHORT_SHAPE's shape instead of its own, by (head dim, causal); 0:
+never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
+
+_TWO_CONSUMERS = (("BLOCK_M", 128), ("consumers", 2), ("consumer_regs", 240), ("maxnreg", 168))
+SHORT_SHAPE = {(64, False): _TWO_CONSUMERS, (64, True): _TWO_CONSUMERS, (128, False): (),
+               (128, True): (("BLOCK_N", 64), ("STAGES", 3))}
+"""What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal): `GluonForward.short` (each
+consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22,
+benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
+4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
+509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30,
+benchmarks/experiments/gluon_d64_consumers.py): two consumer warpgroups (128-row tiles, as at d=128) instead of
+three, causal 283 / 377 / 421 TFLOP/s against 213 / 302 / 417 at N = 1024 / 2048 / 4096 (the Triton kernel 281 /
+343 / 373) but 441 / 466 against 460 / 476 at 8192 / 16384; without a mask 374 against 361 at 512, level at 1024,
+455 against 493 at 4096."""
+
+
+BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
+"""Whether a persistent grid deals each round's tiles (causal: pairs of them) so that the short ones are spread
+over the programs, by (head dim, causal); the kernel does so only when a sequence's last row block leaves a
+warpgroup idle or, causal, a middle row block has no pair (_ws_balanced_slot in templates/gluon_forward.py.j2).
+Taken in place order, P = 132 programs against 22 row blocks a head (d=64, N=4096) gave 6 programs every short
+tile and the rest none. Measured (H100, kernel time, NOTES.md v26, benchmarks/experiments/gluon_balance.py):
+d=64 without a mask -6% at N=1024, -4% at 2048, -6.5 to -7.5% at 4096, within noise at 8192-16384; causal 0 to
+-2.3% at 4096, within noise from 8192; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
+lengths, and the dealing's arithmetic costs its registers more): off."""
+
+
+MIN_SCORES = 1 << 25
+"""Fewest scores (B * H * N_Q * N_K) for which the Gluon kernel runs. Its launch costs about 50 us more
+host time than the Triton kernel's (four TMA descriptors built per call, and Triton's own launcher:
+FastJIT passes descriptors to it; results/h200_host_overhead_v9.json: 79 against 26 us for B=1 H=16
+N=128 d=128, 9.6 us of GPU work either way). Below 2^25 scores (about 30 us of GPU work at d=128) a call
+is host-bound and the Triton kernel finishes first."""
+
+
+BWD_HEAD_DIMS = (64, 128)
+BWD_SHAPE = (("BLOCK_M", 64), ("BLOCK_N", 128), ("AHEAD", False), ("consumers", 2), ("consumer_regs", 240),
+             ("loader_regs", 24), ("maxnreg", 168), ("DQ_ATOMIC", True), ("ROWS_SMEM", True))
+"""The Gluon backward's fixed launch shape: 128 keys per program in two consumer warpgroups of 64
+(each holds its dK and dV [64, D] accumulators in registers and makes D/2 columns of the step's dQ),
+blocks of 64 queries, each step's products waited for before the next step's (AHEAD: the next step's
+S^T issued first; ptxas then serialises the wgmma queue, C7514). DQ_ATOMIC: dQ made here (off: dK and
+dV only, beside the Triton dQ kernel). ROWS_SMEM: lse and delta come by TMA with Q and dO (DQ_ATOMIC
+only; the row pass lays them out): +12-20% over loading them through pointers in the consumers
+(NOTES.md v11)."""
+
+BWD_STAGES = {64: {False: 3, True: 2}, 128: {False: 2, True: 2}}
+"""Stages of Q and dO (and the rows), by head dim and causal. d=128 fills shared memory at 2 (198 KB);
+at d=64 a third stage wins without a mask (+7-15%) and not causal (-1 to +4%)."""
+
+BWD_DQ_LOCAL_ROWS = {(64, False): 1024, (64, True): 0, (128, False): 0, (128, True): 0}
+"""By (head dim, causal): from how many query rows on each consumer makes dQ over its own keys (DQ_LOCAL:
+every column, a partial sum it adds by its own TMA reduction) instead of its share of the columns over all the
+program's keys, which needs the other consumer's dS^T first (an mbarrier at every step); 0: never. A constexpr
+of the kernel: a spec that runs both gets a second binary, compiled on the first call that takes it.
+Measured (NOTES.md v24-v25, experiments/gluon_dq_local.py; the Gluon kernel alone by torch.profiler / the whole
+call by do_bench, cache flushed): d=64 without a mask kernel -5 to -10% from N=1024 (H200; H100 -2% at 1024),
+whole call +1.7-2.9% at 4096-16384 (N=4096: 411 -> 423 TFLOP/s), but at N=512 the kernel +5.4% slower on the
+H100 (491 -> 518 us) and level on the H200 (496 -> 497); d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
++23-30% slower (a [64, 128] float32 dQ accumulator beside dK and dV: more spills, twice the reduction bytes)."""
+
+BWD_LATE_ROWS = {(64, False): 0, (64, True): 0, (128, False): 1, (128, True): 2}
+"""By (head dim, causal): which of a step's rows the consumers read from shared memory where they use them
+rather than before the step's waits for its S^T and dP^T products (LATE_ROWS; ROWS_SMEM only). 0: lse and
+delta both before; 1: delta after the dP^T wait; 2: lse after the S^T wait too. Read early, each [BLOCK_M]
+row costs a consumer 16 registers across those waits, at the point where it also holds dK, dV, P^T and
+dP^T: ptxas spilled 184 bytes at d=128 without a mask and 232 causal; with 1, 68 and 76; with 2, 4 and 16.
+Measured (H100, NOTES.md v28, experiments/gluon_bwd_templates.py, the Gluon kernel by torch.profiler): d=128
+without a mask 1: -3.0 to -4.4% at N = 512-16384 (2: -2.0 to -4.3%), causal 2: -5.0 to -8.7% (1: -3.7 to
+-7.1%); H200 with 2: -4.1 to -5.3% without a mask, -8.3 to -13.7% causal; d=64 (no spills either way) +1-7%
+with 1 and +1-12% with 2."""
+
+BWD_DQ_CLAIM_KEYS = {(64, False): 0, (64, True): 0, (128, False): 0, (128, True): 1024}
+"""By (head dim, causal): up to how many keys the one-kernel backward claims its dQ tiles (DQ_CLAIM) instead of
+the prep pass zeroing the float32 dQ accumulator; 0: never. Each consumer warpgroup claims each step's tile (its
+columns of a block of BLOCK_M query rows) after the step's S^T wait (a compare-and-swap on a word per tile, which
+the prep pass zeroes instead); the first to claim stores its part at the step's end and sets the word's announced
+bit once that store is written, in its next step; the others add theirs by TMA reduction once the bit is set. The
+prep pass writes 4 bytes per dQ element less and no reduction reads zeros back from DRAM; each step pays for its
+claim. Measured (H100, NOTES.md v29, experiments/gluon_dq_claim.py; all three kernels / the Gluon kernel):
+d=128 causal -12% / -7% at N=512, -5% / +3% at 768, -2.5% / +5% at 1024, level / +5% at 2048, +2-3% / +5.5% at
+4096 (the prep pass saves the same bytes at every length, the claims cost per step); d=64 causal +8-22% / +23-26%
+(shorter steps hide less of the claim); without a mask every program of a head reaches each tile at once and
+waits for its owner (d=128 +20-30%). A constexpr of the kernel, so a spec that runs both gets two binaries."""
+
+BWD_SPLIT = {64: False, 128: True}
+"""By head dim: whether the kernel without DQ_ATOMIC (dK, dV only) beats the Triton dK/dV kernel, for
+when dQ must come from the Triton kernel (deterministic algorithms). At d=128 it does (558-570 TFLOP/s
+on its four products against 516-533); at d=64 it does not (324-415 against 433-448, NOTES.md v10)."""
+
+BWD_MIN_KEYS = {False: 1, True: 1}
+"""Fewest keys for which the Gluon backward runs, by causal. Before DQ_ATOMIC the Triton kernels won
+without a mask at 512 keys; the one-kernel form wins from 512 at both head dims (H200, d=128: 342
+TFLOP/s against 289 without a mask, 213 against 166 causal; d=64: 281 against 254, 185 against 186;
+NOTES.md v11), so only BWD_MIN_SCORES limits it."""
+
+BWD_SHORT_KEYS = {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0}
+"""Most keys for which the Gluon backward takes BWD_SHORT_SHAPE's shape instead of its own, by (head dim, causal);
+0: never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
+
+BWD_SHORT_SHAPE = {(64, False): (), (64, True): (("BLOCK_N", 64), ("consumers", 1), ("consumer_regs", 232),
+                                                 ("maxnreg", 128), ("STAGES", 3)),
+                   (128, False): (), (128, True): ()}
+"""What the backward's shape of calls of at most BWD_SHORT_KEYS keys changes, by (head dim, causal):
+`GluonBackward.short` (each consumer keeps its 64 keys, so the K/V descriptors are the same; the verifier checks it). Causal d=64: one consumer warpgroup of 64 keys a program at 128 registers
+(8 warps: the loader padded to a warpgroup; ptxas: 128 registers, no spills; 100 KB of shared memory at 3 stages),
+so that two programs share a multiprocessor and one's start (K, V, the first Q and dO) and drain (dK, dV stored)
+run beside the other's steps; the main shape fills the register file with one program (12 warps x 168). Each Q and
+dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v38,
+benchmarks/experiments/gluon_bwd_one_consumer.py; the Gluon kernel by torch.profiler / the whole call by do_bench):
+causal N=512 -11% / +10% (184 -> 202 TFLOP/s, cuDNN 171), 1024 -9% / +5%, 2048 -7% / +1%, 4096 -5% / -2%, 8192
+-2% / -4%, 16384 +2% / -6%; without a mask -2% / +2% at 512 and -1% to +15% / -3 to -8% from 1024: not taken."""
+
+BWD_ROW_ELEMENTS = 4096
+"""Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
+accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
+in blocks of BLOCK_M = 64 rows and takes 73 in blocks of 32 (3.1 -> 3.7 TB/s, H200, B x H x N = 262144);
+d=64 and the dQ pass were already there (NOTES.md v17, experiments/backward_rows.py)."""
+
+BWD_MIN_SCORES = 1 << 25
+"""Fewest scores (B * H * N_Q * N_K) for which the Gluon dK/dV kernel runs: below, the host time of its
+six descriptors is not hidden (see MIN_SCORES)."""
+
+
+DECODE_HEAD_DIMS = (64, 128)
+DECODE_MIN_PAGE = 16
+"""Fewest tokens a page of a paged cache holds for the Gluon decode kernel: a TMA copy of fewer rows would cut
+through the shared tiles' swizzle pattern."""
+
+DECODE_SHAPE = (("BLOCK_N", 64), ("STAGES", 3), ("ROWS", 64), ("loader_regs", 40))
+"""The Gluon decode kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, at most 64 query rows
+per K/V head (wgmma's N of the swapped products, padded to a power of two from 8; more rows go to the
+Triton kernel), a loader warp of 40 registers: 98 KB of shared memory for the ring at d=128 and a few
+KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages
+were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
+
+
+def _shape(entries: dict) -> ir.GluonShape:
+    return ir.GluonShape(block_m=entries["BLOCK_M"], block_n=entries["BLOCK_N"], stages=entries["STAGES"],
+                         consumers=entries["consumers"], consumer_regs=entries["consumer_regs"],
+                         maxnreg=entries["maxnreg"])
+
+
+def forward(head_dim: int, causal: bool) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS."""
+    key = (head_dim, causal)
+    main = dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[head_dim]))
+    short = dict(main, **dict(SHORT_SHAPE[key]))
+    return ir.GluonForward(main=_shape(main), short=_shape(short), loader_regs=main["loader_regs"],
+                           overlap=main["OVERLAP"], pingpong=main["PINGPONG"], early_p=main["EARLY_P"],
+                           trim=main["TRIM"], persistent=main["PERSISTENT"], balance=BALANCE[key],
+                           min_keys=MIN_KEYS[key], short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
+
+
+def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
+    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS."""
+    key = (head_dim, causal)
+    main = dict(BWD_SHAPE, STAGES=BWD_STAGES[head_dim][causal])
+    short = dict(main, **dict(BWD_SHORT_SHAPE[key]))
+    # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
+    # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
+    return ir.GluonBackward(main=_shape(main), short=_shape(short), loader_regs=main["loader_regs"],
+                            ahead=main["AHEAD"], dq_atomic=main["DQ_ATOMIC"], rows_smem=main["ROWS_SMEM"],
+                            prefetch=causal, late_rows=BWD_LATE_ROWS[key], split=BWD_SPLIT[head_dim],
+                            dq_local_rows=BWD_DQ_LOCAL_ROWS[key], dq_claim_keys=BWD_DQ_CLAIM_KEYS[key],
+                            row_block=BWD_ROW_ELEMENTS // head_dim, min_keys=BWD_MIN_KEYS[causal],
+                            short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES)
+
+
+def decode() -> ir.GluonDecode:
+    """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS)."""
+    d = dict(DECODE_SHAPE)
+    return ir.GluonDecode(block_n=d["BLOCK_N"], stages=d["STAGES"], rows=d["ROWS"], loader_regs=d["loader_regs"])
