@@ -17,7 +17,7 @@ import sys
 import torch
 
 import attngen
-from attngen.bench import _naive
+from attngen.bench.prefill import _naive
 
 
 def memory():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 
 import attngen
-from attngen.spec import parse
+from attngen.lang.spec import parse
 
 torch._dynamo.config.recompile_limit = 64
 torch._dynamo.config.cache_size_limit = 64

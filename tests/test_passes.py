@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import sympy
 
-from attngen import ir, sym
+from attngen import ir
+from attngen.ir import sym
 from attngen.errors import InternalError
 from attngen.ir import Loop, LoopKind, Masked
 from attngen.passes import PASS_NAMES, causal_skip, compile_program
-from attngen.spec import parse
-from attngen.verify import verify
+from attngen.lang.spec import parse
+from attngen.ir.verify import verify
 from conftest import spec_text
 
 

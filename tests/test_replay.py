@@ -1,4 +1,4 @@
-"""Replays of a call's launches (attngen/replay.py): a replay hands each binary's launcher exactly what the
+"""Replays of a call's launches (attngen/runtime/replay.py): a replay hands each binary's launcher exactly what the
 call itself would, with the new call's addresses, or declines; a call it could not repeat is never
 recorded. (Fake kernels on the CPU, as tests/test_launch.py; the GPU tests in tests/test_decode.py run
 the real decoding kernels through replays.)"""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_launch import _FakeJIT, fake_gluon_kernel, tma_descriptor
 
-from attngen import launch, replay
-from attngen.launch import FastJIT
+from attngen.runtime import launch, replay
+from attngen.runtime.launch import FastJIT
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ref, Span, Store, SymKind
 from . import exprs

@@ -9,9 +9,9 @@ the baseline next to the generated one.
 from __future__ import annotations
 
 from .. import ir
-from .. import sym
+from ..ir import sym
 from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Sym
-from ..spec import Mask, Spec
+from ..lang.spec import Mask, Spec
 
 NAME = "lower"
 

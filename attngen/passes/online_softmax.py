@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Loop, LoopKind, Masked, Num, Op, Ref, Softmax, Space, Store
 

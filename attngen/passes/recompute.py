@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import (Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Role,
                   Space, Store, Sym)

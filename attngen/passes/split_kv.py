@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Store, Sym
 from .grid import grid_path, rebuild

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Softmax, Space, Span, Store
 
