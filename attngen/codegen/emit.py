@@ -18,6 +18,7 @@ from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ref, Span, Store, SymKind
 from . import exprs
+from ..passes.grid import grid_path
 
 _DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
                "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
@@ -136,14 +137,10 @@ class KernelEmitter:
 
     # -- the kernel ------------------------------------------------------------------------------
     def emit(self) -> KernelCode:
-        grid_loops, body = [], self.kernel.body
-        while len(body) >= 1 and isinstance(body[0], Loop) and body[0].kind is LoopKind.GRID:
-            if len(body) != 1:
-                raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
-            grid_loops.append(body[0])
-            body = body[0].body
-        if not grid_loops:
-            raise InternalError(f"{self.kernel.name}: no grid loop")
+        grid_loops = grid_path(self.kernel, "codegen")
+        body = grid_loops[-1].body
+        if any(isinstance(st, Loop) and st.kind is LoopKind.GRID for st in body):
+            raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
         # A launch grid has 3 axes: more grid loops fold, outermost first, into the last axis.
         axes = [[loop] for loop in grid_loops]
         if len(axes) > 3:

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from .. import ir
 from ..ir import sym
-from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Space, Store, Sym
+from ..ir import Assign, Buffer, Call, DT, Load, Num, Op, Ref, Space, Store, Sym
+from .grid import grid_path, rebuild
 
 NAME = "exp2"
 
@@ -57,19 +57,13 @@ def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
         isinstance(e, Ref) and e.buffer == qk_scale
         for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
     )
+    kernel = replace(kernel, body=body)
     if not uses_scale:
-        return replace(kernel, body=body)
+        return kernel
     # Define qk_scale once, at the top of the innermost grid level.
-    path, inner = [], body
-    while len(inner) == 1 and isinstance(inner[0], Loop) and inner[0].kind is LoopKind.GRID:
-        path.append(inner[0])
-        inner = inner[0].body
-    if not path:
-        raise InternalError(f"exp2: kernel {kernel.name} has no grid")
-    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + inner
-    for loop in reversed(path):
-        inner = (replace(loop, body=inner),)
-    return replace(kernel, body=inner)
+    path = grid_path(kernel, "exp2")
+    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + path[-1].body
+    return replace(kernel, body=rebuild(path, inner))
 
 
 def run(program: ir.Program) -> ir.Program:
