@@ -119,7 +119,7 @@ class _Scope:
 
 
 class KernelEmitter:
-    def __init__(self, kernel: ir.Kernel):
+    def __init__(self, kernel: ir.KernelIR):
         self.kernel = kernel
         self.lines: list[str] = []
         self.depth = 1

@@ -1,6 +1,6 @@
 """attngen's IR: a small, typed, immutable description of an attention program.
 
-A `Program` is a tuple of `Kernel`s (one for a plain forward; more once split-KV or the backward add
+A `Program` is a tuple of `KernelIR`s (one for a plain forward; more once split-KV or the backward add
 theirs). A kernel's body is a tree of statements over *buffers*: tensors in HBM (the kernel's
 parameters, or scratch the naive algorithm needs) and values in registers (tiles, row statistics,
 scalars). Sizes, loop bounds and indices are sympy expressions (see sym.py); tile arithmetic is a
@@ -295,7 +295,10 @@ Stmt = Union[Assign, Store, Softmax, Loop, Comment]
 
 
 @dataclass(frozen=True, slots=True)
-class Kernel:
+class KernelIR:
+    """One GPU kernel of a `Program` (attn_fwd, attn_bwd_dq, ...): its parameters, symbols and body. Not the
+    `attngen.Kernel` users call, which wraps a whole generated module."""
+
     name: str
     params: tuple[Buffer, ...]
     symbols: tuple[SymbolDecl, ...]
@@ -309,7 +312,7 @@ class Program:
 
     name: str
     spec_hash: str
-    kernels: tuple[Kernel, ...]
+    kernels: tuple[KernelIR, ...]
     attrs: tuple[tuple[str, object], ...] = field(default=())
 
     def attr(self, key: str, default=None):
@@ -320,13 +323,13 @@ class Program:
         merged.update(updates)
         return replace(self, attrs=tuple(sorted(merged.items())))
 
-    def kernel(self, name: str) -> Kernel:
+    def kernel(self, name: str) -> KernelIR:
         for k in self.kernels:
             if k.name == name:
                 return k
         raise KeyError(name)
 
-    def replace_kernel(self, new: Kernel) -> "Program":
+    def replace_kernel(self, new: KernelIR) -> "Program":
         return replace(self, kernels=tuple(new if k.name == new.name else k for k in self.kernels))
 
 
@@ -592,7 +595,7 @@ def _format_body(body, indent: int, defined: set, out: list) -> None:
             )
 
 
-def format_kernel(k: Kernel) -> str:
+def format_kernel(k: KernelIR) -> str:
     out = [f"kernel {k.name}:" + (f"    # {k.doc}" if k.doc else "")]
     for p in k.params:
         out.append(f"  {p.role.value} {p.name}: {format_buffer_type(p)}")

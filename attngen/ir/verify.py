@@ -22,7 +22,7 @@ _ALL_FUSED_STAGES = _FUSED_STAGES - {"online-softmax"}
 
 
 class _Checker:
-    def __init__(self, kernel: ir.Kernel, stage: str):
+    def __init__(self, kernel: ir.KernelIR, stage: str):
         self.kernel = kernel
         self.stage = stage
         self.buffers: dict[str, Buffer] = {p.name: p for p in kernel.params}

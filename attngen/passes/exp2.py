@@ -31,7 +31,7 @@ def _is_base2_lse(e) -> bool:
             and e.args[1] == Num(sym.LOG2E))
 
 
-def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
+def _rewrite_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
     qk_scale = Buffer("qk_scale", (), DT.F32, Space.REG)
 
     def expr(e):

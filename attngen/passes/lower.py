@@ -80,7 +80,7 @@ def run(spec: Spec) -> ir.Program:
         ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.Kernel("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
+    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
@@ -99,7 +99,7 @@ def run(spec: Spec) -> ir.Program:
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
 
 
-def _naive_backward(fwd: ir.Kernel, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.Kernel:
+def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.KernelIR:
     """The textbook backward: P was stored by the forward and is read back; dP and dS go through
     HBM too. `recompute` replaces this kernel; it is here to be priced and printed."""
     params = {b.name: b for b in fwd.params}
@@ -129,7 +129,7 @@ def _naive_backward(fwd: ir.Kernel, p_buf: Buffer, q, k, v, rows, dims, kv_head)
     )
     grid = ir.Loop(sym.b, sym.ZERO, sym.B, sym.ONE,
                    (ir.Loop(sym.h, sym.ZERO, sym.H, sym.ONE, body, ir.LoopKind.GRID),), ir.LoopKind.GRID)
-    return ir.Kernel("attn_bwd", (params["Q"], params["K"], params["V"], o_in, do_buf, dq_buf, dk_buf, dv_buf),
+    return ir.KernelIR("attn_bwd", (params["Q"], params["K"], params["V"], o_in, do_buf, dq_buf, dk_buf, dv_buf),
                      fwd.symbols, (grid,), doc="dQ, dK, dV from the stored P, one program per (batch, head)")
 
 

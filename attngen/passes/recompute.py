@@ -40,7 +40,7 @@ hkv = sym.index("hkv")
 g = sym.index("g")
 
 
-def _forward_parts(kernel: ir.Kernel):
+def _forward_parts(kernel: ir.KernelIR):
     """The forward's query/key/value loads and masked score expression."""
     scores = None
     loads = {}
@@ -72,7 +72,7 @@ def _grid(loops, body):
     return body
 
 
-def _dq_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
+def _dq_kernel(fwd: ir.KernelIR, loads, scores, precision, bufs) -> ir.KernelIR:
     q_buf, k_buf, v_buf, o_buf, lse_buf, do_buf, delta_buf, dq_buf = bufs
     q_load, k_load, v_load = loads["Q"], loads["K"], loads["V"]
     rows, dims = q_load.index[2], q_load.index[3]
@@ -108,11 +108,11 @@ def _dq_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
     )
     grid = _grid([(sym.b, sym.B, sym.ONE, ""), (sym.h, sym.H, sym.ONE, ""),
                   (sym.start_m, sym.N_Q, sym.BLOCK_M, "query blocks")], body)
-    return ir.Kernel("attn_bwd_dq", (q_buf, k_buf, v_buf, o_buf, do_buf, lse_buf, delta_buf, dq_buf),
+    return ir.KernelIR("attn_bwd_dq", (q_buf, k_buf, v_buf, o_buf, do_buf, lse_buf, delta_buf, dq_buf),
                      fwd.symbols, grid, doc="dQ (and delta) for one (batch, head, block of BLOCK_M queries)")
 
 
-def _dkdv_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
+def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, precision, bufs) -> ir.KernelIR:
     q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf = bufs
     q_load, k_load = loads["Q"], loads["K"]
     rows, cols, dims = q_load.index[2], k_load.index[2], q_load.index[3]
@@ -158,7 +158,7 @@ def _dkdv_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
     )
     grid = _grid([(sym.b, sym.B, sym.ONE, ""), (hkv, sym.H_KV, sym.ONE, ""),
                   (sym.start_n, sym.N_K, sym.BLOCK_N, "key blocks")], body)
-    return ir.Kernel("attn_bwd_dkdv", (q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf),
+    return ir.KernelIR("attn_bwd_dkdv", (q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf),
                      fwd.symbols, grid, doc="dK and dV for one (batch, K/V head, block of BLOCK_N keys)")
 
 

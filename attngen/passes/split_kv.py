@@ -76,7 +76,7 @@ def _to_partial(body, partials: dict):
     return ir.map_stmts(body, stmt)
 
 
-def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, lse_part: Buffer) -> ir.Kernel:
+def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, lse_part: Buffer) -> ir.KernelIR:
     """attn_combine: O and LSE from the splits' partial outputs, one program per query row.
 
     The splits are merged BLOCK_S at a time: one load brings a chunk's BLOCK_S log-sum-exps
@@ -134,7 +134,7 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
         ir.SymbolDecl(sym.BLOCK_S, ir.SymKind.CONSTEXPR, "splits merged per step"),
     )
     params = (replace(o_part, role=Role.INPUT), replace(lse_part, role=Role.INPUT), o, lse)
-    return ir.Kernel("attn_combine", params, symbols, (grid,),
+    return ir.KernelIR("attn_combine", params, symbols, (grid,),
                      doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)")
 
 

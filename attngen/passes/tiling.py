@@ -46,7 +46,7 @@ def _retile(expr: ir.Expr, spans) -> ir.Expr:
     return ir.map_expr(expr, visit)
 
 
-def _match(kernel: ir.Kernel):
+def _match(kernel: ir.KernelIR):
     """The naive kernel's shape: grid b { grid h { S = ...; P,m,l = softmax(S); O = ...; LSE = ... } }."""
     try:
         (grid_b,) = kernel.body
