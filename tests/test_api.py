@@ -115,7 +115,7 @@ def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeyp
         assert (got.double() - sdpa64(q, k, v, **kw)).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 5e-3)
         with monkeypatch.context() as m:  # the kernel's own path: a fresh plan, no replay recorded
             m.setattr(api, "_PLANS", {})
-            m.setattr(autograd, "record", lambda fn, inputs, module: (fn(), None))
+            m.setattr(autograd, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want = attngen.attention(q, k, v, **kw)
         assert torch.equal(got, want), i

@@ -509,21 +509,17 @@ def test_planned_backward_records_once_per_output_gradient_layout_and_determinis
     (the Gluon dQ adds in any order), so a replay recorded under one must not run under the other. (A stand-in
     replay that declines, so the kernels run and the gradients can be checked.)"""
     from attngen.api import sdpa as api
-    from attngen.runtime import autograd, launch
+    from attngen.runtime import autograd
 
     monkeypatch.setattr(api, "_PLANS", {})
     recorded = []
 
-    class Declines:
-        def __init__(self, module):
-            self.generation = launch.generation(module)
+    def declines(inputs):
+        return False
 
-        def __call__(self, inputs):
-            return False
-
-    def record(fn, inputs, module):
+    def record(fn, inputs):
         recorded.append(len(inputs))  # 5: the forward's (q, k, v, out, lse); 9: the backward's
-        return fn(), Declines(module)
+        return fn(), declines
 
     monkeypatch.setattr(autograd, "record", record)
     deterministic = torch.are_deterministic_algorithms_enabled()

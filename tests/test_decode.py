@@ -354,7 +354,7 @@ def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
         check(got, lse, q, k[:3] if table is None else k, v[:3] if table is None else v, seqlens, table, causal=True)
         with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
             m.setattr(decode, "_PLANS", {})
-            m.setattr(decode, "record", lambda fn, inputs, module: (fn(), None))
+            m.setattr(decode, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want, want_lse, _ = call(q, k, v, table, i)
         assert torch.equal(got, want) and torch.equal(lse, want_lse), i

@@ -132,11 +132,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         plan.part.launch(q.transpose(1, 2), k4, v4, cache_seqlens, block_table, plan.softmax_scale,
                          out.transpose(1, 2), lse, plan.config, plan.num_splits)
 
-    module = plan.part.kernel.module
-    if planned and wanted(plan.replay, module):
-        # The signature's second call (or the first since the module's functions were replaced): its
-        # launches are recorded for the calls after it (attngen/runtime/replay.py; False where they cannot be)
-        _, replay = record(run, inputs, module)
+    if planned and wanted(plan.replay):
+        # The signature's second call: its launches are recorded for the calls after it (attngen/runtime/replay.py; False where they cannot be)
+        _, replay = record(run, inputs)
         _PLANS[key] = plan._replace(replay=replay or False)
     else:
         run()

@@ -93,8 +93,8 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
     def run():
         kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
 
-    if wanted(replay, kernel.module):
-        replays.forward = record(run, inputs, kernel.module)[1] or False
+    if wanted(replay):
+        replays.forward = record(run, inputs)[1] or False
     else:
         run()
     return out
@@ -145,8 +145,8 @@ class _Planned(torch.autograd.Function):
                     layouts.clear()
                 layouts[layout] = None
                 run()
-            elif wanted(replay, kernel.module):
-                layouts[layout] = record(run, inputs, kernel.module)[1] or False
+            elif wanted(replay):
+                layouts[layout] = record(run, inputs)[1] or False
             else:
                 run()
         need = ctx.needs_input_grad

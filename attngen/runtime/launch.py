@@ -32,7 +32,6 @@ import itertools
 import operator
 import os
 import threading
-import types
 
 import torch
 from .. import env
@@ -328,32 +327,10 @@ def _knobs():
 _KNOBS = None
 
 
-class _CountedModule(types.ModuleType):
-    """A generated module that counts assignments and deletions of its names (`generation`): a replay of a
-    call's launches (attngen/runtime/replay.py) stands for the module's functions as they were when it was recorded,
-    and tests and experiments replace them."""
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        self.__dict__["_attngen_generation"] = self.__dict__.get("_attngen_generation", 0) + 1
-
-    def __delattr__(self, name):
-        super().__delattr__(name)
-        self.__dict__["_attngen_generation"] = self.__dict__.get("_attngen_generation", 0) + 1
-
-
-def generation(module) -> int:
-    """How many times a name of `module` was assigned or deleted since `install` (0 for other modules)."""
-    return module.__dict__.get("_attngen_generation", 0)
-
-
 def install(module) -> None:
-    """Put a FastJIT in place of each kernel of a generated module (compiled mode), and count later
-    assignments to the module's names (`generation`)."""
+    """Put a FastJIT in place of each kernel of a generated module (compiled mode)."""
     if not enabled():
         return
-    if type(module) is types.ModuleType:
-        module.__class__ = _CountedModule
     from triton.runtime.jit import JITFunction
 
     for name, value in list(vars(module).items()):

@@ -6,7 +6,7 @@ allocations, the Gluon kernel's readiness check, two TMA descriptors, two launch
 FastJIT. That is ~60% of the call's host time (benchmarks/NOTES.md v34), and its outcome is the same on
 every call of the signature but for addresses: the same binaries, grids, scalars and constexprs.
 
-`record(fn, inputs, module)` runs fn once while watching it:
+`record(fn, inputs)` runs fn once while watching it:
   * every Triton launch: each must be FastJIT's launch of a binary it keeps (its cached path;
     `launch.recording_hook`, in Triton's launch enter hooks meanwhile, sees every launch through
     Triton's own path), and its pointer arguments and descriptor bases must each be the address of
@@ -18,8 +18,7 @@ one block, puts the call's addresses where the recorded ones were, and calls eac
 FastJIT's cached path would. It declines (returns False; the caller then runs fn) where that launch could
 differ from the one fn would make: an input's address is aligned differently from the recorded one's
 (Triton specialises binaries on 16-byte alignment), a Triton launch hook is set (a profiler), another
-device is current, Triton's debug flag changed, or a function of the generated module was replaced
-since (tests and experiments do: `launch.install` counts such assignments).
+device is current, or Triton's debug flag changed.
 The caller's key must hold everything else fn's choices read: shapes, strides, dtypes, devices, values.
 """
 
@@ -67,7 +66,7 @@ class _Watch(TorchDispatchMode):
         return result
 
 
-def record(fn, inputs: tuple, module):
+def record(fn, inputs: tuple):
     """Run fn() (whose launches read `inputs`, tensors or None, and tensors it allocates itself) and return
     (its result, a Replay of its launches or None where they cannot be replayed)."""
     chain = launch._knobs().runtime.launch_enter_hook
@@ -88,13 +87,13 @@ def record(fn, inputs: tuple, module):
             _HOOK_USERS[0] -= 1
             if not _HOOK_USERS[0]:
                 chain.remove(launch.recording_hook)
-    return result, Replay.build(recording, inputs, module)
+    return result, Replay.build(recording, inputs)
 
 
-def wanted(replay, module) -> bool:
+def wanted(replay) -> bool:
     """Whether a plan holding `replay` (None: none recorded yet; False: its launches cannot be replayed)
-    should record its next call: none yet, or one recorded before a function of `module` was replaced."""
-    return replay is None or (replay is not False and replay.generation != launch.generation(module))
+    should record its next call."""
+    return replay is None
 
 
 # Recordings in progress in any thread: the hook leaves Triton's chain when the last one ends.
@@ -132,16 +131,15 @@ class Replay:
     """The launches of one recorded call, repeatable on other inputs of the same layout (module doc)."""
 
     def __init__(self, inputs: tuple, scratch: tuple, nbytes: int, scratch_device, launches: tuple, device: int,
-                 debug, module, generation):
+                 debug):
         self.inputs = inputs  # ((index into the call's inputs, 16-byte aligned), ...): slots 0..
         self.scratch = scratch  # byte offsets into the scratch block: the slots after the inputs'
         self.nbytes, self.scratch_device = nbytes, scratch_device
         self.launches = launches
         self.device, self.debug = device, debug  # the current device and Triton's debug flag when recorded
-        self.module, self.generation = module, generation
 
     @classmethod
-    def build(cls, recording: Recording, inputs: tuple, module) -> Replay | None:
+    def build(cls, recording: Recording, inputs: tuple) -> Replay | None:
         if not recording.ok or not recording.launches:
             return None
         devices = {entry[5] for entry in recording.launches}
@@ -222,15 +220,13 @@ class Replay:
             resolved.append(item._replace(pointers=pointers, descriptors=descriptors))
         order = sorted(used, key=used.get)
         return cls(tuple((i, aligned[i]) for i in order), tuple(scratch_offsets), offset,
-                   scratch_devices.pop() if scratch_devices else None, tuple(resolved), devices.pop(), debugs.pop(),
-                   module, launch.generation(module))
+                   scratch_devices.pop() if scratch_devices else None, tuple(resolved), devices.pop(), debugs.pop())
 
     def __call__(self, inputs: tuple) -> bool:
         """Launch the recorded kernels on `inputs` (laid out as the recorded call's); False, launching
         nothing, where the launches could differ from the ones the call would make."""
         knobs = launch._knobs()
-        if (launch.hooked() or knobs.runtime.debug != self.debug or launch.generation(self.module) != self.generation
-                or launch._current_device() != self.device):
+        if launch.hooked() or knobs.runtime.debug != self.debug or launch._current_device() != self.device:
             return False
         slots = []
         for i, aligned in self.inputs:
