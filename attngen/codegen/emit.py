@@ -36,9 +36,6 @@ def stride_names(buffer: Buffer) -> list[str]:
     return [f"stride_{buffer.name.lower()}_{label}" for label in labels]
 
 
-ROW_STATISTICS = ("LSE", "DELTA", "LSE_PART")  # one float32 per query row
-
-
 @dataclass
 class GridAxis:
     var: sympy.Symbol
@@ -83,7 +80,7 @@ class KernelCode:
         16 would compile a second binary. The tiles' own strides stay specialised (they are
         multiples of the head dim, and their divisibility lets loads vectorise)."""
         sizes = [str(d.symbol) for d in self.sizes if not d.specialize]
-        return sizes + [n for p, names in self.strides if p.name in ROW_STATISTICS for n in names[:-1]]
+        return sizes + [n for p, names in self.strides if p.stat is not None for n in names[:-1]]
 
     def size_source(self, decl: ir.SymbolDecl) -> str:
         """Host code computing a size symbol from the launcher's tensors."""

@@ -31,6 +31,12 @@ class Role(enum.Enum):
     LOCAL = "local"       # registers
 
 
+class Stat(enum.Enum):
+    """What an HBM buffer of one float32 per query row holds (None on other buffers)."""
+    LSE = "lse"       # the log-sum-exp of the row's scores, natural log (a split's partial one too)
+    DELTA = "delta"   # rowsum(dO * O), which the backward's dQ kernel writes and its dK/dV kernel reads
+
+
 class DT(enum.Enum):
     F16 = "fp16"
     BF16 = "bf16"
@@ -55,6 +61,7 @@ class Buffer:
     dtype: DT
     space: Space
     role: Role = Role.LOCAL
+    stat: Stat | None = None  # a per-row statistic: which
 
     @property
     def rank(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .. import ir
 from ..ir import sym
-from ..ir import Assign, Buffer, Call, DT, Load, Num, Op, Ref, Space, Store, Sym
+from ..ir import Assign, Buffer, Call, DT, Load, Num, Op, Ref, Space, Stat, Store, Sym
 from .grid import grid_path, rebuild
 
 NAME = "exp2"
@@ -23,7 +23,7 @@ _BASE2 = {Op.EXP: Op.EXP2, Op.LOG: Op.LOG2}
 
 
 def _is_lse(buffer: Buffer) -> bool:
-    return buffer.space is Space.HBM and buffer.name.startswith("LSE")
+    return buffer.space is Space.HBM and buffer.stat is Stat.LSE
 
 
 def _is_base2_lse(e) -> bool:

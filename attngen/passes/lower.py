@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import ir
 from ..ir import sym
-from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Sym
+from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Stat, Sym
 from ..lang.spec import Mask, Spec
 
 NAME = "lower"
@@ -38,7 +38,7 @@ def run(spec: Spec) -> ir.Program:
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
     v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
     o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.OUTPUT)
-    lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT)
+    lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     p_buf = Buffer("P", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     m_buf = Buffer("m", (sym.N_Q,), DT.F32, Space.REG)

@@ -32,7 +32,7 @@ from .. import ir
 from ..ir import sym
 from ..errors import InternalError
 from ..ir import (Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Role,
-                  Space, Store, Sym)
+                  Space, Stat, Store, Sym)
 
 NAME = "recompute"
 
@@ -62,8 +62,8 @@ def _forward_parts(kernel: ir.KernelIR):
     return loads, scores, product.args[0].dtype
 
 
-def _like(buffer: Buffer, name: str, role: Role, dtype: DT | None = None) -> Buffer:
-    return Buffer(name, buffer.shape, dtype or buffer.dtype, Space.HBM, role)
+def _like(buffer: Buffer, name: str, role: Role, dtype: DT | None = None, stat: Stat | None = None) -> Buffer:
+    return Buffer(name, buffer.shape, dtype or buffer.dtype, Space.HBM, role, stat)
 
 
 def _grid(loops, body):
@@ -176,7 +176,7 @@ def run(program: ir.Program) -> ir.Program:
     do_buf = _like(o_buf, "DO", Role.INPUT)
     dq_buf = _like(q_buf, "DQ", Role.OUTPUT)
     dk_buf, dv_buf = _like(k_buf, "DK", Role.OUTPUT), _like(v_buf, "DV", Role.OUTPUT)
-    delta_out = _like(lse_buf, "DELTA", Role.OUTPUT)
+    delta_out = _like(lse_buf, "DELTA", Role.OUTPUT, stat=Stat.DELTA)
     delta_in = replace(delta_out, role=Role.INPUT)
     lse_in = replace(lse_buf, role=Role.INPUT)
     dq = _dq_kernel(fwd, loads, scores, precision, (q_buf, k_buf, v_buf, replace(o_buf, role=Role.INPUT),

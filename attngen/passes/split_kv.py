@@ -40,7 +40,7 @@ def _scalar(symbol: sympy.Symbol) -> Buffer:
 def _partial(buffer: Buffer) -> Buffer:
     """O (B, H, N_Q, D) -> O_PART (B, NUM_SPLITS, H, N_Q, D) in float32; LSE likewise."""
     shape = (buffer.shape[0], sym.NUM_SPLITS) + buffer.shape[1:]
-    return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT)
+    return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT, buffer.stat)
 
 
 def _split_range(body):
