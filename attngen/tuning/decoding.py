@@ -97,7 +97,7 @@ class KVCacheTunable(Tunable):
         if self.part.has_gluon():  # the Gluon kernel only where the candidate asks for it
             config["warp_specialized"] = bool(config.get("warp_specialized", 0))
         return self.part.launch(x["q"].transpose(1, 2), k4, v4, x["lens"], x["table"], self.spec.softmax_scale,
-                           x["out"].transpose(1, 2), x["lse"], config)
+                                x["out"].transpose(1, 2), x["lse"], config)
 
     def tuning_check(self, inputs: dict, outputs, sequences: int = 2):
         """The first `sequences` sequences against float64 (each gathered from its pages): the worst."""
