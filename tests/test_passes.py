@@ -199,6 +199,13 @@ def test_verifier_rejects_broken_ir():
     loops = ir.map_stmts(kernel.body, lambda st: replace(st, stop=sym.size("N_X")) if isinstance(st, Loop) and st.kind is LoopKind.SERIAL else st)
     with pytest.raises(InternalError, match="undefined N_X"):
         verify(program.replace_kernel(replace(kernel, body=loops)), "test")
+    # A per-row statistic (the log-sum-exp) stored in half precision.
+    def half_lse(st):
+        if isinstance(st, ir.Store) and st.target.stat is ir.Stat.LSE:
+            return replace(st, target=replace(st.target, dtype=ir.DT.F16))
+        return st
+    with pytest.raises(InternalError, match="holds a per-row statistic"):
+        verify(program.replace_kernel(replace(kernel, body=ir.map_stmts(kernel.body, half_lse))), "test")
 
 
 def test_verifier_rejects_scratch_after_fusion():

@@ -12,7 +12,7 @@ import sympy
 
 from . import nodes as ir, sym
 from ..errors import InternalError
-from .nodes import (Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space,
+from .nodes import (DT, Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space,
                     Span, Store, SymKind)
 
 # Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
@@ -76,6 +76,9 @@ class _Checker:
             self.per_tile_pages.add(size)
 
     def declared(self, buffer: Buffer) -> None:
+        if buffer.stat is not None and (buffer.space is not Space.HBM or buffer.dtype is not DT.F32):
+            self.fail(f"{buffer.name} holds a per-row statistic ({buffer.stat.value}) but is "
+                      f"{ir.describe_buffer(buffer)}: statistics are float32 tensors in HBM")
         known = self.buffers.get(buffer.name)
         if known is not None and known != buffer:
             self.fail(f"{buffer.name} is used as {ir.describe_buffer(buffer)} and {ir.describe_buffer(known)}")
