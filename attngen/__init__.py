@@ -7,13 +7,15 @@
     out = attngen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)  # flash-attn's
 """
 
-from .api import attention
-from .decode import attention_with_kvcache, merge_states
+from .api.kvcache import attention_with_kvcache, merge_states
+from .api.sdpa import attention
 from .errors import AttnGenError, KernelInputError, SpecError, UnsupportedError
-from .runtime import Kernel, load
-from .spec import Spec, parse
+from .lang.spec import Spec, parse
+from .runtime import tables as _tables
+from .runtime.kernel import Kernel, load
+from .runtime.warmup import start as _start_warmup
+from .tuning import tune_bucket as _tune_bucket
 from .version import __version__
-from .warmup import start as _start_warmup
 
 __all__ = [
     "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
@@ -22,14 +24,17 @@ __all__ = [
 
 
 def __getattr__(name):
-    # Imported on first use: attngen.kvcache defines a Triton kernel, and whether Triton interprets
+    # Imported on first use: attngen.api.paged defines a Triton kernel, and whether Triton interprets
     # it is fixed when it is defined (the CLI decides that after `import attngen`).
     if name == "PagedKVCache":
-        from .kvcache import PagedKVCache
+        from .api.paged import PagedKVCache
 
         return PagedKVCache
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
 
 
-# Triton's start-up hash, on a thread from here on (attngen/warmup.py says why and how to turn it off).
+# Calls with autotuning on tune the buckets nobody tuned through the tuner, a layer above the runtime.
+_tables.set_autotuner(_tune_bucket)
+
+# Triton's start-up hash, on a thread from here on (attngen/runtime/warmup.py says why and how to turn it off).
 _start_warmup()

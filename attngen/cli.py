@@ -18,21 +18,37 @@ import os
 import sys
 from pathlib import Path
 
+from . import ir
+from .analysis import cost
+from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
+                                 shared_bytes_backward)
+from .bench import prefill as bench
+from .codegen import render
+from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
-from .tuning.space import TuneError
+from .lang.spec import load_file
+from .passes import PASS_NAMES, compile_program
+from .policy.configs import backward_config, default_config
+from .policy.splits import choose_num_splits
+from .policy.tma import reads_through_descriptors
+from .runtime.cache import write_atomic
+from .runtime.kernel import load
+from .testing.accuracy import format_result, validate
+from .tuning import Shape, save, tunables, tune
+from .tuning.report import Progress, format_outcome
+from .tuning.space import TuneError, restrict
+from .version import __version__
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
 
 def _spec(path: str):
-    from .spec import load_file
-
     return load_file(path)
 
 
 def _use_interpreter_without_gpu(quiet: bool = False) -> bool:
     """Run kernels in Triton's interpreter when there is no GPU; returns whether it does."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return True
     import torch
 
@@ -48,11 +64,6 @@ def _use_interpreter_without_gpu(quiet: bool = False) -> bool:
 
 
 def cmd_compile(args) -> int:
-    from .cache import write_atomic
-    from .codegen import render
-    from .passes import compile_program
-    from .resources import check_spec_tiles
-
     out_dir = Path(args.output)
     specs = [_spec(p) for p in args.specs]  # every spec parses before anything is written
     names = {}
@@ -77,9 +88,6 @@ def _where(spec):
 
 
 def cmd_check(args) -> int:
-    from .check import format_result, validate
-    from .runtime import load
-
     interpreted = _use_interpreter_without_gpu()
     failed = 0
     for path in args.specs:
@@ -121,11 +129,6 @@ def _parse_shape(text: str | None, spec) -> dict:
 
 
 def cmd_explain(args) -> int:
-    from . import cost, ir
-    from .configs import default_config
-    from .passes import PASS_NAMES, compile_program
-    from .resources import Target, infeasible, registers, shared_bytes
-
     spec = _spec(args.spec)
     if args.pass_name and args.pass_name not in PASS_NAMES:
         raise SpecError(f"--pass: no pass named '{args.pass_name}'; passes: {', '.join(PASS_NAMES)}", "<command line>")
@@ -143,8 +146,6 @@ def cmd_explain(args) -> int:
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
                  BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
     if spec.is_split:  # decoding: the split count a launch would use on an sm_90 with 132 SMs
-        from .splits import choose_num_splits
-
         programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
         sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
@@ -188,15 +189,12 @@ def cmd_explain(args) -> int:
     if problem:
         print(f"  does not fit: {problem}")
     if spec.backward:
-        from .configs import backward_config
-        from .passes.tma import reads_through_descriptors
-        from .resources import infeasible_backward, shared_bytes_backward
-
         for name, cfg in backward_config(spec).items():
+            tma = reads_through_descriptors(spec, name)
             smem = shared_bytes_backward(name, spec.head_dim_padded, spec.dtype.bytes, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                         cfg["num_stages"], target, tma=reads_through_descriptors(spec, name))
+                                         cfg["num_stages"], target, tma=tma)
             print(f"  {name} (default config {cfg}): shared memory {smem:,} of {target.shared_limit:,} bytes")
-            problem = infeasible_backward(spec, name, cfg, target)
+            problem = infeasible_backward(spec, name, cfg, target, tma=tma)
             if problem:
                 print(f"  does not fit: {problem}")
     return EXIT_OK
@@ -206,8 +204,6 @@ def cmd_explain(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
-
     def ints(text, what):
         try:
             return tuple(int(x) for x in text.split(",")) if text else None
@@ -272,8 +268,6 @@ DECODE_BATCHES = ([1, 16, 64], [2])
 def _tune_shapes(spec, args, interpreted: bool, kind: str) -> list:
     """The shapes to tune one kind of kernel at: every --seqlens x --batch x --heads, with defaults
     by kind and device."""
-    from .tuning import Shape
-
     if kind == "decode" and not spec.is_split:
         kind = "chunked"
     group = spec.group or 1
@@ -345,11 +339,6 @@ def gluon_note(part, capability) -> str | None:
 
 
 def cmd_tune(args) -> int:
-    from .runtime import load
-    from .tuning import save, tune
-    from .tuning.report import Progress, format_outcome
-    from .tuning.space import restrict
-
     interpreted = _use_interpreter_without_gpu()
     if args.write_table and interpreted:
         raise TuneError("--write-table writes a table to ship for a GPU; run it on that GPU "
@@ -360,9 +349,9 @@ def cmd_tune(args) -> int:
     plans = []
     for path in args.specs:  # every spec and argument is checked before anything is tuned
         kernel = load(_spec(path))
-        parts = [part for part in kernel.tuning_kernels() if not args.kind or part.kind in args.kind]
+        parts = [part for part in tunables(kernel) if not args.kind or part.kind in args.kind]
         if not parts:
-            have = sorted({part.kind for part in kernel.tuning_kernels()})
+            have = sorted({part.kind for part in tunables(kernel)})
             raise TuneError(f"--kind {' '.join(args.kind)}: kernel '{kernel.spec.name}' has only {', '.join(have)}")
         for part in parts:
             restrict(part.tuning_space(), values)
@@ -389,8 +378,6 @@ def cmd_tune(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .version import __version__
-
     parser = argparse.ArgumentParser(prog="attngen", description="Compile .attn attention specs to Triton kernels.")
     parser.add_argument("--version", action="version", version=f"attngen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

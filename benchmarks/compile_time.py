@@ -9,7 +9,7 @@ For each spec, in fresh, empty attngen and Triton caches:
      triggered a recompile;
   2. a second process on the same caches: load + first result, and how long `import attngen` took
      (Python and torch start-up, which no cache removes) and CUDA's initialisation; `from_start_s`
-     adds the three (attngen/warmup.py's thread, started by the import, overlaps the latter two).
+     adds the three (attngen/runtime/warmup.py's thread, started by the import, overlaps the latter two).
 A forward+backward spec's first call includes its backward (both compile); a split or paged spec
 runs its own `forward_kvcache`. Also recorded: the distinct launch configs the calls used (tuned
 per shape bucket): a binary per config, never per length, is what "one kernel for all lengths"
@@ -52,7 +52,7 @@ def call(kernel, n_q, n_k):
         if kernel.spec.kv_layout.paged:
             k, table = kernel.module.as_pages(k)
             v, _ = kernel.module.as_pages(v)
-        tuner = kernel.tuner("kvcache")
+        tuner = kernel.part("kvcache")
         config = tuner.config(tuning.Shape(q.shape[0], q.shape[1], k.shape[1] if table is None else k.shape[2],
                                            n_q, n_k))
         out = torch.empty_like(q)
@@ -99,7 +99,7 @@ for n_q, n_k in lengths:
 
 def config_of(n_q, n_k):  # the forward (or kvcache) launch config a call of these lengths uses
     q, k, _ = inputs(kernel, n_q, n_k)
-    config = kernel.tuner("kvcache").config(tuning.Shape.of(q, k)) if decoding else kernel.config(q, k)
+    config = kernel.part("kvcache").config(tuning.Shape.of(q, k)) if decoding else kernel.config(q, k)
     return str(sorted(config.items()))
 
 configs = {config_of(n_q, n_k) for n_q, n_k in [(1 if decoding else 1024, 1024)] + lengths}

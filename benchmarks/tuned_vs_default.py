@@ -4,7 +4,7 @@
 
 Forward, bf16, d=128, B=4, H=16, N=4096 (the FlashAttention benchmarks' 16k tokens, 2048 hidden),
 causal and not: attngen with the config the shipped table (or the user's cache) gives for this
-bucket, attngen with the default config of attngen/configs.py (what runs when nothing is tuned),
+bucket, attngen with the default config of attngen/policy/configs.py (what runs when nothing is tuned),
 and compiled FlexAttention. do_bench medians on fresh random inputs; TFLOP/s by the FlashAttention
 convention (4 B H N^2 d, halved for causal). GPU only.
 """
@@ -19,9 +19,12 @@ import torch
 import triton
 
 import attngen
-from attngen import configs, tuning
-from attngen.api import sdpa_spec
-from attngen.bench import fa_flops, gpu_slug, prefill_providers
+from attngen.policy import configs
+from attngen import tuning
+from attngen.runtime import tables
+from attngen.lang.builtin import sdpa_spec
+from attngen.analysis.cost import evaluate, fa_flops
+from attngen.bench.prefill import gpu_slug, prefill_providers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,13 +39,13 @@ def main() -> None:
     for causal in (False, True):
         kernel = attngen.load(sdpa_spec("bf16", d, causal))
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        tuned, source = tuning.describe_config(kernel, tuning.Shape.of(q, k))
+        tuned, source = tables.describe_config(kernel, tuning.Shape.of(q, k))
         default = configs.default_config(kernel.spec)
         flex = prefill_providers(causal)["flex"]
         runs = {"attngen tuned": lambda: kernel(q, k, v, config=tuned),
                 "attngen default": lambda: kernel(q, k, v, config=default),
                 "flex": lambda: flex(q, k, v)}
-        flops = fa_flops(b, h, n, n, d, causal)
+        flops = evaluate(fa_flops(causal), dict(B=b, H=h, N_Q=n, N_K=n, HEAD_DIM=d))
         for name, fn in runs.items():
             fn()
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")

@@ -121,7 +121,7 @@ def _compile(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    if "module" in job:  # a kernel inside a package (attngen.kvcache), imported by name
+    if "module" in job:  # a kernel inside a package (attngen.api.paged), imported by name
         module = importlib.import_module(job["module"])
     else:
         spec = importlib.util.spec_from_file_location(f"probe_{abs(hash(job['path']))}", job["path"])

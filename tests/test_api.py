@@ -92,9 +92,10 @@ def test_kernel_object_exposes_source_and_spec(kernel):
 @pytest.mark.parametrize("case", ["d64 causal 3-D", "d128 gqa n_q != n_k", "d64 long"])
 def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeypatch):
     """On the GPU, an inference call whose signature repeats replays, from its third call on, the launches
-    of its second (attngen/replay.py): each call, on fresh inputs at new addresses, matches float64 SDPA
+    of its second (attngen/runtime/replay.py): each call, on fresh inputs at new addresses, matches float64 SDPA
     and is bit for bit the kernel's own path (replays off). "d64 long" takes the Gluon forward on sm_90."""
-    from attngen import api, replay
+    from attngen.api import sdpa as api
+    from attngen.runtime import autograd, replay
 
     monkeypatch.setattr(api, "_PLANS", {})
     replayed = []
@@ -114,7 +115,7 @@ def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeyp
         assert (got.double() - sdpa64(q, k, v, **kw)).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 5e-3)
         with monkeypatch.context() as m:  # the kernel's own path: a fresh plan, no replay recorded
             m.setattr(api, "_PLANS", {})
-            m.setattr(replay, "record", lambda fn, inputs, module: (fn(), None))
+            m.setattr(autograd, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want = attngen.attention(q, k, v, **kw)
         assert torch.equal(got, want), i
@@ -155,7 +156,7 @@ def test_eager_calls_do_not_import_dynamo():
         "    attngen.attention(q, k, v)\n"
         "ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)\n"
         "assert (out.double() - ref).abs().max().item() < 1e-4 and q.grad is not None and v.grad is not None\n"
-        "print('torch._dynamo' in sys.modules, 'attngen.ops' in sys.modules)\n"
+        "print('torch._dynamo' in sys.modules, 'attngen.runtime.ops' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", child, DEVICE], capture_output=True, text=True,
                           env=dict(os.environ), timeout=300)

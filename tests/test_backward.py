@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import attngen
 from attngen import KernelInputError
-from attngen.check import Case, compare_grads, validate
+from attngen.testing.accuracy import Case, compare_grads, validate
 from conftest import DEVICE, spec_text
 
 
@@ -197,8 +197,9 @@ def _training_step(q, k, v, do, causal, compiled=None):
 def _check_step(results, q, k, v, do, causal, scale=None):
     """A training step's output and gradients against float64 (the gradients by attngen's validation
     rule); 3-D inputs are taken as batch 1."""
-    from attngen.api import _DTYPES, sdpa_spec
-    from attngen.reference import attention as reference
+    from attngen.api.sdpa import _DTYPES
+    from attngen.lang.builtin import sdpa_spec
+    from attngen.testing.reference import attention as reference
 
     if q.dim() == 3:
         q, k, v, do, *results = (t.unsqueeze(0) for t in (q, k, v, do, *results))
@@ -250,7 +251,7 @@ def test_gpu_training_step_captured_in_a_cuda_graph(head_dim, causal, n):
 @pytest.mark.gpu
 def test_gpu_inference_calls_captured_in_a_cuda_graph_after_their_replay_is_recorded():
     """Without autograd a signature's third call replays the launches recorded from its second
-    (attngen/replay.py): capturing such a call captures the replay, which must follow new data too."""
+    (attngen/runtime/replay.py): capturing such a call captures the replay, which must follow new data too."""
     gen = torch.Generator("cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 16, 1024, 64, device="cuda", generator=gen).bfloat16() for _ in range(3))
     for _ in range(3):
@@ -313,9 +314,9 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
     run each time): every call, on fresh inputs, has float64's gradients, for output gradients laid out
     contiguously, expanded (from out.sum()) and transposed, for any subset of q, k, v requiring grad, and
     3-D inputs too."""
-    from attngen import api
-    from attngen.reference import attention_grads
-    from attngen.spec import Mask
+    from attngen.api import sdpa as api
+    from attngen.testing.reference import attention_grads
+    from attngen.lang.spec import Mask
 
     monkeypatch.setattr(api, "_PLANS", {})
     lead = () if three_d else (1,)
@@ -352,9 +353,9 @@ def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse
     into a NaN-poisoned `out=`) and autograd calls (output gradients contiguous, expanded and transposed, any
     subset of q, k, v requiring grad), each on fresh inputs, have float64's outputs, log-sum-exps (not
     differentiable) and gradients."""
-    from attngen.reference import attention as reference
-    from attngen.reference import attention_grads
-    from attngen.spec import Mask
+    from attngen.testing.reference import attention as reference
+    from attngen.testing.reference import attention_grads
+    from attngen.lang.spec import Mask
 
     kernel = train_spec("planned_call", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
     monkeypatch.setattr(kernel, "_plans", {})
@@ -400,8 +401,8 @@ def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkey
     and the output, log-sum-exp, dK and dV are bit for bit the unplanned path's (dQ adds its parts in any
     order on the Gluon backward: held to float64 only). "d64 long" takes the Gluon forward and backward on
     sm_90."""
-    from attngen import replay
-    from attngen.check import compare
+    from attngen.runtime import replay
+    from attngen.testing.accuracy import compare
 
     replayed = []
     real_call = replay.Replay.__call__
@@ -463,7 +464,8 @@ def test_gpu_replayed_training_calls_compute_what_the_kernels_compute(case, monk
     matches float64, and its output, dK and dV are bit for bit those of the unplanned path (dQ adds its
     parts in any order on the Gluon backward: it is held to float64 only). The long cases take the Gluon
     forward and backward on sm_90."""
-    from attngen import api, replay
+    from attngen.api import sdpa as api
+    from attngen.runtime import replay
 
     monkeypatch.setattr(api, "_PLANS", {})
     replayed = []
@@ -506,23 +508,20 @@ def test_planned_backward_records_once_per_output_gradient_layout_and_determinis
     launch binaries FastJIT has not kept): the generated backward picks its kernels by that setting
     (the Gluon dQ adds in any order), so a replay recorded under one must not run under the other. (A stand-in
     replay that declines, so the kernels run and the gradients can be checked.)"""
-    from attngen import api, launch, replay
+    from attngen.api import sdpa as api
+    from attngen.runtime import autograd
 
     monkeypatch.setattr(api, "_PLANS", {})
     recorded = []
 
-    class Declines:
-        def __init__(self, module):
-            self.generation = launch.generation(module)
+    def declines(inputs):
+        return False
 
-        def __call__(self, inputs):
-            return False
-
-    def record(fn, inputs, module):
+    def record(fn, inputs):
         recorded.append(len(inputs))  # 5: the forward's (q, k, v, out, lse); 9: the backward's
-        return fn(), Declines(module)
+        return fn(), declines
 
-    monkeypatch.setattr(replay, "record", record)
+    monkeypatch.setattr(autograd, "record", record)
     deterministic = torch.are_deterministic_algorithms_enabled()
     for call, (strict, expanded) in enumerate([(False, False)] * 3 + [(True, False)] * 2 + [(False, True)] * 2
                                               + [(True, True)] * 2):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from attngen import cache
+from attngen.runtime import cache
 from conftest import ROOT, spec_text
 
 SCRIPT = """
@@ -64,7 +64,7 @@ def test_unwritable_cache_dir_falls_back_with_a_warning(tmp_path, monkeypatch):
 WARMUP_CHILD = r"""
 import os, sys
 import attngen  # starts the hash
-from attngen import warmup
+from attngen.runtime import warmup
 from triton.runtime.cache import triton_key
 thread = warmup._THREAD
 attngen.load(sys.argv[1])  # compiled mode, nothing launched: load does not wait
@@ -97,7 +97,7 @@ def test_startup_hash_runs_by_default_only_where_kernels_will_compile(monkeypatc
     interpreter after `import attngen`, it must not start; nor with a CPU build of torch."""
     import torch
 
-    from attngen import warmup
+    from attngen.runtime import warmup
 
     for name in ("TRITON_INTERPRET", "ATTNGEN_WARMUP"):
         monkeypatch.delenv(name, raising=False)

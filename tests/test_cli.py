@@ -41,7 +41,7 @@ def test_check_passes_and_reports_each_case(capsys):
 
 
 def test_check_fails_with_exit_1_on_a_wrong_kernel(monkeypatch, capsys):
-    import attngen.check as check
+    import attngen.testing.accuracy as check
 
     monkeypatch.setattr(check, "REL_TOL", {k: -1.0 for k in check.REL_TOL})  # nothing can pass
     assert main(["check", os.path.join(SPECS, "fwd_d64.attn")]) == 1

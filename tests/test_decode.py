@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import attngen
-from attngen import KernelInputError, reference
-from attngen.check import ATOL, FUDGE
-from attngen.spec import DType
+from attngen import KernelInputError
+from attngen.testing import reference
+from attngen.testing.accuracy import ATOL, FUDGE
+from attngen.lang.spec import DType
 from conftest import DEVICE
 
 _DT = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
@@ -109,8 +110,8 @@ def test_combine_loads_the_split_count_rounded_up_to_a_power_of_two(monkeypatch,
     """The merge's BLOCK_S follows the launch's split count (a 32-wide step at 2 splits cost a
     batch-16 step 1.1-1.5%, NOTES v20), at most COMBINE_BLOCK_S, and the result stays right where
     the last step is partly masked (3 and 5 splits) or there are two steps (40)."""
-    from attngen.decode import kvcache_spec
-    from attngen.runtime import load
+    from attngen.lang.builtin import kvcache_spec
+    from attngen.runtime.kernel import load
 
     module = load(kvcache_spec("fp16", 32, True, None)).module
     widths, launch = [], module.launch_attn_combine
@@ -169,7 +170,7 @@ def test_split_counts_agree_and_scale_is_used():
 
 
 def test_auto_split_heuristic():
-    from attngen.splits import choose_num_splits
+    from attngen.policy.splits import choose_num_splits
 
     assert choose_num_splits(programs=512, key_blocks=512, sms=132) == 1     # the batch fills the GPU
     assert choose_num_splits(programs=8, key_blocks=1, sms=132) == 1         # nothing to split
@@ -255,7 +256,7 @@ def test_a_planned_call_checks_its_output_memory_and_reads_this_calls_values(mon
     """The second call of a signature skips the checks (one `_checked_plan`), still refuses an out that
     shares memory with an input (addresses are not in the signature), and computes with its own lengths,
     queries and caches."""
-    from attngen import decode
+    from attngen.api import kvcache as decode
 
     monkeypatch.setattr(decode, "_PLANS", {})
     planned = []
@@ -279,7 +280,7 @@ def test_a_planned_call_checks_its_output_memory_and_reads_this_calls_values(mon
 def test_int_lengths_share_one_plan_and_each_is_checked(monkeypatch):
     """A decoding loop passes a growing int as cache_seqlens: its calls share one plan (one `_checked_plan`),
     each computes with its own length, and a length past the cache is refused after planning."""
-    from attngen import decode
+    from attngen.api import kvcache as decode
 
     monkeypatch.setattr(decode, "_PLANS", {})
     planned = []
@@ -303,11 +304,12 @@ def test_int_lengths_share_one_plan_and_each_is_checked(monkeypatch):
                                   "longer cache batch", "paged16 d64 int"])
 def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
     """On the GPU, from a signature's third call on, the launches recorded at its second are replayed
-    (attngen/replay.py) on the call's own tensors: over caches whose values change in place and caches at
+    (attngen/runtime/replay.py) on the call's own tensors: over caches whose values change in place and caches at
     new addresses (and an int length that changes every call), every call matches float64 and is bit for
     bit the module's own path (replays off), with NaN-poisoned outputs. Gluon kernels (d=64 and 128 on
     sm_90) and the Triton kernel (d=96)."""
-    from attngen import decode, replay
+    from attngen.api import kvcache as decode
+    from attngen.runtime import replay
 
     monkeypatch.setattr(decode, "_PLANS", {})
     replayed = []
@@ -352,7 +354,7 @@ def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
         check(got, lse, q, k[:3] if table is None else k, v[:3] if table is None else v, seqlens, table, causal=True)
         with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
             m.setattr(decode, "_PLANS", {})
-            m.setattr(decode, "record", lambda fn, inputs, module: (fn(), None))
+            m.setattr(decode, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want, want_lse, _ = call(q, k, v, table, i)
         assert torch.equal(got, want) and torch.equal(lse, want_lse), i
@@ -460,8 +462,8 @@ def test_auto_split_sees_the_kv_heads_of_either_cache_layout(page_size, monkeypa
     """The module's split choice counts programs as B * H_KV * query blocks, for a contiguous cache
     (B, H_KV, N, D view) and a page pool (NUM_PAGES, PAGE_SIZE, H_KV, D) alike (a contiguous cache
     once passed N for H_KV there, so decoding at batch 1 never split)."""
-    from attngen.decode import kvcache_spec
-    from attngen.runtime import load
+    from attngen.lang.builtin import kvcache_spec
+    from attngen.runtime.kernel import load
 
     gen = torch.Generator(DEVICE).manual_seed(5)
     seen = []

@@ -7,13 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from attngen import ir, sym
+from attngen import ir
+from attngen.ir import sym
 from attngen.codegen import exprs, render
 from attngen.errors import InternalError
 from attngen.ir import Loop, LoopKind, Masked
 from attngen.passes import compile_program
-from attngen.spec import load_file, parse
-from attngen.verify import verify
+from attngen.lang.spec import load_file, parse
+from attngen.ir.verify import verify
 from conftest import shipped_specs, spec_text
 
 

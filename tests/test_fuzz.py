@@ -29,12 +29,12 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import SpecError
-from attngen.check import Case, validate
+from attngen.testing.accuracy import Case, validate
 from attngen.cli import main
 from attngen.codegen import render
 from attngen.passes import compile_program
-from attngen.resources import check_spec_tiles
-from attngen.spec import MAX_SPEC_BYTES, KVLayout, Spec, load_file, parse
+from attngen.analysis.resources import check_spec_tiles
+from attngen.lang.spec import MAX_SPEC_BYTES, KVLayout, Spec, load_file, parse
 from conftest import ROOT, shipped_specs
 
 SCALE = float(os.environ.get("ATTNGEN_FUZZ_SCALE", "1"))

@@ -16,8 +16,8 @@ from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
 from attngen.errors import InternalError
 from attngen.passes import compile_program
-from attngen.reference import causal_keep
-from attngen.spec import Mask, parse
+from attngen.testing.reference import causal_keep
+from attngen.lang.spec import Mask, parse
 from conftest import spec_text
 
 # Gluon's functions the hooks call, as torch on the CPU

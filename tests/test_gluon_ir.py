@@ -11,8 +11,8 @@ from attngen.cli import main
 from attngen.errors import InternalError
 from attngen.passes import compile_program
 from attngen.policy import hopper
-from attngen.spec import parse
-from attngen.verify import verify
+from attngen.lang.spec import parse
+from attngen.ir.verify import verify
 from conftest import spec_text
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "specs")
@@ -92,11 +92,12 @@ def test_the_runtime_takes_the_gluon_kernels_from_the_program():
     """The tuner's and `attngen tune`'s view of which Gluon kernels a module has is the program's typed value."""
     import attngen
     from attngen.cli import gluon_note
+    from attngen.tuning import tunables
 
     kernel = attngen.load(spec_text("gluon_ir_rt", 128, "bf16", "none", direction="forward+backward"))
     assert kernel.program.warp_specialized.forward is not None and hasattr(kernel.module, "attn_fwd_ws")
-    assert all(gluon_note(part, (9, 0)) for part in kernel.tuning_kernels())
+    assert all(gluon_note(part, (9, 0)) for part in tunables(kernel))
     no_backward = replace(kernel.program, warp_specialized=replace(kernel.program.warp_specialized, backward=None))
     kernel._program = no_backward
-    notes = [gluon_note(part, (9, 0)) for part in kernel.tuning_kernels()]
+    notes = [gluon_note(part, (9, 0)) for part in tunables(kernel)]
     assert notes[0] and notes[1:] == [None, None]

@@ -6,9 +6,9 @@ import pytest
 import triton
 
 from attngen.codegen import render
-from attngen.resources import SHARED_LIMIT
+from attngen.analysis.resources import SHARED_LIMIT
 from attngen.passes import compile_program
-from attngen.spec import load_file
+from attngen.lang.spec import load_file
 from conftest import ROOT, shipped_specs
 
 GENERATED = os.path.join(ROOT, "generated")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import attngen
-from attngen import KernelInputError, reference
-from attngen.kvcache import OutOfPages, PagedKVCache
+from attngen import KernelInputError
+from attngen.testing import reference
+from attngen.api.paged import OutOfPages, PagedKVCache
 from conftest import DEVICE
 
 
@@ -183,6 +184,6 @@ def test_append_kernel_compiles_for_sm90():
     from probe import probe
 
     pointers = {name: "*bf16" for name in ("K_SRC", "V_SRC", "K_POOL", "V_POOL")}
-    (result,) = probe([dict(module="attngen.kvcache", kernel="_append_kv", num_warps=4, num_stages=1,
+    (result,) = probe([dict(module="attngen.api.paged", kernel="_append_kv", num_warps=4, num_stages=1,
                             constexprs=dict(BLOCK_T=64, BLOCK_W=256), ptr_dtypes=dict(pointers, SLOTS="*i64"))])
     assert "error" not in result, result

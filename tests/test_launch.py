@@ -1,4 +1,4 @@
-"""The short launch path (attngen/launch.py): a cached binary is only ever launched for arguments
+"""The short launch path (attngen/runtime/launch.py): a cached binary is only ever launched for arguments
 Triton would have compiled that same binary for, with the arguments in Triton's order."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import DEVICE, HAS_GPU, ROOT
 
-from attngen import launch
-from attngen.launch import FastJIT
+from attngen.runtime import launch
+from attngen.runtime.launch import FastJIT
 
 
 def _triton_specialization(x, specialize: bool = True):
@@ -169,7 +169,7 @@ def test_cached_launches_compute_what_tritons_path_computes():
     k = torch.randn(2, 300, 2, 96, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     v = torch.randn_like(k)
     lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
-    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 96, True, None))
+    kernel = attngen.load(attngen.lang.builtin.kvcache_spec("bf16", 96, True, None))
     fast = kernel.module.attn_fwd
     assert isinstance(fast, FastJIT)
     first = attngen.attention_with_kvcache(q, k, v, lens)
@@ -191,7 +191,7 @@ def test_loading_a_seen_spec_object_skips_its_canonical_text(monkeypatch):
     """`load` of a Spec object it has loaded before is a lookup (a decoding step loads its spec on
     every call); an equal but new Spec object, or spec text, still finds the same kernel."""
     import attngen
-    from attngen.spec import Spec
+    from attngen.lang.spec import Spec
 
     spec = attngen.parse(open(f"{ROOT}/specs/fwd_d64.attn").read(), "fwd_d64.attn")
     kernel = attngen.load(spec)
@@ -237,7 +237,7 @@ def test_layout_tokens_stand_for_one_object_and_are_never_reissued(monkeypatch):
     get distinct numbers (a miss, not a wrong hit), and clearing the table issues fresh numbers."""
     from triton.experimental.gluon import language as gl
 
-    from attngen import launch
+    from attngen.runtime import launch
 
     monkeypatch.setattr(launch, "_LAYOUT_TOKENS", {})
     a = gl.NVMMASharedLayout.get_default_for([16, 128], gl.bfloat16)
@@ -408,7 +408,7 @@ def test_kept_tensor_maps_read_the_pool_they_were_built_for(page_size):
         shape = (3 * 48, 16, 2, 128) if page_size else (3, 48 * 16, 2, 128)
         return torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
 
-    kernel = attngen.load(attngen.decode.kvcache_spec("bf16", 128, True, page_size))
+    kernel = attngen.load(attngen.lang.builtin.kvcache_spec("bf16", 128, True, page_size))
     fast = kernel.module.attn_fwd_wsd
     assert isinstance(fast, FastJIT)
     pools = [(pool(), pool()) for _ in range(3)]
@@ -437,8 +437,8 @@ def test_the_triton_backward_keeps_its_descriptor_binary_after_an_expanded_outpu
     (descriptors): only the first call of each binary takes Triton's launch path (before, every call on
     descriptors did, for the rest of the process), and every call's gradients match float64."""
     import attngen
-    from attngen.api import sdpa_spec
-    from attngen.check import compare_grads
+    from attngen.lang.builtin import sdpa_spec
+    from attngen.testing.accuracy import compare_grads
 
     class Counting:  # a JIT function whose Triton launch path counts its calls
         def __init__(self, fn):

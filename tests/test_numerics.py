@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attngen
-from attngen.check import Case, compare, validate
+from attngen.testing.accuracy import Case, compare, validate
 from conftest import DEVICE, shipped_specs, spec_text
 
 

@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import sympy
 
-from attngen import ir, sym
+from attngen import ir
+from attngen.ir import sym
 from attngen.errors import InternalError
 from attngen.ir import Loop, LoopKind, Masked
 from attngen.passes import PASS_NAMES, causal_skip, compile_program
-from attngen.spec import parse
-from attngen.verify import verify
+from attngen.lang.spec import parse
+from attngen.ir.verify import verify
 from conftest import spec_text
 
 
@@ -198,6 +199,13 @@ def test_verifier_rejects_broken_ir():
     loops = ir.map_stmts(kernel.body, lambda st: replace(st, stop=sym.size("N_X")) if isinstance(st, Loop) and st.kind is LoopKind.SERIAL else st)
     with pytest.raises(InternalError, match="undefined N_X"):
         verify(program.replace_kernel(replace(kernel, body=loops)), "test")
+    # A per-row statistic (the log-sum-exp) stored in half precision.
+    def half_lse(st):
+        if isinstance(st, ir.Store) and st.target.stat is ir.Stat.LSE:
+            return replace(st, target=replace(st.target, dtype=ir.DT.F16))
+        return st
+    with pytest.raises(InternalError, match="holds a per-row statistic"):
+        verify(program.replace_kernel(replace(kernel, body=ir.map_stmts(kernel.body, half_lse))), "test")
 
 
 def test_verifier_rejects_scratch_after_fusion():

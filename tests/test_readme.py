@@ -32,4 +32,4 @@ def test_wheel_contains_templates_and_grammar(tmp_path):
     assert done.returncode == 0, done.stderr
     (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
-    assert "attngen/attn.lark" in names and "attngen/templates/attention.py.j2" in names
+    assert "attngen/lang/attn.lark" in names and "attngen/templates/attention.py.j2" in names

@@ -1,4 +1,4 @@
-"""Replays of a call's launches (attngen/replay.py): a replay hands each binary's launcher exactly what the
+"""Replays of a call's launches (attngen/runtime/replay.py): a replay hands each binary's launcher exactly what the
 call itself would, with the new call's addresses, or declines; a call it could not repeat is never
 recorded. (Fake kernels on the CPU, as tests/test_launch.py; the GPU tests in tests/test_decode.py run
 the real decoding kernels through replays.)"""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_launch import _FakeJIT, fake_gluon_kernel, tma_descriptor
 
-from attngen import launch, replay
-from attngen.launch import FastJIT
+from attngen.runtime import launch, replay
+from attngen.runtime.launch import FastJIT
 
 
 @pytest.fixture
@@ -31,7 +31,6 @@ def _module():
     """A generated module in miniature: two kernels, and a host function that allocates a scratch tensor
     between them (as forward_kvcache's partial outputs)."""
     module = types.ModuleType("fake_generated")
-    module.__class__ = launch._CountedModule
     first = _FakeJIT(["Q", "K", "P", "n", "s", "BLOCK"], constexprs=("BLOCK",))
     second = _FakeJIT(["P", "O", "n", "BLOCK"], constexprs=("BLOCK",))
     module.partial, module.merge = FastJIT(first), FastJIT(second)
@@ -56,7 +55,7 @@ def test_a_replay_launches_what_the_call_would_on_the_new_addresses(no_hooks):
     module, first, second = _module()
     q, k, out = _tensors()
     module.forward(q, k, out)  # Triton's path: compiles, FastJIT keeps the binaries
-    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out))
     assert kept is not None and [e[0] for e in first.log] == ["triton", "cached"]
     q2, k2, out2 = _tensors()
     before = len(first.log), len(second.log)
@@ -77,16 +76,16 @@ def test_what_a_replay_could_not_repeat_is_not_recorded(no_hooks):
     module, first, _ = _module()
     q, k, out = _tensors()
     # the first call compiles: Triton's path
-    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is None
-    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is not None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out))[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out))[1] is not None
     # GPU work torch does (a fill) between the launches
-    assert replay.record(lambda: module.forward(q, k, out, zero=True), (q, k, out), module)[1] is None
+    assert replay.record(lambda: module.forward(q, k, out, zero=True), (q, k, out))[1] is None
     # an address two inputs share: which one a later call means is unknown
-    assert replay.record(lambda: module.forward(q, k, out), (q, k, out, q[:4]), module)[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out, q[:4]))[1] is None
     # a pointer that is neither an input nor scratch
-    assert replay.record(lambda: module.forward(q, k, out), (q, out), module)[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, out))[1] is None
     # nothing launched through FastJIT (the interpreter, fast launches off)
-    assert replay.record(lambda: None, (q, k, out), module)[1] is None
+    assert replay.record(lambda: None, (q, k, out))[1] is None
 
     def triton_launch(*args):  # a kernel launched through Triton's own path: it calls the enter hooks
         from triton import knobs
@@ -97,8 +96,8 @@ def test_what_a_replay_could_not_repeat_is_not_recorded(no_hooks):
         module.forward(q, k, out)
         triton_launch(q)
 
-    assert replay.record(with_a_triton_launch, (q, k, out), module)[1] is None
-    assert replay.record(lambda: module.forward(q, k, out), (q, k, out), module)[1] is not None
+    assert replay.record(with_a_triton_launch, (q, k, out))[1] is None
+    assert replay.record(lambda: module.forward(q, k, out), (q, k, out))[1] is not None
     assert not launch.hooked()  # the recording's hook is gone, and was never counted as a user's
 
 
@@ -108,7 +107,7 @@ def test_a_replay_declines_where_the_launch_could_differ(no_hooks, monkeypatch):
     module, first, second = _module()
     q, k, out = _tensors()
     module.forward(q, k, out)
-    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
+    _, kept = replay.record(lambda: module.forward(q, k, out), (q, k, out))
     n = len(first.log), len(second.log)
 
     def declines(*tensors):
@@ -124,14 +123,8 @@ def test_a_replay_declines_where_the_launch_could_differ(no_hooks, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
         assert declines(q, k, out)
-    with monkeypatch.context() as m:
-        m.setattr(module, "merge", lambda *a: None)  # a function of the module replaced (a test's spy)
-        assert declines(q, k, out)
-    assert declines(q, k, out)  # and put back: still not the module that was recorded
-    assert replay.wanted(kept, module) and replay.wanted(None, module) and not replay.wanted(False, module)
-    _, again = replay.record(lambda: module.forward(q, k, out), (q, k, out), module)
-    assert not replay.wanted(again, module)
-    assert again((q, k, out))
+    assert replay.wanted(None) and not replay.wanted(kept) and not replay.wanted(False)
+    assert kept((q, k, out))
 
 
 @pytest.mark.parametrize("kind", ["gluon", "triton"])
@@ -141,7 +134,6 @@ def test_replayed_descriptor_launches_keep_their_tensor_maps_per_address(no_hook
     has not built one for."""
     fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
     module = types.ModuleType("fake_gluon")
-    module.__class__ = launch._CountedModule
     module.kernel = FastJIT(fn)
     desc = tma_descriptor(kind)
 
@@ -155,7 +147,7 @@ def test_replayed_descriptor_launches_keep_their_tensor_maps_per_address(no_hook
     x = torch.empty(8, dtype=torch.bfloat16)
     k, v = caches()
     forward(x, k, v)
-    _, kept = replay.record(lambda: forward(x, k, v), (x, k, v), module)
+    _, kept = replay.record(lambda: forward(x, k, v), (x, k, v))
     assert kept is not None and len(made) == 4  # Triton's launch, then FastJIT's kept maps
     k2, v2 = caches()
     y_at = 13 + 2 + 5  # the C launcher's arguments: 13 of the launch's own, then x, 5, K's map and sizes, y
@@ -179,7 +171,6 @@ def test_descriptors_a_launcher_encodes_itself_are_not_recorded(no_hooks, monkey
     caches: such a call is not recorded."""
     fn, launcher, log, made = fake_gluon_kernel(monkeypatch, scratch=256)
     module = types.ModuleType("fake_gluon")
-    module.__class__ = launch._CountedModule
     module.kernel = FastJIT(fn)
     desc = tma_descriptor("triton")
     x, y = torch.empty(8, dtype=torch.bfloat16), torch.empty(8)
@@ -192,9 +183,8 @@ def test_descriptors_a_launcher_encodes_itself_are_not_recorded(no_hooks, monkey
     launches = []
     real = replay.Replay.build.__func__
     monkeypatch.setattr(replay.Replay, "build", classmethod(
-        lambda cls, recording, inputs, generated: launches.append(len(recording.launches))
-        or real(cls, recording, inputs, generated)))
-    assert replay.record(forward, (x, k, y, v), module)[1] is None
+        lambda cls, recording, inputs: launches.append(len(recording.launches)) or real(cls, recording, inputs)))
+    assert replay.record(forward, (x, k, y, v))[1] is None
     assert launches == [1]  # the launch took FastJIT's cached path, and only the descriptors stopped it
 
 
@@ -203,7 +193,6 @@ def test_launches_passed_no_descriptors_are_kept_and_replayed(no_hooks, monkeypa
     is replayed; with descriptors again, the first binary is launched from FastJIT's cache too."""
     fn, launcher, log, made = fake_gluon_kernel(monkeypatch)
     module = types.ModuleType("fake_gluon")
-    module.__class__ = launch._CountedModule
     module.kernel = FastJIT(fn)
     desc = tma_descriptor("triton")
     k, v = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
@@ -217,7 +206,7 @@ def test_launches_passed_no_descriptors_are_kept_and_replayed(no_hooks, monkeypa
         fn.log.clear()
         forward(x, with_desc)
     assert fn.log == []  # the second call without descriptors took the cached path
-    _, kept = replay.record(lambda: forward(x, False), (x,), module)
+    _, kept = replay.record(lambda: forward(x, False), (x,))
     assert kept is not None
     x2 = torch.empty(8, dtype=torch.bfloat16)
     assert kept((x2,))

@@ -5,9 +5,10 @@ import os
 import pytest
 
 from attngen import load
-from attngen.resources import (SHARED_LIMIT, Target, infeasible, infeasible_backward, registers, shared_bytes,
-                               shared_bytes_backward)
-from attngen.spec import parse
+from attngen.analysis.resources import (SHARED_LIMIT, Target, infeasible, infeasible_backward, registers,
+                                        shared_bytes, shared_bytes_backward)
+from attngen.lang.spec import parse
+from attngen.policy.tma import reads_through_descriptors
 from conftest import ROOT, spec_text
 
 H100 = Target((9, 0), SHARED_LIMIT[(9, 0)], "H100")
@@ -54,7 +55,7 @@ def test_a_fixed_tile_the_heuristic_cannot_complete_gets_the_nearest_config_that
     """Found by the spec fuzzer on an H100: `block_n = 256` at head dim 176 (256 padded) passes the spec
     check (some completion fits), but the heuristic's 64 rows and 2 stages around it need 557,056 bytes;
     Triton refused it at launch. The default config is now the nearest one that fits, on either GPU."""
-    from attngen.configs import default_config, heuristic
+    from attngen.policy.configs import default_config, heuristic
 
     spec = parse("kernel k { block_n = 256 head_dim = 176 dtype = bf16 }")
     start = dict(heuristic(spec), BLOCK_N=256)
@@ -71,9 +72,9 @@ def test_every_spec_that_passes_the_tile_check_gets_a_default_config_that_fits(t
     """Over head dims, dtypes and fixed tiles that the heuristic would not choose (the largest, the
     smallest, deep pipelines), contiguous and paged: whenever the spec check accepts a spec, its
     default config fits the same GPU and keeps every value the spec fixes."""
-    from attngen.configs import default_config
+    from attngen.policy.configs import default_config
     from attngen.errors import SpecError
-    from attngen.resources import check_spec_tiles
+    from attngen.analysis.resources import check_spec_tiles
 
     accepted = 0
     for head_dim, dtype, extra in [(d, t, x) for d in (64, 176, 256) for t in ("bf16", "fp32")
@@ -102,7 +103,7 @@ def test_a_decoding_call_whose_rows_make_the_default_too_big_gets_a_config_that_
 
     spec = spec_text("k_fit", 128, "bf16", "causal(bottom_right)", kv_layout="paged(page_size = 16)",
                      block_n=256, num_stages=3)
-    part = load(spec).tuner("kvcache")
+    part = load(spec).part("kvcache")
     for shape in (Shape(4, 64, 1, 1, 4096), Shape(4, 8, 2, 1, 4096)):  # 64 rows per K/V head; 4
         config = part.config(shape)
         assert infeasible(part.spec, config) is None, config
@@ -166,14 +167,16 @@ def test_tma_descriptor_loads_add_alignment_and_barriers_on_hopper_only():
 
 def test_backward_infeasible_names_the_kernel_and_the_numbers():
     spec = parse(spec_text(head_dim=128, dtype="bf16", direction="forward+backward"))
-    why = infeasible_backward(spec, "attn_bwd_dq", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), H100)
+    why = infeasible_backward(spec, "attn_bwd_dq", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), H100,
+                              tma=False)
     assert why.startswith("attn_bwd_dq needs 262,144 bytes of shared memory") and "232,448" in why
-    why = infeasible_backward(spec, "attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), H100)
+    why = infeasible_backward(spec, "attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), H100,
+                              tma=reads_through_descriptors(spec, "attn_bwd_dkdv"))
     assert "attn_bwd_dkdv keeps at least 320 fp32 registers" in why  # (2*128*128 + 64*128) / 128
     assert infeasible_backward(spec, "attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
-                               H100) is None
+                               H100, tma=reads_through_descriptors(spec, "attn_bwd_dkdv")) is None
     with pytest.raises(ValueError, match="no backward kernel 'attn_bwd'"):
-        infeasible_backward(spec, "attn_bwd", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2), H100)
+        infeasible_backward(spec, "attn_bwd", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2), H100, tma=False)
 
 
 BACKWARD_PROBES = [  # (kernel, head_dim, dtype, block_m, block_n, stages): both paths, one and several stages

@@ -24,12 +24,13 @@ import pytest
 import torch
 
 import attngen
-import attngen.checks
-import attngen.decode
-from attngen import cache, reference
-from attngen.api import sdpa_spec
-from attngen.check import ATOL, FUDGE, Case, compare, compare_grads, validate
-from attngen.spec import MIN_SCALE, DType, Mask
+import attngen.runtime.arguments
+import attngen.api.kvcache
+from attngen.runtime import cache
+from attngen.testing import reference
+from attngen.lang.builtin import sdpa_spec
+from attngen.testing.accuracy import ATOL, FUDGE, Case, compare, compare_grads, validate
+from attngen.lang.spec import MIN_SCALE, DType, Mask
 from conftest import DEVICE, HAS_GPU, ROOT, spec_text
 
 
@@ -46,14 +47,14 @@ def no_launch(monkeypatch):
     refused before the GPU, or the interpreter, sees anything."""
     from triton.runtime import interpreter, jit
 
-    from attngen.launch import FastJIT
+    from attngen.runtime.launch import FastJIT
 
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched for a call that should have been refused")
 
     monkeypatch.setattr(jit.JITFunction, "run", launched)
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", launched)
-    monkeypatch.setattr(FastJIT, "run", launched)  # the short path of repeat launches (attngen/launch.py)
+    monkeypatch.setattr(FastJIT, "run", launched)  # the short path of repeat launches (attngen/runtime/launch.py)
 
 
 @dataclass
@@ -314,7 +315,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
 def test_decode_refuses_bad_arguments_before_launch(case, no_launch):
-    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))  # generated outside the guard
+    attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, 16))  # generated outside the guard
     family = _decode_family()
     family.names.update(block_table="block_table", cache_seqlens="cache_seqlens")
     assert_refused(family, *case[1:])
@@ -330,8 +331,8 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_
     signature too."""
     from triton.runtime import interpreter, jit
 
-    from attngen import api, decode
-    from attngen.launch import FastJIT
+    from attngen.api import sdpa as api, kvcache as decode
+    from attngen.runtime.launch import FastJIT
 
     which, _, spoil, exc, pattern = case
     if which == "sdpa":
@@ -341,7 +342,7 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_
         family = _kernel_family(checked_kernel)
         monkeypatch.setattr(checked_kernel, "_plans", {})
     else:
-        attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
+        attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, 16))
         family = _decode_family()
         family.names.update(block_table="block_table", cache_seqlens="cache_seqlens")
     monkeypatch.setattr(api, "_PLANS", {})
@@ -372,7 +373,7 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_
 def test_decode_debug_mode_checks_values_before_launch(problem, pattern, no_launch, monkeypatch):
     """Page indices and lengths are the caller's contract (checking them costs a device sync per
     call); ATTNGEN_CHECK_KVCACHE=1 checks them."""
-    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
+    attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, 16))
     args = _decode_family().make()
     problem(args)
     monkeypatch.setenv("ATTNGEN_CHECK_KVCACHE", "1")
@@ -457,7 +458,7 @@ def test_decode_refuses_launches_past_grid_and_offset_limits(case, no_launch):
     batch*splits; merge kernel: query blocks x heads x batch) and 32-bit offsets can take."""
     _, make, fake, pattern = case
     for page_size in (16, None):
-        attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, page_size))  # generated outside the guard
+        attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, page_size))  # generated outside the guard
     with _fake_mode() if fake else contextlib.nullcontext():
         args = make()
         if args["block_table"] is False:
@@ -469,8 +470,8 @@ def test_decode_refuses_launches_past_grid_and_offset_limits(case, no_launch):
 def test_decode_checks_the_span_of_out(no_launch, monkeypatch):
     """out is written like q is read: one group of query heads at 32-bit offsets. (Fake tensors have
     no data pointers to tell apart, so the test says they do not overlap.)"""
-    attngen.load(attngen.decode.kvcache_spec("fp16", 32, True, 16))
-    monkeypatch.setattr(attngen.checks, "shares_memory", lambda a, b: False)
+    attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, 16))
+    monkeypatch.setattr(attngen.runtime.arguments, "shares_memory", lambda a, b: False)
     with _fake_mode():
         q = _strided((1, 2, 4, 32), (256, 128, 32, 1))
         out = _strided((1, 2, 4, 32), (2**33, 2**31, 32, 1))
@@ -482,7 +483,7 @@ def test_decode_checks_the_span_of_out(no_launch, monkeypatch):
 def test_decode_limits_are_not_stricter_than_the_kernels(monkeypatch):
     """Page index x page stride is 64-bit in the kernel, so a pool of any size passes; and the
     split count the checks see is the one that is launched (auto included)."""
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
 
     module = attngen.load(kvcache_spec("fp16", 32, True, 16)).module
     launched = []
@@ -555,7 +556,7 @@ def two_fake_gpus(monkeypatch):
 def test_tensors_on_another_gpu_launch_on_that_gpu(gpu, checked_kernel, train_kernel, two_fake_gpus, monkeypatch):
     """A CUDA tensor need not be on the current device (a drop-in for SDPA must work on cuda:1): every
     launch path switches to the tensors' device, and only when it is not the current one."""
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
 
     state = two_fake_gpus
     dev = f"cuda:{gpu}"
@@ -572,7 +573,7 @@ def test_tensors_on_another_gpu_launch_on_that_gpu(gpu, checked_kernel, train_ke
     attngen.attention_with_kvcache(q.transpose(1, 2), pool, pool, torch.zeros(2, dtype=torch.int32, device=dev), table,
                                    num_splits=2)
     cache = attngen.PagedKVCache(4, 16, 2, 32, torch.float16, dev)
-    monkeypatch.setattr(attngen.kvcache, "_append_kv", {(1,): state["launch"]})
+    monkeypatch.setattr(attngen.api.paged, "_append_kv", {(1,): state["launch"]})
     cache.append(cache.new_sequence(), torch.empty(3, 2, 32, dtype=torch.float16, device=dev),
                  torch.empty(3, 2, 32, dtype=torch.float16, device=dev))
     assert state["launches"] == [gpu] * 4
@@ -614,7 +615,7 @@ def test_valid_call_does_launch(checked_kernel, monkeypatch):
     """The guard above is real: the unspoilt arguments do reach a launch."""
     from triton.runtime import interpreter, jit
 
-    from attngen.launch import FastJIT
+    from attngen.runtime.launch import FastJIT
 
     def launched(*args, **kwargs):
         raise RuntimeError("launched")
@@ -916,7 +917,7 @@ def _fresh_spec_text(tag):
 def _generate(text):
     from attngen.codegen import render
     from attngen.passes import compile_program
-    from attngen.spec import parse
+    from attngen.lang.spec import parse
 
     spec = parse(text)
     return spec, render(spec, compile_program(spec))
@@ -1009,7 +1010,7 @@ def test_unwritable_entry_falls_back_with_a_warning(tmp_path, monkeypatch):
 LOADER = """
 import os, sys, time
 import attngen, torch
-from attngen.runtime import interpreting
+from attngen.env import interpreting
 ready, count = sys.argv[2], int(sys.argv[3])
 if count > 1:  # a barrier: every process has imported torch before any of them loads the spec
     open(os.path.join(ready, str(os.getpid())), "w").close()

@@ -3,7 +3,7 @@
 import pytest
 
 from attngen import SpecError, UnsupportedError
-from attngen.spec import Direction, DType, Mask, load_file, parse
+from attngen.lang.spec import Direction, DType, Mask, load_file, parse
 from conftest import shipped_specs, spec_text
 
 
@@ -94,7 +94,7 @@ def test_errors_name_their_line_and_column(text, line, col, words):
 
 
 def test_infeasible_tiles_are_a_spec_error_with_numbers():
-    from attngen.resources import check_spec_tiles
+    from attngen.analysis.resources import check_spec_tiles
 
     spec = parse("kernel k {\n head_dim = 256\n dtype = fp32\n block_m = 128\n block_n = 128\n num_stages = 4\n}", "t.attn")
     with pytest.raises(SpecError) as info:

@@ -18,17 +18,20 @@ import pytest
 import torch
 
 import attngen
-from attngen import check, reference, tuning
-from attngen.api import sdpa_spec
-from attngen.cache import CacheWarning
+from attngen.testing import accuracy as check, reference
+from attngen import tuning
+from attngen.lang.builtin import sdpa_spec
+from attngen.runtime.cache import CacheWarning
 from attngen.cli import main
-from attngen.resources import SHARED_LIMIT, Target
-from attngen.spec import load_file, parse
-from attngen.tuning import Shape, save, store, tune
-from attngen.tuning.key import Device, bucket, nearest_power_of_two, problem_key
+from attngen.analysis.resources import SHARED_LIMIT, Target
+from attngen.lang.spec import load_file, parse
+from attngen.tuning import Shape, save, tune
+from attngen.runtime import tables as store
+from attngen.runtime.keys import Device, bucket, nearest_power_of_two, problem_key
 from attngen.tuning.report import format_outcome
 from attngen.tuning.space import candidates, prune, restrict, within_budget
-from attngen.tuning.validate import check_attention
+from attngen.tuning.gate import check_attention
+from attngen.tuning.tunables import ForwardTunable
 from conftest import DEVICE, HAS_GPU, ROOT, SPECS, shipped_specs, spec_text
 
 H100 = Target((9, 0), SHARED_LIMIT[(9, 0)], "H100")
@@ -46,10 +49,10 @@ def fresh_tuning_state(tmp_path, monkeypatch):
     monkeypatch.delenv("ATTNGEN_AUTOTUNE", raising=False)
     monkeypatch.setattr(store, "shipped_files", lambda: [])
     store.forget()
-    tuning._ATTEMPTED.clear()
+    store._ATTEMPTED.clear()
     yield
     store.forget()
-    tuning._ATTEMPTED.clear()
+    store._ATTEMPTED.clear()
 
 
 def rand(*shape):
@@ -115,8 +118,8 @@ def test_tune_reports_pruning_before_compiling_anything(tmp_path, capsys, monkey
     path = tmp_path / "big.attn"
     path.write_text(spec_text("big", 128, "bf16", "none"))
     ran = []
-    real = attngen.runtime.Kernel.tuning_run
-    monkeypatch.setattr(attngen.runtime.Kernel, "tuning_run",
+    real = ForwardTunable.tuning_run
+    monkeypatch.setattr(ForwardTunable, "tuning_run",
                         lambda self, i, c, poison=False: ran.append(tile(c)) or real(self, i, c, poison=poison))
     assert main(["tune", str(path), "--seqlens", "64", "--max-configs", "1", "--values", "block_m=64,128",
                  "block_n=64,128", "num_warps=4", "num_stages=3,4"]) == 0
@@ -142,13 +145,14 @@ def test_the_best_few_are_timed_again_alternating_and_the_runoff_decides(monkeyp
     runoff: the best `runoff` are timed again in alternating rounds and the median of its rounds
     decides, among the finalists only."""
     kernel = kernel_for("runoff")
-    real, seen, timed = type(kernel).tuning_run, [], []
+    target = tuning.tunable(kernel)
+    real, seen, timed = type(target).tuning_run, [], []
     first = {16: 1.0, 32: 2.0, 64: 3.0}   # block_m -> the first timing: 16 looks fastest
     later = {16: 5.0, 32: 2.0, 64: 3.0}   # and is the slowest when timed again
 
     def run(inputs, config, poison=False):
         seen.append(config["BLOCK_M"])
-        return real(kernel, inputs, config, poison=poison)
+        return real(target, inputs, config, poison=poison)
 
     def timer(fn, rep_ms, cuda):
         fn()
@@ -156,7 +160,7 @@ def test_the_best_few_are_timed_again_alternating_and_the_runoff_decides(monkeyp
         timed.append(m)
         return (first if timed.count(m) == 1 else later)[m]
 
-    monkeypatch.setattr(kernel, "tuning_run", run)
+    monkeypatch.setattr(target, "tuning_run", run)
     values = dict(TINY, block_m=(16, 32, 64))
     alone = tune(kernel, [SHAPE], values=values, timer=timer, runoff=0)
     assert alone.best[0].trial.config["BLOCK_M"] == 16 and len(timed) == 3
@@ -170,11 +174,12 @@ def test_the_best_few_are_timed_again_alternating_and_the_runoff_decides(monkeyp
 def test_a_wrong_candidate_is_rejected_reported_and_never_chosen(monkeypatch):
     kernel = kernel_for("gate")
     wrong = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-    real, seen = type(kernel).tuning_run, []
+    target = tuning.tunable(kernel)
+    real, seen = type(target).tuning_run, []
 
     def run(inputs, config, poison=False):
         seen.append(config)
-        out, lse = real(kernel, inputs, config, poison=poison)
+        out, lse = real(target, inputs, config, poison=poison)
         if config == wrong:
             out[:, :, -1] += 1.0  # the last query row is off
         return out, lse
@@ -183,7 +188,7 @@ def test_a_wrong_candidate_is_rejected_reported_and_never_chosen(monkeypatch):
         fn()
         return 0.001 if seen[-1] == wrong else 1.0
 
-    monkeypatch.setattr(kernel, "tuning_run", run)
+    monkeypatch.setattr(target, "tuning_run", run)
     outcome = tune(kernel, [SHAPE], values=TINY, timer=timer)
     (rejected,) = [t for t in outcome.trials if t.status == "rejected"]
     assert rejected.config == wrong and rejected.reason.startswith("wrong result")
@@ -215,7 +220,8 @@ def test_a_candidate_that_fails_to_compile_is_skipped_with_its_reason():
 REUSE = """
 import json, sys, torch, attngen
 from attngen import tuning
-from attngen.runtime import interpreting
+from attngen.env import interpreting
+from attngen.runtime import tables as store
 
 def tuned_again(*args, **kwargs):
     raise SystemExit("tuned again")
@@ -225,8 +231,8 @@ kernel = attngen.load(sys.argv[1], autotune=True)
 device = "cpu" if interpreting() else "cuda"
 q, k = torch.randn(1, 2, 100, 32, device=device).half(), torch.randn(1, 2, 200, 32, device=device).half()
 out = kernel(q, k, k)
-ref, _ = attngen.reference.attention(q, k, k, kernel.spec.mask)
-print(json.dumps([tuning.describe_config(kernel, tuning.Shape.of(q, k)), (out.double() - ref).abs().max().item()]))
+ref, _ = attngen.testing.reference.attention(q, k, k, kernel.spec.mask)
+print(json.dumps([store.describe_config(kernel, tuning.Shape.of(q, k)), (out.double() - ref).abs().max().item()]))
 """
 
 
@@ -266,7 +272,7 @@ def test_autotune_tunes_an_untuned_bucket_once_on_first_use(monkeypatch):
     kernel(rand(1, 2, 45, 32), rand(1, 2, 45, 32), rand(1, 2, 45, 32))  # the same bucket
     assert calls == [[Shape(1, 2, 2, 40, 40)]]
     assert (out.double() - reference.attention(q, q, q)[0]).abs().max().item() < 5e-3
-    config, source = tuning.describe_config(kernel, Shape.of(q, q))
+    config, source = store.describe_config(kernel, Shape.of(q, q))
     assert config["BLOCK_M"] in (32, 64) and source == "this process"
     assert "BH=2 N_Q=32 N_K=32" in store.user_path(Device.current()).read_text()
 
@@ -289,7 +295,7 @@ def test_user_cache_overrides_the_shipped_table_bucket_by_bucket(tmp_path, monke
     store.forget()
 
     def lookup(n):
-        return tuning.describe_config(kernel, Shape(1, 2, 2, n, n))
+        return store.describe_config(kernel, Shape(1, 2, 2, n, n))
 
     assert lookup(64) == (b, f"user cache {store.user_path(device)}")
     assert lookup(1024) == (a, f"shipped table attngen/tuned/{shipped.name}")
@@ -303,7 +309,7 @@ def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
     in specs/ and nothing else (forward, backward, decode; a changed spec leaves a stale problem:
     re-tune, or drop it), and only entries that fit their kernel on that GPU."""
     parts = {problem_key(part.tuning_problem()): part
-             for spec in map(load_file, shipped_specs()) for part in attngen.load(spec).tuning_kernels()}
+             for spec in map(load_file, shipped_specs()) for part in tuning.tunables(attngen.load(spec))}
     for table in SHIPPED_TABLES:
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
@@ -334,7 +340,7 @@ def test_wheel_ships_the_tuned_tables_and_the_tuning_package(tmp_path):
     assert done.returncode == 0, done.stderr
     (wheel,) = os.listdir(tmp_path / "dist")
     names = zipfile.ZipFile(tmp_path / "dist" / wheel).namelist()
-    assert "attngen/tuned/some-gpu_sm90_triton-3.6.json" in names and "attngen/tuning/store.py" in names
+    assert "attngen/tuned/some-gpu_sm90_triton-3.6.json" in names and "attngen/runtime/tables.py" in names
 
 
 # -- abuse ---------------------------------------------------------------------------------------
@@ -400,12 +406,12 @@ def test_a_fixed_spec_key_is_never_overridden_by_a_stored_entry():
     store.save(store.user_path(device), device, kernel.tuning_problem(), kernel.spec.name,
                [(bucket(SHAPE), {"config": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}})])
     with pytest.warns(CacheWarning, match="fixes BLOCK_N=32"):
-        config, source = tuning.describe_config(kernel, SHAPE)
+        config, source = store.describe_config(kernel, SHAPE)
     assert config["BLOCK_N"] == 32 and source == "default"
 
 
 def test_an_unwritable_cache_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
-    from attngen import cache
+    from attngen.runtime import cache
 
     kernel = kernel_for("unwritable")
     blocker = tmp_path / "a-file"
@@ -425,7 +431,7 @@ def test_a_failed_write_is_a_warning_and_the_result_still_serves_this_process(tm
     (tmp_path / "blocker").write_text("")
     with pytest.warns(CacheWarning, match="cannot write"):
         assert save(outcome, tmp_path / "blocker" / "table.json") is None
-    assert tuning.describe_config(kernel, SHAPE) == (outcome.best[0].trial.config, "this process")
+    assert store.describe_config(kernel, SHAPE) == (outcome.best[0].trial.config, "this process")
 
 
 def _hammer(path, head_dim, rounds):

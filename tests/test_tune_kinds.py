@@ -10,12 +10,15 @@ import pytest
 import torch
 
 import attngen
-from attngen import check, reference, tuning
+from attngen.testing import accuracy as check, reference
+from attngen import tuning
 from attngen.cli import main
-from attngen.decode import _auto_splits, kvcache_spec
-from attngen.spec import Mask, load_file
-from attngen.tuning import Shape, save, store, tune
-from attngen.tuning.key import Device, problem_key
+from attngen.api.kvcache import _auto_splits
+from attngen.lang.builtin import kvcache_spec
+from attngen.lang.spec import Mask, load_file
+from attngen.tuning import Shape, save, tune
+from attngen.runtime import tables as store
+from attngen.runtime.keys import Device, problem_key
 from attngen.tuning.report import format_outcome
 from conftest import DEVICE, SPECS, spec_text
 from test_tune import TINY, fresh_tuning_state  # noqa: F401 - the autouse fixture: a fresh cache per test
@@ -75,21 +78,21 @@ def test_chunked_gradient_reference_equals_autograd_in_one_piece(mask, n_q, n_k)
 
 def test_the_backward_kernels_are_two_problems_of_their_own():
     kernel = train_kernel("parts")
-    kinds = [(part.kind, part.label) for part in kernel.tuning_kernels()]
+    kinds = [(part.kind, part.label) for part in tuning.tunables(kernel)]
     assert kinds == [("forward", "parts"), ("backward", "parts backward attn_bwd_dq"),
                      ("backward", "parts backward attn_bwd_dkdv")]
-    keys = {problem_key(part.tuning_problem()) for part in kernel.tuning_kernels()}
+    keys = {problem_key(part.tuning_problem()) for part in tuning.tunables(kernel)}
     assert len(keys) == 3
     # The spec's tile keys describe the forward: fixing one changes the forward's problem only.
     fixed = attngen.load(spec_text("parts2", 32, "fp16", "causal", direction="forward+backward", block_m=64))
     assert problem_key(fixed.tuning_problem()) != problem_key(kernel.tuning_problem())
-    assert problem_key(fixed.tuner("attn_bwd_dq").tuning_problem()) == problem_key(kernel.tuner("attn_bwd_dq").tuning_problem())
-    assert attngen.load(spec_text("fwdonly", 32, "fp16", "causal")).tuning_kernels()[1:] == []
+    assert problem_key(fixed.part("attn_bwd_dq").tuning_problem()) == problem_key(kernel.part("attn_bwd_dq").tuning_problem())
+    assert tuning.tunables(attngen.load(spec_text("fwdonly", 32, "fp16", "causal")))[1:] == []
 
 
 def test_a_tuned_backward_kernel_serves_the_backward_and_gradients_stay_right(monkeypatch):
     kernel = train_kernel("bwdtune")
-    dq_part = kernel.tuner("attn_bwd_dq")
+    dq_part = tuning.tunable(kernel.part("attn_bwd_dq"))
     launches = []
     for name in ("launch_attn_bwd_dq", "launch_attn_bwd_dkdv"):
         real = getattr(kernel.module, name)
@@ -107,8 +110,8 @@ def test_a_tuned_backward_kernel_serves_the_backward_and_gradients_stay_right(mo
     shape = Shape.of(q, k)
     used = kernel.backward_config(q, k)
     assert used["attn_bwd_dq"] == outcome.best[0].trial.config
-    assert used["attn_bwd_dkdv"] == kernel.tuner("attn_bwd_dkdv").tuning_default()
-    assert tuning.describe_config(dq_part, shape)[1] == "this process"
+    assert used["attn_bwd_dkdv"] == kernel.part("attn_bwd_dkdv").tuning_default()
+    assert store.describe_config(dq_part, shape)[1] == "this process"
     do = rand(1, 2, 48, 32)
     kernel(q, k, v).backward(do)
     results = check.compare_grads(kernel.spec, q.detach(), k.detach(), v.detach(), do, (q.grad, k.grad, v.grad))
@@ -117,7 +120,7 @@ def test_a_tuned_backward_kernel_serves_the_backward_and_gradients_stay_right(mo
 
 def test_a_backward_candidate_that_breaks_a_gradient_is_rejected(monkeypatch):
     kernel = train_kernel("bwdgate", "none")
-    part = kernel.tuner("attn_bwd_dkdv")
+    part = tuning.tunable(kernel.part("attn_bwd_dkdv"))
     wrong = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
     real = part.tuning_run
 
@@ -143,20 +146,20 @@ def decode_kernel(page_size=None):
 
 def test_the_split_count_is_searched_for_split_auto_specs_only():
     kernel = decode_kernel()
-    (part,) = kernel.tuning_kernels()
+    (part,) = tuning.tunables(kernel)
     assert part.kind == "decode" and "BLOCK_M" not in part.tuning_space()
     assert part.tuning_space()["num_splits"][0] == 0 and part.tuning_default()["num_splits"] == 0
     fixed = attngen.load(spec_text("split4", 32, "fp16", "causal(bottom_right)", split_kv=4))
-    assert "num_splits" not in fixed.tuner("kvcache").tuning_space()
+    assert "num_splits" not in fixed.part("kvcache").tuning_space()
     paged = decode_kernel(64)  # pages of 64 tokens are looked up once per tile: BLOCK_N <= 64
-    reason = paged.tuner("kvcache").tuning_infeasible({"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "num_splits": 0}, None)
+    reason = paged.part("kvcache").tuning_infeasible({"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "num_splits": 0}, None)
     assert "block_n=128 crosses a page" in reason
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_a_tuned_split_count_serves_its_own_bucket_and_the_heuristic_the_rest(monkeypatch, page_size):
     kernel = decode_kernel(page_size)
-    part = kernel.tuner("kvcache")
+    part = tuning.tunable(kernel.part("kvcache"))
     # The run-time heuristic's count for the other batch below (it depends on the GPU's SMs), and a
     # tuned count that differs from it.
     heuristic = _auto_splits(kernel.module, {"BLOCK_M": 16, "BLOCK_N": 32}, 8, 4, 2, 1, 96, torch.device(DEVICE))
@@ -194,19 +197,19 @@ def test_specs_with_the_gluon_decode_tune_which_kernel_runs(monkeypatch):
     count (fixed tiles; the Triton keys at the default's), and a bucket won by it stores 1, which reaches
     forward_kvcache for that bucket only (elsewhere the default: the Gluon kernel where it runs)."""
     kernel = attngen.load(kvcache_spec("fp16", 64, True, 16))  # head dims 64 and 128 have the Gluon kernel
-    part = kernel.tuner("kvcache")
+    part = tuning.tunable(kernel.part("kvcache"))
     assert part.tuning_space()["warp_specialized"] == (0, 1)
-    assert part.tuning_default()["warp_specialized"] == int(part.gluon_runs_here())
-    assert "warp_specialized" not in decode_kernel().tuner("kvcache").tuning_space()  # head dim 32: no Gluon kernel
+    assert part.tuning_default()["warp_specialized"] == int(part.part.gluon_runs_here())
+    assert "warp_specialized" not in decode_kernel().part("kvcache").tuning_space()  # head dim 32: no Gluon kernel
     values = dict(DECODE, block_n=(16, 32), num_splits=(0, 2))
     shape = Shape(2, 4, 2, 1, 64)
-    if not part.gluon_runs_here():
+    if not part.part.gluon_runs_here():
         outcome = tune(part, [shape], values=values, budget=10)
         assert sorted((t.config["BLOCK_N"], t.config["num_splits"], t.config["warp_specialized"])
                       for t in outcome.trials) == [(16, 0, 0), (16, 2, 0), (32, 0, 0), (32, 2, 0)]
         assert "run as another candidate does: 4 of 8" in format_outcome(outcome)
 
-    monkeypatch.setattr(part, "gluon_runs_here", lambda: True)  # as on an sm_90 GPU
+    monkeypatch.setattr(part.part, "gluon_runs_here", lambda: True)  # as on an sm_90 GPU
     default = part.tuning_default()
     assert default["warp_specialized"] == 1
     seen, timer = order(lambda config: config["warp_specialized"] and config["num_splits"] == 2)
@@ -244,10 +247,9 @@ def test_a_contiguous_cache_entry_from_before_its_gluon_kernel_runs_the_triton_k
     without `warp_specialized` was measured on the Triton kernel and asks for it (0); an entry with the key
     keeps it; a call served by another bucket's entry takes the default (no key: the Gluon kernel where it
     runs)."""
-    import attngen.tuning as tuning
-    from attngen.tuning.store import entry_problem
+    from attngen.runtime.tables import entry_problem
 
-    part = attngen.load(kvcache_spec("fp16", 64, True, None)).tuner("kvcache")
+    part = attngen.load(kvcache_spec("fp16", 64, True, None)).part("kvcache")
     assert part.has_gluon() and part.tuning_space()["warp_specialized"] == (0, 1)
     old = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "num_splits": 2}  # an entry from before the key
     for config, problem in ((old, None), (dict(old, warp_specialized=1), None),
@@ -258,7 +260,7 @@ def test_a_contiguous_cache_entry_from_before_its_gluon_kernel_runs_the_triton_k
     for stored, exact, expected in (({}, True, 0), ({"warp_specialized": 1}, True, 1), ({}, False, None),
                                     ({"warp_specialized": 0}, False, None)):
         entry = dict(stored, BLOCK_N=32, num_warps=4, num_stages=2, num_splits=2)
-        monkeypatch.setattr(tuning, "launch_choice", lambda *a, entry=entry, exact=exact: (dict(entry), exact))
+        monkeypatch.setattr(store, "launch_choice", lambda *a, entry=entry, exact=exact: (dict(entry), exact))
         part._configs.clear()
         config = part.config(Shape(2, 4, 2, 1, 64), None)
         assert config.get("warp_specialized") == expected, (stored, exact, config)
@@ -270,7 +272,7 @@ def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(m
     checked on both, and the bucket keeps the config whose worst ratio to the fastest on either is least:
     not the fastest on the spread lengths when it is far behind at capacity. A candidate wrong only at
     capacity is rejected."""
-    part = decode_kernel().tuner("kvcache")
+    part = tuning.tunable(decode_kernel().part("kvcache"))
     shape = Shape(2, 4, 2, 1, 96)
     real = part.tuning_run
     runs = []
@@ -308,7 +310,7 @@ def test_decode_candidates_are_also_timed_at_capacity_and_the_least_worst_wins(m
     ((_, entry),) = outcome.records()
     assert entry["also"] == {"at capacity": {"ms": 1.0, "best_ms": 1.0}} and entry["ms"] == 1.05
     save(outcome)  # a stored entry with the extra timings serves calls
-    assert part.config(shape, 0)["num_splits"] == 2
+    assert part.part.config(shape, 0)["num_splits"] == 2
 
 
 def test_the_fastest_decode_config_at_capacity_serves_calls_of_equal_lengths(monkeypatch):
@@ -317,7 +319,7 @@ def test_the_fastest_decode_config_at_capacity_serves_calls_of_equal_lengths(mon
     the report says so, and calls that give cache_seqlens as an int take it; lengths given as a tensor
     keep the best. Both are right against float64."""
     kernel = decode_kernel()
-    part = kernel.tuner("kvcache")
+    part = tuning.tunable(kernel.part("kvcache"))
     shape = Shape(2, 4, 2, 1, 96)
     real = part.tuning_run
     runs, at_capacity = [], {}
@@ -352,7 +354,7 @@ def test_the_fastest_decode_config_at_capacity_serves_calls_of_equal_lengths(mon
     assert entry["config"]["num_splits"] == 2 and entry["uniform"] == {"config": trial.config, "ms": 0.9}
     save(outcome)
     monkeypatch.undo()
-    assert part.config(shape, 0)["num_splits"] == 2 and part.config(shape, 0, uniform=True)["num_splits"] == 1
+    assert part.part.config(shape, 0)["num_splits"] == 2 and part.part.config(shape, 0, uniform=True)["num_splits"] == 1
 
     splits = []
     real_launch = kernel.module.forward_kvcache
@@ -372,7 +374,7 @@ def test_a_config_at_capacity_within_the_noise_is_not_kept_and_a_bad_uniform_con
                                                                                               at_capacity):
     """The fastest config at capacity is kept for equal lengths only where it differs from the bucket's best
     and is UNIFORM_GAIN (2%) faster there; a stored one that cannot run is ignored with a warning."""
-    part = decode_kernel().tuner("kvcache")
+    part = tuning.tunable(decode_kernel().part("kvcache"))
     shape = Shape(2, 4, 2, 1, 96)
     seen, runs = [], []
     monkeypatch.setattr(part, "tuning_run", spy(part, seen))
@@ -397,15 +399,15 @@ def test_a_config_at_capacity_within_the_noise_is_not_kept_and_a_bad_uniform_con
     bad = dict(entry, uniform={"config": dict(one, BLOCK_N=0)})
     store.remember(Device.current(), problem, part.spec.name, [(bucket, bad)])
     with pytest.warns(store.CacheWarning, match=r"\(uniform\)' in this process: its config values must be positive"):
-        assert part.config(shape, 0, uniform=True)["num_splits"] == 0  # the entry's own config serves
+        assert part.part.config(shape, 0, uniform=True)["num_splits"] == 0  # the entry's own config serves
     store.remember(Device.current(), problem, part.spec.name, [(bucket, dict(entry, uniform={"config": one}))])
-    assert part.config(shape, 0, uniform=True) == dict(one, BLOCK_M=16) and part.config(shape, 0)["num_splits"] == 0
+    assert part.part.config(shape, 0, uniform=True) == dict(one, BLOCK_M=16) and part.part.config(shape, 0)["num_splits"] == 0
     other = Shape(8, 4, 2, 1, 96)  # another bucket: served by the nearest bucket's tiles, never its uniform config
-    assert part.config(other, 0, uniform=True) == dict(entry["config"], BLOCK_M=16)
+    assert part.part.config(other, 0, uniform=True) == dict(entry["config"], BLOCK_M=16)
 
 
 def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
-    part = decode_kernel(16).tuner("kvcache")
+    part = tuning.tunable(decode_kernel(16).part("kvcache"))
     real = part.tuning_run
 
     def run(inputs, config, poison=False):
@@ -421,7 +423,7 @@ def test_a_decode_candidate_with_a_wrong_result_is_rejected(monkeypatch):
 
 
 def test_a_stored_split_count_must_be_one_the_kernel_takes():
-    part = decode_kernel().tuner("kvcache")
+    part = decode_kernel().part("kvcache")
     good = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "num_splits": 0}
     assert store.entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": good}) is None
     assert "positive whole numbers" in store.entry_problem(part, "BH=8 N_Q=1 N_K=64", {"config": dict(good, BLOCK_N=0)})
@@ -451,17 +453,17 @@ def test_the_shipped_decode_specs_are_the_problems_attention_with_kvcache_solves
     """So the tables tuned for specs/decode_*.attn serve attngen.attention_with_kvcache()."""
     for name, page_size in (("decode_d128", None), ("decode_paged16_d128", 16)):
         spec = load_file(os.path.join(SPECS, f"{name}.attn"))
-        assert (attngen.load(spec).tuner("kvcache").tuning_problem()
-                == attngen.load(kvcache_spec("bf16", 128, True, page_size)).tuner("kvcache").tuning_problem())
+        assert (attngen.load(spec).part("kvcache").tuning_problem()
+                == attngen.load(kvcache_spec("bf16", 128, True, page_size)).part("kvcache").tuning_problem())
 
 
 def test_kvcache_config_is_memoised_and_follows_new_tuning_records():
     """The per-call config lookup of the KV-cache kernels is memoised (a decoding step should cost
     dictionary lookups), and a tuning result recorded afterwards still takes effect at once."""
-    from attngen.tuning.key import bucket
+    from attngen.runtime.keys import bucket
 
     kernel = attngen.load(kvcache_spec("fp16", 32, True, None))
-    tuner = kernel.tuner("kvcache")
+    tuner = kernel.part("kvcache")
     shape = Shape(1, 4, 2, 1, 256)
     first = tuner.config(shape)
     assert tuner.config(shape) == first and len(tuner._configs) >= 1

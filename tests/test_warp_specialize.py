@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import attngen
-from attngen.check import Case, compare, compare_grads
+from attngen.testing.accuracy import Case, compare, compare_grads
 from attngen.passes import compile_program, warp_specialize
+from attngen import tuning
+from attngen.lang.spec import parse
 from attngen.policy import hopper
-from attngen.spec import parse
 from conftest import DEVICE, HAS_GPU, spec_text
 from probe import probe
 
@@ -192,14 +193,14 @@ def test_tune_says_which_calls_the_gluon_kernels_take():
     from attngen.cli import gluon_note
 
     train = attngen.load(spec_text("ws_tune_note", 128, "bf16", "causal", direction="forward+backward"))
-    forward, dq, dkdv = train.tuning_kernels()
+    forward, dq, dkdv = tuning.tunables(train)
     for part in (forward, dq, dkdv):
         note = gluon_note(part, (9, 0))
         assert note and f"{part.kind} calls" in note and f"{2 ** 25:,}" in note, note
         assert ("deterministic" in note) is (part.kind == "backward")
         assert gluon_note(part, (8, 0)) is None and gluon_note(part, None) is None
     fp32 = attngen.load(spec_text("ws_tune_note32", 128, "fp32", "none", direction="forward+backward"))
-    assert all(gluon_note(part, (9, 0)) is None for part in fp32.tuning_kernels())
+    assert all(gluon_note(part, (9, 0)) is None for part in tuning.tunables(fp32))
 
 
 @pytest.mark.parametrize("n_q, head_dim", [(1, 64), (70, 128), (129, 64)])
@@ -558,7 +559,7 @@ def test_which_specs_get_the_gluon_decode(text, expected):
 
 
 def test_the_gluon_decode_compiles_for_sm90():
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
 
     # (dtype, head dim, causal, page size, query rows per K/V head as wgmma's N: 8 is decoding's 4 padded)
     shapes = (("bf16", 128, True, 16, 8), ("fp16", 64, False, 64, 8), ("bf16", 128, True, 256, 64),
@@ -582,7 +583,7 @@ def test_the_gluon_decode_compiles_for_sm90():
 
 
 def test_without_hopper_paged_decoding_runs_the_triton_kernel():
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
     from test_decode import make_cache, rand
 
     kernel = attngen.load(kvcache_spec("fp16", 64, True, 16))
@@ -620,7 +621,7 @@ def test_pool_descriptors_are_what_the_checked_constructor_builds(dtype, head_di
     holds the same fields as the constructor's descriptor, which accepts them."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
 
     module = attngen.load(kvcache_spec(dtype, head_dim, True, page_size)).module
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -640,7 +641,7 @@ def test_cache_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
     holds the constructor's fields, which it accepts, and its last row is the view's last key."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
 
     module = attngen.load(kvcache_spec(dtype, head_dim, True, None)).module
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -664,7 +665,7 @@ def test_gluon_descriptors_are_what_the_checked_constructor_builds(dtype, head_d
     fields as the constructor's descriptor, which accepts them."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from attngen.api import sdpa_spec
+    from attngen.lang.builtin import sdpa_spec
 
     module = attngen.load(sdpa_spec(dtype, head_dim, causal)).module
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -702,7 +703,7 @@ def test_gluon_decode_over_a_contiguous_cache_against_float64(dtype, head_dim, c
     past the tensor), every slot past a length NaN, outputs poisoned. "cut": the first sequences and slots of a
     larger cache; "heads_major": a (B, H_KV, N, D) cache seen as (B, N, H_KV, D), which TMA cannot read as
     rows of all heads: the Triton kernel. More than 64 query rows per K/V head: the Triton kernel too."""
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
     from test_decode import check, rand, run
 
     gen = torch.Generator("cuda").manual_seed(head_dim + seqlen_q + num_splits)
@@ -747,7 +748,7 @@ def test_gluon_decode_against_float64(dtype, head_dim, causal, page_size, heads,
     """Through attention_with_kvcache: odd lengths (0, 1, a page and one, block edges), pages shared between
     sequences and in random order, outputs poisoned; 17 queries of a group of 4 are 68 rows, more than
     the kernel's 64: those calls must take the Triton kernel."""
-    from attngen.decode import kvcache_spec
+    from attngen.lang.builtin import kvcache_spec
     from test_decode import check, make_cache, rand, run
 
     gen = torch.Generator("cuda").manual_seed(page_size + head_dim + seqlen_q + num_splits)

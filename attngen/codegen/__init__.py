@@ -13,10 +13,11 @@ from pathlib import Path
 import jinja2
 
 from .. import ir
-from ..configs import backward_config, default_config
+from ..analysis.resources import Target
+from ..lang.spec import Spec
 from ..passes import applied_passes
-from ..resources import Target
-from ..spec import Spec
+from ..policy import splits
+from ..policy.configs import backward_config, default_config
 from ..version import __version__
 from .emit import KernelEmitter
 from .hooks import score_hooks
@@ -94,9 +95,7 @@ def render(spec: Spec, program: ir.Program) -> str:
 
 
 def _split_heuristic_source() -> str:
-    """The run-time split-count rule (attngen/splits.py), pasted into modules that choose at launch."""
+    """The run-time split-count rule (attngen/policy/splits.py), pasted into modules that choose at launch."""
     import inspect
-
-    from .. import splits
 
     return "\n\n".join(inspect.getsource(f) for f in (splits.multiprocessors, splits.choose_num_splits)).rstrip()

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ref, Span, Store, SymKind
 from . import exprs
+from ..passes.grid import grid_path
 
 _DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
                "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
@@ -32,9 +34,6 @@ def stride_names(buffer: Buffer) -> list[str]:
         label = _DIM_LABELS.get(str(d), f"dim{i}")
         labels.append(label if label not in labels else f"{label}{i}")
     return [f"stride_{buffer.name.lower()}_{label}" for label in labels]
-
-
-ROW_STATISTICS = ("LSE", "DELTA", "LSE_PART")  # one float32 per query row
 
 
 @dataclass
@@ -81,7 +80,7 @@ class KernelCode:
         16 would compile a second binary. The tiles' own strides stay specialised (they are
         multiples of the head dim, and their divisibility lets loads vectorise)."""
         sizes = [str(d.symbol) for d in self.sizes if not d.specialize]
-        return sizes + [n for p, names in self.strides if p.name in ROW_STATISTICS for n in names[:-1]]
+        return sizes + [n for p, names in self.strides if p.stat is not None for n in names[:-1]]
 
     def size_source(self, decl: ir.SymbolDecl) -> str:
         """Host code computing a size symbol from the launcher's tensors."""
@@ -117,7 +116,7 @@ class _Scope:
 
 
 class KernelEmitter:
-    def __init__(self, kernel: ir.Kernel):
+    def __init__(self, kernel: ir.KernelIR):
         self.kernel = kernel
         self.lines: list[str] = []
         self.depth = 1
@@ -135,14 +134,10 @@ class KernelEmitter:
 
     # -- the kernel ------------------------------------------------------------------------------
     def emit(self) -> KernelCode:
-        grid_loops, body = [], self.kernel.body
-        while len(body) >= 1 and isinstance(body[0], Loop) and body[0].kind is LoopKind.GRID:
-            if len(body) != 1:
-                raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
-            grid_loops.append(body[0])
-            body = body[0].body
-        if not grid_loops:
-            raise InternalError(f"{self.kernel.name}: no grid loop")
+        grid_loops = grid_path(self.kernel, "codegen")
+        body = grid_loops[-1].body
+        if any(isinstance(st, Loop) and st.kind is LoopKind.GRID for st in body):
+            raise InternalError(f"{self.kernel.name}: statements beside a grid loop")
         # A launch grid has 3 axes: more grid loops fold, outermost first, into the last axis.
         axes = [[loop] for loop in grid_loops]
         if len(axes) > 3:

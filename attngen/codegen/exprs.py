@@ -5,7 +5,7 @@ from __future__ import annotations
 import sympy
 from sympy.printing.str import StrPrinter
 
-from .. import sym
+from ..ir import sym
 
 
 class _Printer(StrPrinter):

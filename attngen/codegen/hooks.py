@@ -49,7 +49,7 @@ class ScoreHooks:
     """What one IR kernel says about its scores: their scale into exp2's base 2, the running max and
     the masked blocks' predicates (in the IR's order), for the Gluon template that implements it."""
 
-    kernel: ir.Kernel      # the IR kernel the hooks are read from
+    kernel: ir.KernelIR    # the IR kernel the hooks are read from
     scale_value: ir.Expr   # qk_scale's value
     scaled_expr: ir.Expr   # exp2's argument before the running max is subtracted
     max_expr: ir.Expr | None  # the block's scaled row max (None: a kernel without a running max)

@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import ir
-from ..spec import Spec
-from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute,
-               split_kv, tiling, tma, warp_specialize, warp_specialize_decode)
+from ..ir.verify import verify as check
+from ..lang.spec import Spec
+from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
+               tiling, tma, warp_specialize, warp_specialize_decode)
 
 PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged,
             tma, warp_specialize, warp_specialize_decode)
@@ -43,8 +44,6 @@ def applied_passes(program: ir.Program) -> tuple[str, ...]:
 def compile_program(spec: Spec, trace: Callable[[str, ir.Program], None] | None = None,
                     verify: bool = True) -> ir.Program:
     """Lower a spec through every pass; `trace(name, program)` sees the program after each one."""
-    from ..verify import verify as check
-
     program = lower.run(spec)
     if verify:
         check(program, lower.NAME)

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Call, Load, Loop, LoopKind, Masked, Op, PredKind, Ref, Span
 

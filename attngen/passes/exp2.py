@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
-from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Space, Store, Sym
+from .. import ir
+from ..ir import sym
+from ..ir import Assign, Buffer, Call, DT, Load, Num, Op, Ref, Space, Stat, Store, Sym
+from .grid import grid_path, rebuild
 
 NAME = "exp2"
 
@@ -22,7 +23,7 @@ _BASE2 = {Op.EXP: Op.EXP2, Op.LOG: Op.LOG2}
 
 
 def _is_lse(buffer: Buffer) -> bool:
-    return buffer.space is Space.HBM and buffer.name.startswith("LSE")
+    return buffer.space is Space.HBM and buffer.stat is Stat.LSE
 
 
 def _is_base2_lse(e) -> bool:
@@ -30,7 +31,7 @@ def _is_base2_lse(e) -> bool:
             and e.args[1] == Num(sym.LOG2E))
 
 
-def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
+def _rewrite_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
     qk_scale = Buffer("qk_scale", (), DT.F32, Space.REG)
 
     def expr(e):
@@ -56,19 +57,13 @@ def _rewrite_kernel(kernel: ir.Kernel) -> ir.Kernel:
         isinstance(e, Ref) and e.buffer == qk_scale
         for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
     )
+    kernel = replace(kernel, body=body)
     if not uses_scale:
-        return replace(kernel, body=body)
+        return kernel
     # Define qk_scale once, at the top of the innermost grid level.
-    path, inner = [], body
-    while len(inner) == 1 and isinstance(inner[0], Loop) and inner[0].kind is LoopKind.GRID:
-        path.append(inner[0])
-        inner = inner[0].body
-    if not path:
-        raise InternalError(f"exp2: kernel {kernel.name} has no grid")
-    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + inner
-    for loop in reversed(path):
-        inner = (replace(loop, body=inner),)
-    return replace(kernel, body=inner)
+    path = grid_path(kernel, "exp2")
+    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + path[-1].body
+    return replace(kernel, body=rebuild(path, inner))
 
 
 def run(program: ir.Program) -> ir.Program:

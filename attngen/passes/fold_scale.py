@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import ir
+from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, Loop, Masked, Op, Ref
 
 NAME = "fold-scale"
@@ -64,8 +65,6 @@ def _rewrite_uses(expr, scaled: dict):
         if isinstance(node, Call) and node.op not in (Op.ROWMAX, Op.SUB, Op.MUL):
             for arg in node.args:
                 if isinstance(arg, Ref) and arg.buffer in scaled:
-                    from ..errors import InternalError
-
                     raise InternalError(f"fold-scale: {arg.buffer.name} is used by {node.op.value}")
     return rewritten
 

@@ -9,7 +9,7 @@ from ..errors import InternalError
 from ..ir import Loop, LoopKind
 
 
-def grid_path(kernel: ir.Kernel, pass_name: str) -> list[Loop]:
+def grid_path(kernel: ir.KernelIR, pass_name: str) -> list[Loop]:
     """The kernel's grid loops, outermost first (each holds only the next)."""
     path, body = [], kernel.body
     while len(body) == 1 and isinstance(body[0], Loop) and body[0].kind is LoopKind.GRID:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..ir import Assign, Buffer, DT, Load, Role, Space
 from .grid import grid_path, rebuild
 

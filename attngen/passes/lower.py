@@ -9,9 +9,9 @@ the baseline next to the generated one.
 from __future__ import annotations
 
 from .. import ir
-from .. import sym
-from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Sym
-from ..spec import Mask, Spec
+from ..ir import sym
+from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Stat, Sym
+from ..lang.spec import Mask, Spec
 
 NAME = "lower"
 
@@ -38,7 +38,7 @@ def run(spec: Spec) -> ir.Program:
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
     v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
     o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.OUTPUT)
-    lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT)
+    lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     p_buf = Buffer("P", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     m_buf = Buffer("m", (sym.N_Q,), DT.F32, Space.REG)
@@ -80,7 +80,7 @@ def run(spec: Spec) -> ir.Program:
         ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.Kernel("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
+    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
@@ -99,7 +99,7 @@ def run(spec: Spec) -> ir.Program:
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
 
 
-def _naive_backward(fwd: ir.Kernel, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.Kernel:
+def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.KernelIR:
     """The textbook backward: P was stored by the forward and is read back; dP and dS go through
     HBM too. `recompute` replaces this kernel; it is here to be priced and printed."""
     params = {b.name: b for b in fwd.params}
@@ -129,7 +129,7 @@ def _naive_backward(fwd: ir.Kernel, p_buf: Buffer, q, k, v, rows, dims, kv_head)
     )
     grid = ir.Loop(sym.b, sym.ZERO, sym.B, sym.ONE,
                    (ir.Loop(sym.h, sym.ZERO, sym.H, sym.ONE, body, ir.LoopKind.GRID),), ir.LoopKind.GRID)
-    return ir.Kernel("attn_bwd", (params["Q"], params["K"], params["V"], o_in, do_buf, dq_buf, dk_buf, dv_buf),
+    return ir.KernelIR("attn_bwd", (params["Q"], params["K"], params["V"], o_in, do_buf, dq_buf, dk_buf, dv_buf),
                      fwd.symbols, (grid,), doc="dQ, dK, dV from the stored P, one program per (batch, head)")
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Loop, LoopKind, Masked, Num, Op, Ref, Softmax, Space, Store
+from ..ir import Assign, Buffer, Call, DT, Loop, Masked, Num, Op, Ref, Softmax, Space, Store
+from .grid import grid_path, rebuild
 
 NAME = "online-softmax"
 
@@ -39,25 +41,9 @@ def _match(body):
     return q_assign, s_loop, s_store, softmax, acc_init, acc_update, o_store, lse_store
 
 
-def _grid_innermost(kernel: ir.Kernel):
-    path, body = [], kernel.body
-    while len(body) == 1 and isinstance(body[0], Loop) and body[0].kind is LoopKind.GRID:
-        path.append(body[0])
-        body = body[0].body
-    if not path:
-        raise InternalError("online-softmax: kernel has no grid")
-    return path
-
-
-def _rebuild(path, body):
-    for loop in reversed(path):
-        body = (replace(loop, body=body),)
-    return body
-
-
 def run(program: ir.Program) -> ir.Program:
     kernel = program.kernel("attn_fwd")
-    path = _grid_innermost(kernel)
+    path = grid_path(kernel, "online-softmax")
     q_assign, s_loop, s_store, softmax, acc_init, acc_update, o_store, lse_store = _match(path[-1].body)
 
     rows = sym.BLOCK_M
@@ -115,5 +101,5 @@ def run(program: ir.Program) -> ir.Program:
         replace(o_store, value=Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
         replace(lse_store, value=ir.map_expr(lse_store.value, stats)),
     )
-    kernel = replace(kernel, body=_rebuild(path, body))
+    kernel = replace(kernel, body=rebuild(path, body))
     return program.replace_kernel(kernel)

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Loop, Masked, Packed, Span
 from .grid import grid_path, map_indices, rebuild

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Buffer, DT, Paged, Role, Space, Span
 from .grid import map_indices

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import (Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Role,
-                  Space, Store, Sym)
+                  Space, Stat, Store, Sym)
 
 NAME = "recompute"
 
@@ -39,7 +40,7 @@ hkv = sym.index("hkv")
 g = sym.index("g")
 
 
-def _forward_parts(kernel: ir.Kernel):
+def _forward_parts(kernel: ir.KernelIR):
     """The forward's query/key/value loads and masked score expression."""
     scores = None
     loads = {}
@@ -61,8 +62,8 @@ def _forward_parts(kernel: ir.Kernel):
     return loads, scores, product.args[0].dtype
 
 
-def _like(buffer: Buffer, name: str, role: Role, dtype: DT | None = None) -> Buffer:
-    return Buffer(name, buffer.shape, dtype or buffer.dtype, Space.HBM, role)
+def _like(buffer: Buffer, name: str, role: Role, dtype: DT | None = None, stat: Stat | None = None) -> Buffer:
+    return Buffer(name, buffer.shape, dtype or buffer.dtype, Space.HBM, role, stat)
 
 
 def _grid(loops, body):
@@ -71,7 +72,7 @@ def _grid(loops, body):
     return body
 
 
-def _dq_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
+def _dq_kernel(fwd: ir.KernelIR, loads, scores, precision, bufs) -> ir.KernelIR:
     q_buf, k_buf, v_buf, o_buf, lse_buf, do_buf, delta_buf, dq_buf = bufs
     q_load, k_load, v_load = loads["Q"], loads["K"], loads["V"]
     rows, dims = q_load.index[2], q_load.index[3]
@@ -107,11 +108,11 @@ def _dq_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
     )
     grid = _grid([(sym.b, sym.B, sym.ONE, ""), (sym.h, sym.H, sym.ONE, ""),
                   (sym.start_m, sym.N_Q, sym.BLOCK_M, "query blocks")], body)
-    return ir.Kernel("attn_bwd_dq", (q_buf, k_buf, v_buf, o_buf, do_buf, lse_buf, delta_buf, dq_buf),
+    return ir.KernelIR("attn_bwd_dq", (q_buf, k_buf, v_buf, o_buf, do_buf, lse_buf, delta_buf, dq_buf),
                      fwd.symbols, grid, doc="dQ (and delta) for one (batch, head, block of BLOCK_M queries)")
 
 
-def _dkdv_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
+def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, precision, bufs) -> ir.KernelIR:
     q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf = bufs
     q_load, k_load = loads["Q"], loads["K"]
     rows, cols, dims = q_load.index[2], k_load.index[2], q_load.index[3]
@@ -157,7 +158,7 @@ def _dkdv_kernel(fwd: ir.Kernel, loads, scores, precision, bufs) -> ir.Kernel:
     )
     grid = _grid([(sym.b, sym.B, sym.ONE, ""), (hkv, sym.H_KV, sym.ONE, ""),
                   (sym.start_n, sym.N_K, sym.BLOCK_N, "key blocks")], body)
-    return ir.Kernel("attn_bwd_dkdv", (q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf),
+    return ir.KernelIR("attn_bwd_dkdv", (q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf),
                      fwd.symbols, grid, doc="dK and dV for one (batch, K/V head, block of BLOCK_N keys)")
 
 
@@ -175,7 +176,7 @@ def run(program: ir.Program) -> ir.Program:
     do_buf = _like(o_buf, "DO", Role.INPUT)
     dq_buf = _like(q_buf, "DQ", Role.OUTPUT)
     dk_buf, dv_buf = _like(k_buf, "DK", Role.OUTPUT), _like(v_buf, "DV", Role.OUTPUT)
-    delta_out = _like(lse_buf, "DELTA", Role.OUTPUT)
+    delta_out = _like(lse_buf, "DELTA", Role.OUTPUT, stat=Stat.DELTA)
     delta_in = replace(delta_out, role=Role.INPUT)
     lse_in = replace(lse_buf, role=Role.INPUT)
     dq = _dq_kernel(fwd, loads, scores, precision, (q_buf, k_buf, v_buf, replace(o_buf, role=Role.INPUT),

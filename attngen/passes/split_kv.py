@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import sympy
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Store, Sym
 from .grid import grid_path, rebuild
@@ -39,7 +40,7 @@ def _scalar(symbol: sympy.Symbol) -> Buffer:
 def _partial(buffer: Buffer) -> Buffer:
     """O (B, H, N_Q, D) -> O_PART (B, NUM_SPLITS, H, N_Q, D) in float32; LSE likewise."""
     shape = (buffer.shape[0], sym.NUM_SPLITS) + buffer.shape[1:]
-    return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT)
+    return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT, buffer.stat)
 
 
 def _split_range(body):
@@ -75,7 +76,7 @@ def _to_partial(body, partials: dict):
     return ir.map_stmts(body, stmt)
 
 
-def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, lse_part: Buffer) -> ir.Kernel:
+def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, lse_part: Buffer) -> ir.KernelIR:
     """attn_combine: O and LSE from the splits' partial outputs, one program per query row.
 
     The splits are merged BLOCK_S at a time: one load brings a chunk's BLOCK_S log-sum-exps
@@ -133,7 +134,7 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
         ir.SymbolDecl(sym.BLOCK_S, ir.SymKind.CONSTEXPR, "splits merged per step"),
     )
     params = (replace(o_part, role=Role.INPUT), replace(lse_part, role=Role.INPUT), o, lse)
-    return ir.Kernel("attn_combine", params, symbols, (grid,),
+    return ir.KernelIR("attn_combine", params, symbols, (grid,),
                      doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)")
 
 

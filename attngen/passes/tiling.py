@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir, sym
+from .. import ir
+from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Softmax, Space, Span, Store
 
@@ -45,7 +46,7 @@ def _retile(expr: ir.Expr, spans) -> ir.Expr:
     return ir.map_expr(expr, visit)
 
 
-def _match(kernel: ir.Kernel):
+def _match(kernel: ir.KernelIR):
     """The naive kernel's shape: grid b { grid h { S = ...; P,m,l = softmax(S); O = ...; LSE = ... } }."""
     try:
         (grid_b,) = kernel.body

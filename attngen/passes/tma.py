@@ -31,29 +31,18 @@ from dataclasses import replace
 
 from .. import ir
 from ..ir import Load, Span
+from ..policy import tma
+from ..policy.tma import KERNEL
 
 NAME = "tma"
 
-KERNEL = "attn_bwd_dkdv"
 STREAMED = ("Q", "DO")
-MIN_HEAD_DIM = 64
-
-
-def _rule(backward: bool, causal: bool, elem_bytes: int, head_dim: int, head_dim_padded: int) -> bool:
-    # an unpadded head dim: a padded one's loads are masked along D, and never in bounds
-    return backward and not causal and elem_bytes == 2 and head_dim == head_dim_padded >= MIN_HEAD_DIM
 
 
 def applies(program: ir.Program) -> bool:
-    return _rule(bool(program.attr("backward", False)), program.attr("mask") != "none",
-                 2 if program.attr("dtype") in ("fp16", "bf16") else 4,
-                 program.attr("head_dim", 0), program.attr("head_dim_padded", 0))
-
-
-def reads_through_descriptors(spec, kernel_name: str) -> bool:
-    """Whether the generated `kernel_name` of `spec` has descriptor loads (for the resource model)."""
-    return kernel_name == KERNEL and _rule(spec.backward, spec.mask.is_causal, spec.dtype.bytes, spec.head_dim,
-                                           spec.head_dim_padded)
+    return tma.applies(bool(program.attr("backward", False)), program.attr("mask") != "none",
+                       2 if program.attr("dtype") in ("fp16", "bf16") else 4,
+                       program.attr("head_dim", 0), program.attr("head_dim_padded", 0))
 
 
 def _descriptor_tile(load: Load) -> bool:

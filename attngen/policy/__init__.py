@@ -1,1 +1,2 @@
-"""Decisions and tables the passes read: tile shapes, thresholds and split counts per GPU; no IR rewriting."""
+"""Decisions and tables that rewrite no IR: launch configs (`configs`), split counts (`splits`), which kernels
+read through TMA descriptors (`tma`), and the Hopper Gluon kernels' shapes and thresholds (`hopper`)."""

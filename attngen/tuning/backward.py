@@ -2,7 +2,8 @@
 
 The backward is two launches (attngen/passes/recompute.py): `attn_bwd_dq`, which also computes
 delta = rowsum(dO * O), then `attn_bwd_dkdv`, which reads it. Each has its own launch config, so
-each is tuned as a kernel of its own (`BackwardPart`), with the other at its current config:
+each is tuned as a kernel of its own (`BackwardTunable`, over attngen/runtime/parts.py's `BackwardPart`), with
+the other at its current config:
 
   * validation runs the whole backward with every gradient poisoned (NaN) first, and compares dq,
     dk and dv with the float64 reference on one batch entry and one key/value head with its group
@@ -10,9 +11,6 @@ each is tuned as a kernel of its own (`BackwardPart`), with the other at its cur
     gradient is rejected;
   * timing launches this part alone, on the inputs the validation run left (the dK/dV kernel reads
     the delta the dQ kernel wrote there), so the other part's time does not blur the comparison.
-
-The spec's tile keys (block_m, ...) describe the forward kernel; the spec language has none for the
-backward kernels, so all four keys are searched and the problem text leaves the spec's tiles out.
 """
 
 from __future__ import annotations
@@ -21,17 +19,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import configs, warmup
-from .key import problem_text
+from ..analysis.cost import evaluate, fa_flops
+from ..runtime import warmup
+from ..runtime.keys import Shape
+from ..runtime.parts import PARTS
+from ..runtime.tables import describe_config
+from ..testing.accuracy import Case, compare_grads, random_inputs
+from .tunables import Tunable
 
-PARTS = ("attn_bwd_dq", "attn_bwd_dkdv")
 PRODUCTS = {"attn_bwd_dq": 3, "attn_bwd_dkdv": 4}  # matrix products per (query block, key block) pair
-_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
 @dataclass(frozen=True)
 class GradsCheck:
-    """The validation of one backward run: the per-gradient results of attngen.check.compare_grads."""
+    """The validation of one backward run: the per-gradient results of attngen.testing.accuracy.compare_grads."""
 
     grads: tuple
 
@@ -48,46 +49,20 @@ class GradsCheck:
                          + (f" {g.problem}" if g.problem else "") for g in self.grads if not g.ok)
 
 
-class BackwardPart:
-    """One of the two backward kernels of `kernel` (a loaded forward+backward `Kernel`)."""
+class BackwardTunable(Tunable):
+    """One of the two backward kernels of a loaded forward+backward `Kernel` (`part`: its `BackwardPart`)."""
 
     kind = "backward"
 
-    def __init__(self, kernel, name: str):
-        if name not in PARTS:
-            raise ValueError(f"no backward kernel '{name}'; the backward kernels are {', '.join(PARTS)}")
-        self.kernel, self.name, self.spec = kernel, name, kernel.spec
-
-    def __repr__(self) -> str:
-        return f"<backward kernel {self.name} of {self.spec.name}>"
+    def __init__(self, part):
+        super().__init__(part)
+        self.name = part.name
 
     @property
     def label(self) -> str:
         return f"{self.spec.name} backward {self.name}"
 
-    @property
-    def autotune(self):
-        return self.kernel.autotune
-
-    def tuning_problem(self) -> str:
-        return problem_text(self.spec, f"backward {self.name}", ignore=("direction",) + _TILE_KEYS)
-
-    def tuning_space(self) -> dict:
-        return dict(configs.SEARCH_SPACE)
-
-    def tuning_default(self) -> dict:
-        from ..runtime import interpreting
-
-        return configs.backward_config(self.spec, interpreter=interpreting())[self.name]
-
-    def tuning_infeasible(self, config: dict, target) -> str | None:
-        from ..resources import infeasible_backward
-
-        return infeasible_backward(self.spec, self.name, config, target)
-
     def tuning_inputs(self, shape, device, generator) -> dict:
-        from ..check import Case, random_inputs
-
         case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
         q, k, v = random_inputs(self.spec, case, device, generator)
         do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
@@ -121,14 +96,10 @@ class BackwardPart:
 
     def _current_config(self, part: str, inputs: dict) -> dict:
         """The config a call of this shape would launch `part` with now (never tuning it)."""
-        from . import Shape, describe_config
-
         shape = Shape.of(inputs["q"], inputs["k"])
-        return describe_config(self.kernel.tuner(part), shape, inputs["q"].device.index)[0]
+        return describe_config(self.kernel.part(part), shape, inputs["q"].device.index)[0]
 
     def tuning_check(self, inputs: dict, outputs) -> GradsCheck:
-        from ..check import compare_grads
-
         group = inputs["q"].shape[1] // inputs["k"].shape[1]
         sliced = [t[:1, :group] if name in ("q", "do", "dq") else t[:1, :1]
                   for name, t in zip(("q", "k", "v", "do", "dq", "dk", "dv"),
@@ -141,7 +112,5 @@ class BackwardPart:
         recomputes S = QK^T and dP = dO V^T and forms dS K (3 products, 1.5x the forward's two);
         dK/dV recomputes S^T and dP^T and forms P^T dO and dS^T Q (4 products, 2x). The whole
         backward is 3.5x the forward, which the FlashAttention convention counts as 2.5x."""
-        from ..cost import evaluate, fa_flops
-
         sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
         return PRODUCTS[self.name] / 2 * evaluate(fa_flops(self.spec.mask.is_causal), sizes)

@@ -36,10 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..check import Result, format_result
+from ..analysis.resources import Target
+from ..env import interpreting
+from ..runtime.keys import Device, Shape, bucket
+from ..testing.accuracy import Result, format_result
 from ..version import __version__
 from . import space as space_
-from .key import Device, Shape, bucket
+from .adapt import tunable
+from .tunables import Tunable
 
 DEFAULT_BUDGET = 16
 INTERPRETER_BUDGET = 4
@@ -181,11 +185,10 @@ def tune(kernel, shapes: list[Shape], *, values: dict | None = None, budget: int
     a GPU, 4 in the interpreter); `progress(done, total, text)` is told before each step; `timer`
     (fn, rep_ms, cuda) -> ms is `bench` unless a test replaces it; `runoff` finalists per bucket are
     timed again, alternating (default RUNOFF on a GPU, none in the interpreter). Shapes that fall in
-    one bucket are tuned once, at the first of them.
+    one bucket are tuned once, at the first of them. `kernel`: a loaded `Kernel`'s launch part (the `Kernel`
+    itself for its forward, or `Kernel.part(name)`), or its `Tunable`.
     """
-    from ..resources import Target
-    from ..runtime import interpreting
-
+    kernel = kernel if isinstance(kernel, Tunable) else tunable(kernel)
     started = time.perf_counter()
     cuda = not interpreting() and torch.cuda.is_available()
     device = Device.current()

@@ -2,7 +2,7 @@
 
 Only keys the spec leaves `auto` vary (`kernel.tuning_space()` gives a single value for the rest);
 `restrict` narrows them further (`attngen tune --values block_n=32,64`). Before anything compiles,
-`kernel.tuning_infeasible(config, target)` (the sympy resource model of attngen/resources.py:
+`kernel.tuning_infeasible(config, target)` (the sympy resource model of attngen/analysis/resources.py:
 shared memory against the device's per-block limit, a register estimate) prunes what cannot fit;
 the reasons are grouped for the report. What survives is ordered by its distance from the
 untuned default config, which comes first, and cut at the budget: the search looks around the

@@ -1,0 +1,1 @@
+"""What a program costs: FLOP and byte formulas (`cost`) and the resource model (`resources`)."""

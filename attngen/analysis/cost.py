@@ -1,0 +1,144 @@
+"""FLOPs and HBM bytes of a program, read off its IR as sympy formulas.
+
+Walking the IR, each matrix product costs 2*M*N*K FLOPs and each HBM load, store or scratch write
+costs its elements times their size; a loop multiplies its body by its trip count. Where a loop's
+bounds depend on an outer loop's variable (the causal diagonal), the outer loop becomes a symbolic
+`Sum`, which sympy evaluates exactly once sizes are substituted. Only matrix products count as
+FLOPs (the FlashAttention convention); head dims padded to a power of two are priced at their real
+width, and tiles overhanging a sequence end at full size, so counts are upper bounds within one
+tile per row.
+
+`lower`'s program is the standard three-pass algorithm; the last pass's is the generated kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy
+
+from .. import ir
+from ..ir import sym
+from ..ir import Assign, Call, Load, Loop, Op, Ref, Softmax, Space, Store
+
+_DOTS = (Op.DOT, Op.DOT_T, Op.DOT_ACC)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: sympy.Expr
+    bytes: sympy.Expr
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+    def scaled(self, factor) -> "Cost":
+        return Cost(self.flops * factor, self.bytes * factor)
+
+
+ZERO = Cost(sympy.Integer(0), sympy.Integer(0))
+
+
+def _elements(shape) -> sympy.Expr:
+    n = sympy.Integer(1)
+    for d in shape:
+        n *= d
+    return n
+
+
+def _expr_cost(e: ir.Expr) -> Cost:
+    total = ZERO
+    for node in ir.walk_expr(e):
+        if isinstance(node, Load):
+            total += Cost(sympy.Integer(0), _elements(ir.index_shape(node.index)) * node.buffer.dtype.bytes)
+        elif isinstance(node, Ref) and node.buffer.space is Space.HBM:
+            total += Cost(sympy.Integer(0), _elements(node.buffer.shape) * node.buffer.dtype.bytes)
+        elif isinstance(node, Call) and node.op in _DOTS:
+            inner = ir.shape_of(node.args[0])[1]
+            out = ir.shape_of(node)
+            total += Cost(2 * out[0] * out[1] * inner, sympy.Integer(0))
+    return total
+
+
+def _body_cost(body, defs: dict | None = None) -> Cost:
+    """`defs`: scalars assigned from integer expressions so far (split bounds), inlined into loop
+    bounds so that trip counts are formulas in the sizes."""
+    total = ZERO
+    defs = dict(defs or {})
+    for st in body:
+        if isinstance(st, Assign) and st.target.shape == () and isinstance(st.value, ir.Sym):
+            defs[sympy.Symbol(st.target.name, integer=True, nonnegative=True)] = st.value.expr.subs(defs)
+        if isinstance(st, Loop):
+            inner = _body_cost(st.body, defs)
+            start, stop = sympy.sympify(st.start).subs(defs), sympy.sympify(st.stop).subs(defs)
+            st = replace(st, start=start, stop=stop)
+            trips = sympy.Max(0, sym.CeilDiv(st.stop - st.start, st.step))
+            if st.var in inner.flops.free_symbols | inner.bytes.free_symbols:
+                i = sympy.Dummy("i", integer=True, nonnegative=True)
+                at = {st.var: st.start + i * st.step}
+                total += Cost(sympy.Sum(inner.flops.subs(at), (i, 0, trips - 1)),
+                              sympy.Sum(inner.bytes.subs(at), (i, 0, trips - 1)))
+            else:
+                total += inner.scaled(trips)
+        elif isinstance(st, Assign):
+            total += _expr_cost(st.value)
+            if st.target.space is Space.HBM:
+                total += Cost(sympy.Integer(0), _elements(st.target.shape) * st.target.dtype.bytes)
+        elif isinstance(st, Store):
+            total += _expr_cost(st.value)
+            written = _elements(ir.index_shape(st.index)) * st.target.dtype.bytes
+            total += Cost(sympy.Integer(0), written * (2 if st.accumulate else 1))
+        elif isinstance(st, Softmax):
+            total += _expr_cost(st.scores)
+            total += Cost(sympy.Integer(0), _elements(ir.shape_of(st.scores)) * st.probs.dtype.bytes)
+    return total
+
+
+def program_cost(program: ir.Program, kernels=None) -> Cost:
+    """FLOPs and HBM bytes of the program's kernels (all, or those named), as formulas in the sizes."""
+    total = ZERO
+    for kernel in program.kernels:
+        if kernels is None or kernel.name in kernels:
+            total += _body_cost(kernel.body)
+    # Per-sequence key counts (decoding) are priced at the cache's length: every sequence full.
+    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.n_k: sym.N_K}
+    # xreplace, not subs: subs re-simplifies every Sum it enters (a minute for a decoding spec).
+    return Cost(total.flops.xreplace(real_width), total.bytes.xreplace(real_width))
+
+
+def simplified(expr: sympy.Expr) -> sympy.Expr:
+    """A readable form: trip counts of exact divisions shown as plain quotients."""
+    if expr.has(sympy.Sum):
+        return expr
+    plain = expr.replace(sym.CeilDiv, lambda a, b: a / b).replace(sym.FloorDiv, lambda a, b: a / b)
+    plain = plain.replace(sympy.Max, lambda *args: args[-1] if args[0] == 0 else sympy.Max(*args))
+    return sympy.factor(sympy.simplify(plain))
+
+
+def evaluate(expr: sympy.Expr, sizes: dict) -> float:
+    """The exact value of a cost formula for concrete sizes (symbol name -> int)."""
+    by_symbol = {s: sympy.Integer(sizes[str(s)]) for s in expr.free_symbols if str(s) in sizes}
+    missing = {str(s) for s in expr.free_symbols} - set(sizes)
+    if missing:
+        raise ValueError(f"cost formula needs {', '.join(sorted(missing))}")
+    return float(_value(expr, by_symbol))
+
+
+def _value(e: sympy.Expr, values: dict) -> sympy.Expr:
+    """Evaluate sums term by term: their terms (integer divisions, min/max) have no closed form.
+    Values go in by xreplace (structural), not subs, which re-simplifies every Sum it enters."""
+    if isinstance(e, sympy.Sum):
+        (i, lo, hi), = e.limits
+        lo, hi = int(_value(lo, values)), int(_value(hi, values))
+        return sum((_value(e.function, {**values, i: sympy.Integer(k)}) for k in range(lo, hi + 1)), sympy.Integer(0))
+    if e.args and e.has(sympy.Sum):
+        return e.func(*(_value(a, values) for a in e.args))
+    return e.xreplace(values)
+
+
+def fa_flops(mask_causal: bool, backward: bool = False) -> sympy.Expr:
+    """The FlashAttention convention: 4 * B * H * N_Q * N_K * d forward, halved when causal;
+    the backward counts 2.5 times the forward."""
+    flops = 4 * sym.B * sym.H * sym.N_Q * sym.N_K * sym.HEAD_DIM
+    flops = flops / 2 if mask_causal else flops
+    return flops * sympy.Rational(5, 2) if backward else flops

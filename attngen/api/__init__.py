@@ -1,0 +1,2 @@
+"""The user-facing drop-ins: `sdpa` (attention), `kvcache` (attention_with_kvcache, merge_states), `paged`
+(PagedKVCache)."""

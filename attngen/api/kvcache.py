@@ -1,0 +1,370 @@
+"""Decoding over a KV cache: the drop-in for flash-attn's `flash_attn_with_kvcache`, and LSE merging.
+
+`attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, ...)` takes
+flash-attn's argument names, layouts and semantics: q (batch, seqlen_q, heads, d); a contiguous
+cache (batch, seqlen_max, kv_heads, d), or with a block table a page pool (num_pages, page_size,
+kv_heads, d) and block_table (batch, max_pages) int32; cache_seqlens (batch,) int32 (or one int).
+It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto),
+loads it, and calls the generated module's `forward_kvcache` on (batch, heads, seq, d) views of the
+same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
+a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
+TypeError naming it, before anything is launched: layouts, dtypes and devices, and what the
+generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`). A
+decoding step repeats its calls' layouts: a call whose signature (`_signature`: everything the checks read
+but addresses and an int cache_seqlens' value) matches an earlier call's takes that call's outcome
+(`_PLANS`) and checks only that `out` shares no memory with an input and that an int length fits. The
+signature's second call records its launches, and later calls replay them on their own tensors
+(attngen/runtime/replay.py) instead of running the generated module's `forward_kvcache` again.
+There is no backward: inputs that require grad are refused while grad mode is on. Tensors may be on
+any GPU; the launch then runs under `torch.cuda.device(q.device)`.
+
+What is not checked on the way (it would need the values, i.e. a GPU->host copy): that
+cache_seqlens[b] fits the cache and that block-table entries name pages inside the pool. Set
+ATTNGEN_CHECK_KVCACHE=1 to check them on every call (a debug mode: it synchronises).
+
+`merge_states(out_a, lse_a, out_b, lse_b)` merges two attention states over disjoint key sets (for
+cascade or context-parallel attention) by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .. import env
+from ..env import interpreting
+from ..errors import KernelInputError
+from ..lang.builtin import kvcache_spec
+from ..runtime import plans, tables
+from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
+                                 check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
+                                 on_other_gpu, tensor_signature)
+from ..runtime.kernel import load
+from ..runtime.keys import Shape
+from ..runtime.replay import record, wanted
+from .sdpa import _DTYPES
+
+
+def _tensor(name: str, t, dims: int, layout: str) -> torch.Tensor:
+    check_tensor(name, t, dims, layout)
+    _runtime_device_ok(name, t)
+    return t
+
+
+def _check_int32(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    if t.dtype != torch.int32:
+        raise KernelInputError(f"{name} must be int32; got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise KernelInputError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+    if t.device != device:
+        raise KernelInputError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, page_size: int) -> None:
+    """Debug mode (ATTNGEN_CHECK_KVCACHE=1): the checks that need the tensors' values."""
+    lens = cache_seqlens.cpu()
+    if (lens < 0).any() or (lens > capacity).any():
+        raise KernelInputError(f"cache_seqlens must lie in [0, {capacity}] (the cache's capacity); got {lens.tolist()}")
+    if block_table is not None:
+        table = block_table.cpu()
+        for b, n in enumerate(lens.tolist()):
+            used = table[b, : -(-n // page_size)]
+            if ((used < 0) | (used >= num_pages)).any():
+                raise KernelInputError(f"block_table[{b}] names pages outside the pool of {num_pages}: {used.tolist()}")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
+                           num_splits=0, return_softmax_lse=False, *, out=None):
+    """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
+
+    q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
+    (B, max_pages) int32 page pools (num_pages, page_size, H_KV, D) with page_size a power of two
+    from 1 to 256. `causal` aligns the mask bottom-right (query i of S_q sees keys up to
+    cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
+    (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` takes the
+    Flash-Decoding split count tuned for this GPU and shape bucket (`attngen tune`), else picks it
+    from the batch, the heads and the GPU's multiprocessors. `cache_seqlens` is a (B,) int32 tensor,
+    or an int when every sequence holds that many keys: the launch then takes the bucket's config
+    tuned for equal lengths where the table has one (with lengths that differ, a split count that
+    evens them out is faster; with equal ones, often fewer splits).
+    Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
+    `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
+    """
+    key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+    plan = None if key is None else _PLANS.get(key)
+    planned = plan is not None
+    if planned and out is not None:  # the layout is the key's; addresses are this call's
+        check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    if plan is None or on_other_gpu(q):
+        plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+        if plan is None:  # q is on another GPU: Triton launches on the current device, so make q's current
+            with torch.cuda.device(q.device):
+                return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                              softmax_scale, num_splits, return_softmax_lse, out=out)
+        planned = False
+        if key is not None:
+            plans.keep(_PLANS, key, plan)
+    if plan.uniform:
+        if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
+            _check_uniform_length(cache_seqlens, plan.capacity)
+        cache_seqlens = _equal_lengths(plan.batch, cache_seqlens, q.device)
+    if env.check_kvcache():
+        _check_values(cache_seqlens, block_table, plan.capacity, k_cache.shape[0], plan.page_size or 1)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
+    if plan.part is None:  # q is empty
+        return (out, lse) if return_softmax_lse else out
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse)
+    if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
+        return (out, lse) if return_softmax_lse else out
+
+    def run():
+        # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
+        if plan.page_size:
+            k4, v4 = k_cache, v_cache
+        elif k_cache.shape[0] == plan.batch:
+            k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        else:
+            k4, v4 = k_cache[:plan.batch].transpose(1, 2), v_cache[:plan.batch].transpose(1, 2)
+        plan.part.launch(q.transpose(1, 2), k4, v4, cache_seqlens, block_table, plan.softmax_scale,
+                         out.transpose(1, 2), lse, plan.config, plan.num_splits)
+
+    if planned and wanted(plan.replay):
+        # The signature's second call: its launches are recorded for the calls after it (attngen/runtime/replay.py; False where they cannot be)
+        _, replay = record(run, inputs)
+        _PLANS[key] = plan._replace(replay=replay or False)
+    else:
+        run()
+    return (out, lse) if return_softmax_lse else out
+
+
+class _Plan(NamedTuple):
+    """What the checks and choices of `attention_with_kvcache` decide for one call signature: the launch
+    part (`runtime.parts.KVCachePart`; None where q is empty: nothing to launch), its config and split count, the softmax scale, whether
+    cache_seqlens is an int, and the sizes the launch reads."""
+    part: object
+    config: dict
+    num_splits: int
+    softmax_scale: float
+    uniform: bool
+    batch: int
+    heads: int
+    seqlen_q: int
+    capacity: int
+    page_size: int | None
+    replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
+
+
+# _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so from
+# its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
+# v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
+# everything the checks read, so a call that would fail them never hits.
+_PLANS: dict = {}
+
+
+def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+    """The key of `_PLANS`: every tensor's shape, strides, dtype, device, layout and requires_grad, grad
+    mode, the other arguments' values, the tuning tables' generation and whether Triton interprets (all
+    that the checks read but whether `out` shares memory with the inputs, and an int cache_seqlens' value,
+    both checked per call); None where an argument is not of the plain type the checks expect (those calls
+    are checked afresh)."""
+    if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
+            and type(causal) is bool and type(num_splits) is int
+            and (softmax_scale is None or type(softmax_scale) in (float, int))):
+        return None
+    if type(cache_seqlens) is int:
+        lens = int  # its value is checked per call (`_check_uniform_length`): nothing else of the plan reads it
+    elif type(cache_seqlens) is torch.Tensor:
+        lens = tensor_signature(cache_seqlens)
+    else:
+        return None
+    if block_table is None:
+        table = None
+    elif type(block_table) is torch.Tensor:
+        table = tensor_signature(block_table)
+    else:
+        return None
+    if out is not None and type(out) is not torch.Tensor:
+        return None
+    return (tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
+            None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, torch.is_grad_enabled(),
+            tables.generation(), interpreting())
+
+
+def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+    """Every check of `attention_with_kvcache`'s arguments (a bad one raises before anything is launched),
+    then the kernel, config and split count of the call, as a _Plan; None where q is on a GPU other than
+    the current one (the caller then calls again under torch.cuda.device(q.device))."""
+    q = _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    if on_other_gpu(q):
+        return None
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, kv_heads, head_dim)" if paged else "(batch, seqlen_max, kv_heads, head_dim)"
+    k_cache = _tensor("k_cache", k_cache, 4, cache_layout)
+    v_cache = _tensor("v_cache", v_cache, 4, cache_layout)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        # No backward: a result silently detached from the autograd graph would train on nothing.
+        needs = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if t.requires_grad]
+        raise KernelInputError(
+            f"{' and '.join(needs)} {'requires' if len(needs) == 1 else 'require'} grad, but attention_with_kvcache "
+            "has no backward (decoding is inference only): call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached tensors; for gradients use attngen.attention")
+    if q.dtype not in _DTYPES:
+        raise KernelInputError(f"q has dtype {q.dtype}; supported are float16, bfloat16 and float32")
+    batch, seqlen_q, heads, head_dim = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise KernelInputError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if t.device != q.device:
+            raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.shape[-1] != head_dim:
+            raise KernelInputError(f"{name} has head_dim {t.shape[-1]} but q has {head_dim}")
+    if k_cache.shape != v_cache.shape:
+        raise KernelInputError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    kv_heads = k_cache.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise KernelInputError(f"q has {heads} heads, which is not a multiple of the {kv_heads} heads of k_cache")
+    page_size = None
+    if paged:
+        block_table = _tensor("block_table", block_table, 2, "(batch, max_pages_per_sequence)")
+        page_size = k_cache.shape[1]
+        if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
+            raise KernelInputError(f"k_cache has pages of {page_size} tokens; page sizes are powers of two from 1 to 256")
+        _check_int32("block_table", block_table, (batch, block_table.shape[1]), q.device)
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] < batch:
+            raise KernelInputError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}")
+        capacity = k_cache.shape[1]
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens must be an int32 tensor or an int, not {type(cache_seqlens).__name__}")
+    uniform = isinstance(cache_seqlens, int)  # every sequence holds the same number of keys
+    if uniform:
+        _check_uniform_length(cache_seqlens, capacity)
+    else:
+        _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
+    softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
+        raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
+    _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
+    if out is not None:
+        check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        if out.stride() != q.stride():
+            check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out,
+                                  "pass a denser out (e.g. torch.empty_like(q)) or fewer queries per call")
+    else:
+        fresh = torch.empty_like(q)  # what the call allocates: q's layout if dense, else laid out afresh
+        if fresh.stride() != q.stride():  # q is expanded
+            check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
+
+    kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
+    part, config = None, {}
+    if q.numel():
+        part = kernel.part("kvcache")
+        config = part.config(Shape(batch, heads, kv_heads, seqlen_q, capacity), q.device.index, uniform)
+        # Resolve the split count here (tuned for this shape bucket, else as the module would:
+        # attngen/policy/splits.py) so that the launch it implies is checked before it happens.
+        tuned_splits = config.pop("num_splits", 0)
+        num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
+                                                                seqlen_q, capacity, q.device)
+        check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
+    return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size)
+
+
+_EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys
+_EQUAL_LENGTHS_KEPT = 1024
+
+
+def _check_uniform_length(keys: int, capacity: int) -> None:
+    if not 0 <= keys <= capacity:
+        raise KernelInputError(f"cache_seqlens = {keys} does not fit a cache of {capacity} tokens")
+
+
+def _equal_lengths(batch: int, keys: int, device) -> torch.Tensor:
+    """cache_seqlens for an int: a (batch,) int32 tensor of `keys`, made once per (device, batch, keys) and
+    kept for the process, so that repeated calls launch no fill kernel of their own (at batch 1 and 8k keys
+    the fill cost a CUDA-graph replay 7%). A kept tensor is never freed or written, so a graph captured
+    around a call may read it. Made afresh per call while a graph is being captured (it would live in the
+    graph's memory pool) and after _EQUAL_LENGTHS_KEPT distinct ones (an int that grows every step)."""
+    key = (device, batch, keys)
+    found = _EQUAL_LENGTHS.get(key)
+    if found is not None:
+        return found
+    made = torch.full((batch,), keys, dtype=torch.int32, device=device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and len(_EQUAL_LENGTHS) < _EQUAL_LENGTHS_KEPT:
+        _EQUAL_LENGTHS[key] = made
+    return made
+
+
+def _auto_splits(module, config: dict, batch: int, heads: int, kv_heads: int, seqlen_q: int, capacity: int,
+                 device) -> int:
+    """The split count the generated module's `forward_kvcache(num_splits=0)` picks."""
+    config = dict(module.DEFAULT_CONFIG, **config)
+    programs = batch * kv_heads * -(-seqlen_q * (heads // kv_heads) // config["BLOCK_M"])
+    return module.choose_num_splits(programs, -(-capacity // config["BLOCK_N"]), module.multiprocessors(device))
+
+
+def _check_indexing(q4, q, k_cache, v_cache, block_table, capacity: int, page_size: int | None) -> None:
+    """What the decode kernels address with 32-bit integers (read off generated/decode_d128.py and
+    generated/decode_paged16_d128.py); batch, K/V head, split and page index are 64-bit.
+
+    - q (and out): one program reads the GROUP query heads of one K/V head, all seqlen_q queries,
+      at 32-bit offsets from the group's first head (rows numbered GROUP * seqlen_q in 32 bits);
+    - key positions (offs_n, start_n, ...) are 32-bit: the capacity (a contiguous cache's seqlen_max,
+      or max_pages x page_size) is at most MAX_SEQ;
+    - contiguous cache: position x stride and head dim x stride within one (sequence, K/V head);
+    - page pool: slot-in-page x stride and head dim x stride within one (page, K/V head) (page index
+      x page stride is 64-bit, so the pool itself may be any size);
+    - block table: page number x stride within one sequence's row.
+    """
+    # NOTE: this runs on every decoding step: the common layouts (a dense q and block table, K and V
+    # caches of one layout) take the cheap paths, and only a suspect tensor gets the full check.
+    if not (q.is_contiguous() and q.numel() <= INT32_MAX + 1):  # else every part of q spans less
+        check_packed_indexing("q", q4, q.shape[2] // k_cache.shape[2], q)
+    if capacity > MAX_SEQ:
+        what = (f"block_table holds {block_table.shape[1]:,} pages of {page_size} tokens per sequence"
+                if page_size else f"k_cache holds sequences of up to {capacity:,} tokens")
+        raise KernelInputError(f"{what}, {capacity:,} key positions; the limit is {MAX_SEQ:,} (32-bit positions)")
+    shape, strides = k_cache.shape, k_cache.stride()
+    if (shape[1] - 1) * strides[1] + (shape[3] - 1) * strides[3] > INT32_MAX or v_cache.stride() != strides:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if page_size:
+                check_span(name, t, (t.shape[1], t.shape[3]), (t.stride(1), t.stride(3)), "one (page, K/V head)",
+                           f"make its pages denser (e.g. {name}.contiguous())")
+            else:
+                check_span(name, t, (t.shape[1], t.shape[3]), (t.stride(1), t.stride(3)), "one (sequence, K/V head)",
+                           f"make its sequence dimension denser (e.g. {name}.contiguous()) or split it")
+    if block_table is not None and not block_table.is_contiguous():  # a contiguous row spans max_pages < 2**30
+        check_span("block_table", block_table, block_table.shape[1:], block_table.stride()[1:], "one sequence's row",
+                   "pass a denser block table (e.g. block_table.contiguous())")
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Merge two attention states of the same queries over disjoint key sets; returns (out, lse).
+
+    Layouts as `attention_with_kvcache(..., return_softmax_lse=True)` returns them: out (B, S_q, H,
+    D), lse (B, H, S_q) float32 natural-log. With m = max(lse_a, lse_b):
+    out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
+    lse = m + log(e^(lse_a - m) + e^(lse_b - m)). An empty state (lse -inf) has weight 0; two
+    empty states give 0 and -inf.
+    """
+    for name, t, dims in (("out_a", out_a, 4), ("lse_a", lse_a, 3), ("out_b", out_b, 4), ("lse_b", lse_b, 3)):
+        check_tensor(name, t, dims, "(batch, seqlen_q, heads, head_dim)" if dims == 4 else "(batch, heads, seqlen_q)")
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise KernelInputError("the two states must have the same shapes")
+    b, s, h, _ = out_a.shape
+    if tuple(lse_a.shape) != (b, h, s):
+        raise KernelInputError(f"lse must be (batch, heads, seqlen_q) = {(b, h, s)}; got {tuple(lse_a.shape)}")
+    la, lb = lse_a.float().transpose(1, 2), lse_b.float().transpose(1, 2)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / torch.where(total == 0, 1.0, total)[..., None]
+    return out.to(out_a.dtype), (m + torch.log(total)).transpose(1, 2).contiguous()

@@ -1,0 +1,1 @@
+"""`attngen bench`: the prefill suite (`prefill`), the decode suite (`decode`) and what both share (`common`)."""

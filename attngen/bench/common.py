@@ -1,0 +1,34 @@
+"""What both suites of `attngen bench` use: the result row, and FlexAttention compiled as the peer is measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    suite: str
+    direction: str
+    provider: str
+    params: dict
+    ms: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_FLEX = []
+
+
+def compiled_flex_attention():
+    """flex_attention compiled as the peer is measured: static shapes (one compile per shape), with
+    dynamo's recompile limit raised so that it never falls back to eager; one per process."""
+    if not _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.cache_size_limit = 256
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]

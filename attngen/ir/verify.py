@@ -1,0 +1,281 @@
+"""The IR's invariants, checked after every pass (always in tests; `compile_program(verify=...)`).
+
+A failure is an `InternalError` naming the pass after which it appeared: passes are pure functions,
+so the culprit is the pass named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+
+from . import nodes as ir, sym
+from ..errors import InternalError
+from .nodes import (DT, Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space,
+                    Span, Store, SymKind)
+
+# Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
+# which every kernel is (the naive backward lives until `recompute` replaces it).
+_FUSED_STAGES = {"online-softmax", "exp2", "fold-scale", "causal-skip", "pack-gqa", "split-kv", "paged", "recompute"}
+_ALL_FUSED_STAGES = _FUSED_STAGES - {"online-softmax"}
+
+
+class _Checker:
+    def __init__(self, kernel: ir.KernelIR, stage: str):
+        self.kernel = kernel
+        self.stage = stage
+        self.buffers: dict[str, Buffer] = {p.name: p for p in kernel.params}
+        self.sizes = {d.symbol for d in kernel.symbols}
+        self.size_symbols = {d.symbol for d in kernel.symbols if d.kind is SymKind.SIZE}
+        self.per_tile_pages: set[int] = set()  # page sizes looked up once per tile
+
+    def fail(self, message: str) -> None:
+        raise InternalError(f"after pass '{self.stage}', kernel {self.kernel.name}: {message}")
+
+    # -- symbols -------------------------------------------------------------------------------
+    def symbols_ok(self, expr, scope: set, what: str) -> None:
+        if expr is None:
+            return
+        free = sympy.sympify(expr).free_symbols
+        unknown = {s for s in free if s not in self.sizes and str(s) not in scope}
+        if unknown:
+            self.fail(f"{what} uses undefined {', '.join(sorted(map(str, unknown)))}")
+
+    def span_ok(self, sp: Span, scope: set) -> None:
+        for part in (sp.start, sp.size, sp.limit):
+            self.symbols_ok(part, scope, f"span {sp.name}")
+
+    def index_ok(self, buffer: Buffer, index, scope: set) -> None:
+        dims = ir.index_dims(index)
+        if dims != buffer.rank:
+            self.fail(f"{buffer.name} has rank {buffer.rank} but is indexed with {dims} dimensions")
+        for i in index:
+            if isinstance(i, Span):
+                self.span_ok(i, scope)
+            elif isinstance(i, Paged):
+                self.span_ok(i.span, scope)
+                self.symbols_ok(i.batch, scope, f"page table row of {buffer.name}")
+                self.declared(i.table)
+                self.paged_ok(buffer, i)
+            elif isinstance(i, Packed):
+                self.span_ok(i.span, scope)
+                self.symbols_ok(i.head, scope, f"packed head of {buffer.name}")
+                self.symbols_ok(i.group, scope, f"packed group of {buffer.name}")
+            else:
+                self.symbols_ok(i, scope, f"index of {buffer.name}")
+
+    def paged_ok(self, buffer: Buffer, item: Paged) -> None:
+        t = item.table
+        if t.role is not Role.INPUT or t.dtype is not ir.DT.I32 or t.rank != 2 or t.space is not Space.HBM:
+            self.fail(f"block table {t.name} of {buffer.name} must be an int32 (batch, pages) input in HBM")
+        size = item.page_size
+        if not (isinstance(size, int) and 1 <= size <= 256 and size & (size - 1) == 0):
+            self.fail(f"page size {size} of {buffer.name} is not a power of two from 1 to 256")
+        if item.per_tile:
+            self.per_tile_pages.add(size)
+
+    def declared(self, buffer: Buffer) -> None:
+        if buffer.stat is not None and (buffer.space is not Space.HBM or buffer.dtype is not DT.F32):
+            self.fail(f"{buffer.name} holds a per-row statistic ({buffer.stat.value}) but is "
+                      f"{ir.describe_buffer(buffer)}: statistics are float32 tensors in HBM")
+        known = self.buffers.get(buffer.name)
+        if known is not None and known != buffer:
+            self.fail(f"{buffer.name} is used as {ir.describe_buffer(buffer)} and {ir.describe_buffer(known)}")
+        self.buffers.setdefault(buffer.name, buffer)
+
+    # -- expressions ---------------------------------------------------------------------------
+    def expr_ok(self, e: ir.Expr, scope: set, defined: set) -> None:
+        for node in ir.walk_expr(e):
+            if isinstance(node, Ref):
+                self.declared(node.buffer)
+                if node.buffer.space is Space.REG and node.buffer.name not in defined:
+                    self.fail(f"{node.buffer.name} is read before it is assigned")
+            elif isinstance(node, Load):
+                self.declared(node.buffer)
+                if node.buffer.space is not Space.HBM:
+                    self.fail(f"load from {node.buffer.name}, which is not in HBM")
+                self.index_ok(node.buffer, node.index, scope)
+            elif isinstance(node, Masked):
+                self.span_ok(node.query, scope)
+                self.span_ok(node.key, scope)
+                for p in node.preds:
+                    self.symbols_ok(p.bound, scope, "mask predicate")
+                self.symbols_ok(node.query_group, scope, "rows per query position")
+            elif isinstance(node, ir.Sym):
+                self.symbols_ok(node.expr, scope, "scalar")
+            elif isinstance(node, Call) and node.op is ir.Op.CAST and node.dtype is None:
+                self.fail("cast without a dtype")
+
+    # -- statements ----------------------------------------------------------------------------
+    def body_ok(self, body, scope: set, defined: set, in_serial: bool) -> None:
+        for st in body:
+            if isinstance(st, Loop):
+                if in_serial and st.kind is LoopKind.GRID:
+                    self.fail(f"grid loop over {st.var} inside a serial loop")
+                for part in (st.start, st.stop, st.step):
+                    self.symbols_ok(part, scope, f"bounds of loop over {st.var}")
+                inner_defined = set(defined)
+                self.body_ok(st.body, scope | {str(st.var)}, inner_defined, in_serial or st.kind is LoopKind.SERIAL)
+                # Values a loop assigns stay visible after it (Triton carries them out).
+                defined |= inner_defined
+            elif isinstance(st, Assign):
+                self.expr_ok(st.value, scope, defined)
+                self.declared(st.target)
+                self.shape_ok(st.target, st.value)
+                defined.add(st.target.name)
+                if st.target.shape == ():
+                    scope.add(st.target.name)  # a scalar may appear in later bounds and indices
+            elif isinstance(st, Store):
+                self.expr_ok(st.value, scope, defined)
+                self.declared(st.target)
+                if st.target.role not in (Role.OUTPUT, Role.SCRATCH):
+                    self.fail(f"store into {st.target.name}, which is not an output")
+                self.index_ok(st.target, st.index, scope)
+            elif isinstance(st, Softmax):
+                if self.fused:
+                    self.fail("a naive softmax survives the online-softmax rewrite")
+                self.expr_ok(st.scores, scope, defined)
+                for b in (st.probs, st.rowmax, st.rowsum):
+                    self.declared(b)
+                    defined.add(b.name)
+
+    def shape_ok(self, target: Buffer, value: ir.Expr) -> None:
+        if isinstance(value, (ir.Num, ir.Sym)):
+            return
+        shape = ir.shape_of(value)
+        if shape != target.shape and len(shape) == len(target.shape):
+            if any(sympy.simplify(a - b) != 0 for a, b in zip(shape, target.shape)):
+                self.fail(f"{target.name} has shape {target.shape} but is assigned {shape}")
+        elif shape != target.shape and len(shape) > len(target.shape):
+            self.fail(f"{target.name} has rank {len(target.shape)} but is assigned rank {len(shape)}")
+
+    @property
+    def fused(self) -> bool:
+        return self.stage in _ALL_FUSED_STAGES or (self.stage in _FUSED_STAGES and self.kernel.name == "attn_fwd")
+
+    def run(self) -> None:
+        self.body_ok(self.kernel.body, set(), set(), False)
+        if self.fused:
+            for b in self.buffers.values():
+                if b.role is Role.SCRATCH:
+                    self.fail(f"HBM scratch {b.name} survives the online-softmax rewrite")
+                if b.space is Space.REG and b.shape and any(s in self.size_symbols for d in b.shape for s in sympy.sympify(d).free_symbols):
+                    self.fail(f"register value {b.name} has a run-time size {b.shape}: tiles must be bounded")
+
+
+def verify(program: ir.Program, stage: str) -> ir.Program:
+    names = [k.name for k in program.kernels]
+    if len(set(names)) != len(names):
+        raise InternalError(f"after pass '{stage}': duplicate kernel names {names}")
+    checkers = []
+    for kernel in program.kernels:
+        checker = _Checker(kernel, stage)
+        checker.run()
+        checkers.append(checker)
+    _program_ok(program, stage, checkers)
+    _warp_specialized_ok(program, stage)
+    return program
+
+
+def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> None:
+    """Invariants across kernels: what one kernel writes for another, and launch constraints."""
+
+    def fail(message: str) -> None:
+        raise InternalError(f"after pass '{stage}': {message}")
+
+    written: dict[str, Buffer] = {}
+    for kernel in program.kernels:
+        for p in kernel.params:
+            if p.role is Role.INPUT and p.name in written and replace(written[p.name], role=Role.INPUT) != p:
+                fail(f"{kernel.name} reads {p.name} as {ir.format_buffer_type(p)}, "
+                     f"but it was written as {ir.format_buffer_type(written[p.name])}")
+        written.update({p.name: p for p in kernel.params if p.role is Role.OUTPUT})
+    # Split-KV: partial results are merged by a later kernel, never left for the caller.
+    for i, kernel in enumerate(program.kernels):
+        for p in kernel.params:
+            if p.role is Role.OUTPUT and sym.NUM_SPLITS in p.shape:
+                read = replace(p, role=Role.INPUT)
+                later = [k for k in program.kernels[i + 1:] if read in k.params]
+                if not later:
+                    fail(f"{kernel.name} writes per-split {p.name}, which no later kernel merges")
+    # Pages looked up once per tile: the launcher must keep BLOCK_N within a page.
+    for checker in checkers:
+        for size in checker.per_tile_pages:
+            if program.attr("max_block_n") is None or program.attr("max_block_n") > size:
+                fail(f"{checker.kernel.name} looks pages of {size} up once per tile, "
+                     f"but the program does not bound BLOCK_N by {size} (attr max_block_n)")
+
+
+_GLUON_HEAD_DIMS = (64, 128)  # the head dims the Gluon templates' layouts and register budgets are written for
+
+
+def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
+    """The Hopper kernels' shapes: what wgmma, setmaxnreg and the templates' descriptors need of them."""
+    ws = program.warp_specialized
+
+    def fail(message: str) -> None:
+        raise InternalError(f"after pass '{stage}': warp-specialized {message}")
+
+    def shape_ok(what: str, s: ir.GluonShape) -> None:
+        if s.consumers < 1 or s.stages < 1:
+            fail(f"{what}: {s.consumers} consumers, {s.stages} stages")
+        if s.block_n % 16:  # the P V product's K dimension
+            fail(f"{what}: BLOCK_N {s.block_n} is not a multiple of 16")
+        regs_ok(what, s.consumer_regs)
+        if not 0 < s.maxnreg <= 255:
+            fail(f"{what}: maxnreg {s.maxnreg}")
+
+    def regs_ok(what: str, regs: int) -> None:
+        if not (24 <= regs <= 256 and regs % 8 == 0):  # setmaxnreg's range and step
+            fail(f"{what}: {regs} registers a thread (setmaxnreg takes multiples of 8 in [24, 256])")
+
+    def counts_ok(what: str, k) -> None:
+        for name in ("min_keys", "short_keys", "min_scores"):
+            if getattr(k, name) < 0:
+                fail(f"{what}: {name} {getattr(k, name)} is negative")
+
+    if ws and not (program.attr("head_dim") == program.attr("head_dim_padded") in _GLUON_HEAD_DIMS):
+        fail(f"kernels for head dim {program.attr('head_dim')} (padded {program.attr('head_dim_padded')}); "
+             f"the templates take {_GLUON_HEAD_DIMS}")
+    if ws and program.attr("dtype") not in ("fp16", "bf16"):
+        fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
+    if ws.forward is not None:
+        f = ws.forward
+        if program.attr("kvcache", False):
+            fail("forward on a KV-cache program")
+        for what, s in (("forward", f.main), ("forward short shape", f.short)):
+            shape_ok(what, s)
+            if s.block_m % s.consumers or (s.block_m // s.consumers) % 64:  # a consumer warpgroup's wgmma rows
+                fail(f"{what}: {s.block_m // s.consumers} rows a consumer, not a multiple of 64")
+        if f.short.block_m // f.short.consumers != f.main.block_m // f.main.consumers:  # one Q descriptor
+            fail("forward: the short shape changes the rows a consumer takes")
+        regs_ok("forward loader", f.loader_regs)
+        counts_ok("forward", f)
+    if ws.backward is not None:
+        b = ws.backward
+        if ws.forward is None or not any(k.name == "attn_bwd_dkdv" for k in program.kernels):
+            fail("backward without the Gluon forward and a dK/dV kernel")
+        for what, s in (("backward", b.main), ("backward short shape", b.short)):
+            shape_ok(what, s)
+            if s.consumers & (s.consumers - 1):  # the K/V buffers' count is a shared allocation's dimension
+                fail(f"{what}: {s.consumers} consumers, not a power of two")
+            if s.block_m % 64 or s.block_n % s.consumers or (s.block_n // s.consumers) % 64 \
+                    or s.block_n // s.consumers != b.main.block_n // b.main.consumers:
+                fail(f"{what}: {s.block_m} query rows a step, {s.block_n // s.consumers} keys a consumer "
+                     f"(a multiple of 64, and the main shape's: one K/V descriptor)")
+        if b.short.block_m != b.main.block_m:
+            fail("backward: the short shape changes the query block")
+        if b.row_block < 1 or b.main.block_m % b.row_block:
+            fail(f"backward: row passes of {b.row_block} rows do not divide BLOCK_M {b.main.block_m}")
+        if b.late_rows not in (0, 1, 2) or b.dq_local_rows < 0 or b.dq_claim_keys < 0:
+            fail(f"backward: late_rows {b.late_rows}, dq_local_rows {b.dq_local_rows}, dq_claim_keys {b.dq_claim_keys}")
+        regs_ok("backward loader", b.loader_regs)
+        counts_ok("backward", b)
+    if ws.decode is not None:
+        d = ws.decode
+        if not program.attr("kvcache", False) or program.attr("split_kv") is None:
+            fail("decode on a program without a split-KV KV cache")
+        if d.block_n % 16 or d.stages < 1 or d.rows & (d.rows - 1) or not 8 <= d.rows <= 256:
+            fail(f"decode: {d.block_n}-key blocks, {d.stages} stages, {d.rows} rows (wgmma's N: a power of two, 8-256)")
+        regs_ok("decode loader", d.loader_regs)

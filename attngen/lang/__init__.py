@@ -1,0 +1,1 @@
+"""The spec language: the grammar (attn.lark), `Spec` and its parser (`spec`), the specs the API writes (`builtin`)."""

@@ -1,0 +1,596 @@
+"""Parsing and checking `.attn` specs.
+
+`parse(text, filename)` turns spec text into a `Spec`: the grammar (attn.lark) fixes the shape, a
+Lark Transformer turns the tree into located `Entry` values, and `_build` checks every key and value,
+raising `SpecError` at the offending line and column. A `Spec` is frozen; its canonical text (every
+key, defaults filled in, comments and layout dropped) is its identity, and the hash of that text is
+the kernel's cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import hashlib
+import keyword
+import math
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import lark
+
+from ..errors import SpecError, UnsupportedError
+
+MAX_SPEC_BYTES = 1 << 20
+MAX_NAME_LENGTH = 64
+# A spec setting every key is about 60 tokens and nests one call deep. These bounds keep the parser's
+# work (and the recursion of Lark's tree transformer) small whatever the input: a 1 MiB file of
+# entries would otherwise take the LALR parser ten seconds, and deep nesting overflows the stack.
+MAX_TOKENS = 2000
+MAX_NESTING = 8
+# The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
+# non-zero fp32 number (see checks.check_scale).
+MIN_SCALE = 1e-30
+
+
+class Direction(enum.Enum):
+    FORWARD = "forward"
+    FORWARD_BACKWARD = "forward+backward"
+
+
+class Mask(enum.Enum):
+    NONE = "none"
+    CAUSAL_TOP_LEFT = "causal(top_left)"
+    CAUSAL_BOTTOM_RIGHT = "causal(bottom_right)"
+
+    @property
+    def is_causal(self) -> bool:
+        return self is not Mask.NONE
+
+
+class DType(enum.Enum):
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is DType.FP32 else 2
+
+    @property
+    def torch(self):
+        found = _TORCH_DTYPES.get(self)
+        if found is None:  # torch is imported on first use, not with the spec module
+            import torch
+
+            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32})
+            found = _TORCH_DTYPES[self]
+        return found
+
+
+_TORCH_DTYPES: dict = {}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where keys and values live: one contiguous run per sequence, or pages via a block table."""
+
+    paged: bool = False
+    page_size: int | None = None
+
+    def __str__(self) -> str:
+        return f"paged(page_size={self.page_size})" if self.paged else "contiguous"
+
+
+AUTO = None  # a tile value left to the autotuner / heuristics
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One attention kernel, as a user described it. Fields left `None` mean `auto` or `any`."""
+
+    name: str
+    head_dim: int
+    dtype: DType
+    direction: Direction = Direction.FORWARD
+    mask: Mask = Mask.NONE
+    heads: int | None = None
+    kv_heads: int | None = None
+    group: int | None = None
+    scale: float | None = None
+    block_m: int | None = AUTO
+    block_n: int | None = AUTO
+    num_warps: int | None = AUTO
+    num_stages: int | None = AUTO
+    split_kv: int | None = 1
+    kv_layout: KVLayout = KVLayout()
+    pack_gqa: bool | None = AUTO
+    # Where each key was written, for error messages; not part of the kernel's identity.
+    filename: str = field(default="<spec>", compare=False, repr=False)
+    where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
+
+    # -- derived facts ---------------------------------------------------------------------------
+    @property
+    def head_dim_padded(self) -> int:
+        """Head dim rounded up to a power of two: `tl.arange` needs one; the rest is masked off."""
+        return 1 << (self.head_dim - 1).bit_length()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def backward(self) -> bool:
+        return self.direction is Direction.FORWARD_BACKWARD
+
+    @property
+    def is_split(self) -> bool:
+        return self.split_kv != 1
+
+    @property
+    def fixes_tiles(self) -> bool:
+        """Whether the spec writes any tile key (block_m, block_n, num_warps, num_stages) by hand."""
+        return any(getattr(self, key) is not None for key in ("block_m", "block_n", "num_warps", "num_stages"))
+
+    @property
+    def packs_gqa(self) -> bool:
+        """Whether query heads sharing a K/V head are processed by one program (decode kernels)."""
+        if self.pack_gqa is not None:
+            return self.pack_gqa
+        return self.is_split or self.kv_layout.paged
+
+    @property
+    def tunables(self) -> tuple[str, ...]:
+        """The tile keys written as `auto`: the autotuner's search space."""
+        keys = ["block_m", "block_n", "num_warps", "num_stages"]
+        if self.split_kv is None:
+            keys.append("split_kv")
+        return tuple(k for k in keys if getattr(self, k) is None)
+
+    def position(self, key: str) -> tuple[int, int]:
+        """Line and column where `key` was written (the kernel header if it was not)."""
+        for k, line, col in self.where:
+            if k == key:
+                return line, col
+        for k, line, col in self.where:
+            if k == "kernel":
+                return line, col
+        return 1, 1
+
+    def error(self, key: str, message: str, cls: type[SpecError] = SpecError) -> SpecError:
+        line, col = self.position(key)
+        return cls(message, self.filename, line, col)
+
+    # -- identity --------------------------------------------------------------------------------
+    def canonical(self) -> str:
+        """The spec with every key written out in a fixed order: equal kernels, equal text."""
+
+        def show(v: Any) -> str:
+            if v is None:
+                return "auto"
+            if isinstance(v, enum.Enum):
+                return v.value
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            if isinstance(v, float):
+                return repr(v)
+            return str(v)
+
+        lines = [f"kernel {self.name} {{"]
+        for key in _KEY_ORDER:
+            value = getattr(self, key)
+            if key in ("heads", "kv_heads", "group") and value is None:
+                text = "any"
+            elif key == "scale" and value is None:
+                text = "default"
+            else:
+                text = show(value)
+            lines.append(f"    {key} = {text}")
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "Spec":
+        return dataclasses.replace(self, **changes)
+
+
+_KEY_ORDER = (
+    "direction", "mask", "head_dim", "dtype", "heads", "kv_heads", "group", "scale",
+    "block_m", "block_n", "num_warps", "num_stages", "split_kv", "kv_layout", "pack_gqa",
+)
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A parsed value with its position: kind is 'word', 'number', 'combo' or 'call'."""
+
+    kind: str
+    text: str
+    line: int
+    column: int
+    args: tuple[tuple[str | None, "Value"], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    key: str
+    value: Value
+    line: int
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    name: str
+    line: int
+    column: int
+    entries: tuple[Entry, ...]
+
+
+class _ToEntries(lark.Transformer):
+    """Parse tree -> `Header` of located `Entry` values (no meaning attached yet)."""
+
+    def start(self, items):
+        return items[0]
+
+    def kernel(self, items):
+        name, *entries = items
+        return Header(str(name), name.line, name.column, tuple(entries))
+
+    def entry(self, items):
+        key, value = items[0], items[1]
+        return Entry(str(key), value, key.line, key.column)
+
+    def word(self, items):
+        (tok,) = items
+        return Value("word", str(tok), tok.line, tok.column)
+
+    def number(self, items):
+        (tok,) = items
+        return Value("number", str(tok), tok.line, tok.column)
+
+    def combo(self, items):
+        first = items[0]
+        return Value("combo", "+".join(str(t) for t in items), first.line, first.column)
+
+    def call(self, items):
+        name, *args = items
+        args = [a for a in args if a is not None]
+        located = tuple(a if isinstance(a, tuple) else (None, a) for a in args)
+        return Value("call", str(name), name.line, name.column, located)
+
+    def keyword(self, items):
+        key, value = items
+        return (str(key), value)
+
+
+_PARSER: lark.Lark | None = None
+
+
+def _parser() -> lark.Lark:
+    global _PARSER
+    if _PARSER is None:
+        grammar = resources.files("attngen.lang").joinpath("attn.lark").read_text()
+        _PARSER = lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return _PARSER
+
+
+_TOKEN_NAMES = {
+    "NAME": "a name", "NUMBER": "a number", "LBRACE": "'{'", "RBRACE": "'}'", "EQUAL": "'='",
+    "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "PLUS": "'+'", "SEMICOLON": "';'",
+    "KERNEL": "'kernel'", "$END": "end of file",
+}
+
+
+def _expected(names) -> str:
+    shown = sorted({_TOKEN_NAMES.get(n, n.lower()) for n in names})
+    return ", ".join(shown) if shown else "nothing"
+
+
+def _describe(token) -> str:
+    if token is None or token.type == "$END":
+        return "end of file"
+    text = str(token)
+    return f"'{text[:40]}'" + ("..." if len(text) > 40 else "")
+
+
+def parse(text: str | bytes, filename: str = "<spec>") -> Spec:
+    """Parse and check one spec. Raises `SpecError` pointing at the first problem."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"spec is {len(text):,} {'bytes' if isinstance(text, bytes) else 'characters'} long; "
+                        f"the limit is {MAX_SPEC_BYTES:,}", filename)
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = text[: e.start].count(b"\n") + 1
+            raise SpecError("spec is not valid UTF-8 text", filename, line, 1) from None
+    if not text.strip():
+        raise SpecError("empty spec: expected 'kernel NAME { ... }'", filename)
+    _check_extent(text, filename)
+    try:
+        tree = _parser().parse(text)
+    except lark.exceptions.UnexpectedCharacters as e:
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
+        raise SpecError(
+            f"unexpected character {ch!r}; expected {_expected(e.allowed)}", filename, e.line, e.column
+        ) from None
+    except lark.exceptions.UnexpectedEOF as e:
+        line, col = _end(text)
+        raise SpecError(f"unexpected end of file; expected {_expected(e.expected)}", filename, line, col) from None
+    except lark.exceptions.UnexpectedToken as e:
+        line, col = (e.line, e.column) if e.line not in (None, -1) else (1, 1)
+        # `accepts` is what the parser could really shift here; `expected` is LALR's looser set.
+        expected = getattr(e, "accepts", None) or e.expected
+        if e.token.type == "$END":
+            line, col = _end(text)
+            if text.count("{") > text.count("}"):
+                raise SpecError("unexpected end of file; expected '}' to close the kernel", filename, line, col) from None
+        raise SpecError(
+            f"unexpected {_describe(e.token)}; expected {_expected(expected)}", filename, line, col
+        ) from None
+    header = _ToEntries().transform(tree)
+    return _build(header, filename)
+
+
+# Comments, then runs of name/number characters, then any other single character: at least as many
+# tokens as Lark's lexer finds, so the bound below holds for the parser too.
+_ROUGH_TOKEN = re.compile(r"#[^\n]*|[A-Za-z0-9_.]+|\S")
+
+
+def _check_extent(text: str, filename: str) -> None:
+    """Refuse, before parsing, a spec with too many tokens or calls nested too deeply."""
+    count = depth = 0
+    for m in _ROUGH_TOKEN.finditer(text):
+        token = m.group()
+        if token[0] == "#":
+            continue
+        count += 1
+        depth += (token == "(") - (token == ")")
+        if count > MAX_TOKENS:
+            raise SpecError(f"spec has more than {MAX_TOKENS} tokens; a spec is a few dozen",
+                            filename, *_line_col(text, m.start()))
+        if depth > MAX_NESTING:
+            raise SpecError(f"values are nested more than {MAX_NESTING} calls deep",
+                            filename, *_line_col(text, m.start()))
+
+
+def _line_col(text: str, pos: int) -> tuple[int, int]:
+    """1-based line and column of offset `pos`, counting lines by '\\n' as Lark does."""
+    return text.count("\n", 0, pos) + 1, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+def _end(text: str) -> tuple[int, int]:
+    """Where to report an unexpected end of file: just after the last character that is not a
+    line break (`str.splitlines` would also break at form feeds and U+2028, which Lark does not)."""
+    return _line_col(text, len(text.rstrip("\r\n")))
+
+
+# -- checking ----------------------------------------------------------------------------------
+
+_DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32}
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
+_BOOLS = {"true": True, "false": False, "auto": None}
+
+
+def _err(v: Value | Entry | Header, message: str) -> SpecError:
+    # The filename is filled in by `_build`, which knows it.
+    return SpecError(message, "<spec>", v.line, v.column)
+
+
+def _word(v: Value, key: str, choices) -> str:
+    if v.kind != "word":
+        raise _err(v, f"{key} takes one of {', '.join(choices)}; got '{_shown(v)}'")
+    if v.text not in choices:
+        hint = _did_you_mean(v.text, choices)
+        raise _err(v, f"unknown {key} '{_short(v.text)}'; expected one of {', '.join(choices)}{hint}")
+    return v.text
+
+
+def _shown(v: Value) -> str:
+    """A value as written, cut short: messages stay one readable line whatever the input."""
+    if v.kind == "call":
+        inner = ", ".join((f"{k}={_shown(a)}" if k else _shown(a)) for k, a in v.args[:4])
+        return _short(f"{v.text}({inner}{', ...' if len(v.args) > 4 else ''})")
+    return _short(v.text)
+
+
+def _did_you_mean(text: str, choices) -> str:
+    close = difflib.get_close_matches(text, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _int(v: Value, key: str, lo: int, hi: int, *, auto: bool = False, any_: bool = False) -> int | None:
+    if v.kind == "word" and ((auto and v.text == "auto") or (any_ and v.text == "any")):
+        return None
+    allowed = " or ".join(w for w, ok in (("auto", auto), ("any", any_)) if ok)
+    if v.kind != "number":
+        extra = f" or {allowed}" if allowed else ""
+        raise _err(v, f"{key} takes a whole number{extra}; got '{_shown(v)}'")
+    if not re.fullmatch(r"[+-]?[0-9]+", v.text):
+        raise _err(v, f"{key} takes a whole number; got '{_short(v.text)}'")
+    # A long digit string is out of range anyway; int() of it would cost time or hit Python's limit.
+    number = int(v.text) if len(v.text) <= 24 else None
+    if number is None or not lo <= number <= hi:
+        raise _err(v, f"{key} = {_short(v.text)} is out of range; expected {lo} to {hi}")
+    return number
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else text[:20] + "..."
+
+
+def _power_of_two(v: Value, key: str, lo: int, hi: int, *, auto: bool = True) -> int | None:
+    number = _int(v, key, lo, hi, auto=auto)
+    if number is not None and number & (number - 1):
+        below, above = 1 << (number.bit_length() - 1), 1 << number.bit_length()
+        raise _err(v, f"{key} = {number} is not a power of two; use {below} or {above}")
+    return number
+
+
+def _mask(v: Value) -> Mask:
+    if v.kind == "word" and v.text == "none":
+        return Mask.NONE
+    if v.kind == "word" and v.text == "causal":
+        return Mask.CAUSAL_TOP_LEFT
+    if v.kind == "call" and v.text == "causal":
+        if len(v.args) != 1 or v.args[0][1].kind != "word":
+            raise _err(v, "causal takes one alignment: causal(top_left) or causal(bottom_right)")
+        key, arg = v.args[0]
+        if key not in (None, "align"):
+            raise _err(arg, f"causal takes an alignment, not '{key} = ...'")
+        return {"top_left": Mask.CAUSAL_TOP_LEFT, "bottom_right": Mask.CAUSAL_BOTTOM_RIGHT}[
+            _word(arg, "causal alignment", ("top_left", "bottom_right"))
+        ]
+    raise _err(v, f"unknown mask '{_shown(v)}'; expected none, causal, causal(top_left) or causal(bottom_right)")
+
+
+def _kv_layout(v: Value) -> KVLayout:
+    if v.kind == "word" and v.text == "contiguous":
+        return KVLayout()
+    if v.kind in ("word", "call") and v.text == "paged":
+        if v.kind == "word" or len(v.args) != 1:
+            raise _err(v, "paged needs a page size: paged(page_size = 16)")
+        key, arg = v.args[0]
+        if key not in (None, "page_size"):
+            raise _err(arg, f"paged takes page_size, not '{key}'")
+        size = _power_of_two(arg, "page_size", 1, 256, auto=False)
+        return KVLayout(paged=True, page_size=size)
+    raise _err(v, f"unknown kv_layout '{_shown(v)}'; expected contiguous or paged(page_size = N)")
+
+
+def _scale(v: Value) -> float | None:
+    if v.kind == "word" and v.text == "default":
+        return None
+    if v.kind != "number":
+        raise _err(v, f"scale takes a positive number or default; got '{_shown(v)}'")
+    value = float(v.text)
+    if not (math.isfinite(value) and MIN_SCALE <= value <= 1e4):
+        raise _err(v, f"scale = {_short(v.text)} is out of range; expected a number from {MIN_SCALE:g} to 10000")
+    return value
+
+
+def _direction(v: Value) -> Direction:
+    choices = {"forward": Direction.FORWARD, "forward+backward": Direction.FORWARD_BACKWARD}
+    if v.kind in ("word", "combo") and v.text in choices:
+        return choices[v.text]
+    if v.text == "backward":
+        raise _err(v, "a backward kernel is generated from its forward: write direction = forward+backward")
+    raise _err(v, f"unknown direction '{_shown(v)}'; expected forward or forward+backward")
+
+
+def _dtype(v: Value) -> DType:
+    if v.kind == "word" and v.text in _DTYPE_ALIASES:
+        raise _err(v, f"dtype '{v.text}' is spelled '{_DTYPE_ALIASES[v.text]}' here")
+    return _DTYPES[_word(v, "dtype", tuple(_DTYPES))]
+
+
+def _bool(v: Value, key: str) -> bool | None:
+    return _BOOLS[_word(v, key, tuple(_BOOLS))]
+
+
+_KEYS = {
+    "direction": _direction,
+    "mask": _mask,
+    "head_dim": lambda v: _int(v, "head_dim", 16, 256),
+    "dtype": _dtype,
+    "heads": lambda v: _int(v, "heads", 1, 1024, any_=True),
+    "kv_heads": lambda v: _int(v, "kv_heads", 1, 1024, any_=True),
+    "group": lambda v: _int(v, "group", 1, 1024, any_=True),
+    "scale": _scale,
+    "block_m": lambda v: _power_of_two(v, "block_m", 16, 256),
+    "block_n": lambda v: _power_of_two(v, "block_n", 16, 256),
+    "num_warps": lambda v: _power_of_two(v, "num_warps", 1, 16),
+    "num_stages": lambda v: _int(v, "num_stages", 1, 8, auto=True),
+    "split_kv": lambda v: _int(v, "split_kv", 1, 128, auto=True),
+    "kv_layout": _kv_layout,
+    "pack_gqa": lambda v: _bool(v, "pack_gqa"),
+}
+REQUIRED = ("head_dim", "dtype")
+
+
+def _build(header: Header, filename: str) -> Spec:
+    try:
+        return _check(header, filename)
+    except SpecError as e:
+        if e.filename != "<spec>":
+            raise
+        raise type(e)(e.message, filename, e.line, e.column) from None
+
+
+def _check(header: Header, filename: str) -> Spec:
+    name = header.name
+    if len(name) > MAX_NAME_LENGTH:
+        raise _err(header, f"kernel name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}")
+    if keyword.iskeyword(name) or name.startswith("__"):
+        raise _err(header, f"'{name}' cannot name a kernel: it is a Python keyword or reserved name")
+    values: dict[str, Any] = {}
+    seen: dict[str, Entry] = {}
+    for entry in header.entries:
+        if entry.key not in _KEYS:
+            hint = _did_you_mean(entry.key, _KEYS)
+            raise _err(entry, f"unknown key '{_short(entry.key)}'{hint}; known keys: {', '.join(_KEYS)}")
+        if entry.key in seen:
+            first = seen[entry.key]
+            raise _err(entry, f"duplicate key '{entry.key}' (first set at line {first.line})")
+        seen[entry.key] = entry
+        values[entry.key] = _KEYS[entry.key](entry.value)
+    for key in REQUIRED:
+        if key not in values:
+            raise _err(header, f"kernel '{name}' does not set {key}")
+    where = (("kernel", header.line, header.column),) + tuple(
+        (e.key, e.value.line, e.value.column) for e in header.entries
+    )
+    spec = Spec(name=name, filename=filename, where=where, **values)
+    return _check_heads(_check_head_dim(spec))
+
+
+def _check_head_dim(spec: Spec) -> Spec:
+    if spec.head_dim % 16:
+        below = spec.head_dim // 16 * 16
+        raise spec.error(
+            "head_dim",
+            f"head_dim = {spec.head_dim} is not a multiple of 16; use {max(below, 16)} or {below + 16}",
+        )
+    return spec
+
+
+def _check_heads(spec: Spec) -> Spec:
+    """Reconcile heads / kv_heads / group into one consistent triple (any may be unknown)."""
+    heads, kv_heads, group = spec.heads, spec.kv_heads, spec.group
+    if kv_heads is not None and heads is None:
+        raise spec.error("kv_heads", "kv_heads needs heads (the number of query heads) as well")
+    if heads is not None and kv_heads is not None:
+        if heads % kv_heads:
+            raise spec.error("kv_heads", f"heads = {heads} is not a multiple of kv_heads = {kv_heads}")
+        implied = heads // kv_heads
+        if group is not None and group != implied:
+            raise spec.error("group", f"group = {group} contradicts heads / kv_heads = {heads} / {kv_heads} = {implied}")
+        group = implied
+    if heads is not None and group is not None:
+        if heads % group:
+            raise spec.error("group", f"heads = {heads} is not a multiple of group = {group}")
+        kv_heads = heads // group
+    if spec.kv_layout.paged and spec.backward:
+        raise spec.error("kv_layout", "a paged KV cache is for inference; it has no backward", UnsupportedError)
+    if spec.is_split and spec.backward:
+        raise spec.error("split_kv", "split_kv is for decoding; a forward+backward kernel must use split_kv = 1", UnsupportedError)
+    return spec.replace(heads=heads, kv_heads=kv_heads, group=group)
+
+
+def load_file(path: str) -> Spec:
+    """Read and parse a spec file; an unreadable file is a `SpecError` too."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read spec: {e.strerror}", path) from None
+    return parse(data, path)

@@ -1,0 +1,181 @@
+"""Gradients: the generated kernels as torch custom ops with a registered backward.
+
+`torch.ops.attngen.forward(key, q, k, v, scale) -> (out, lse)` and
+`torch.ops.attngen.backward(key, do, q, k, v, out, lse, scale) -> (dq, dk, dv)` run the kernel
+named by `key`; the forward op's autograd formula calls the backward op, so `.backward()` works on
+q, k and v (any subset requiring grad) and `torch.compile` keeps both in one graph. `key` is either
+a loaded kernel's registry key (`Kernel.key`), or `sdpa:<dtype>:<head_dim>:<causal|full>` for
+`attngen.attention`, which loads its spec inside the op so that tracing never runs attngen's
+loader. The log-sum-exp output carries no gradient.
+
+`key` resolves to a kernel in attngen/runtime/registry.py. The ops live in attngen/runtime/ops.py,
+imported the first time torch.compile traces a call: registering them took 0.1 s of a cached process's first result on the lent H200. Outside `torch.compile`,
+`attention_forward` runs the same kernels through a plain `torch.autograd.Function` instead: a
+custom op's first call imports torch._dynamo (seconds in a fresh process, more than the cached
+kernels take to load), and eager calls gain nothing from it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .arguments import check_like, gradient_tensors, tensor_signature
+from .registry import gradients, resolve, setup_context
+from .replay import record, wanted
+
+
+class _Eager(torch.autograd.Function):
+    """The forward op and its autograd formula, for eager calls (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, scale):
+        output = resolve(key).forward(q, k, v, scale)
+        setup_context(ctx, (key, q, k, v, scale), output)
+        ctx.mark_non_differentiable(output[1])
+        return output
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        # (q, k, v, out and lse were checked by the forward and are guarded by autograd since: only
+        # d_out is checked again)
+        return gradients(ctx, d_out, lambda key, do, q, k, v, out, lse, scale:
+                          resolve(key).backward_saved(q, k, v, out, lse, do, scale))
+
+
+class Replays:
+    """The replays (attngen/runtime/replay.py) of one `attngen.attention` or `Kernel.__call__` signature's calls, of its
+    inference calls or of its autograd calls: the forward's (None: none recorded yet, False: its launches cannot be
+    replayed), and for autograd calls the backward's, one per output-gradient layout (autograd hands the
+    backward whatever layout the loss made: `out.sum()` gives an expanded one) and deterministic-algorithms
+    setting (None: seen once, recorded at the next)."""
+
+    __slots__ = ("forward", "backward")
+    KEPT = 16  # backward layouts kept per signature, then the table starts over
+
+    def __init__(self):
+        self.forward = None
+        self.backward: dict = {}
+
+
+class Plan(NamedTuple):
+    """What the checks of `attngen.attention` or `Kernel.__call__` decide for one call signature: the key of the
+    kernel that runs it, the softmax scale, whether the inputs are 3-D; and the replays of its launches
+    (attngen/runtime/replay.py) for calls without autograd and with it (filled in by later calls)."""
+    key: str
+    scale: float
+    squeeze: bool
+    inference: Replays
+    training: Replays
+
+    @classmethod
+    def new(cls, key: str, scale: float, squeeze: bool) -> "Plan":
+        return cls(key, scale, squeeze, Replays(), Replays())
+
+
+def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None,
+                     out=None) -> torch.Tensor:
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` (or `Kernel.__call__`)
+    checked at an earlier call (3-D where `squeeze`): `replays.forward`'s launches where it holds them, else the
+    kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of q's rows
+    (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch. `out`: the tensor to
+    write the output into (`Kernel.__call__`'s out=, laid out as the signature's and checked for sharing
+    memory with q, k and v), else one like q allocated here."""
+    out = torch.empty_like(q) if out is None else out
+    inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
+    replay = replays.forward
+    if replay and replay(inputs):
+        return out
+    kernel = resolve(key)
+    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
+
+    def run():
+        kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
+
+    if wanted(replay):
+        replays.forward = record(run, inputs)[1] or False
+    else:
+        run()
+    return out
+
+
+class _Planned(torch.autograd.Function):
+    """`_Eager` for a call signature `attngen.attention` or `Kernel.__call__` planned: the same kernels, without the
+    checks, the forward's launches replayed from the second planned call on (the first records them:
+    `replayed_forward`), the backward's from a layout's third (the first runs as it is, the second records),
+    and only `out` returned unless `with_lse` (the log-sum-exp is kept for the backward, so autograd makes no
+    zero gradient for it). q, k and v are the caller's (3-D where `squeeze`)."""
+
+    @staticmethod
+    def forward(ctx, replays: Replays, key: str, scale: float, squeeze: bool, with_lse: bool, q, k, v):
+        lse = torch.empty(((1,) if squeeze else ()) + q.shape[:-1], device=q.device, dtype=torch.float32)
+        out = replayed_forward(replays, key, scale, squeeze, q, k, v, lse)
+        ctx.replays, ctx.key, ctx.scale, ctx.squeeze = replays, key, scale, squeeze
+        ctx.save_for_backward(q, k, v, out, lse)
+        if not with_lse:
+            return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, _d_lse=None):
+        q, k, v, out, lse = ctx.saved_tensors
+        layouts = ctx.replays.backward
+        # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
+        layout = (tensor_signature(do), torch.are_deterministic_algorithms_enabled())
+        replay = layouts.get(layout, _NEW)
+        if replay is _NEW:
+            check_like(do, q, "do")  # once per layout: the rest of the layout is the signature's
+        grads = gradient_tensors(q, k, v)
+        inputs = (q, k, v, out, lse, do) + grads
+        if not (replay and replay is not _NEW and replay(inputs)):
+            kernel = resolve(ctx.key)
+            q4, k4, v4, out4, do4, dq4, dk4, dv4 = ((t.unsqueeze(0) for t in inputs if t is not lse) if ctx.squeeze
+                                                    else (t for t in inputs if t is not lse))
+
+            def run():
+                kernel._backward(q4, k4, v4, out4, lse, do4, ctx.scale, None, (dq4, dk4, dv4))
+
+            if replay is _NEW:
+                # A layout's first backward runs as it is (its launches may compile, or take Triton's path
+                # to a binary FastJIT has not kept: a recording of them would fail); its second records
+                if len(layouts) >= Replays.KEPT:
+                    layouts.clear()
+                layouts[layout] = None
+                run()
+            elif wanted(replay):
+                layouts[layout] = record(run, inputs)[1] or False
+            else:
+                run()
+        need = ctx.needs_input_grad
+        return (None, None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[5:]))
+
+
+_NEW = object()  # a layout `Replays.backward` has not seen
+
+
+def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, with_lse: bool = False):
+    """The output of the kernel named by `key` on inputs of a signature `attngen.attention` or `Kernel.__call__`
+    planned (checked at an earlier call), recorded for autograd (q, k or v requires grad) with the
+    signature's autograd replays (`_Planned`); with `with_lse`, (out, lse), lse not differentiable. Eager calls
+    only: torch.compile traces the custom op."""
+    return _Planned.apply(replays, key, scale, squeeze, with_lse, q, k, v)
+
+
+def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k or v
+    require grad: through the custom op while torch.compile traces, else directly."""
+    if torch.compiler.is_compiling():
+        from . import ops  # noqa: F401 - registers the ops (torch.compile imports it, it does not trace it)
+
+        return torch.ops.attngen.forward(key, q, k, v, scale)
+    if needs_grad(q, k, v):
+        return _Eager.apply(key, q, k, v, scale)
+    return resolve(key).forward(q, k, v, scale)
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

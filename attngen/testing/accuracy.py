@@ -1,0 +1,196 @@
+"""Validating a kernel against the float64 reference on fresh random inputs.
+
+For each case the output is poisoned with NaN first, so an element the kernel fails to write shows
+up as an error. The kernel's error against float64 is compared with the error a same-precision
+PyTorch computation makes on the same inputs: it passes when
+`err_kernel <= FUDGE * err_pytorch + ATOL[dtype]` (the scheme of PyTorch's FlexAttention tests),
+and the log-sum-exp is held to the same rule. Rows with no visible key must come out as exactly 0
+with a log-sum-exp of -inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import reference
+from ..lang.spec import DType, Spec
+from ..env import interpreting
+
+FUDGE = 3.0
+ATOL = {DType.FP16: 2e-3, DType.BF16: 1.5e-2, DType.FP32: 2e-5}
+# ||out - ref|| / ||ref|| must also stay under this: a max-abs rule alone is lenient for bf16, whose
+# same-precision reference is poor, and a dropped key block moves the relative error past 5e-2.
+REL_TOL = {DType.FP16: 3e-3, DType.BF16: 1e-2, DType.FP32: 1e-5}
+# Gradients go through two more roundings to the input dtype (P and dS before their products).
+GRAD_REL_TOL = {DType.FP16: 5e-3, DType.BF16: 2e-2, DType.FP32: 2e-5}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    n_q: int
+    n_k: int
+
+    def __str__(self) -> str:
+        return f"B={self.batch} H={self.heads}/{self.kv_heads} N_Q={self.n_q} N_K={self.n_k}"
+
+
+@dataclass(frozen=True)
+class Result:
+    case: Case
+    err: float          # max |out - ref64|
+    rel: float          # ||out - ref64|| / ||ref64||
+    tol: float          # the bound err must stay under
+    rel_tol: float      # the bound rel must stay under
+    lse_err: float
+    lse_tol: float
+    problem: str = ""   # why it failed, beyond the numbers
+    grads: tuple = ()   # GradResult per gradient, for forward+backward specs
+
+    @property
+    def ok(self) -> bool:
+        return (not self.problem and self.err <= self.tol and self.rel <= self.rel_tol
+                and self.lse_err <= self.lse_tol and all(g.ok for g in self.grads))
+
+
+@dataclass(frozen=True)
+class GradResult:
+    name: str
+    err: float
+    tol: float
+    rel: float
+    rel_tol: float
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.err <= self.tol and self.rel <= self.rel_tol
+
+
+def default_cases(spec: Spec, small: bool = False) -> list[Case]:
+    """Odd sizes, seq 1, seq_q != seq_k (both ways), and a long one (shorter when `small`)."""
+    heads = spec.heads or 2 * (spec.group or 1)
+    kv = spec.kv_heads or heads // (spec.group or 1)
+    long = 200 if small else 1000
+    return [
+        Case(1, heads, kv, 1, 1),
+        Case(2, heads, kv, 77, 77),
+        Case(1, heads, kv, 1, long),
+        Case(1, heads, kv, 77, long),
+        Case(1, heads, kv, long, 77),
+        Case(1, heads, kv, long, long),
+    ]
+
+
+def random_inputs(spec: Spec, case: Case, device, generator=None):
+    dt = spec.dtype.torch
+    shape_q = (case.batch, case.heads, case.n_q, spec.head_dim)
+    shape_k = (case.batch, case.kv_heads, case.n_k, spec.head_dim)
+    q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
+    k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
+    v = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
+    return q, k, v
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
+    """Max abs error of got and of the same-precision computation, on finite reference entries."""
+    finite = torch.isfinite(ref)
+    diff = (got.double() - ref).abs()
+    err = diff[finite].max().item() if finite.any() else 0.0
+    low_err = (low.double() - ref).abs()[finite].max().item() if finite.any() else 0.0
+    return err, low_err
+
+
+def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None) -> Result:
+    scale = spec.softmax_scale if scale is None else scale
+    ref, ref_lse = reference.attention(q, k, v, spec.mask, scale)
+    low, low_lse = reference.attention(q, k, v, spec.mask, scale, dtype=spec.dtype.torch)
+    if not ((torch.isfinite(low) | ~torch.isfinite(ref)).all() and (torch.isfinite(low_lse) | ~torch.isfinite(ref_lse)).all()):
+        # NOTE: scores past fp16's range (a large scale) overflow the same-precision computation, which
+        # would make the tolerance inf or NaN; the kernels keep scores in fp32, so measure against fp32.
+        low, low_lse = reference.attention(q, k, v, spec.mask, scale, dtype=torch.float32)
+    problem = ""
+    if torch.isnan(out).any() and not torch.isnan(ref).any():
+        problem = f"{int(torch.isnan(out).sum())} output elements are NaN (unwritten or poisoned)"
+    empty = torch.isinf(ref_lse) & (ref_lse < 0)
+    if empty.any():
+        if not (torch.isinf(lse[empty]).all() and (lse[empty] < 0).all()):
+            problem = problem or "rows with no visible key must have log-sum-exp -inf"
+        if out[empty].abs().max().item() != 0.0:
+            problem = problem or "rows with no visible key must be exactly 0"
+    err, low_err = _errors(out, ref, low)
+    lse_err, low_lse_err = _errors(lse, ref_lse, low_lse)
+    norm = ref[torch.isfinite(ref)].norm().item()
+    rel = (out.double() - ref)[torch.isfinite(ref)].norm().item() / norm if norm else 0.0
+    atol = ATOL[spec.dtype]
+    return Result(case, err, rel, FUDGE * low_err + atol, REL_TOL[spec.dtype], lse_err,
+                  FUDGE * low_lse_err + atol, problem)
+
+
+def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResult, ...]:
+    """Gradients against float64 autograd of the reference, by the same rule as the outputs."""
+    scale = spec.softmax_scale if scale is None else scale
+
+    def reference_grads(dtype):
+        return reference.attention_grads(q, k, v, do, spec.mask, scale, dtype=dtype)
+
+    refs, lows = reference_grads(torch.float64), reference_grads(spec.dtype.torch)
+    if not all((torch.isfinite(low) | ~torch.isfinite(ref)).all() for ref, low in zip(refs, lows)):
+        lows = reference_grads(torch.float32)  # overflowed in fp16: see compare()
+    results = []
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, lows):
+        problem = ""
+        if torch.isnan(got).any() and not torch.isnan(ref).any():
+            problem = f"{int(torch.isnan(got).sum())} elements are NaN (unwritten or poisoned)"
+        err, low_err = _errors(got, ref, low)
+        norm = ref.norm().item()
+        rel = (got.double() - ref).norm().item() / norm if norm else (got.double() - ref).norm().item()
+        results.append(GradResult(name, err, FUDGE * low_err + ATOL[spec.dtype], rel, GRAD_REL_TOL[spec.dtype], problem))
+    return tuple(results)
+
+
+def run_case(kernel, case: Case, device, generator=None) -> Result:
+    spec = kernel.spec
+    q, k, v = random_inputs(spec, case, device, generator)
+    out = torch.full_like(q, float("nan"))
+    out, lse = kernel(q, k, v, out=out, return_lse=True)
+    result = compare(spec, case, out, lse, q, k, v)
+    if spec.backward:
+        do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+        poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned)
+        result = replace(result, grads=compare_grads(spec, q, k, v, do, grads))
+    return result
+
+
+def validate(kernel, cases=None, seed: int | None = None, device=None, progress=None) -> list[Result]:
+    """Run the kernel on each case with fresh random inputs; return one Result per case."""
+    if device is None:
+        device = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
+    if cases is None:
+        cases = default_cases(kernel.spec, small=device == "cpu")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed() % (1 << 62))
+    results = []
+    for case in cases:
+        results.append(run_case(kernel, case, device, generator))
+        if progress:
+            progress(results[-1])
+    return results
+
+
+def format_result(r: Result) -> str:
+    status = "ok  " if r.ok else "FAIL"
+    line = (f"{status} {str(r.case):34s} max|err| {r.err:9.3e} (tol {r.tol:8.2e})  rel {r.rel:8.2e} (tol {r.rel_tol:.0e})"
+            f"  lse {r.lse_err:8.2e} (tol {r.lse_tol:8.2e})")
+    line += f"  {r.problem}" if r.problem else ""
+    for g in r.grads:
+        status = "ok  " if g.ok else "FAIL"
+        line += (f"\n  {status} {g.name:>32s}  max|err| {g.err:9.3e} (tol {g.tol:8.2e})  rel {g.rel:8.2e}"
+                 f" (tol {g.rel_tol:.0e})" + (f"  {g.problem}" if g.problem else ""))
+    return line
+
