@@ -540,7 +540,7 @@ def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_ta
 
 
 
-# -- how many key/value splits: from shapes and the multiprocessor count only (attngen/splits.py) --
+# -- how many key/value splits: from shapes and the multiprocessor count only (attngen/policy/splits.py) --
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:

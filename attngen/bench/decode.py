@@ -142,7 +142,7 @@ def _naive_call(q4, k4, v4, expand):
 
 
 def sdpa(backend, q, k, v, caches=None):
-    """One SDPA backend timed as `peer` times it (the experiments' cuDNN column)."""
+    """One SDPA backend timed as `peer` times it ."""
     return peer(_sdpa(backend), q, k, v, None, caches)
 
 

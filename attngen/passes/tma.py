@@ -7,7 +7,7 @@ Accelerator) each tile is one bulk asynchronous copy into shared memory: no per-
 addresses (no [BLOCK_M, D] pointer tensors held in registers), no load instructions issued by the
 warps that run the products. Measured on an H200 (benchmarks/NOTES.md v5, v6):
 - d=128, mask-free loop only: 486 -> 529 TFLOP/s (64 x 64 tiles, 4 warps, 2 stages);
-- every query loop, the sequence-end loop too (v6, benchmarks/experiments/backward_tma_causal.py):
+- every query loop, the sequence-end loop too (v6):
   d=128 the same (spills 344 -> 112 bytes in the sm_90 compile), d=64 403 -> 434 at its old best
   config and 450 at 64 x 64 / 4 warps / 3 stages (the pointer form's best there: 421);
 - causal specs lost: d=128 391-448 against 448 (64 x 128 / 8 warps / 3 stages), d=64 389-395

@@ -36,8 +36,7 @@ dK, dV in registers, and share their dS through shared memory to add dQ = dS K i
 accumulator by TMA reductions (DQ_ATOMIC, FlashAttention 3's scheme: five products, not the seven of
 a separate dQ kernel that recomputes S and dP; at d=64 without a mask and from 1024 query rows each consumer
 instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other's dS). A row pass before
-(lse in log2 units, delta, zeroed accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11,
-experiments/gluon_dq_atomic.py, H200, N = 1024-16384): d=128 430-530 TFLOP/s without a mask and
+(lse in log2 units, delta, zeroed accumulator) and after (dQ in its dtype) completes it. Measured (NOTES.md v11, H200, N = 1024-16384): d=128 430-530 TFLOP/s without a mask and
 308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
 kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
 rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels

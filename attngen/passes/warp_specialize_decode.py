@@ -7,12 +7,12 @@ hold 226 registers against 128 (Nsight Compute, benchmarks/NOTES.md v8), and dec
 pages ran at 0.86-0.94x of the contiguous cache (v4-v12). Moving that work into a loader warp that only
 reads the table and issues TMA copies removes it from the consumer's path: the table is read 32
 entries at a time, a chunk ahead, and each page's rows arrive by their own TMA copy into a ring of
-shared buffers (templates/gluon_decode.py.j2). Measured (NOTES.md v13, experiments/gluon_decode.py,
+shared buffers (templates/gluon_decode.py.j2). Measured (NOTES.md v13,
 H200, 32/8 heads, d=128, 16-token pages): batch 1 at 8k 1475 GB/s against 1353 for the Triton kernel
 in a CUDA graph (1977 against 1731 per layer), 0.97x of the contiguous cache (was 0.89x); from batch
 16 0-7% faster, except batch 16 at 8k with the tuned 4 splits (-1%). Its consumer now runs both
 products swapped (the keys as wgmma's M, the group's query rows as its N), which read another 1-7%
-faster than the group's rows padded to M = 64 (v32, experiments/gluon_decode_swap.py).
+faster than the group's rows padded to M = 64 (v32).
 On a contiguous cache the padded kernel was within 3% of the Triton kernel either way (v13), so
 contiguous caches kept the Triton kernel; the swapped one reads 2-8% faster than it at batch 1 and
 batch 16 1k and level elsewhere (v32), so contiguous caches (flash-attn's (batch, seq, kv heads, d)

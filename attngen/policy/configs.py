@@ -77,7 +77,7 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
     d = spec.head_dim_padded
     if spec.dtype is DType.FP32:
         dq = dkdv = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    # From benchmarks/experiments/config_sweeps.py on an H200 (bf16, N=4096; results/h200_config_sweeps_v1.json):
+    # From config sweeps on an H200 (bf16, N=4096; NOTES.md v1-v2):
     # the causal kernels do fewer blocks per program and prefer smaller tiles.
     elif d <= 64 and spec.mask.is_causal:
         dq = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -85,7 +85,7 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
     elif d <= 64:
         dq = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
         # with the tma pass's descriptor loads 64 x 64 / 3 stages runs at 450 TFLOP/s, 434 at 32 x 64;
-        # with pointers 32 x 64 is the better (403 against 356; results/h200_backward_tma_causal_v6.json)
+        # with pointers 32 x 64 is the better (403 against 356)
         if reads_through_descriptors(spec, "attn_bwd_dkdv"):
             dkdv = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
         else:
@@ -95,7 +95,7 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
         dkdv = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     elif d <= 128:
         # dK/dV on 64 x 64 tiles and 4 warps: 486 TFLOP/s against 454 for 64 x 128 on 8 warps (which
-        # spills), 529 with the tma pass's descriptor loads (results/h200_backward_variants_v5.json)
+        # spills), 529 with the tma pass's descriptor loads (NOTES.md v5)
         dq = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
         dkdv = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     else:
@@ -110,7 +110,7 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
 
     A paged kernel spends pipeline stages on its block-table load: compiled for sm_90 it buffers one
     K/V tile pair at num_stages 3-4, two at 5-6, three at 7. Measured on an H200 (bf16, 32/8 heads,
-    d=128; results/h200_config_sweeps_v1.json): contiguous BLOCK_N=128 with 3 stages, 16-token pages
+    d=128): contiguous BLOCK_N=128 with 3 stages, 16-token pages
     128 with 5, per-tile pages (>= 64 tokens) 64 with 7 bring paged to 0.96-0.98x of contiguous."""
     if interpreter:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}

@@ -15,7 +15,7 @@ SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), (
 """The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
 padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
 so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
-64-key blocks with 4 stages (NOTES.md v9, experiments/gluon_shapes.py): this one is the best or
+64-key blocks with 4 stages (NOTES.md v9): this one is the best or
 within 1%. EARLY_P: the softmax's P is converted to the P V product's 16-bit operand as soon as it is
 made, so the loop carries half the registers of it (+1-3% at both head dims, NOTES.md v12).
 TRIM: a consumer takes only the key blocks its own rows need and releases the rest unread: under a
@@ -56,11 +56,9 @@ _TWO_CONSUMERS = (("BLOCK_M", 128), ("consumers", 2), ("consumer_regs", 240), ("
 SHORT_SHAPE = {(64, False): _TWO_CONSUMERS, (64, True): _TWO_CONSUMERS, (128, False): (),
                (128, True): (("BLOCK_N", 64), ("STAGES", 3))}
 """What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal): `GluonForward.short` (each
-consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22,
-benchmarks/experiments/gluon_short_tiles.py): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
+consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
-509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30,
-benchmarks/experiments/gluon_d64_consumers.py): two consumer warpgroups (128-row tiles, as at d=128) instead of
+509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30): two consumer warpgroups (128-row tiles, as at d=128) instead of
 three, causal 283 / 377 / 421 TFLOP/s against 213 / 302 / 417 at N = 1024 / 2048 / 4096 (the Triton kernel 281 /
 343 / 373) but 441 / 466 against 460 / 476 at 8192 / 16384; without a mask 374 against 361 at 512, level at 1024,
 455 against 493 at 4096."""
@@ -71,7 +69,7 @@ BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True):
 over the programs, by (head dim, causal); the kernel does so only when a sequence's last row block leaves a
 warpgroup idle or, causal, a middle row block has no pair (_ws_balanced_slot in templates/gluon_forward.py.j2).
 Taken in place order, P = 132 programs against 22 row blocks a head (d=64, N=4096) gave 6 programs every short
-tile and the rest none. Measured (H100, kernel time, NOTES.md v26, benchmarks/experiments/gluon_balance.py):
+tile and the rest none. Measured (H100, kernel time, NOTES.md v26):
 d=64 without a mask -6% at N=1024, -4% at 2048, -6.5 to -7.5% at 4096, within noise at 8192-16384; causal 0 to
 -2.3% at 4096, within noise from 8192; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
 lengths, and the dealing's arithmetic costs its registers more): off."""
@@ -80,7 +78,7 @@ lengths, and the dealing's arithmetic costs its registers more): off."""
 MIN_SCORES = 1 << 25
 """Fewest scores (B * H * N_Q * N_K) for which the Gluon kernel runs. Its launch costs about 50 us more
 host time than the Triton kernel's (four TMA descriptors built per call, and Triton's own launcher:
-FastJIT passes descriptors to it; results/h200_host_overhead_v9.json: 79 against 26 us for B=1 H=16
+FastJIT passes descriptors to it: 79 against 26 us for B=1 H=16
 N=128 d=128, 9.6 us of GPU work either way). Below 2^25 scores (about 30 us of GPU work at d=128) a call
 is host-bound and the Triton kernel finishes first."""
 
@@ -105,7 +103,7 @@ BWD_DQ_LOCAL_ROWS = {(64, False): 1024, (64, True): 0, (128, False): 0, (128, Tr
 every column, a partial sum it adds by its own TMA reduction) instead of its share of the columns over all the
 program's keys, which needs the other consumer's dS^T first (an mbarrier at every step); 0: never. A constexpr
 of the kernel: a spec that runs both gets a second binary, compiled on the first call that takes it.
-Measured (NOTES.md v24-v25, experiments/gluon_dq_local.py; the Gluon kernel alone by torch.profiler / the whole
+Measured (NOTES.md v24-v25; the Gluon kernel alone by torch.profiler / the whole
 call by do_bench, cache flushed): d=64 without a mask kernel -5 to -10% from N=1024 (H200; H100 -2% at 1024),
 whole call +1.7-2.9% at 4096-16384 (N=4096: 411 -> 423 TFLOP/s), but at N=512 the kernel +5.4% slower on the
 H100 (491 -> 518 us) and level on the H200 (496 -> 497); d=64 causal kernel 0 to -3% but the whole call -0-3%; d=128
@@ -117,7 +115,7 @@ rather than before the step's waits for its S^T and dP^T products (LATE_ROWS; RO
 delta both before; 1: delta after the dP^T wait; 2: lse after the S^T wait too. Read early, each [BLOCK_M]
 row costs a consumer 16 registers across those waits, at the point where it also holds dK, dV, P^T and
 dP^T: ptxas spilled 184 bytes at d=128 without a mask and 232 causal; with 1, 68 and 76; with 2, 4 and 16.
-Measured (H100, NOTES.md v28, experiments/gluon_bwd_templates.py, the Gluon kernel by torch.profiler): d=128
+Measured (H100, NOTES.md v28, the Gluon kernel by torch.profiler): d=128
 without a mask 1: -3.0 to -4.4% at N = 512-16384 (2: -2.0 to -4.3%), causal 2: -5.0 to -8.7% (1: -3.7 to
 -7.1%); H200 with 2: -4.1 to -5.3% without a mask, -8.3 to -13.7% causal; d=64 (no spills either way) +1-7%
 with 1 and +1-12% with 2."""
@@ -129,7 +127,7 @@ columns of a block of BLOCK_M query rows) after the step's S^T wait (a compare-a
 the prep pass zeroes instead); the first to claim stores its part at the step's end and sets the word's announced
 bit once that store is written, in its next step; the others add theirs by TMA reduction once the bit is set. The
 prep pass writes 4 bytes per dQ element less and no reduction reads zeros back from DRAM; each step pays for its
-claim. Measured (H100, NOTES.md v29, experiments/gluon_dq_claim.py; all three kernels / the Gluon kernel):
+claim. Measured (H100, NOTES.md v29; all three kernels / the Gluon kernel):
 d=128 causal -12% / -7% at N=512, -5% / +3% at 768, -2.5% / +5% at 1024, level / +5% at 2048, +2-3% / +5.5% at
 4096 (the prep pass saves the same bytes at every length, the claims cost per step); d=64 causal +8-22% / +23-26%
 (shorter steps hide less of the claim); without a mask every program of a head reaches each tile at once and
@@ -158,8 +156,7 @@ BWD_SHORT_SHAPE = {(64, False): (), (64, True): (("BLOCK_N", 64), ("consumers", 
 (8 warps: the loader padded to a warpgroup; ptxas: 128 registers, no spills; 100 KB of shared memory at 3 stages),
 so that two programs share a multiprocessor and one's start (K, V, the first Q and dO) and drain (dK, dV stored)
 run beside the other's steps; the main shape fills the register file with one program (12 warps x 168). Each Q and
-dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v38,
-benchmarks/experiments/gluon_bwd_one_consumer.py; the Gluon kernel by torch.profiler / the whole call by do_bench):
+dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v38; the Gluon kernel by torch.profiler / the whole call by do_bench):
 causal N=512 -11% / +10% (184 -> 202 TFLOP/s, cuDNN 171), 1024 -9% / +5%, 2048 -7% / +1%, 4096 -5% / -2%, 8192
 -2% / -4%, 16384 +2% / -6%; without a mask -2% / +2% at 512 and -1% to +15% / -3 to -8% from 1024: not taken."""
 
@@ -167,7 +164,7 @@ BWD_ROW_ELEMENTS = 4096
 """Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
 accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
 in blocks of BLOCK_M = 64 rows and takes 73 in blocks of 32 (3.1 -> 3.7 TB/s, H200, B x H x N = 262144);
-d=64 and the dQ pass were already there (NOTES.md v17, experiments/backward_rows.py)."""
+d=64 and the dQ pass were already there (NOTES.md v17)."""
 
 BWD_MIN_SCORES = 1 << 25
 """Fewest scores (B * H * N_Q * N_K) for which the Gluon dK/dV kernel runs: below, the host time of its

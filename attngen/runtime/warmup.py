@@ -8,7 +8,7 @@ release the GIL, so `start()` (called at the end of `import attngen`) runs it on
 process goes on: CUDA's initialisation, the model's own setup, `load()`. `wait()`, called before
 each launch, joins it, so that Triton finds the key cached instead of computing it a second time.
 
-Started from `load()` instead, it hid little (benchmarks/experiments/first_call.py): `load` is
+Started from `load()` instead, it hid little (NOTES.md v7): `load` is
 Python work that holds the GIL, and the hash needs the GIL between Triton's 1 MB chunks. The thread
 is not a daemon: a process that exits within the hash's time waits for it (a daemon thread inside
 buffered I/O at interpreter shutdown can abort the process).
