@@ -48,10 +48,10 @@ def test_which_specs_get_the_gluon_forward(text, expected):
     min_keys = hopper.MIN_KEYS.get((spec.head_dim, spec.mask.is_causal))
     short_keys = hopper.SHORT_KEYS.get((spec.head_dim, spec.mask.is_causal))
     rows = {64: 192, 128: 128}.get(spec.head_dim)  # three consumer warpgroups of 64 rows at d=64, two at d=128
-    short = dict(hopper.SHORT_SHAPE.get((spec.head_dim, spec.mask.is_causal), ()))
+    short = hopper.FORWARD_SHORT.get((spec.head_dim, spec.mask.is_causal))
     assert (shape.get("BLOCK_M") == rows and shape.get("min_keys") == min_keys and shape.get("EARLY_P") is True
-            and shape.get("SHORT_BLOCK_M") == short.get("BLOCK_M", rows)
-            and shape.get("SHORT_BLOCK_N") == short.get("BLOCK_N", shape.get("BLOCK_N"))
+            and shape.get("SHORT_BLOCK_M") == (short and short.block_m)
+            and shape.get("SHORT_BLOCK_N") == (short and short.block_n)
             and shape.get("TRIM") is True and shape.get("PERSISTENT") is True
             and shape.get("short_keys") == short_keys
             and shape.get("BALANCE") is hopper.BALANCE.get((spec.head_dim, spec.mask.is_causal))) is expected
@@ -324,7 +324,7 @@ def test_gluon_forward_against_float64(mask, dtype, head_dim, case, programs, mo
 @pytest.mark.parametrize("case", [Case(2, 4, 4, 200, 333), Case(1, 4, 2, 333, 2111), Case(3, 2, 1, 64, 4097)])
 @pytest.mark.parametrize("programs", [None, 3])
 def test_gluon_forward_short_shape_against_float64(mask, dtype, head_dim, case, programs, monkeypatch):
-    """The shape for short sequences (SHORT_SHAPE: at d=64 two consumer warpgroups instead of three, causal d=128
+    """The shape for short sequences (FORWARD_SHORT: at d=64 two consumer warpgroups instead of three, causal d=128
     64-key blocks) at every length and mask, which the shipped thresholds take only up to short_keys keys."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"ws_short_{dtype}_{head_dim}{heads}_{mask[:6]}{len(mask)}", head_dim, dtype, mask,
@@ -442,7 +442,7 @@ class _LaunchSpy:
 @pytest.mark.parametrize("case", [Case(2, 4, 2, 333, 1111), Case(1, 2, 2, 1, 1), Case(1, 4, 1, 1000, 77),
                                   Case(2, 2, 2, 700, 700)])
 def test_gluon_backward_short_shape_against_float64(mask, dtype, case, tmp_path, monkeypatch):
-    """The backward's shape for short sequences (BWD_SHORT_SHAPE: causal d=64 one consumer warpgroup of 64 keys, two
+    """The backward's shape for short sequences (BWD_SHORT: causal d=64 one consumer warpgroup of 64 keys, two
     programs a multiprocessor) at every length and mask (the module rendered with it as its short shape and
     short_keys above every length; the shipped thresholds take it only causal, up to short_keys keys); with
     DQ_LOCAL and without, dQ, dK and dV poisoned first."""
@@ -453,11 +453,9 @@ def test_gluon_backward_short_shape_against_float64(mask, dtype, case, tmp_path,
     spec = parse(spec_text(f"wsb_short_{dtype}_{mask[:6]}{len(mask)}", 64, dtype, mask, direction="forward+backward",
                            heads=case.heads, kv_heads=case.kv_heads))
     program = compile_program(spec)
-    short = dict(hopper.BWD_SHORT_SHAPE[(64, True)])
-    assert short["consumers"] == 1
+    short_shape = hopper.BWD_SHORT[(64, True)]
+    assert short_shape.consumers == 1
     gluon = program.warp_specialized.backward
-    short_shape = replace(gluon.main, block_n=short["BLOCK_N"], stages=short["STAGES"], consumers=short["consumers"],
-                          consumer_regs=short["consumer_regs"], maxnreg=short["maxnreg"])
     gluon = replace(gluon, min_scores=0, min_keys=0, short_keys=1 << 30, short=short_shape)
     path = tmp_path / f"{spec.name}.py"
     path.write_text(render(spec, replace(program, warp_specialized=replace(program.warp_specialized, backward=gluon))))

@@ -16,7 +16,7 @@ an `ir.GluonForward` from the tables in attngen/policy/hopper.py:
 at d=128 tiles of 128 query rows in two consumer warpgroups of 64, at d=64 192 rows in three;
 128-key blocks, 2 stages, the next block's scores issued before this block's softmax, the register
 split between the partitions, a persistent grid of one program per multiprocessor) and the shape of calls
-of at most SHORT_KEYS keys (SHORT_SHAPE: at d=64 two consumer warpgroups, causal d=128 64-key blocks).
+of at most SHORT_KEYS keys (FORWARD_SHORT: at d=64 two consumer warpgroups, causal d=128 64-key blocks).
 The code generator then emits the Gluon kernel (templates/gluon_forward.py.j2), its scaling and masking
 rendered from this program's IR (codegen/hooks.py), beside the portable Triton kernel, and the module's `forward` takes it where it can run and pays: a CUDA tensor on an
 sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and strides, unit last
@@ -40,7 +40,7 @@ instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other
 308-512 causal, 1.24-1.33x FlexAttention; d=64 343-414 and 263-428, 1.24-1.44x (the Gluon dK/dV
 kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
 rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels
-elsewhere; calls of at most BWD_SHORT_KEYS keys take BWD_SHORT_SHAPE's shape (causal d=64: one consumer
+elsewhere; calls of at most BWD_SHORT_KEYS keys take BWD_SHORT's shape (causal d=64: one consumer
 warpgroup of 64 keys, two programs a multiprocessor). The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
 from the Triton dQ kernel (and dK, dV from the Gluon kernel without DQ_ATOMIC where that wins: d=128).
 """

@@ -7,17 +7,29 @@ The passes warp-specialize and warp-specialize-decode read these tables and set 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from .. import ir
 
 HEAD_DIMS = (64, 128)
-SHAPE = (("BLOCK_M", 128), ("BLOCK_N", 128), ("STAGES", 2), ("OVERLAP", True), ("PINGPONG", False), ("EARLY_P", True),
-         ("TRIM", True), ("PERSISTENT", True), ("consumers", 2), ("consumer_regs", 240), ("loader_regs", 24), ("maxnreg", 168))
-"""The Gluon kernel's fixed launch shape at d=128. 12 warps (two consumer warpgroups, one loader warp
-padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
-so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
-64-key blocks with 4 stages (NOTES.md v9): this one is the best or
-within 1%. EARLY_P: the softmax's P is converted to the P V product's 16-bit operand as soon as it is
-made, so the loop carries half the registers of it (+1-3% at both head dims, NOTES.md v12).
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardFlags:
+    """The Gluon forward's switches and loader registers, the same at every head dim and mask."""
+
+    loader_regs: int
+    overlap: bool
+    pingpong: bool
+    early_p: bool
+    trim: bool
+    persistent: bool
+
+
+FORWARD_FLAGS = ForwardFlags(loader_regs=24, overlap=True, pingpong=False, early_p=True, trim=True, persistent=True)
+"""The loader gives back all but 24 registers (see FORWARD_MAIN). EARLY_P: the softmax's P is converted to the
+P V product's 16-bit operand as soon as it is made, so the loop carries half the registers of it (+1-3% at both
+head dims, NOTES.md v12).
 TRIM: a consumer takes only the key blocks its own rows need and releases the rest unread: under a
 causal mask it stops at its own last block (the program's blocks reach its last row's keys), and in a
 sequence's last row block it may have no row at all (NOTES.md v12).
@@ -26,16 +38,23 @@ head)'s row blocks in pairs, the k-th longest with the k-th shortest, so that th
 its loader moves the next tile's Q into a second buffer and its first K/V blocks while the consumers
 finish a tile, so a tile's start-up and output store no longer stand between tiles. Against one program
 per tile (H200, NOTES.md v22): d=128 +35% at N=512 and +6-18% at 1024-2048 without a mask, +10-16% causal
-at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096.
-SHORT_KEYS, SHORT_SHAPE: the shape of calls of at most SHORT_KEYS keys."""
+at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096."""
 
-SHAPE_BY_HEAD_DIM = {64: (("BLOCK_M", 192), ("consumers", 3), ("consumer_regs", 160), ("maxnreg", 128)), 128: ()}
-"""What differs from SHAPE by head dim. d=64 takes FlashAttention 3's shape: 192 query rows in three
+FORWARD_MAIN = {
+    64: ir.GluonShape(block_m=192, block_n=128, stages=2, consumers=3, consumer_regs=160, maxnreg=128),
+    128: ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+}
+"""The Gluon kernel's launch shape by head dim. d=128: 12 warps (two consumer warpgroups, one loader warp
+padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
+so each consumer thread gets 240. Measured against 256-row programs, 256-key blocks, 3 stages and
+64-key blocks with 4 stages (NOTES.md v9): this one is the best or within 1%.
+d=64 takes FlashAttention 3's shape: 192 query rows in three
 consumer warpgroups (16 warps x 128 registers; consumers 160, the loader 24), each K/V block feeding
 half again as many rows. With P carried in 16 bits its consumers spill 248 bytes (1.7 KB before) and it
 wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a mask, 479 against 447
 causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
-d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425)."""
+d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425).
+SHORT_KEYS, FORWARD_SHORT: the shape of calls of at most SHORT_KEYS keys."""
 
 MIN_KEYS = {(64, False): 512, (64, True): 2048, (128, False): 1, (128, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
@@ -44,18 +63,17 @@ without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 agai
 half-size products of d=64 leave more of its time to fixed costs. Since BALANCE (NOTES.md v26, H100) the
 Gluon kernel wins without a mask from 512 keys (363-368 against 340-344; 256 keys 220 against 257), and
 causal still lost at 1024 and 2048 (213 against 281, 305 against 345); with two consumer warpgroups up to 4096 keys
-(SHORT_SHAPE, NOTES.md v30, H100) it wins from 2048 (377 against 343) and ties at 1024 (283 against 281). At d=128
+(FORWARD_SHORT, NOTES.md v30, H100) it wins from 2048 (377 against 343) and ties at 1024 (283 against 281). At d=128
 the Gluon kernel wins from 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
 
 
 SHORT_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 0, (128, True): 1024}
-"""Most keys for which the Gluon kernel takes SHORT_SHAPE's shape instead of its own, by (head dim, causal); 0:
+"""Most keys for which the Gluon kernel takes FORWARD_SHORT's shape instead of its own, by (head dim, causal); 0:
 never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
 
-_TWO_CONSUMERS = (("BLOCK_M", 128), ("consumers", 2), ("consumer_regs", 240), ("maxnreg", 168))
-SHORT_SHAPE = {(64, False): _TWO_CONSUMERS, (64, True): _TWO_CONSUMERS, (128, False): (),
-               (128, True): (("BLOCK_N", 64), ("STAGES", 3))}
-"""What the shape of calls of at most SHORT_KEYS keys changes, by (head dim, causal): `GluonForward.short` (each
+FORWARD_SHORT = {(64, False): FORWARD_MAIN[128], (64, True): FORWARD_MAIN[128], (128, False): FORWARD_MAIN[128],
+                 (128, True): replace(FORWARD_MAIN[128], block_n=64, stages=3)}
+"""The shape of calls of at most SHORT_KEYS keys, by (head dim, causal): `GluonForward.short` (each
 consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
 509 at 2048; without a mask and at d=64 they lose at every length measured. d=64 (H100, NOTES.md v30): two consumer warpgroups (128-row tiles, as at d=128) instead of
@@ -84,19 +102,31 @@ is host-bound and the Triton kernel finishes first."""
 
 
 BWD_HEAD_DIMS = (64, 128)
-BWD_SHAPE = (("BLOCK_M", 64), ("BLOCK_N", 128), ("AHEAD", False), ("consumers", 2), ("consumer_regs", 240),
-             ("loader_regs", 24), ("maxnreg", 168), ("DQ_ATOMIC", True), ("ROWS_SMEM", True))
-"""The Gluon backward's fixed launch shape: 128 keys per program in two consumer warpgroups of 64
-(each holds its dK and dV [64, D] accumulators in registers and makes D/2 columns of the step's dQ),
-blocks of 64 queries, each step's products waited for before the next step's (AHEAD: the next step's
-S^T issued first; ptxas then serialises the wgmma queue, C7514). DQ_ATOMIC: dQ made here (off: dK and
-dV only, beside the Triton dQ kernel). ROWS_SMEM: lse and delta come by TMA with Q and dO (DQ_ATOMIC
-only; the row pass lays them out): +12-20% over loading them through pointers in the consumers
-(NOTES.md v11)."""
 
-BWD_STAGES = {64: {False: 3, True: 2}, 128: {False: 2, True: 2}}
-"""Stages of Q and dO (and the rows), by head dim and causal. d=128 fills shared memory at 2 (198 KB);
-at d=64 a third stage wins without a mask (+7-15%) and not causal (-1 to +4%)."""
+
+@dataclass(frozen=True, slots=True)
+class BackwardFlags:
+    """The Gluon backward's switches and loader registers, the same at every head dim and mask."""
+
+    loader_regs: int
+    ahead: bool
+    dq_atomic: bool
+    rows_smem: bool
+
+
+BWD_FLAGS = BackwardFlags(loader_regs=24, ahead=False, dq_atomic=True, rows_smem=True)
+"""Each step's products waited for before the next step's (AHEAD: the next step's S^T issued first; ptxas then
+serialises the wgmma queue, C7514). DQ_ATOMIC: dQ made here (off: dK and dV only, beside the Triton dQ kernel).
+ROWS_SMEM: lse and delta come by TMA with Q and dO (DQ_ATOMIC only; the row pass lays them out): +12-20% over
+loading them through pointers in the consumers (NOTES.md v11)."""
+
+_BWD_TWO_STAGES = ir.GluonShape(block_m=64, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168)
+BWD_MAIN = {(64, False): replace(_BWD_TWO_STAGES, stages=3), (64, True): _BWD_TWO_STAGES,
+            (128, False): _BWD_TWO_STAGES, (128, True): _BWD_TWO_STAGES}
+"""The Gluon backward's launch shape, by (head dim, causal): 128 keys per program in two consumer warpgroups of
+64 (each holds its dK and dV [64, D] accumulators in registers and makes D/2 columns of the step's dQ), blocks of
+64 queries, the loader at 24 registers. Stages of Q and dO (and the rows): d=128 fills shared memory at 2
+(198 KB); at d=64 a third stage wins without a mask (+7-15%) and not causal (-1 to +4%)."""
 
 BWD_DQ_LOCAL_ROWS = {(64, False): 1024, (64, True): 0, (128, False): 0, (128, True): 0}
 """By (head dim, causal): from how many query rows on each consumer makes dQ over its own keys (DQ_LOCAL:
@@ -145,13 +175,13 @@ TFLOP/s against 289 without a mask, 213 against 166 causal; d=64: 281 against 25
 NOTES.md v11), so only BWD_MIN_SCORES limits it."""
 
 BWD_SHORT_KEYS = {(64, False): 0, (64, True): 2048, (128, False): 0, (128, True): 0}
-"""Most keys for which the Gluon backward takes BWD_SHORT_SHAPE's shape instead of its own, by (head dim, causal);
+"""Most keys for which the Gluon backward takes BWD_SHORT's shape instead of its own, by (head dim, causal);
 0: never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
 
-BWD_SHORT_SHAPE = {(64, False): (), (64, True): (("BLOCK_N", 64), ("consumers", 1), ("consumer_regs", 232),
-                                                 ("maxnreg", 128), ("STAGES", 3)),
-                   (128, False): (), (128, True): ()}
-"""What the backward's shape of calls of at most BWD_SHORT_KEYS keys changes, by (head dim, causal):
+BWD_SHORT = {(64, False): BWD_MAIN[(64, False)],
+             (64, True): ir.GluonShape(block_m=64, block_n=64, stages=3, consumers=1, consumer_regs=232, maxnreg=128),
+             (128, False): BWD_MAIN[(128, False)], (128, True): BWD_MAIN[(128, True)]}
+"""The backward's shape of calls of at most BWD_SHORT_KEYS keys, by (head dim, causal):
 `GluonBackward.short` (each consumer keeps its 64 keys, so the K/V descriptors are the same; the verifier checks it). Causal d=64: one consumer warpgroup of 64 keys a program at 128 registers
 (8 warps: the loader padded to a warpgroup; ptxas: 128 registers, no spills; 100 KB of shared memory at 3 stages),
 so that two programs share a multiprocessor and one's start (K, V, the first Q and dO) and drain (dK, dV stored)
@@ -176,41 +206,31 @@ DECODE_MIN_PAGE = 16
 """Fewest tokens a page of a paged cache holds for the Gluon decode kernel: a TMA copy of fewer rows would cut
 through the shared tiles' swizzle pattern."""
 
-DECODE_SHAPE = (("BLOCK_N", 64), ("STAGES", 3), ("ROWS", 64), ("loader_regs", 40))
-"""The Gluon decode kernel's fixed launch shape: blocks of 64 keys, 3 stages of K and V, at most 64 query rows
+DECODE = ir.GluonDecode(block_n=64, stages=3, rows=64, loader_regs=40)
+"""The Gluon decode kernel's launch shape: blocks of 64 keys, 3 stages of K and V, at most 64 query rows
 per K/V head (wgmma's N of the swapped products, padded to a power of two from 8; more rows go to the
 Triton kernel), a loader warp of 40 registers: 98 KB of shared memory for the ring at d=128 and a few
 KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 registers). 3 stages
 were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
 
 
-def _shape(entries: dict) -> ir.GluonShape:
-    return ir.GluonShape(block_m=entries["BLOCK_M"], block_n=entries["BLOCK_N"], stages=entries["STAGES"],
-                         consumers=entries["consumers"], consumer_regs=entries["consumer_regs"],
-                         maxnreg=entries["maxnreg"])
-
-
 def forward(head_dim: int, causal: bool) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS."""
-    key = (head_dim, causal)
-    main = dict(SHAPE, **dict(SHAPE_BY_HEAD_DIM[head_dim]))
-    short = dict(main, **dict(SHORT_SHAPE[key]))
-    return ir.GluonForward(main=_shape(main), short=_shape(short), loader_regs=main["loader_regs"],
-                           overlap=main["OVERLAP"], pingpong=main["PINGPONG"], early_p=main["EARLY_P"],
-                           trim=main["TRIM"], persistent=main["PERSISTENT"], balance=BALANCE[key],
-                           min_keys=MIN_KEYS[key], short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
+    key, f = (head_dim, causal), FORWARD_FLAGS
+    return ir.GluonForward(main=FORWARD_MAIN[head_dim], short=FORWARD_SHORT[key], loader_regs=f.loader_regs,
+                           overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
+                           persistent=f.persistent, balance=BALANCE[key], min_keys=MIN_KEYS[key],
+                           short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS."""
-    key = (head_dim, causal)
-    main = dict(BWD_SHAPE, STAGES=BWD_STAGES[head_dim][causal])
-    short = dict(main, **dict(BWD_SHORT_SHAPE[key]))
+    key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
-    return ir.GluonBackward(main=_shape(main), short=_shape(short), loader_regs=main["loader_regs"],
-                            ahead=main["AHEAD"], dq_atomic=main["DQ_ATOMIC"], rows_smem=main["ROWS_SMEM"],
-                            prefetch=causal, late_rows=BWD_LATE_ROWS[key], split=BWD_SPLIT[head_dim],
+    return ir.GluonBackward(main=BWD_MAIN[key], short=BWD_SHORT[key], loader_regs=f.loader_regs, ahead=f.ahead,
+                            dq_atomic=f.dq_atomic, rows_smem=f.rows_smem, prefetch=causal,
+                            late_rows=BWD_LATE_ROWS[key], split=BWD_SPLIT[head_dim],
                             dq_local_rows=BWD_DQ_LOCAL_ROWS[key], dq_claim_keys=BWD_DQ_CLAIM_KEYS[key],
                             row_block=BWD_ROW_ELEMENTS // head_dim, min_keys=BWD_MIN_KEYS[causal],
                             short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES)
@@ -218,5 +238,4 @@ def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
 
 def decode() -> ir.GluonDecode:
     """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS)."""
-    d = dict(DECODE_SHAPE)
-    return ir.GluonDecode(block_n=d["BLOCK_N"], stages=d["STAGES"], rows=d["ROWS"], loader_regs=d["loader_regs"])
+    return DECODE
