@@ -1,8 +1,10 @@
-"""Code generation: the final IR rendered into a Triton source file.
+"""Code generation: the final IR rendered into a Python source file of Triton (and, on Hopper, Gluon) kernels.
 
 `emit.py` spells each IR kernel's body in Triton; the Jinja2 template `attention.py.j2` (in the
 top-level `templates/` folder, installed as `attngen.templates`) lays out the module around them:
-header, constants, kernels, launchers.
+header, constants, kernels, launchers. `exprs.py` prints the IR's sympy sizes as code; `hooks.py`
+renders the math the Gluon templates take from the IR (the scale, the exp2 argument, the running max,
+the mask, the log-sum-exp, the backward's values) into their hook points.
 """
 
 from __future__ import annotations

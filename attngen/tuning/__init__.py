@@ -26,9 +26,9 @@ adds the rest.
         "forward", "backward" or "decode" (`attngen tune --kind`), and the name reports use.
     tuning_problem() -> str
         What the kernel computes, as text: its entries are stored under the hash. Build it with
-        `key.problem_text(spec, kind, ignore)`: the kind ("forward"; e.g. "backward" for the
-        backward kernels of a forward+backward spec) and the spec's canonical keys, less those that
-        do not change this kernel (the forward ignores `direction`).
+        `keys.problem_text(spec, kind, ignore)` (attngen/runtime/keys.py): the kind ("forward"; e.g.
+        "backward" for the backward kernels of a forward+backward spec) and the spec's canonical keys,
+        less those that do not change this kernel (the forward ignores `direction`).
 
     tuning_space() -> dict[str, tuple[int, ...]]
         Every launch-config key with the values to try: the keys the spec leaves `auto` get the
@@ -40,14 +40,14 @@ adds the rest.
         Why `config` cannot run on `target` (attngen.analysis.resources.Target), from the resource model,
         with the numbers; None if it fits. Called before anything compiles.
     tuning_inputs(shape, device, generator) -> inputs
-        Fresh random inputs for a `key.Shape` (and output buffers), on `device`, drawn from
+        Fresh random inputs for a `keys.Shape` (and output buffers), on `device`, drawn from
         `generator`. Decode kernels add cache_seqlens and a block table of realistic lengths.
     tuning_run(inputs, config, *, poison=False) -> outputs
         Launch with `config`, writing into the buffers of `inputs`; with `poison`, fill the outputs
         with NaN first so unwritten elements show. Must not consult the tuned tables.
     tuning_check(inputs, outputs) -> attngen.testing.accuracy.Result
         Validation against the float64 reference (attngen/testing/accuracy.py) with bounded memory: at large
-        shapes check a slice (some batch entries, heads, query rows), as `validate.check_attention`.
+        shapes check a slice (some batch entries, heads, query rows), as `gate.check_attention`.
     tuning_flops(shape) -> float
         FLOPs of one call by the FlashAttention convention, for the TFLOP/s column.
     tuning_bytes(shape) -> float | None   (optional)
