@@ -416,8 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which of the spec's kernels to tune (default: all: the forward, a forward+backward "
                         "spec's two backward kernels, or a split/paged spec's decode kernel)")
     p.add_argument("--seqlens", nargs="+", metavar="N|NQ:NK",
-                   help="sequence lengths to tune at (default on a GPU: 1024 4096 16384; for decoding, "
-                        "1:8192 1:32768, new tokens : cache capacity; 64 or 1:64 in the interpreter)")
+                   help="sequence lengths to tune at (default on a GPU: "
+                        f"{' '.join(DEFAULT_SEQLENS['forward'][0])}; for decoding, "
+                        f"{' '.join(DEFAULT_SEQLENS['decode'][0])}, new tokens : cache capacity; a paged spec "
+                        f"without split, {' '.join(DEFAULT_SEQLENS['chunked'][0])}; 64 or 1:64 in the interpreter)")
     p.add_argument("--batch", nargs="+", type=int, metavar="B",
                    help=f"batch sizes (default: {TOKENS} // N_K; for decoding 1 16 64)")
     p.add_argument("--heads", nargs="+", metavar="H|H:H_KV",

@@ -2,7 +2,9 @@
 
 The passes warp-specialize and warp-specialize-decode read these tables and set the program's typed
 `ir.WarpSpecialized` value (forward, backward, decode) from them; the verifier checks its invariants and
-`attngen explain` prints it. An experiment changes a setting here, never the generated source.
+`attngen explain` prints it. An experiment changes a setting here, never the generated source, and runs
+each setting in a process of its own with its own ATTNGEN_CACHE_DIR: the kernel cache is keyed by the
+generator's source files, not by values set in a running process.
 """
 
 from __future__ import annotations
