@@ -47,3 +47,17 @@ def shipped_specs() -> list[str]:
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def empty_plans(monkeypatch):
+    """The one plan cache of the three call paths (attngen/runtime/plans.py `PLANS`), emptied until `monkeypatch`
+    is undone: calls meanwhile are their signatures' first (checked afresh, nothing replayed), and the plans kept
+    before are back afterwards (a GPU test compares a replayed call with the unplanned path of the same
+    signature inside `monkeypatch.context()`)."""
+    from attngen.runtime.plans import PLANS  # (after TRITON_INTERPRET is set above)
+
+    table = {}
+    # `get` is the table's own bound lookup (the hot path's): it moves with the table
+    monkeypatch.setattr(PLANS, "_table", table)
+    monkeypatch.setattr(PLANS, "get", table.get)
+    return PLANS

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import attngen
 from attngen import KernelInputError
-from conftest import DEVICE, spec_text
+from conftest import DEVICE, empty_plans, spec_text
 
 
 def rand(*shape, dtype=torch.float16):
@@ -94,10 +94,9 @@ def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeyp
     """On the GPU, an inference call whose signature repeats replays, from its third call on, the launches
     of its second (attngen/runtime/replay.py): each call, on fresh inputs at new addresses, matches float64 SDPA
     and is bit for bit the kernel's own path (replays off). "d64 long" takes the Gluon forward on sm_90."""
-    from attngen.api import sdpa as api
     from attngen.runtime import autograd, replay
 
-    monkeypatch.setattr(api, "_PLANS", {})
+    empty_plans(monkeypatch)
     replayed = []
     real_call = replay.Replay.__call__
     monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
@@ -114,7 +113,7 @@ def test_replayed_inference_calls_compute_what_the_kernel_computes(case, monkeyp
         got = attngen.attention(q, k, v, **kw)
         assert (got.double() - sdpa64(q, k, v, **kw)).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 5e-3)
         with monkeypatch.context() as m:  # the kernel's own path: a fresh plan, no replay recorded
-            m.setattr(api, "_PLANS", {})
+            empty_plans(m)
             m.setattr(autograd, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want = attngen.attention(q, k, v, **kw)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import attngen
 from attngen import KernelInputError
 from attngen.testing.accuracy import Case, compare_grads, validate
-from conftest import DEVICE, spec_text
+from conftest import DEVICE, empty_plans, spec_text
 
 
 def rand(*shape, dtype=torch.float16, grad=False):
@@ -314,11 +314,10 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
     run each time): every call, on fresh inputs, has float64's gradients, for output gradients laid out
     contiguously, expanded (from out.sum()) and transposed, for any subset of q, k, v requiring grad, and
     3-D inputs too."""
-    from attngen.api import sdpa as api
     from attngen.testing.reference import attention_grads
     from attngen.lang.spec import Mask
 
-    monkeypatch.setattr(api, "_PLANS", {})
+    kept = empty_plans(monkeypatch)
     lead = () if three_d else (1,)
     every, k_only, q_v = (True, True, True), (False, True, False), (True, False, True)
     calls = [(every, "contiguous"), (every, "expanded"), (every, "transposed"), (k_only, "contiguous"),
@@ -341,14 +340,14 @@ def test_planned_training_calls_match_float64_for_each_output_gradient_layout(th
             assert leaf.grad.shape == leaf.shape and (leaf.grad.double() - ref).norm() / ref.norm() < 1e-5, call
     # one plan per requires_grad pattern (each called twice or more), each of whose planned calls ran _Planned
     # (its forward recorded, or refused as interpreted: not None; each output-gradient layout it saw noted)
-    plans = list(api._PLANS.values())
+    plans = kept.plans("sdpa")
     assert len(plans) == 3 and all(p.training.forward is not None and p.training.backward for p in plans)
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse, monkeypatch):
     """`Kernel.__call__` (a user's own spec) plans its checked calls per signature as `attngen.attention` does
-    (`Kernel._plans`: a repeated signature skips the checks and replays the launches of its second call where
+    (in `PLANS`: a repeated signature skips the checks and replays the launches of its second call where
     FastJIT runs; here, interpreted, the kernels run each time): repeated inference calls (into a new tensor, or
     into a NaN-poisoned `out=`) and autograd calls (output gradients contiguous, expanded and transposed, any
     subset of q, k, v requiring grad), each on fresh inputs, have float64's outputs, log-sum-exps (not
@@ -358,7 +357,7 @@ def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse
     from attngen.lang.spec import Mask
 
     kernel = train_spec("planned_call", 32, "fp32", "causal(bottom_right)", heads=4, kv_heads=2)
-    monkeypatch.setattr(kernel, "_plans", {})
+    kept = empty_plans(monkeypatch)
     none, every, k_only, q_v = (False,) * 3, (True,) * 3, (False, True, False), (True, False, True)
     calls = [(none, None)] * 3 + [(none, "out=")] * 3 + [
         (every, "contiguous"), (every, "expanded"), (every, "transposed"), (k_only, "contiguous"), (k_only, "expanded"),
@@ -387,7 +386,7 @@ def test_planned_kernel_calls_match_float64_with_and_without_autograd(return_lse
             assert leaf.grad.shape == leaf.shape and (leaf.grad.double() - ref).norm() / ref.norm() < 1e-5, call
     # one plan per requires_grad pattern and for out=; the inference ones ran replayed_forward, the others
     # _Planned (its forward recorded, or refused as interpreted: not None; each output-gradient layout noted)
-    plans = list(kernel._plans.values())
+    plans = kept.plans(kernel)
     assert len(plans) == 5 and all(p.inference.forward is not None for p in plans[:2])
     assert all(p.training.forward is not None and p.training.backward for p in plans[2:])
 
@@ -414,7 +413,7 @@ def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkey
     else:
         kernel = train_spec("replayed_long", 64, "bf16", "causal(bottom_right)", heads=16)
         shapes = ((2, 16, 2048, 64), (2, 16, 2048, 64))
-    monkeypatch.setattr(kernel, "_plans", {})
+    empty_plans(monkeypatch)
     size = Case(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2], shapes[1][2])
     gen = torch.Generator("cuda").manual_seed(len(case))
     for i in range(12):
@@ -434,7 +433,7 @@ def test_gpu_replayed_kernel_calls_compute_what_the_kernel_computes(case, monkey
             for grad in compare_grads(kernel.spec, q.detach(), k.detach(), v.detach(), do, got[2:], 0.1):
                 assert grad.ok, (i, grad)
         with monkeypatch.context() as m:  # the unplanned path: a fresh plan table, the signature's first call
-            m.setattr(kernel, "_plans", {})
+            empty_plans(m)
             want = call()
         assert all(torch.equal(a, b) for a, b in zip(got[:2] + got[3:], want[:2] + want[3:])), i
     # inference calls 3 and 4; training: the forward at calls 7 and 8, the backward at 8 (6 ran it as it is,
@@ -446,12 +445,12 @@ def test_planned_kernel_calls_still_refuse_gradients_of_a_forward_only_spec(monk
     """Grad mode is not in a plan's signature: a forward-only kernel planned under torch.no_grad() on tensors
     that require grad still refuses them when grad mode is on."""
     kernel = attngen.load(spec_text("planned_forward_only", 32, "fp32", "causal", heads=2))
-    monkeypatch.setattr(kernel, "_plans", {})
+    kept = empty_plans(monkeypatch)
     q, k, v = (rand(1, 2, 9, 32, dtype=torch.float32, grad=True) for _ in range(3))
     with torch.no_grad():
         for _ in range(2):
             kernel(q, k, v)
-    assert len(kernel._plans) == 1
+    assert len(kept.plans(kernel)) == 1
     with pytest.raises(KernelInputError, match="requires grad, but kernel 'planned_forward_only' is forward-only"):
         kernel(q, k, v)
 
@@ -464,10 +463,9 @@ def test_gpu_replayed_training_calls_compute_what_the_kernels_compute(case, monk
     matches float64, and its output, dK and dV are bit for bit those of the unplanned path (dQ adds its
     parts in any order on the Gluon backward: it is held to float64 only). The long cases take the Gluon
     forward and backward on sm_90."""
-    from attngen.api import sdpa as api
     from attngen.runtime import replay
 
-    monkeypatch.setattr(api, "_PLANS", {})
+    empty_plans(monkeypatch)
     replayed = []
     real_call = replay.Replay.__call__
     monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
@@ -492,7 +490,7 @@ def test_gpu_replayed_training_calls_compute_what_the_kernels_compute(case, monk
         got = (out, *torch.autograd.grad(out, (q, k, v), do))
         _check_step(got, q, k, v, do, causal, scale)
         with monkeypatch.context() as m:  # the unplanned path: a fresh plan table, the signature's first call
-            m.setattr(api, "_PLANS", {})
+            empty_plans(m)
             out = attngen.attention(q, k, v, is_causal=causal, **kw)
             want = (out, *torch.autograd.grad(out, (q, k, v), do))
         assert all(torch.equal(a, b) for a, b in zip(got[::2], want[::2])), i  # out and dk
@@ -508,10 +506,9 @@ def test_planned_backward_records_once_per_output_gradient_layout_and_determinis
     launch binaries FastJIT has not kept): the generated backward picks its kernels by that setting
     (the Gluon dQ adds in any order), so a replay recorded under one must not run under the other. (A stand-in
     replay that declines, so the kernels run and the gradients can be checked.)"""
-    from attngen.api import sdpa as api
     from attngen.runtime import autograd
 
-    monkeypatch.setattr(api, "_PLANS", {})
+    empty_plans(monkeypatch)
     recorded = []
 
     def declines(inputs):

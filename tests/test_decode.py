@@ -13,7 +13,7 @@ from attngen import KernelInputError
 from attngen.testing import reference
 from attngen.testing.accuracy import ATOL, FUDGE
 from attngen.lang.spec import DType
-from conftest import DEVICE
+from conftest import DEVICE, empty_plans
 
 _DT = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
 
@@ -240,8 +240,8 @@ def test_bad_arguments_are_named_before_any_launch(change, match):
 
 @pytest.mark.parametrize("change,match", BAD_ARGUMENTS)
 def test_bad_arguments_are_refused_after_good_calls_were_planned(change, match):
-    """A call repeats the checks' outcome of an earlier call with the same layouts (`_PLANS`): one that
-    differs in anything the checks read is checked afresh, whatever ran before."""
+    """A call repeats the checks' outcome of an earlier call with the same layouts (its plan in `PLANS`): one
+    that differs in anything the checks read is checked afresh, whatever ran before."""
     good = _args()
     attngen.attention_with_kvcache(**good)
     attngen.attention_with_kvcache(**dict(good, cache_seqlens=20, out=torch.empty_like(good["q"])))
@@ -258,7 +258,7 @@ def test_a_planned_call_checks_its_output_memory_and_reads_this_calls_values(mon
     queries and caches."""
     from attngen.api import kvcache as decode
 
-    monkeypatch.setattr(decode, "_PLANS", {})
+    empty_plans(monkeypatch)
     planned = []
     checked = decode._checked_plan
     monkeypatch.setattr(decode, "_checked_plan", lambda *a: planned.append(1) or checked(*a))
@@ -282,7 +282,7 @@ def test_int_lengths_share_one_plan_and_each_is_checked(monkeypatch):
     each computes with its own length, and a length past the cache is refused after planning."""
     from attngen.api import kvcache as decode
 
-    monkeypatch.setattr(decode, "_PLANS", {})
+    empty_plans(monkeypatch)
     planned = []
     checked = decode._checked_plan
     monkeypatch.setattr(decode, "_checked_plan", lambda *a: planned.append(1) or checked(*a))
@@ -311,7 +311,7 @@ def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
     from attngen.api import kvcache as decode
     from attngen.runtime import replay
 
-    monkeypatch.setattr(decode, "_PLANS", {})
+    empty_plans(monkeypatch)
     replayed = []
     real_call = replay.Replay.__call__
     monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
@@ -353,7 +353,7 @@ def test_replayed_calls_compute_what_the_module_computes(case, monkeypatch):
             seqlens = torch.full((3,), seqlens, dtype=torch.int32, device=DEVICE)
         check(got, lse, q, k[:3] if table is None else k, v[:3] if table is None else v, seqlens, table, causal=True)
         with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
-            m.setattr(decode, "_PLANS", {})
+            empty_plans(m)
             m.setattr(decode, "record", lambda fn, inputs: (fn(), None))
             for _ in range(3):
                 want, want_lse, _ = call(q, k, v, table, i)

@@ -31,7 +31,7 @@ from attngen.testing import reference
 from attngen.lang.builtin import sdpa_spec
 from attngen.testing.accuracy import ATOL, FUDGE, Case, compare, compare_grads, validate
 from attngen.lang.spec import MIN_SCALE, DType, Mask
-from conftest import DEVICE, HAS_GPU, ROOT, spec_text
+from conftest import DEVICE, HAS_GPU, ROOT, empty_plans, spec_text
 
 
 def rand(*shape, dtype=torch.float16, device=DEVICE):
@@ -326,12 +326,11 @@ def test_decode_refuses_bad_arguments_before_launch(case, no_launch):
                          + [("kernel",) + c for c in COMMON_CASES + KERNEL_CASES], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_kernel, monkeypatch):
     """`attngen.attention`, `attention_with_kvcache` and `Kernel.__call__` keep the outcome of a valid call's
-    checks per signature (`_PLANS`, `Kernel._plans`): a call that differs from a planned one in anything the
-    checks read is checked afresh and refused, and an out= that aliases an input is refused on a planned
+    checks per signature (in `attngen.runtime.plans.PLANS`): a call that differs from a planned one in anything
+    the checks read is checked afresh and refused, and an out= that aliases an input is refused on a planned
     signature too."""
     from triton.runtime import interpreter, jit
 
-    from attngen.api import sdpa as api, kvcache as decode
     from attngen.runtime.launch import FastJIT
 
     which, _, spoil, exc, pattern = case
@@ -340,13 +339,11 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_
         family = _sdpa_family()
     elif which == "kernel":
         family = _kernel_family(checked_kernel)
-        monkeypatch.setattr(checked_kernel, "_plans", {})
     else:
         attngen.load(attngen.lang.builtin.kvcache_spec("fp16", 32, True, 16))
         family = _decode_family()
         family.names.update(block_table="block_table", cache_seqlens="cache_seqlens")
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(decode, "_PLANS", {})
+    kept = empty_plans(monkeypatch)
     launches = []
     for cls in (jit.JITFunction, interpreter.InterpretedFunction, FastJIT):
         monkeypatch.setattr(cls, "run", lambda *a, **k: launches.append(1))
@@ -354,11 +351,11 @@ def test_bad_arguments_are_refused_after_valid_calls_were_planned(case, checked_
     family.call(valid)
     if which != "sdpa":
         family.call(dict(valid, out=torch.empty_like(valid[family.names["q"]])))
-    planned = {"sdpa": len(api._PLANS), "decode": len(decode._PLANS), "kernel": len(checked_kernel._plans)}
-    assert launches and planned[which] == (1 if which == "sdpa" else 2)
+    planned = kept.plans({"sdpa": "sdpa", "decode": "kvcache", "kernel": checked_kernel}[which])
+    assert launches and len(planned) == len(kept) == (1 if which == "sdpa" else 2)
     if which == "kernel":  # as on a GPU, where a planned signature's replay has been recorded by now (interpreted,
         # none is): a stand-in that launches nothing, which a refused call must not reach
-        for plan in checked_kernel._plans.values():
+        for plan in planned:
             plan.inference.forward = lambda inputs: launches.append("replay") or True
     launches.clear()
     assert_refused(family, spoil, exc, pattern)

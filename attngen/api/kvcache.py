@@ -11,10 +11,11 @@ a CUDA graph. Every argument is checked first; a bad one is a ValueError (Kernel
 TypeError naming it, before anything is launched: layouts, dtypes and devices, and what the
 generated kernels' grids and 32-bit offsets can take (`_check_indexing`, `check_split_launch`). A
 decoding step repeats its calls' layouts: a call whose signature (`_signature`: everything the checks read
-but addresses and an int cache_seqlens' value) matches an earlier call's takes that call's outcome
-(`_PLANS`) and checks only that `out` shares no memory with an input and that an int length fits. The
-signature's second call records its launches, and later calls replay them on their own tensors
-(attngen/runtime/replay.py) instead of running the generated module's `forward_kvcache` again.
+but addresses and an int cache_seqlens' value) matches an earlier call's takes that call's outcome (its
+plan in `attngen.runtime.plans.PLANS`, the one cache of the three call paths) and checks only that `out`
+shares no memory with an input and that an int length fits. The signature's second call records its
+launches, and later calls replay them on their own tensors (attngen/runtime/replay.py) instead of running
+the generated module's `forward_kvcache` again.
 There is no backward: inputs that require grad are refused while grad mode is on. Tensors may be on
 any GPU; the launch then runs under `torch.cuda.device(q.device)`.
 
@@ -37,12 +38,13 @@ from .. import env
 from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
-from ..runtime import plans, tables
+from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
                                  on_other_gpu, tensor_signature)
 from ..runtime.kernel import load
 from ..runtime.keys import Shape
+from ..runtime.plans import PLANS
 from ..runtime.replay import record, wanted
 from .sdpa import _DTYPES
 
@@ -93,7 +95,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
-    plan = None if key is None else _PLANS.get(key)
+    plan = None if key is None else PLANS.get(key)
     planned = plan is not None
     if planned and out is not None:  # the layout is the key's; addresses are this call's
         check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
@@ -105,7 +107,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                                               softmax_scale, num_splits, return_softmax_lse, out=out)
         planned = False
         if key is not None:
-            plans.keep(_PLANS, key, plan)
+            PLANS.keep(key, plan)
     if plan.uniform:
         if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
             _check_uniform_length(cache_seqlens, plan.capacity)
@@ -135,7 +137,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if planned and wanted(plan.replay):
         # The signature's second call: its launches are recorded for the calls after it (attngen/runtime/replay.py; False where they cannot be)
         _, replay = record(run, inputs)
-        _PLANS[key] = plan._replace(replay=replay or False)
+        PLANS.replace(key, plan._replace(replay=replay or False))
     else:
         run()
     return (out, lse) if return_softmax_lse else out
@@ -158,19 +160,16 @@ class _Plan(NamedTuple):
     replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
 
 
-# _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so from
-# its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
+# PLANS holds _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so
+# from its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
 # v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
 # everything the checks read, so a call that would fail them never hits.
-_PLANS: dict = {}
-
-
 def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
-    """The key of `_PLANS`: every tensor's shape, strides, dtype, device, layout and requires_grad, grad
-    mode, the other arguments' values, the tuning tables' generation and whether Triton interprets (all
-    that the checks read but whether `out` shares memory with the inputs, and an int cache_seqlens' value,
-    both checked per call); None where an argument is not of the plain type the checks expect (those calls
-    are checked afresh)."""
+    """The key of `PLANS`: "kvcache" (this call path), every tensor's shape, strides, dtype, device, layout
+    and requires_grad, grad mode, the other arguments' values, the tuning tables' generation and whether
+    Triton interprets (all that the checks read but whether `out` shares memory with the inputs, and an int
+    cache_seqlens' value, both checked per call); None where an argument is not of the plain type the checks
+    expect (those calls are checked afresh)."""
     if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
             and type(causal) is bool and type(num_splits) is int
             and (softmax_scale is None or type(softmax_scale) in (float, int))):
@@ -189,7 +188,7 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
-    return (tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
+    return ("kvcache", tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
             None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, torch.is_grad_enabled(),
             tables.generation(), interpreting())
 

@@ -6,9 +6,10 @@ batch and heads are run-time arguments of one compiled kernel) through
 `attngen.runtime.autograd.attention_forward`: the custom op `torch.ops.attngen.forward` while torch.compile
 traces (it keeps the call and its registered backward inside one graph), a plain autograd.Function
 in eager mode. The spec is loaded on first use. A call whose signature (`_signature`) repeats an earlier
-call's skips the checks that call passed (`_PLANS`), and from the signature's third call on replays the
-launches of its second (attngen/runtime/replay.py) instead of running `Kernel.forward` again: without autograd
-here, with it in `autograd._Planned`, whose backward replays too.
+call's skips the checks that call passed (its plan in `attngen.runtime.plans.PLANS`, the one cache of the three
+call paths), and from the signature's third call on replays the launches of its second
+(attngen/runtime/replay.py) instead of running `Kernel.forward` again: without autograd here, with it in
+`autograd._Planned`, whose backward replays too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import sdpa_spec
-from ..runtime import autograd, plans, tables
+from ..runtime import autograd, tables
 from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature
+from ..runtime.plans import PLANS
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -41,12 +43,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     else:
         signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        plan = None if signature is None else _PLANS.get(signature)
+        plan = None if signature is None else PLANS.get(signature)
         planned = plan is not None
         if plan is None:
             plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             if signature is not None:
-                plans.keep(_PLANS, signature, plan)
+                PLANS.keep(signature, plan)
     op_key, scale, squeeze = plan.key, plan.scale, plan.squeeze
     if planned:
         # from the signature's third call on, the launches of its second (attngen/runtime/replay.py)
@@ -59,23 +61,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return out.squeeze(0) if squeeze else out
 
 
-# _signature(...) -> autograd.Plan of calls that passed `_checked_plan`: a training loop or a decoder's prefill
-# repeats its layouts, and the second call of one skips the checks (as attngen/api/kvcache.py's plans do,
-# benchmarks/NOTES.md v33), the third the module's Python too (v35; with autograd, v36). The signature
-# holds everything the checks read, so a call that would fail them never hits.
-_PLANS: dict = {}
-
-
+# PLANS holds _signature(...) -> autograd.Plan of calls that passed `_checked_plan`: a training loop or a
+# decoder's prefill repeats its layouts, and the second call of one skips the checks (as attngen/api/kvcache.py's
+# plans do, benchmarks/NOTES.md v33), the third the module's Python too (v35; with autograd, v36). The
+# signature holds everything the checks read, so a call that would fail them never hits.
 def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """The key of `_PLANS`: each tensor's `tensor_signature`, the other arguments' values, whether Triton
-    interprets and the tuning tables' generation (a replay keeps the config it was recorded with); None
-    where an argument is not of the plain type the checks expect (checked afresh)."""
+    """The key of `PLANS`: "sdpa" (this call path), each tensor's `tensor_signature`, the other arguments'
+    values, whether Triton interprets and the tuning tables' generation (a replay keeps the config it was
+    recorded with); None where an argument is not of the plain type the checks expect (checked afresh)."""
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and attn_mask is None and type(is_causal) is bool and type(enable_gqa) is bool
             and type(dropout_p) in (float, int) and (scale is None or type(scale) in (float, int))):
         return None
-    return (tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal, scale,
-            enable_gqa, interpreting(), tables.generation())
+    return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
+            scale, enable_gqa, interpreting(), tables.generation())
 
 
 def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:

@@ -28,11 +28,12 @@ from ..errors import KernelInputError
 from ..lang.spec import Spec, load_file, parse
 from ..passes import compile_program
 from ..policy import configs
-from . import autograd, cache, interpreter_fixes, launch, plans, registry, tables, warmup
+from . import autograd, cache, interpreter_fixes, launch, registry, tables, warmup
 from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out,
                         check_packed_indexing, check_scale, gradient_tensors, on_other_gpu, tensor_signature)
 from .keys import Shape, problem_text
 from .parts import PARTS, BackwardPart, KVCachePart
+from .plans import PLANS
 
 _LOADED: dict[str, "Kernel"] = {}
 # id(spec) -> (spec, mode, kernel): `load` of a Spec object it has seen (the API's lru-cached specs)
@@ -112,14 +113,13 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
                 _BY_ID[id(spec)] = (spec, mode, kernel)
             return kernel
         # The same module and file, its own autotune setting (and its own key for the custom ops),
-        # loaded once per setting too.
+        # loaded once per setting too. Its call plans are its own: `PLANS` keys them by the Kernel object.
         variant = f"{canonical}{mode} autotune={autotune}"
         if variant not in _LOADED:
             _LOADED[variant] = copy.copy(kernel)
             _LOADED[variant].autotune = autotune
             _LOADED[variant]._parts = {}  # its own, which follow its own autotune setting
             _LOADED[variant]._backward_configs = {}
-            _LOADED[variant]._plans = {}  # (a plan holds its kernel's key and replays of its configs)
             registry.register(_LOADED[variant])
         return _LOADED[variant]
 
@@ -146,7 +146,6 @@ class Kernel:
         self._program = program
         self._parts: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
-        self._plans: dict = {}  # `_signature(...)` -> `autograd.Plan` of calls that passed `__call__`'s checks
 
     @property
     def name(self) -> str:
@@ -219,15 +218,15 @@ class Kernel:
         log-sum-exp of each query row's scores, (B, H, N_Q) float32 (-inf for rows with no visible key).
         When q, k or v require grad, the call is recorded for autograd (forward+backward specs only).
 
-        A call without `config=` whose signature repeats an earlier call's (`_plans`) skips the checks that
-        call passed (but whether `out` shares memory with an input: addresses are not in the signature), and
-        from the signature's third call on replays the launches of its second (attngen/runtime/replay.py), with
-        autograd or without, as `attngen.attention` does.
+        A call without `config=` whose signature repeats an earlier call's (its plan in `PLANS`, the one cache
+        of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
+        input: addresses are not in the signature), and from the signature's third call on replays the launches
+        of its second (attngen/runtime/replay.py), with autograd or without, as `attngen.attention` does.
         """
         signature = None
         if config is None and not torch.compiler.is_compiling():
             signature = self._signature(q, k, v, scale, return_lse, out)
-            plan = None if signature is None else self._plans.get(signature)
+            plan = None if signature is None else PLANS.get(signature)
             if plan is not None:
                 if not autograd.needs_grad(q, k, v):
                     if out is not None:
@@ -252,19 +251,19 @@ class Kernel:
             out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)  # (checks out)
         if signature is not None:  # (a call that passed every check)
             # (the plan's key is fixed by the signature)
-            plans.keep(self._plans, signature, autograd.Plan.new(self.key, sm_scale, False))
+            PLANS.keep(signature, autograd.Plan.new(self.key, sm_scale, False))
         return (out, lse) if return_lse else out
 
     def _signature(self, q, k, v, scale, return_lse, out) -> tuple | None:
-        """The key of `_plans`: each tensor's `tensor_signature` (out's too, or None), the scale and
-        `return_lse`, whether Triton interprets and the tuning tables' generation (a replay keeps the config
-        it was recorded with); None where an argument is not of the plain type the checks expect (checked
-        afresh)."""
+        """The key of `PLANS`: this Kernel (its call path: a copy loaded with its own autotune setting keeps
+        its own plans), each tensor's `tensor_signature` (out's too, or None), the scale and `return_lse`,
+        whether Triton interprets and the tuning tables' generation (a replay keeps the config it was recorded
+        with); None where an argument is not of the plain type the checks expect (checked afresh)."""
         if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
                 and (out is None or type(out) is torch.Tensor)
                 and (scale is None or type(scale) in (float, int)) and type(return_lse) is bool):
             return None
-        return (tensor_signature(q), tensor_signature(k), tensor_signature(v),
+        return (self, tensor_signature(q), tensor_signature(k), tensor_signature(v),
                 None if out is None else tensor_signature(out), scale, return_lse, interpreting(),
                 tables.generation())
 

@@ -1,9 +1,9 @@
 """Replaying one call's kernel launches on new tensors of the same layout, without the Python that made them.
 
 An eager decoding step (`attention_with_kvcache`) whose signature repeats an earlier call's already skips
-its checks (attngen/api/kvcache.py `_PLANS`), but still runs the generated module's `forward_kvcache`: views,
-allocations, the Gluon kernel's readiness check, two TMA descriptors, two launches keyed afresh by
-FastJIT. That is ~60% of the call's host time (benchmarks/NOTES.md v34), and its outcome is the same on
+its checks (its plan in attngen/runtime/plans.py `PLANS`), but still runs the generated module's
+`forward_kvcache`: views, allocations, the Gluon kernel's readiness check, two TMA descriptors, two launches
+keyed afresh by FastJIT. That is ~60% of the call's host time (benchmarks/NOTES.md v34), and its outcome is the same on
 every call of the signature but for addresses: the same binaries, grids, scalars and constexprs.
 
 `record(fn, inputs)` runs fn once while watching it:
