@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attngen.cli import main
 from conftest import ROOT, SPECS
@@ -82,3 +83,21 @@ def test_module_entry_point_and_usage_errors():
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
     missing = run("compile", "nope.attn")
     assert missing.returncode == 2 and missing.stderr.startswith("nope.attn:1:1: error: cannot read spec")
+
+
+def test_the_cli_decides_the_interpreter_before_anything_imports_triton():
+    """Triton fixes whether it interprets kernels when it is first imported, and `attngen` decides that after its
+    own imports (no GPU: the interpreter), so importing the CLI must not import triton."""
+    code = "import sys, attngen.cli; print('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without a CUDA GPU")
+def test_quickstart_check_runs_in_the_interpreter_without_being_told():
+    """The README's first command on a machine without a GPU: `attngen check` with TRITON_INTERPRET unset."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "attngen", "check", os.path.join(SPECS, "fwd_causal_d64.attn")],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "running kernels in Triton's interpreter" in done.stderr and "6/6 cases within tolerance" in done.stdout

@@ -47,7 +47,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from ..api.kvcache import attention_with_kvcache
 from .common import Row, compiled_flex_attention
@@ -59,6 +58,10 @@ CONTEXTS = (1024, 8192, 32768)
 
 
 def bench(fn) -> float:
+    # NOTE: triton is imported where it is used, not at the top: the CLI imports this module before it decides
+    # whether Triton interprets kernels (no GPU), and Triton fixes that when it is first imported
+    import triton.testing
+
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -314,6 +317,8 @@ def main() -> int:
             print(f"B={batch} ctx={ctx}: " + ", ".join(f"{n} {g:.0f}" for n, g in rows[-1]["GB/s"].items() if g),
                   flush=True)
     graph = graph_check(gen)
+    import triton
+
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "heads": H, "kv_heads": H_KV, "head_dim": D, "dtype": "bf16", "seqlen_q": 1, "rows": rows,
               "cuda_graph": graph, "seconds": time.time() - started}
