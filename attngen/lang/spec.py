@@ -23,6 +23,8 @@ from typing import Any
 import lark
 
 from ..errors import SpecError, UnsupportedError
+from .variants import Variant
+from .variants import alignment as variant_alignment
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_NAME_LENGTH = 64
@@ -45,9 +47,11 @@ class Mask(enum.Enum):
     NONE = "none"
     CAUSAL_TOP_LEFT = "causal(top_left)"
     CAUSAL_BOTTOM_RIGHT = "causal(bottom_right)"
+    CUSTOM = "custom"  # any other mask: the tree is the spec's `variant.mask`
 
     @property
     def is_causal(self) -> bool:
+        """Whether the mask drops scores (every mask but none: the kernels skip and mask blocks)."""
         return self is not Mask.NONE
 
 
@@ -108,6 +112,9 @@ class Spec:
     split_kv: int | None = 1
     kv_layout: KVLayout = KVLayout()
     pack_gqa: bool | None = AUTO
+    # Masks beyond none/causal, score modifiers, sinks and run-time tensors (lang/variants.py); empty for
+    # a plain spec. `mask` is Mask.CUSTOM exactly when `variant.mask` holds the mask's tree.
+    variant: Variant = Variant()
     # Where each key was written, for error messages; not part of the kernel's identity.
     filename: str = field(default="<spec>", compare=False, repr=False)
     where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
@@ -134,6 +141,23 @@ class Spec:
     def fixes_tiles(self) -> bool:
         """Whether the spec writes any tile key (block_m, block_n, num_warps, num_stages) by hand."""
         return any(getattr(self, key) is not None for key in ("block_m", "block_n", "num_warps", "num_stages"))
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the kernel reads a KV cache (split-KV or paged): `forward_kvcache`, per-sequence lengths."""
+        return self.split_kv != 1 or self.kv_layout.paged
+
+    @property
+    def bottom_right(self) -> bool:
+        """Whether query positions align bottom-right (the last query at the last key): a KV-cache kernel's,
+        or what `causal(bottom_right)` asks for; top-left otherwise. Every mask node and score modifier
+        reads q in this alignment."""
+        if self.mask is Mask.CAUSAL_BOTTOM_RIGHT:
+            return True
+        if self.mask is Mask.CAUSAL_TOP_LEFT:
+            return False
+        named = variant_alignment(self.variant.mask)
+        return named == "bottom_right" if named else self.decoding
 
     @property
     def packs_gqa(self) -> bool:
@@ -182,13 +206,21 @@ class Spec:
         lines = [f"kernel {self.name} {{"]
         for key in _KEY_ORDER:
             value = getattr(self, key)
-            if key in ("heads", "kv_heads", "group") and value is None:
+            if key == "mask" and self.variant.mask is not None:
+                text = self.variant.mask.text()
+            elif key in ("heads", "kv_heads", "group") and value is None:
                 text = "any"
             elif key == "scale" and value is None:
                 text = "default"
             else:
                 text = show(value)
             lines.append(f"    {key} = {text}")
+        # Written only when set, so that a plain spec's text (and hash) is what it always was.
+        if self.variant.score is not None:
+            lines.append(f"    score = {self.variant.score.text()}")
+        if self.variant.sinks:
+            lines.append("    sinks = true")
+        lines += [f"    {t.text()}" for t in self.variant.tensors]
         lines.append("}")
         return "\n".join(lines) + "\n"
 
