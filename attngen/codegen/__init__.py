@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 
 from .. import ir
+from ..ir import variants
 from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
@@ -92,8 +93,17 @@ def render(spec: Spec, program: ir.Program) -> str:
         else None,
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
+        tensors=_runtime_tensors(spec),
     )
     return _ENV.get_template(TEMPLATE).render(**context)
+
+
+def _runtime_tensors(spec: Spec) -> list[dict]:
+    """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks): the
+    keyword, the launchers' parameter name, and whether a (heads,) tensor is expanded to (batch, heads)."""
+    names = spec.variant.runtime_tensors()
+    buffers = variants.tensor_buffers(spec.variant)
+    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI) for name, b in zip(names, buffers)]
 
 
 def _split_heuristic_source() -> str:

@@ -393,6 +393,8 @@ class KernelEmitter:
             keep = self.mask(e)
             value, _ = self.expr(e.value, loads)
             return f"tl.where({keep}, {value}, {_literal(e.fill)})", 3
+        if isinstance(e, ir.Pointwise):
+            return self.pointwise(e, loads), 1
         op, args = e.op, e.args
         if op in _PREC:
             return self.binary(e, loads)
@@ -470,10 +472,60 @@ class KernelEmitter:
                 conds.append(f"({k}{kb} <= {q}{qb}{offset})")
             elif p.kind is PredKind.KEY_BOUND:
                 conds.append(f"({k}{kb} < {exprs.device(p.bound)})")
-            else:
+            elif p.kind is PredKind.QUERY_BOUND:
                 conds.append(f"({q}{qb} < {exprs.device(p.bound)})")
-        self.line("keep = " + " & ".join(conds))
+            else:
+                cond = sympy.sympify(p.bound)
+                conds.append(sympy.Le(cond, 0, evaluate=False) if p.kind is PredKind.BAND else cond)
+        self.elements(sympy.And(*(c for c in conds if not isinstance(c, str))), q, k, qb, kb, m.query_group)
+        self.line("keep = " + " & ".join(c if isinstance(c, str) else exprs.device(c) for c in conds))
         return "keep"
+
+    def elements(self, expr, q: str, k: str | None, qb: str, kb: str, group) -> None:
+        """Define the element symbols `expr` uses (sym.py: q_idx, k_idx, q_head) as tiles of this scope."""
+        free = sympy.sympify(expr).free_symbols
+        if sym.q_idx in free:
+            self.line(f"q_idx = {q}{qb}")
+        if sym.k_idx in free:
+            self.line(f"k_idx = {k}{kb}")
+        if sym.q_head in free:
+            if group == 1:
+                self.line("q_head = h")
+            else:  # packed rows: row r is head h_kv * GROUP + r % GROUP of the group
+                rows = q.removeprefix("(").split(" // ")[0]
+                self.line(f"q_head = (h_kv * {exprs.device(group)} + {rows} % {exprs.device(group)}){qb}")
+
+    def pointwise(self, e: ir.Pointwise, loads: dict) -> str:
+        """A pointwise function of a tile: its element symbols and tensor reads defined, then fn."""
+        value, _ = self.expr(e.value, loads)
+        name = self.fresh("pw")
+        self.line(f"{name} = {value}")
+        q = self.use_span(e.query)
+        if e.query_group != 1:
+            q = f"({q} // {exprs.device(e.query_group)})"
+        k = self.use_span(e.key) if e.key is not None else None
+        qb, kb = ("[:, None]", "[None, :]") if e.query_axis == 0 else ("[None, :]", "[:, None]")
+        if e.key is None:
+            qb = ""
+        fn = sympy.sympify(e.fn)
+        self.elements(fn, q, k, qb, kb, e.query_group)
+        buffers = {b.name: b for b in e.tensors}
+        for read in sorted(fn.atoms(sympy.core.function.AppliedUndef), key=sympy.default_sort_key):
+            buf = buffers[read.func.__name__]
+            strides = self.strides[buf.name]
+            ptr = " + ".join([buf.name] + [f"({exprs.device(i)}) * {s}" for i, s in zip(read.args, strides)])
+            inside = " & ".join(f"({exprs.device(i)} >= 0) & ({exprs.device(i)} < {exprs.device(d)})"
+                                for i, d in zip(read.args, buf.shape))
+            got = self.fresh(buf.name.lower())
+            # Reads outside the tensor's extent read 0 (the spec language's rule).
+            self.line(f"{got} = tl.load({ptr}, mask={inside}, other=0).to(tl.float32)")
+            fn = fn.subs(read, sympy.Symbol(got))
+        return exprs.device(fn.subs(sym.S, sympy.Symbol(name)))
+
+    def fresh(self, base: str) -> str:
+        """A new local name `base_N` for generated temporaries."""
+        self.counter = getattr(self, "counter", 0) + 1
+        return f"{base}_{self.counter}"
 
     # -- statements --------------------------------------------------------------------------------
     def block(self, body) -> None:

@@ -44,6 +44,57 @@ class _Printer(StrPrinter):
     def _print_Float(self, expr):
         return repr(float(expr))
 
+    # -- what masks and score modifiers add (ir/variants.py): device code over element tiles ---------------
+    def _print_FloorDivS(self, expr):
+        a, b = expr.args
+        mod = self._print_ModS(expr)
+        return f"(({self._print(a)} - {mod}) // {self.parenthesize(b, 60)})"
+
+    def _print_ModS(self, expr):
+        # Python's sign whatever the target's remainder does (C's truncates toward zero; the interpreter's
+        # numpy floors): ((a % b) + b) % b is a's residue in [0, b) either way.
+        a, b = expr.args
+        bt = self.parenthesize(b, 60)
+        return f"((({self._print(a)}) % {bt} + {bt}) % {bt})"
+
+    def _print_Abs(self, expr):
+        return f"{self.lib}.abs({self._print(expr.args[0])})"
+
+    def _print_exp(self, expr):
+        return f"{self.lib}.exp({self._print(expr.args[0])})"
+
+    def _print_tanh(self, expr):
+        # tanh x = 1 - 2 / (1 + e^(2x)), in exp2: saturates to +-1 without overflow.
+        return f"(1.0 - 2.0 / (1.0 + {self.lib}.math.exp2({2 * sym.LOG2E!r} * ({self._print(expr.args[0])}))))"
+
+    def _print_Pow(self, expr):
+        base, power = expr.args
+        if power.is_Integer and 1 <= int(power) <= 4:
+            b = self.parenthesize(base, 60)
+            return "(" + " * ".join([b] * int(power)) + ")"
+        if power == -1:
+            return f"(1.0 / {self.parenthesize(base, 60)})"
+        raise ValueError(f"no device spelling for the power {expr}")
+
+    def _print_Relational(self, expr):
+        op = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}[expr.rel_op]
+        return f"({self._print(expr.lhs)} {op} {self._print(expr.rhs)})"
+
+    def _print_And(self, expr):
+        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Or(self, expr):
+        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Not(self, expr):
+        return f"(~{self._print(expr.args[0])})"
+
+    def _print_BooleanTrue(self, expr):
+        return "True"
+
+    def _print_BooleanFalse(self, expr):
+        return "False"
+
 
 _DEVICE = _Printer(device=True)
 _HOST = _Printer(device=False)

@@ -18,6 +18,8 @@ from typing import Iterator, Union
 
 import sympy
 
+from . import sym
+
 
 class Space(enum.Enum):
     HBM = "hbm"
@@ -35,6 +37,7 @@ class Stat(enum.Enum):
     """What an HBM buffer of one float32 per query row holds (None on other buffers)."""
     LSE = "lse"       # the log-sum-exp of the row's scores, natural log (a split's partial one too)
     DELTA = "delta"   # rowsum(dO * O), which the backward's dQ kernel writes and its dK/dV kernel reads
+    SINK = "sink"     # (one float32 per query head) a learned logit that joins each row's softmax denominator
 
 
 class DT(enum.Enum):
@@ -197,22 +200,50 @@ class PredKind(enum.Enum):
     CAUSAL = "causal"      # key <= query + offset
     KEY_BOUND = "key_bound"   # key < limit
     QUERY_BOUND = "query_bound"  # query < limit
+    BAND = "band"          # bound(q_idx, k_idx) <= 0: one side of a monotone band (ir/variants.py)
+    EXPR = "expr"          # bound(q_idx, k_idx, q_head, b) is true: a condition no block analysis bounds
 
 
 @dataclass(frozen=True, slots=True)
 class Pred:
-    """One condition an element (query position, key position) must meet to be kept."""
+    """One condition an element (query position, key position) must meet to be kept.
+
+    A BAND predicate is `bound <= 0` with `bound` = +-k_idx + f(q_idx), f antitone when k_idx counts
+    positively (an upper bound on the key that grows with the query) and monotone otherwise; `alt` is the
+    same condition solved for the query, +-q_idx + g(k_idx) <= 0 with the same rule (None: not solvable, a
+    loop over query blocks cannot narrow by it). An EXPR predicate's `bound` is a sympy boolean."""
 
     kind: PredKind
-    bound: sympy.Expr  # the causal offset, or the limit
+    bound: sympy.Expr  # the causal offset, or the limit; a BAND's key form; an EXPR's condition
+    alt: sympy.Expr | None = None  # a BAND's query form
 
     def holds_for(self, query, key):
-        """The condition as a linear inequality `coef_q*query + coef_k*key <= rhs`."""
+        """The condition as a linear inequality `coef_q*query + coef_k*key <= rhs` (the three linear kinds)."""
         if self.kind is PredKind.CAUSAL:
             return (-1, 1, self.bound)
         if self.kind is PredKind.KEY_BOUND:
             return (0, 1, self.bound - 1)
-        return (1, 0, self.bound - 1)
+        if self.kind is PredKind.QUERY_BOUND:
+            return (1, 0, self.bound - 1)
+        raise ValueError(f"a {self.kind.value} predicate is not one linear inequality")
+
+    def band(self, axis: str):
+        """(c, f) with the predicate `c * x + f(y) <= 0` for x the `axis` position ("key" or "query") and y
+        the other (f over the symbol y_idx of sym.py); c = 0 when it does not depend on x; None when the
+        predicate cannot be solved for x (an EXPR, a BAND without a query form)."""
+        x, y = (sym.k_idx, sym.q_idx) if axis == "key" else (sym.q_idx, sym.k_idx)
+        if self.kind is PredKind.EXPR:
+            return None
+        if self.kind is PredKind.BAND:
+            form = self.bound if axis == "key" else self.alt
+            if form is None:
+                return None
+            form = sympy.sympify(form)
+            c = form.coeff(x) if x in form.free_symbols else sympy.Integer(0)
+            return int(c), sympy.expand(form - c * x)
+        cq, ck, rhs = self.holds_for(None, None)
+        c, co = (ck, cq) if axis == "key" else (cq, ck)
+        return c, co * y - rhs
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,13 +263,31 @@ class Masked:
 
 
 @dataclass(frozen=True, slots=True)
+class Pointwise:
+    """`fn` applied to every element of `value`: a score modifier (softcap, ALiBi, a spec's expression) or its
+    derivative. `fn` is a sympy expression of sym.S (the element's value), sym.q_idx / sym.k_idx (its query
+    row and key positions along the spans `query` and `key`; rows are positions // query_group under GQA
+    packing), sym.q_head (its query head) and sym.b, and of reads of the run-time `tensors`, each spelled as
+    the applied sympy function named after its buffer. `key` None: `value` is a vector of rows."""
+
+    value: "Expr"
+    fn: sympy.Expr
+    query: Span
+    key: Span | None
+    query_axis: int = 0
+    query_group: sympy.Expr = sympy.Integer(1)
+    tensors: tuple[Buffer, ...] = ()
+    score: bool = True  # fn's value is a score (exp2 converts it to base 2 with its argument), not a factor
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     op: Op
     args: tuple["Expr", ...]
     dtype: DT | None = None  # for CAST; for DOT*, the operand precision ("ieee" when fp32)
 
 
-Expr = Union[Ref, Num, Sym, Load, Masked, Call]
+Expr = Union[Ref, Num, Sym, Load, Masked, Pointwise, Call]
 
 
 # -- statements ----------------------------------------------------------------------------------
@@ -272,6 +321,7 @@ class Softmax:
     rowmax: Buffer
     rowsum: Buffer
     scores: Expr
+    sink: Expr | None = None  # one more logit per row in the denominator (a learned sink), with no value
 
 
 class LoopKind(enum.Enum):
@@ -463,7 +513,7 @@ def walk_expr(expr: Expr) -> Iterator[Expr]:
     if isinstance(expr, Call):
         for a in expr.args:
             yield from walk_expr(a)
-    elif isinstance(expr, Masked):
+    elif isinstance(expr, (Masked, Pointwise)):
         yield from walk_expr(expr.value)
 
 
@@ -471,7 +521,7 @@ def stmt_exprs(stmt: Stmt) -> tuple[Expr, ...]:
     if isinstance(stmt, (Assign, Store)):
         return (stmt.value,)
     if isinstance(stmt, Softmax):
-        return (stmt.scores,)
+        return (stmt.scores,) if stmt.sink is None else (stmt.scores, stmt.sink)
     return ()
 
 
@@ -479,7 +529,7 @@ def map_expr(expr: Expr, fn) -> Expr:
     """Rebuild `expr` bottom-up, replacing each node by `fn(node)` (which may return it unchanged)."""
     if isinstance(expr, Call):
         expr = replace(expr, args=tuple(map_expr(a, fn) for a in expr.args))
-    elif isinstance(expr, Masked):
+    elif isinstance(expr, (Masked, Pointwise)):
         expr = replace(expr, value=map_expr(expr.value, fn))
     return fn(expr)
 
@@ -505,7 +555,8 @@ def map_exprs_in(body: tuple[Stmt, ...], fn) -> tuple[Stmt, ...]:
         if isinstance(stmt, Store):
             return replace(stmt, value=map_expr(stmt.value, fn))
         if isinstance(stmt, Softmax):
-            return replace(stmt, scores=map_expr(stmt.scores, fn))
+            sink = None if stmt.sink is None else map_expr(stmt.sink, fn)
+            return replace(stmt, scores=map_expr(stmt.scores, fn), sink=sink)
         return stmt
 
     return map_stmts(body, visit)
@@ -537,11 +588,14 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
         if isinstance(e, Masked):
             return replace(
                 e,
-                preds=tuple(replace(p, bound=s(p.bound)) for p in e.preds),
+                preds=tuple(replace(p, bound=s(p.bound), alt=s(p.alt)) for p in e.preds),
                 query=span(e.query),
                 key=span(e.key),
                 query_group=s(e.query_group),
             )
+        if isinstance(e, Pointwise):
+            return replace(e, fn=s(e.fn), query=span(e.query), key=span(e.key) if e.key is not None else None,
+                           query_group=s(e.query_group))
         return e
 
     def stmt(st):
@@ -574,7 +628,7 @@ def shape_of(expr: Expr) -> tuple[sympy.Expr, ...]:
         return ()
     if isinstance(expr, Load):
         return index_shape(expr.index)
-    if isinstance(expr, Masked):
+    if isinstance(expr, (Masked, Pointwise)):
         return shape_of(expr.value)
     op, args = expr.op, expr.args
     if op is Op.DOT:
@@ -603,6 +657,8 @@ def dtype_of(expr: Expr) -> DT:
         return DT.F32
     if isinstance(expr, Masked):
         return dtype_of(expr.value)
+    if isinstance(expr, Pointwise):
+        return DT.F32
     if expr.op is Op.CAST:
         return expr.dtype
     if expr.op in (Op.DOT, Op.DOT_T, Op.DOT_ACC):
@@ -642,6 +698,10 @@ def format_pred(p: Pred) -> str:
         return f"key <= query + {_e(p.bound)}" if p.bound != 0 else "key <= query"
     if p.kind is PredKind.KEY_BOUND:
         return f"key < {_e(p.bound)}"
+    if p.kind is PredKind.BAND:
+        return f"{_e(p.bound)} <= 0"
+    if p.kind is PredKind.EXPR:
+        return f"({_e(p.bound)})"
     return f"query < {_e(p.bound)}"
 
 
@@ -661,6 +721,9 @@ def format_expr(e: Expr) -> str:
         fill = format_expr(Num(e.fill))
         rows = f", query = row // {_e(e.query_group)}" if e.query_group != 1 else ""
         return f"mask({format_expr(e.value)}, keep {preds}{rows}, else {fill})"
+    if isinstance(e, Pointwise):
+        rows = f", query = row // {_e(e.query_group)}" if e.query_group != 1 else ""
+        return f"pointwise({format_expr(e.value)}, s -> {_e(e.fn)}{rows})"
     op, args = e.op, e.args
     if op in BINARY and op is not Op.MAX:
         a, b = (format_expr(x) for x in args)
@@ -704,9 +767,10 @@ def _format_body(body, indent: int, defined: set, out: list) -> None:
         elif isinstance(st, Softmax):
             for b in (st.probs, st.rowmax, st.rowsum):
                 defined.add(b.name)
+            sink = f", sink {format_expr(st.sink)}" if st.sink is not None else ""
             out.append(
                 f"{pad}{st.probs.name}: {format_buffer_type(st.probs)}, {st.rowmax.name}, {st.rowsum.name}"
-                f" = softmax_rows({format_expr(st.scores)})"
+                f" = softmax_rows({format_expr(st.scores)}{sink})"
             )
 
 

@@ -113,6 +113,8 @@ def evaluate(expr, values: dict) -> int:
     result = sympy.sympify(expr).subs(values)
     result = result.replace(FloorDiv, lambda a, b: sympy.Integer(int(a) // int(b)))
     result = result.replace(CeilDiv, lambda a, b: sympy.Integer(-(-int(a) // int(b))))
+    result = result.replace(FloorDivS, lambda a, b: sympy.Integer(int(a) // int(b)))
+    result = result.replace(ModS, lambda a, b: sympy.Integer(int(a) % int(b)))
     return int(result)
 
 
@@ -151,6 +153,52 @@ n_k = index("n_k")                # this sequence's key count (loaded from SEQLE
 keys_per_split = index("keys_per_split")
 split_start = index("split_start")
 split_stop = index("split_stop")
+
+
+# Masks and score modifiers (ir/variants.py): the element a predicate or pointwise function is evaluated at.
+q_idx = index("q_idx")            # the element's query row position (a mask's q is q_idx plus the alignment)
+k_idx = index("k_idx")            # the element's key position
+q_head = index("q_head")          # the element's query head (h, or per row under GQA packing)
+S = sympy.Symbol("s", real=True)  # a pointwise function's argument: the score tile's value
+BIG = sympy.Integer(1 << 30)      # past every position: a bound that holds (or fails) for every query
+
+
+class FloorDivS(sympy.Function):
+    """floor(a / b) for a positive constant b and an `a` of either sign (a user's expression, or an
+    aligned position that may be negative): printed so that C's and Python's integer division agree."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        if a.is_nonnegative:
+            return FloorDiv(a, b)
+        return None
+
+    def _sympystr(self, printer):
+        a, b = self.args
+        return f"floor({printer.doprint(a)} / {printer.doprint(b)})"
+
+
+class ModS(sympy.Function):
+    """a mod b for a positive constant b, with Python's sign (the result is in [0, b))."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) % int(b))
+        return None
+
+    def _eval_is_nonnegative(self):
+        return True
+
+    def _sympystr(self, printer):
+        a, b = self.args
+        return f"({printer.doprint(a)} mod {printer.doprint(b)})"
 
 
 def distribute(expr):

@@ -15,6 +15,9 @@ from ..errors import InternalError
 from .nodes import (DT, Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space,
                     Span, Store, SymKind)
 
+# The element a predicate or pointwise function is evaluated at (sym.py): defined wherever a tile is.
+_ELEMENT = {"q_idx", "k_idx", "q_head"}
+
 # Passes after which the forward kernel is fused (no N x N scratch, no naive softmax), and after
 # which every kernel is (the naive backward lives until `recompute` replaces it).
 _FUSED_STAGES = {"online-softmax", "exp2", "fold-scale", "causal-skip", "pack-gqa", "split-kv", "paged", "recompute"}
@@ -99,9 +102,22 @@ class _Checker:
             elif isinstance(node, Masked):
                 self.span_ok(node.query, scope)
                 self.span_ok(node.key, scope)
+                element = scope | _ELEMENT
                 for p in node.preds:
-                    self.symbols_ok(p.bound, scope, "mask predicate")
+                    self.symbols_ok(p.bound, element, "mask predicate")
+                    self.symbols_ok(p.alt, element, "mask predicate")
                 self.symbols_ok(node.query_group, scope, "rows per query position")
+            elif isinstance(node, ir.Pointwise):
+                self.span_ok(node.query, scope)
+                if node.key is not None:
+                    self.span_ok(node.key, scope)
+                for t in node.tensors:
+                    self.declared(t)
+                reads = {f.func.__name__ for f in sympy.sympify(node.fn).atoms(sympy.core.function.AppliedUndef)}
+                if reads - {t.name for t in node.tensors}:
+                    self.fail(f"pointwise function reads {sorted(reads - {t.name for t in node.tensors})}, "
+                              "which it does not list")
+                self.symbols_ok(node.fn, scope | _ELEMENT | {str(ir.sym.S)}, "pointwise function")
             elif isinstance(node, ir.Sym):
                 self.symbols_ok(node.expr, scope, "scalar")
             elif isinstance(node, Call) and node.op is ir.Op.CAST and node.dtype is None:

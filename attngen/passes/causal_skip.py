@@ -37,24 +37,26 @@ def _masks_in(loop: Loop) -> list[Masked]:
     return found
 
 
-def _extent(coef: int, span: Span, group=sym.ONE):
-    """(min, max) of coef * position over the span's real positions (those below its limit: the
-    rows a tile has past the sequence end are never stored, so what they see does not matter).
-    With GQA packing, `group` rows share a position (row // group)."""
+def _ends(span: Span, group=sym.ONE):
+    """The first and last real position of a span (those below its limit: the rows a tile has past the
+    sequence end are never stored, so what they see does not matter). With GQA packing, `group` rows share
+    a position (row // group)."""
     first, last = span.start, span.start + span.size - 1
     if span.limit is not None:
         last = sympy.Min(last, span.limit - 1)
     if group != 1:
         first, last = sym.FloorDiv(first, group), sym.FloorDiv(last, group)
-    if coef > 0:
-        return coef * first, coef * last
-    if coef < 0:
-        return coef * last, coef * first
-    return sym.ZERO, sym.ZERO
+    return first, last
 
 
 def regions(loop: Loop, mask: Masked):
-    """The three ranges (and the predicates each keeps) for a loop over one axis of `mask`."""
+    """The three ranges (and the predicates each keeps) for a loop over one axis of `mask`.
+
+    Each predicate reads `c * x + f(y) <= 0` for x the loop's position and y the other axis's (`Pred.band`),
+    f antitone where c > 0 and monotone where c < 0, so over the other tile f is extreme at its ends, and
+    the blocks where the predicate holds for every element (full) or for none (dead) are a prefix or a
+    suffix of the loop, found in closed form. A predicate that does not depend on x, or that cannot be
+    solved for it, stays in every region."""
     if mask.key.start == loop.var:
         axis, other = "key", mask.query
     elif mask.query.start == loop.var:
@@ -67,21 +69,25 @@ def regions(loop: Loop, mask: Masked):
     group = mask.query_group if axis == "key" else sym.ONE
     if sympy.simplify(tile.size - loop.step) != 0:
         raise InternalError(f"causal-skip: tile of {tile.size} positions in a loop of step {loop.step}")
+    y = sym.q_idx if axis == "key" else sym.k_idx
+    first, last = _ends(other, group)
     lo, hi, step = loop.start, loop.stop, loop.step
     live_starts, live_ends, full_starts, full_ends, kept = [], [], [], [], []
     for pred in mask.preds:
-        cq, ck, rhs = pred.holds_for(None, None)
-        c, co = (ck, cq) if axis == "key" else (cq, ck)
-        if c == 0:
+        band = pred.band(axis)
+        if band is None or band[0] == 0:
             kept.append(pred)
             continue
-        o_min, o_max = _extent(co, other, group)
-        if c > 0:  # kept for low positions: full prefix, dead suffix
-            full_ends.append(lo + sym.FloorDiv(sympy.Max(0, rhs - o_max - lo + 1), step) * step)
-            live_ends.append(rhs - o_min + 1)
-        else:      # kept for high positions: dead prefix, full suffix
-            full_starts.append(lo + sym.CeilDiv(sympy.Max(0, o_max - rhs - lo), step) * step)
-            live_starts.append(lo + sym.CeilDiv(sympy.Max(0, o_min - rhs - lo - step + 1), step) * step)
+        c, f = band
+        at_first, at_last = f.subs(y, first), f.subs(y, last)
+        if c > 0:  # x <= -f(y): kept for low positions: full prefix, dead suffix
+            f_min, f_max = at_last, at_first
+            full_ends.append(lo + sym.FloorDiv(sympy.Max(0, -f_max - lo + 1), step) * step)
+            live_ends.append(-f_min + 1)
+        else:      # x >= f(y): kept for high positions: dead prefix, full suffix
+            f_min, f_max = at_first, at_last
+            full_starts.append(lo + sym.CeilDiv(sympy.Max(0, f_max - lo), step) * step)
+            live_starts.append(lo + sym.CeilDiv(sympy.Max(0, f_min - lo - step + 1), step) * step)
     live_lo = sympy.Max(lo, *live_starts)
     live_hi = sympy.Min(hi, *live_ends) if hi not in live_ends else sympy.Min(*live_ends)
     full_lo = sympy.Max(live_lo, *full_starts)

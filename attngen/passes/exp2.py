@@ -40,8 +40,13 @@ def _rewrite_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
             return replace(e, args=(e.args[0], Ref(qk_scale)))
         if isinstance(e, Call) and e.op in _BASE2:
             return replace(e, op=_BASE2[e.op])
-        if isinstance(e, Load) and _is_lse(e.buffer):
+        if isinstance(e, Load) and (_is_lse(e.buffer) or e.buffer.stat is Stat.SINK):
             return Call(Op.MUL, (e, Num(sym.LOG2E)))
+        if isinstance(e, ir.Pointwise):
+            # Its argument is now a base-2 score (s * log2 e): fn reads it back in base e, and a score it
+            # returns goes to base 2 as well.
+            fn = e.fn.subs(sym.S, sym.S * sym.LN2)
+            return replace(e, fn=fn * sym.LOG2E if e.score else fn)
         if isinstance(e, Call) and e.op is Op.INF_IF_EMPTY and _is_base2_lse(e.args[0]):
             # +-inf survive the change of base: convert after the guard, once.
             return Call(Op.MUL, (replace(e, args=(e.args[0].args[0],)), Num(sym.LOG2E)))

@@ -9,8 +9,8 @@ the baseline next to the generated one.
 from __future__ import annotations
 
 from .. import ir
-from ..ir import sym
-from ..ir import DT, Buffer, Call, Load, Masked, Op, Pred, PredKind, Ref, Role, Space, Span, Stat, Sym
+from ..ir import sym, variants
+from ..ir import DT, Buffer, Call, Load, Masked, Op, Pointwise, Pred, PredKind, Ref, Role, Space, Span, Stat, Sym
 from ..lang.spec import Mask, Spec
 
 NAME = "lower"
@@ -22,8 +22,15 @@ def io_dtype(spec: Spec) -> DT:
     return _DT[spec.dtype.value]
 
 
+def alignment(spec: Spec):
+    """The offset of a mask's query position from the row index: 0 top-left, N_K - N_Q bottom-right."""
+    return sym.N_K - sym.N_Q if spec.bottom_right else sym.ZERO
+
+
 def mask_preds(spec: Spec) -> tuple[Pred, ...]:
     """The spec's mask as predicates on (query, key) positions."""
+    if spec.variant.mask is not None:
+        return variants.mask_preds(spec.variant.mask, alignment(spec))
     if spec.mask is Mask.CAUSAL_TOP_LEFT:
         return (Pred(PredKind.CAUSAL, sym.ZERO),)
     if spec.mask is Mask.CAUSAL_BOTTOM_RIGHT:
@@ -53,6 +60,15 @@ def run(spec: Spec) -> ir.Program:
     v = Load(v_buf, (sym.b, kv_head, cols, dims))
 
     scores = Call(Op.MUL, (Call(Op.DOT_T, (q, k), _precision(dt)), Sym(sym.sm_scale)))
+    extra = variants.tensor_buffers(spec.variant)
+    fn = variants.score_fn(spec.variant, alignment(spec), extra)
+    if fn is not None:
+        read = set(variants.reads(fn))
+        scores = Pointwise(scores, fn, query=rows, key=cols, tensors=tuple(b for b in extra if b.name in read))
+    sink = None
+    if spec.variant.sinks:
+        sinks = next(b for b in extra if b.name == variants.SINKS)
+        sink = Load(sinks, (sym.h,))
     preds = mask_preds(spec)
     if preds:
         scores = Masked(scores, preds, query=rows, key=cols)
@@ -60,7 +76,7 @@ def run(spec: Spec) -> ir.Program:
         ir.Comment("pass 1: scores to HBM"),
         ir.Assign(s_buf, scores),
         ir.Comment("pass 2: row softmax, HBM to HBM"),
-        ir.Softmax(p_buf, m_buf, l_buf, Ref(s_buf)),
+        ir.Softmax(p_buf, m_buf, l_buf, Ref(s_buf), sink),
         ir.Comment("pass 3: weighted sum of values"),
         ir.Store(o_buf, (sym.b, sym.h, rows, dims),
                  Call(Op.DIV, (Call(Op.DOT, (Ref(p_buf), v), _precision(dt)), Ref(l_buf)))),
@@ -80,11 +96,11 @@ def run(spec: Spec) -> ir.Program:
         ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf), symbols, (grid,),
+    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra, symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
-        mask=spec.mask.value, dtype=spec.dtype.value, head_dim=spec.head_dim,
+        mask=spec.variant.mask.text() if spec.variant.mask is not None else spec.mask.value, dtype=spec.dtype.value, head_dim=spec.head_dim,
         head_dim_padded=spec.head_dim_padded, backward=spec.backward,
     )
     # What the decoding passes act on; absent (so the IR text is unchanged) for a plain forward.
@@ -94,6 +110,10 @@ def run(spec: Spec) -> ir.Program:
         attrs["page_size"] = spec.kv_layout.page_size
     if spec.packs_gqa:
         attrs["pack_gqa"] = True
+    if spec.variant.score is not None:
+        attrs["score"] = spec.variant.score.text()
+    if spec.variant.sinks:
+        attrs["sinks"] = True
     if spec.fixes_tiles:
         attrs["fixed_tiles"] = True  # tiles written by hand: the kernel keeps exactly them (warp-specialize)
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)

@@ -89,6 +89,22 @@ def run(program: ir.Program) -> ir.Program:
             return Ref(l_safe)
         return e
 
+    sink = ()
+    if softmax.sink is not None:
+        # One more step of the recurrence, for a logit with no value: the denominator takes it, the
+        # accumulator is only rescaled. A row that saw no key comes out 0, its log-sum-exp the sink's.
+        sink_logit = Buffer("sink", (), DT.F32, Space.REG)
+        sink = (
+            ir.Comment("the sink: one logit per row that joins the denominator and carries no value"),
+            Assign(sink_logit, softmax.sink),
+            Assign(m_new, Call(Op.MAX, (Ref(m_i), Ref(sink_logit)))),
+            Assign(m_use, Call(Op.FINITE_OR_ZERO, (Ref(m_new),))),
+            Assign(alpha, Call(Op.EXP, (Call(Op.SUB, (Ref(m_i), Ref(m_use))),))),
+            Assign(l_i, Call(Op.ADD, (Call(Op.MUL, (Ref(l_i), Ref(alpha))),
+                                      Call(Op.EXP, (Call(Op.SUB, (Ref(sink_logit), Ref(m_use))),))))),
+            Assign(acc, Call(Op.MUL, (Ref(acc), Ref(alpha)))),
+            Assign(m_i, Ref(m_new)),
+        )
     body = (
         q_assign,
         Assign(m_i, Num(float("-inf"))),
@@ -96,6 +112,7 @@ def run(program: ir.Program) -> ir.Program:
         acc_init,
         ir.Comment("one pass over key/value blocks: running max, running sum, rescaled accumulator"),
         loop,
+        *sink,
         ir.Comment("epilogue: normalise; rows that saw no key give 0 and a log-sum-exp of -inf"),
         Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_i),))),
         replace(o_store, value=Call(Op.DIV, (Ref(acc), Ref(l_safe)))),

@@ -64,7 +64,7 @@ def run(program: ir.Program) -> ir.Program:
     rows = Span("offs_m", sym.start_m, sym.BLOCK_M, sym.N_Q * sym.GROUP)
 
     def mask(e):
-        if isinstance(e, Masked) and e.query.name == "offs_m":
+        if isinstance(e, (Masked, ir.Pointwise)) and e.query.name == "offs_m":
             return replace(e, query=rows, query_group=sym.GROUP)
         return e
 

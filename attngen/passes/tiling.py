@@ -41,6 +41,8 @@ def _retile(expr: ir.Expr, spans) -> ir.Expr:
             return replace(e, index=_retile_index(e.index, spans))
         if isinstance(e, Masked):
             return replace(e, query=spans[e.query.name], key=spans[e.key.name])
+        if isinstance(e, ir.Pointwise):
+            return replace(e, query=spans[e.query.name], key=None if e.key is None else spans[e.key.name])
         return e
 
     return ir.map_expr(expr, visit)
@@ -99,7 +101,7 @@ def run(program: ir.Program) -> ir.Program:
         ir.Comment("pass 1: score tiles to HBM"),
         key_loop((Store(s_full, (rows, cols), scores),), "every key block"),
         ir.Comment("pass 2: row softmax of this query block, HBM to HBM"),
-        Softmax(softmax.probs, m, l, Load(s_full, (rows, block_m_rows))),
+        Softmax(softmax.probs, m, l, Load(s_full, (rows, block_m_rows)), softmax.sink),
         ir.Comment("pass 3: accumulate P V over key blocks"),
         Assign(acc, Num(0.0)),
         key_loop((Assign(acc, Call(Op.DOT_ACC, (Load(softmax.probs, (rows, cols)), v_load, Ref(acc)), dot.dtype)),),

@@ -59,6 +59,8 @@ NAME = "warp-specialize"
 def applies(program: ir.Program) -> bool:
     return (not program.attr("kvcache", False) and program.attr("split_kv") is None
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
+            and program.attr("mask") in ("none", "causal(top_left)", "causal(bottom_right)")
+            and program.attr("score") is None and not program.attr("sinks", False)
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS)
 
 

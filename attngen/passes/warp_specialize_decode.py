@@ -46,6 +46,7 @@ def applies(program: ir.Program) -> bool:
     return (program.attr("kvcache", False) and program.attr("split_kv") is not None
             and (page is None or page >= hopper.DECODE_MIN_PAGE) and bool(program.attr("pack_gqa"))
             and program.attr("mask") in ("none", "causal(bottom_right)")
+            and program.attr("score") is None and not program.attr("sinks", False)
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS)
 

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..lang import variants as v
 from ..lang.spec import Mask
 
 
@@ -100,3 +101,102 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, caus
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
+
+
+# -- variants: masks and score modifiers built as full matrices from the spec's own tree -----------------
+
+
+def _value(e, env: dict, tensors: dict):
+    """A spec expression (lang/variants.py) over the broadcast index tensors in `env`, in torch."""
+    if isinstance(e, v.Const):
+        return e.value
+    if isinstance(e, v.Var):
+        return env[e.name]
+    if isinstance(e, v.Neg):
+        return -_value(e.arg, env, tensors)
+    if isinstance(e, v.BinOp):
+        a, b = _value(e.a, env, tensors), _value(e.b, env, tensors)
+        return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+                "//": lambda: a // b, "%": lambda: a % b}[e.op]()
+    if isinstance(e, v.Func):
+        args = [_value(a, env, tensors) for a in e.args]
+        args = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64) for x in args]
+        return {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "tanh": torch.tanh,
+                "exp": torch.exp}[e.name](*args)
+    if isinstance(e, v.Index):
+        t = tensors[e.tensor]
+        idx = [_value(a, env, tensors) for a in e.args]
+        shape = torch.broadcast_shapes(*(torch.as_tensor(i).shape for i in idx))
+        idx = [torch.as_tensor(i).expand(shape).long() for i in idx]
+        inside = torch.ones(shape, dtype=torch.bool)
+        for i, n in zip(idx, t.shape):
+            inside &= (i >= 0) & (i < n)
+        safe = [torch.where(inside, i, torch.zeros_like(i)) for i in idx]
+        return torch.where(inside, t.to(torch.float64)[tuple(safe)], torch.zeros((), dtype=torch.float64))
+    raise TypeError(f"no value for {e!r}")
+
+
+def _holds(m, env: dict):
+    """A mask tree as a boolean tensor over the broadcast (b, h, q, k) index tensors in `env`."""
+    q, k = env["q"], env["k"]
+    if isinstance(m, v.Causal):
+        return k <= q
+    if isinstance(m, v.Window):
+        return (k >= q - m.left) & (k <= q + m.right)
+    if isinstance(m, v.Prefix):
+        return k < m.length
+    if isinstance(m, v.Chunked):
+        return torch.div(q, m.size, rounding_mode="floor") == torch.div(k, m.size, rounding_mode="floor")
+    if isinstance(m, v.And):
+        return _holds(m.a, env) & _holds(m.b, env)
+    if isinstance(m, v.Or):
+        return _holds(m.a, env) | _holds(m.b, env)
+    if isinstance(m, v.Not):
+        return ~_holds(m.arg, env)
+    if isinstance(m, v.Compare):
+        a, b = _value(m.a, env, {}), _value(m.b, env, {})
+        return {"<": lambda: a < b, "<=": lambda: a <= b, ">": lambda: a > b, ">=": lambda: a >= b,
+                "==": lambda: a == b, "!=": lambda: a != b}[m.op]()
+    raise TypeError(f"no condition for {m!r}")
+
+
+def variant_attention(q, k, v_, variant, bottom_right: bool = False, scale: float | None = None,
+                      tensors: dict | None = None, dtype=torch.float64):
+    """Reference attention of a variant (lang/variants.py `Variant`) for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D):
+    the full (B, H, N_Q, N_K) score matrix, the score modifier applied element by element, the mask built
+    from the tree, the sinks (tensors["sinks"], (H,)) as one more logit per row. `tensors` holds the run-time
+    tensors by keyword (declared tensors, "alibi_slopes" (H,) or (B, H), "sinks"). Returns (out, lse), the
+    lse including the sink; differentiable."""
+    tensors = dict(tensors or {})
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v_))
+    if heads != k.shape[1]:
+        kd = kd.repeat_interleave(heads // k.shape[1], dim=1)
+        vd = vd.repeat_interleave(heads // k.shape[1], dim=1)
+    scores = (qd @ kd.transpose(-1, -2)) * scale
+    offset = n_k - n_q if bottom_right else 0
+    env = {"b": torch.arange(batch)[:, None, None, None], "h": torch.arange(heads)[None, :, None, None],
+           "q": torch.arange(n_q)[None, None, :, None] + offset, "k": torch.arange(n_k)[None, None, None, :]}
+    score = variant.score
+    if isinstance(score, v.Softcap):
+        scores = score.cap * torch.tanh(scores / score.cap)
+    elif isinstance(score, v.Alibi):
+        slopes = tensors["alibi_slopes"].to(dtype)
+        slopes = slopes.expand(batch, heads) if slopes.dim() == 1 else slopes
+        scores = scores - slopes[:, :, None, None] * (env["q"] - env["k"]).abs().to(dtype)
+    elif isinstance(score, v.ScoreExpr):
+        scores = _value(score.expr, dict(env, s=scores), tensors).to(dtype) * torch.ones_like(scores)
+    if variant.mask is not None:
+        keep = _holds(variant.mask, env).expand(scores.shape)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if variant.sinks:
+        sink = tensors["sinks"].to(dtype)[None, :, None, None].expand(batch, heads, n_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    if variant.sinks:
+        probs = probs[..., :-1]
+    return probs @ vd, lse
