@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from . import ir
-from .analysis import cost
+from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
                                  shared_bytes_backward)
 from .bench import prefill as bench
@@ -168,7 +168,7 @@ def cmd_explain(args) -> int:
         print(f"{direction}, generated ({', '.join(final_kernels)}):")
         print(f"  flops = {cost.simplified(final.flops)}")
         print(f"  bytes = {cost.simplified(final.bytes)}")
-        fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal, direction == "backward"), sizes)
+        fa = masks.fa_flops(spec, sizes, direction == "backward")
         rows.append((direction, naive, final, fa))
     print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
     for direction, naive, final, fa in rows:
@@ -176,8 +176,14 @@ def cmd_explain(args) -> int:
             flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
             print(f"  {direction:8s} {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  "
                   f"({flops / max(nbytes, 1):.1f} FLOP/byte)")
-        rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "") + (", x2.5 backward" if direction == "backward" else "")
+        if spec.variant.mask is None:
+            rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "")
+        else:
+            rule = "4*d per kept score"
+        rule += ", x2.5 backward" if direction == "backward" else ""
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
+    if spec.variant:
+        _explain_variant(spec, sizes)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
@@ -198,6 +204,38 @@ def cmd_explain(args) -> int:
             if problem:
                 print(f"  does not fit: {problem}")
     return EXIT_OK
+
+
+def _explain_variant(spec, sizes) -> None:
+    """The mask's predicates (bounded in closed form or evaluated per block), its block map and kept scores,
+    and the score modifier and sinks."""
+    variant = spec.variant
+    print("=== variant ===")
+    if variant.mask is not None:
+        print(f"mask = {variant.mask.text()} ({'bottom-right' if spec.bottom_right else 'top-left'} aligned)")
+        for pred in masks.predicates(spec):
+            how = ("bounded in closed form: the kernels skip the tiles it drops and mask only the tiles it cuts"
+                   if masks.bounded(pred) else
+                   "the analysis cannot bound: evaluated on every live block")
+            print(f"  {masks.describe(pred)}\n      {how}")
+        n_q, n_k, bm, bn = sizes["N_Q"], sizes["N_K"], sizes["BLOCK_M"], sizes["BLOCK_N"]
+        found = masks.classify(spec, n_q, n_k, bm, bn)
+        tiles = found.cells.size
+        print(f"block map at N_Q={n_q}, N_K={n_k}, BLOCK_M={bm}, BLOCK_N={bn} "
+              f"('.' empty, '#' full, '~' partial; rows are query blocks"
+              f"{', coarsened to at most 32 x 32' if max(found.cells.shape) > 32 else ''}):")
+        for line in found.text():
+            print("  " + line)
+        print(f"  {tiles} tiles: {found.count(masks.Block.EMPTY)} empty (skipped), {found.count(masks.Block.FULL)} "
+              f"full (no mask), {found.count(masks.Block.PARTIAL)} partial (masked)")
+        kept = masks.kept_scores(spec, n_q, n_k)
+        print(f"  kept scores per head: {kept:,} of {n_q * n_k:,} ({kept / max(1, n_q * n_k):.1%})")
+    if variant.score is not None:
+        print(f"score = {variant.score.text()}")
+    if variant.sinks:
+        print("sinks = true: one learned logit per query head joins each row's softmax denominator")
+    if variant.runtime_tensors():
+        print(f"run-time tensors (keywords): {', '.join(variant.runtime_tensors())}")
 
 
 # -- bench -------------------------------------------------------------------------------------
