@@ -220,10 +220,10 @@ def _explain_variant(spec, sizes) -> None:
             print(f"  {masks.describe(pred)}\n      {how}")
         n_q, n_k, bm, bn = sizes["N_Q"], sizes["N_K"], sizes["BLOCK_M"], sizes["BLOCK_N"]
         found = masks.classify(spec, n_q, n_k, bm, bn)
-        tiles = found.cells.size
+        tiles = len(found.cells) * len(found.cells[0])
         print(f"block map at N_Q={n_q}, N_K={n_k}, BLOCK_M={bm}, BLOCK_N={bn} "
               f"('.' empty, '#' full, '~' partial; rows are query blocks"
-              f"{', coarsened to at most 32 x 32' if max(found.cells.shape) > 32 else ''}):")
+              f"{', coarsened to at most 32 x 32' if max(len(found.cells), len(found.cells[0])) > 32 else ''}):")
         for line in found.text():
             print("  " + line)
         print(f"  {tiles} tiles: {found.count(masks.Block.EMPTY)} empty (skipped), {found.count(masks.Block.FULL)} "
