@@ -94,8 +94,11 @@ def cmd_check(args) -> int:
     for path in args.specs:
         spec = _spec(path)
         kernel = load(spec)
+        variant = spec.variant
+        mask = variant.mask.text() if variant.mask is not None else spec.mask.value
+        extra = (f", score {variant.score.text()}" if variant.score is not None else "") + (", sinks" if variant.sinks else "")
         print(f"{spec.filename}: kernel {spec.name} [{spec.hash}] ({spec.dtype.value}, head_dim {spec.head_dim}, "
-              f"mask {spec.mask.value}){' in the interpreter' if interpreted else ''}")
+              f"mask {mask}{extra}){' in the interpreter' if interpreted else ''}")
         results = validate(kernel, seed=args.seed, progress=lambda r: print("  " + format_result(r), flush=True))
         bad = sum(not r.ok for r in results)
         failed += bad

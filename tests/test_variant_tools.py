@@ -95,4 +95,5 @@ def test_check_fails_a_kernel_of_another_variant(compiled, claimed):
 def test_cli_check_runs_a_variant_spec(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_spec", lambda path: CHECKED["sinks_window"])
     assert cli.main(["check", "spec.attn", "--seed", "1"]) == 0
-    assert "6/6 cases within tolerance" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mask window(8), sinks)" in out and "6/6 cases within tolerance" in out
