@@ -62,6 +62,9 @@ CHECKED = {
     "sinks_window": variant(SMALL, v.Window(7, 0, 8), None, True),
     "chunked": variant(SMALL, v.And(v.Causal(), v.Chunked(12))),
     "general": variant(SMALL, v.And(v.Causal(), v.Compare("!=", v.BinOp("%", k, v.Const(5)), v.Const(2)))),
+    "declared_bias": SMALL.replace(mask=Mask.CAUSAL_TOP_LEFT, variant=v.Variant(
+        None, v.ScoreExpr(v.BinOp("+", v.Var("s"), v.Index("bias", (v.Var("h"), v.BinOp("-", v.Var("q"), k))))),
+        False, (v.TensorDecl("bias", ("H", 64), "fp32"),))),
 }
 CASES = [Case(1, 2, 2, 37, 45), Case(2, 2, 2, 20, 20), Case(1, 2, 2, 40, 9)]
 
@@ -86,6 +89,7 @@ class _Mislabelled:
     (CHECKED["alibi_window"], variant(SMALL, v.Window(7, 2), v.Alibi())),
     (CHECKED["sinks_window"], variant(SMALL, v.Window(6, 0, 7), None, True)),
     (CHECKED["softcap_causal"], variant(SMALL, None, v.Softcap(4.0), causal=True)),
+    (CHECKED["declared_bias"], CHECKED["declared_bias"].replace(mask=Mask.NONE)),
 ])
 def test_check_fails_a_kernel_of_another_variant(compiled, claimed):
     results = validate(_Mislabelled(load(compiled), claimed), cases=CASES[:1], seed=2)
