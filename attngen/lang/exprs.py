@@ -9,6 +9,7 @@ SpecError at the text that has it.
 
 from __future__ import annotations
 
+import keyword
 import math
 import re
 
@@ -292,9 +293,9 @@ def sinks(val: Value) -> bool:
 def tensor(entry: TensorEntry, name_limit: int) -> v.TensorDecl:
     """A checked tensor declaration (its name free, its dims B, H or positive sizes, a known dtype)."""
     name = entry.name
-    if name in RESERVED or name.startswith("__"):
-        raise err(entry, f"'{name}' cannot name a tensor: it is a variable, function, mask, modifier or "
-                         f"argument name")
+    if name in RESERVED or keyword.iskeyword(name) or name.startswith("__"):
+        raise err(entry, f"'{name}' cannot name a tensor: it is a variable, function, mask, modifier, "
+                         f"argument name or Python keyword")
     if len(name) > name_limit:
         raise err(entry, f"tensor name is {len(name)} characters long; the limit is {name_limit}")
     if len(entry.dims) > MAX_TENSOR_DIMS:
@@ -304,7 +305,7 @@ def tensor(entry: TensorEntry, name_limit: int) -> v.TensorDecl:
     for d in entry.dims:
         if d.kind == "word" and d.text not in ("B", "H"):
             raise err(d, f"unknown dimension '{shown(d)}'; a dimension is a size or B (batch) or H (query heads)")
-        dims.append(d.text if d.kind == "word" else _whole(d, "a tensor dimension", 1))
+        dims.append(d.text if d.kind == "word" else _whole(d, "tensor dimension", 1))
     if entry.dtype.text not in v.TENSOR_DTYPES:
         hint = did_you_mean(entry.dtype.text, v.TENSOR_DTYPES)
         raise err(entry.dtype, f"unknown tensor dtype '{shown(entry.dtype)}'; expected one of "
