@@ -1,8 +1,9 @@
 """Parsing and checking `.attn` specs.
 
 `parse(text, filename)` turns spec text into a `Spec`: the grammar (attn.lark) fixes the shape, a
-Lark Transformer turns the tree into located `Entry` values, and `_build` checks every key and value,
-raising `SpecError` at the offending line and column. A `Spec` is frozen; its canonical text (every
+Lark Transformer (values.py) turns the tree into located `Entry` values, and `_build` checks every key
+and value (the mask, score, sinks and tensor entries through exprs.py, into the variant tree of
+variants.py), raising `SpecError` at the offending line and column. A `Spec` is frozen; its canonical text (every
 key, defaults filled in, comments and layout dropped) is its identity, and the hash of that text is
 the kernel's cache key.
 """
