@@ -192,7 +192,8 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None, tensors: dict | No
     if not all((torch.isfinite(low) | ~torch.isfinite(ref)).all() for ref, low in zip(refs, lows)):
         lows = reference_grads(torch.float32)  # overflowed in fp16: see compare()
     results = []
-    for name, got, ref, low in zip(("dq", "dk", "dv", "dsinks"), grads, refs, lows, strict=True):
+    names = ("dq", "dk", "dv") + (("dsinks",) if spec.variant.sinks else ())
+    for name, got, ref, low in zip(names, grads, refs, lows, strict=True):
         problem = ""
         if torch.isnan(got).any() and not torch.isnan(ref).any():
             problem = f"{int(torch.isnan(got).sum())} elements are NaN (unwritten or poisoned)"
