@@ -2,14 +2,17 @@
 predicates the analysis bounds or evaluates per block, the kept-score FLOPs, and validation against the
 full-matrix float64 reference."""
 
+import os
+
 import pytest
 
 import attngen.cli as cli
 from attngen.analysis import masks
 from attngen.lang import variants as v
-from attngen.lang.spec import Mask, parse
+from attngen.lang.spec import Mask, load_file, parse
 from attngen.runtime.kernel import load
 from attngen.testing.accuracy import Case, format_result, validate
+from conftest import shipped_specs
 
 SMALL = parse("kernel small { mask = none\n head_dim = 32\n dtype = bf16\n block_m = 16\n block_n = 16 }")
 BIG = parse("kernel big { mask = none\n head_dim = 128\n dtype = bf16 }")
@@ -101,3 +104,26 @@ def test_cli_check_runs_a_variant_spec(monkeypatch, capsys):
     assert cli.main(["check", "spec.attn", "--seed", "1"]) == 0
     out = capsys.readouterr().out
     assert "mask window(8), sinks)" in out and "6/6 cases within tolerance" in out
+
+
+VARIANT_SPECS = [p for p in shipped_specs() if load_file(p).variant]
+
+
+def test_every_named_variant_has_a_shipped_spec():
+    masks_seen = {load_file(p).variant.mask.text() for p in VARIANT_SPECS if load_file(p).variant.mask is not None}
+    scores_seen = {load_file(p).variant.score.text() for p in VARIANT_SPECS if load_file(p).variant.score is not None}
+    assert {"causal & window(4096)", "causal | prefix(2048)", "causal & chunked(8192)", "causal & window(128)",
+            "window(4096)"} <= masks_seen, seen
+    assert {"softcap(50)", "alibi"} <= scores_seen
+    assert any(load_file(p).variant.sinks for p in VARIANT_SPECS)
+    assert any(load_file(p).variant.tensors for p in VARIANT_SPECS)
+
+
+@pytest.mark.parametrize("path", VARIANT_SPECS, ids=os.path.basename)
+def test_explain_runs_on_each_shipped_variant_spec(path, capsys):
+    assert cli.main(["explain", path, "--pass", "lower", "--shape", "N=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "=== variant ===" in out
+    spec = load_file(path)
+    if spec.variant.mask is not None:
+        assert "block map at" in out and "bounded in closed form" in out and "kept scores per head" in out
