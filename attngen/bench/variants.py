@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from ..analysis import masks
 from ..lang import variants as v
-from ..lang.spec import Mask, parse
+from ..lang.spec import parse
 from ..runtime.kernel import load
-from ..testing import reference
+from ..testing.accuracy import spec_reference
 from .common import Row, compiled_flex_attention
 from .prefill import _median_ms, meta, write
 
@@ -34,24 +34,16 @@ CHECK_REL = 2e-2
 
 @dataclass(frozen=True)
 class Case:
-    """One row: the variant as the spec writes it, and as FlexAttention takes it."""
+    """One row: the variant as a spec writes it, and as FlexAttention takes it."""
 
     name: str
-    causal: bool                   # a plain causal mask (the spec's `mask = causal`)
-    mask: object = None            # the mask tree, when the mask is not plain
-    score: object = None
-    sinks: bool = False
+    entries: str                   # the spec's variant entries, e.g. "mask = causal & window(4096)"
     mask_mod: object = None        # (b, h, q, k) -> bool, for create_block_mask
     params: dict = field(default_factory=dict)
 
     def spec(self, head_dim: int, backward: bool):
-        text = (f"kernel bench_{self.name} {{\n direction = {'forward+backward' if backward else 'forward'}\n"
-                f" mask = {'causal' if self.causal else 'none'}\n head_dim = {head_dim}\n dtype = bf16\n}}")
-        base = parse(text)
-        if self.mask is None and self.score is None and not self.sinks:
-            return base
-        return base.replace(mask=Mask.CUSTOM if self.mask is not None else base.mask,
-                            variant=v.Variant(self.mask, self.score, self.sinks))
+        return parse(f"kernel bench_{self.name} {{\n direction = {'forward+backward' if backward else 'forward'}\n"
+                     f" {self.entries}\n head_dim = {head_dim}\n dtype = bf16\n}}")
 
 
 def cases(n: int) -> list[Case]:
@@ -60,31 +52,31 @@ def cases(n: int) -> list[Case]:
         return full if n >= 16384 else max(4, full * n // 16384)
 
     window, prefix, chunk, sink_window = size(4096), size(2048), size(8192), size(128)
+    causal = lambda b, h, q, k: q >= k  # noqa: E731
     return [
-        Case("causal", True, mask_mod=lambda b, h, q, k: q >= k),
-        Case(f"window_{window}", False, v.And(v.Causal(), v.Window(window - 1, 0, window)),
-             mask_mod=lambda b, h, q, k: (q >= k) & (q - k < window), params=dict(window=window)),
-        Case("softcap_30", True, score=v.Softcap(30.0), mask_mod=lambda b, h, q, k: q >= k, params=dict(softcap=30)),
-        Case("alibi", True, score=v.Alibi(), mask_mod=lambda b, h, q, k: q >= k),
-        Case(f"prefix_{prefix}", False, v.Or(v.Causal(), v.Prefix(prefix)),
-             mask_mod=lambda b, h, q, k: (q >= k) | (k < prefix), params=dict(prefix=prefix)),
-        Case(f"chunked_{chunk}", False, v.And(v.Causal(), v.Chunked(chunk)),
-             mask_mod=lambda b, h, q, k: (q >= k) & (q // chunk == k // chunk), params=dict(chunk=chunk)),
-        Case(f"sinks_window_{sink_window}", False, v.And(v.Causal(), v.Window(sink_window - 1, 0, sink_window)),
-             sinks=True, mask_mod=lambda b, h, q, k: (q >= k) & (q - k < sink_window),
-             params=dict(window=sink_window)),
+        Case("causal", "mask = causal", causal),
+        Case(f"window_{window}", f"mask = causal & window({window})",
+             lambda b, h, q, k: (q >= k) & (q - k < window), dict(window=window)),
+        Case("softcap_30", "mask = causal\n score = softcap(30)", causal, dict(softcap=30)),
+        Case("alibi", "mask = causal\n score = alibi", causal),
+        Case(f"prefix_{prefix}", f"mask = causal | prefix({prefix})",
+             lambda b, h, q, k: (q >= k) | (k < prefix), dict(prefix=prefix)),
+        Case(f"chunked_{chunk}", f"mask = causal & chunked({chunk})",
+             lambda b, h, q, k: (q >= k) & (q // chunk == k // chunk), dict(chunk=chunk)),
+        Case(f"sinks_window_{sink_window}", f"mask = causal & window({sink_window})\n sinks = true",
+             lambda b, h, q, k: (q >= k) & (q - k < sink_window), dict(window=sink_window)),
     ]
 
 
-def _tensors(case: Case, heads: int, device, generator) -> dict:
+def _tensors(variant: v.Variant, heads: int, device, generator) -> dict:
     """The row's run-time tensors: ALiBi's geometric slopes (BLOOM's, for `heads` heads), sinks ~ N(0, 1)."""
     import torch
 
     tensors = {}
-    if isinstance(case.score, v.Alibi):
+    if isinstance(variant.score, v.Alibi):
         tensors[v.ALIBI_TENSOR] = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)],
                                                device=device, dtype=torch.float32)
-    if case.sinks:
+    if variant.sinks:
         tensors[v.SINKS_TENSOR] = torch.randn(heads, device=device, generator=generator).requires_grad_()
     return tensors
 
@@ -105,15 +97,16 @@ def providers(case: Case, n: int, device, tensors: dict, compiled: bool, kernel)
         lse_request = dict(return_lse=True)
     block_mask = create_block_mask(case.mask_mod, None, None, n, n, device=device)
     score_mod = None
-    if isinstance(case.score, v.Softcap):
-        cap = case.score.cap
+    variant = kernel.spec.variant
+    if isinstance(variant.score, v.Softcap):
+        cap = variant.score.cap
         score_mod = lambda s, b, h, q, k: cap * torch.tanh(s / cap)  # noqa: E731
-    elif isinstance(case.score, v.Alibi):
+    elif isinstance(variant.score, v.Alibi):
         slopes = tensors[v.ALIBI_TENSOR]
         score_mod = lambda s, b, h, q, k: s - slopes[h] * (q - k).abs()  # noqa: E731
 
     def run_flex(q, k, v_):
-        if not case.sinks:
+        if not variant.sinks:
             return flex(q, k, v_, score_mod=score_mod, block_mask=block_mask)
         out, lse = flex(q, k, v_, score_mod=score_mod, block_mask=block_mask, **lse_request)
         lse = lse.lse if hasattr(lse, "lse") else lse
@@ -136,10 +129,7 @@ def _check(case: Case, spec, fn, q, k, v_, tensors) -> str | None:
 
     with torch.no_grad():
         out = fn(q, k, v_)
-    variant = spec.variant if spec.variant.mask is not None else v.Variant(v.Causal(), spec.variant.score,
-                                                                           spec.variant.sinks)
-    ref, _ = reference.variant_attention(q, k, v_, variant, False, None,
-                                         {name: t.detach() for name, t in tensors.items()})
+    ref, _ = spec_reference(spec, q, k, v_, spec.softmax_scale, {name: t.detach() for name, t in tensors.items()})
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     return None if rel <= CHECK_REL else f"relative error {rel:.2e} against float64 (tolerance {CHECK_REL:.0e})"
 
@@ -167,7 +157,7 @@ def bench_variants(shape=None, directions=("forward", "backward"), names=PROVIDE
             kernel = load(spec)
             q, k, v_ = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=gen)
                         .requires_grad_(backward) for _ in range(3))
-            tensors = _tensors(case, h, device, gen)
+            tensors = _tensors(spec.variant, h, device, gen)
             impls = providers(case, n, device, tensors, compiled=not check, kernel=kernel)
         except Exception as e:  # noqa: BLE001 - a row that cannot be set up is a result
             rows += [Row("variants", dr, p, params, error=_message(e)) for dr in directions for p in names]

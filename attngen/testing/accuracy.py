@@ -120,7 +120,7 @@ def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
     return tensors
 
 
-def _reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64):
+def spec_reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64):
     """(out, lse) of the spec's attention in `dtype`: the plain reference, or a variant's full matrices."""
     if not spec.variant:
         return reference.attention(q, k, v_, spec.mask, scale, dtype=dtype)
@@ -142,12 +142,12 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
 def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None, tensors: dict | None = None) -> Result:
     scale = spec.softmax_scale if scale is None else scale
     tensors = tensors or {}
-    ref, ref_lse = _reference(spec, q, k, v, scale, tensors)
-    low, low_lse = _reference(spec, q, k, v, scale, tensors, dtype=spec.dtype.torch)
+    ref, ref_lse = spec_reference(spec, q, k, v, scale, tensors)
+    low, low_lse = spec_reference(spec, q, k, v, scale, tensors, dtype=spec.dtype.torch)
     if not ((torch.isfinite(low) | ~torch.isfinite(ref)).all() and (torch.isfinite(low_lse) | ~torch.isfinite(ref_lse)).all()):
         # NOTE: scores past fp16's range (a large scale) overflow the same-precision computation, which
         # would make the tolerance inf or NaN; the kernels keep scores in fp32, so measure against fp32.
-        low, low_lse = _reference(spec, q, k, v, scale, tensors, dtype=torch.float32)
+        low, low_lse = spec_reference(spec, q, k, v, scale, tensors, dtype=torch.float32)
     problem = ""
     if torch.isnan(out).any() and not torch.isnan(ref).any():
         problem = f"{int(torch.isnan(out).sum())} output elements are NaN (unwritten or poisoned)"
@@ -173,7 +173,7 @@ def _variant_grads(spec: Spec, q, k, v_, do, scale, tensors: dict, dtype):
     if spec.variant.sinks:
         tensors[v.SINKS_TENSOR] = tensors[v.SINKS_TENSOR].detach().to(dtype).requires_grad_()
         leaves.append(tensors[v.SINKS_TENSOR])
-    out, _ = _reference(spec, *leaves[:3], scale, tensors, dtype)
+    out, _ = spec_reference(spec, *leaves[:3], scale, tensors, dtype)
     grads = torch.autograd.grad(out, leaves, do.to(dtype), allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
 
