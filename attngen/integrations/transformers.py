@@ -4,7 +4,7 @@
     register()
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="attngen")
 
-`register()` adds `attention_forward` to `transformers.AttentionInterface` and `attention_mask` to its
+`register()` adds `attention_forward` to `transformers.AttentionInterface` and `build_mask` to its
 `AttentionMaskInterface` under one name. The mask function builds no mask: like flash attention's, it returns None,
 and the attention function takes the pattern from its arguments (the module's `is_causal`, `sliding_window`),
 so no dense (B, 1, N, N) mask is ever made. Patterns it cannot express that way raise a ValueError when the
@@ -35,12 +35,12 @@ NAME = "attngen"
 def register(name: str = NAME) -> None:
     """Make `attn_implementation=name` run attngen's kernels in every transformers model."""
     transformers.AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, attention_mask)
+    AttentionMaskInterface.register(name, build_mask)
 
 
-def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                   mask_function=None, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
-                   allow_is_bidirectional_skip: bool | None = None, config=None, **kwargs) -> None:
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+               mask_function=None, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+               allow_is_bidirectional_skip: bool | None = None, config=None, **kwargs) -> None:
     """The mask function registered beside `attention_forward` (transformers' mask interface): None, the pattern
     being the module's; raises a ValueError where the model asks for a mask the pattern does not give."""
     if attention_mask is not None:
