@@ -86,7 +86,7 @@ def assert_close(eager, ours, ids, tolerance):
 def test_logits_and_gradients_match_eager(make):
     config = make()
     eager, ours = twins(config)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 29))  # longer than the windows, not a multiple of a block
+    ids = torch.randint(0, TINY["vocab_size"], (1, 21))  # longer than the windows, not a multiple of a block
     assert_close(eager, ours, ids, 1e-5)
 
 
