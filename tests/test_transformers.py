@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from attngen.api.kvcache import attention_with_kvcache  # noqa: E402
 from attngen.integrations.transformers import NAME, register  # noqa: E402
 from attngen.runtime import autograd  # noqa: E402
 from conftest import HAS_GPU  # noqa: E402
@@ -104,9 +105,17 @@ def test_logits_and_gradients_match_eager_at_real_sizes(make):
     assert_close(eager, ours, ids, 2e-2)
 
 
-def test_generation_matches_eager():
-    eager, ours = twins(llama())
-    ids = torch.randint(0, TINY["vocab_size"], (1, 11))
+# Decoding a variant model runs attention_with_kvcache with its variant arguments (issue 48's decoding part).
+VARIANT_DECODE = pytest.mark.skipif("window_size" not in inspect.signature(attention_with_kvcache).parameters,
+                                    reason="needs attention_with_kvcache(window_size=, softcap=, sinks=)")
+GENERATING = {"llama": llama, **{name: pytest.param(make.values[0], marks=make.marks + (VARIANT_DECODE,))
+                                 for name, make in MODELS.items() if name != "llama"}}
+
+
+@pytest.mark.parametrize("make", list(GENERATING.values()), ids=list(GENERATING))
+def test_generation_matches_eager(make):
+    eager, ours = twins(make())
+    ids = torch.randint(0, TINY["vocab_size"], (1, 11))  # (the prompt outgrows the windows of 8)
     with torch.no_grad():
         expected = eager.generate(ids, max_new_tokens=4, do_sample=False)
         got = ours.generate(ids, max_new_tokens=4, do_sample=False)
