@@ -65,7 +65,8 @@ class _Printer(StrPrinter):
 
     def _print_tanh(self, expr):
         # tanh x = 1 - 2 / (1 + e^(2x)), in exp2: saturates to +-1 without overflow.
-        return f"(1.0 - 2.0 / (1.0 + {self.lib}.math.exp2({2 * sym.LOG2E!r} * ({self._print(expr.args[0])}))))"
+        exp2 = "gl.exp2" if self.lib == "gl" else f"{self.lib}.math.exp2"  # Gluon has no math module
+        return f"(1.0 - 2.0 / (1.0 + {exp2}({2 * sym.LOG2E!r} * ({self._print(expr.args[0])}))))"
 
     def _print_Pow(self, expr):
         base, power = expr.args
