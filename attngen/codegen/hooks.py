@@ -127,10 +127,10 @@ class ScoreHooks:
         full, masked, each stepping BLOCK_N from a multiple of it): the tile visits the blocks of their union.
         `lib` gl: Gluon code; "" : Python (the tests evaluate it)."""
         loops = _key_loops(self.kernel)
-        full = [lp for lp in loops if lp.note.startswith("full blocks")]
-        if len(full) != 1 or any(not lp.note.endswith("masked") for lp in loops if lp is not full[0]):
-            raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one full range "
-                                "between masked ones")
+        full = [lp for lp in loops if not _masks(lp)]
+        if len(full) != 1:
+            raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one unmasked "
+                                "range between masked ones")
         block = next(d.symbol for d in self.kernel.symbols if str(d.symbol) == "BLOCK_N")
         index = {"lo": loops[0].start, "full_lo": full[0].start, "full_hi": full[0].stop}
         code = {name: _size(_in_blocks(start, block), lib) for name, start in index.items()}
@@ -286,6 +286,12 @@ def _in_blocks(start, block):
         factors.remove(block)
         return sympy.Mul(*factors)
     raise InternalError(f"a key loop starting at {start}, not a multiple of {block}")
+
+
+def _masks(loop) -> bool:
+    """Whether a loop's body masks its scores."""
+    return any(isinstance(n, ir.Masked) for st in ir.walk_stmts(loop.body) for e in ir.stmt_exprs(st)
+               for n in ir.walk_expr(e))
 
 
 def _key_loops(kernel) -> list:

@@ -97,8 +97,9 @@ def variant_supported(program: ir.Program) -> bool:
             return False
     loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
              and st.var == sym.start_n]
-    full = [lp for lp in loops if lp.note.startswith("full blocks")]
-    return len(full) == 1 and all(lp.note.endswith("masked") for lp in loops if lp is not full[0])
+    unmasked = [lp for lp in loops if not any(isinstance(n, ir.Masked) for st in ir.walk_stmts(lp.body)
+                                              for e in ir.stmt_exprs(st) for n in ir.walk_expr(e))]
+    return len(unmasked) == 1
 
 
 def run(program: ir.Program) -> ir.Program:
