@@ -6,7 +6,8 @@ comes from here, rendered from the same IR kernel over names the template provid
 templates take `{{modification}}`:
 
     scale             the value exp2 scales the raw scores by (the IR's `qk_scale`: sm_scale * log2(e))
-    scaled(s)         the scores as exp2 takes them, `s` the template's raw score tile (the IR's exp2 argument)
+    scaled(s)         the scores as exp2 takes them, `s` the template's raw score tile (the IR's exp2 argument;
+                      a score modifier's Pointwise over the raw scores, with `query` / `key` the positions it reads)
     scaled_max(s, a)  their maximum along axis `a` (the IR's new running max, before its max with the old)
     lse(m, l)         the log-sum-exp stored from the running max `m` and sum `l` (base 2 back to e)
     lse_log2(x, lib)  a loaded log-sum-exp `x` in base 2, +inf for a row that saw no key (P = 0 there)
@@ -83,6 +84,8 @@ class ScoreHooks:
     def scaled_max(self, s: str, axis: int) -> str:
         if self.max_expr is None:
             raise InternalError(f"kernel {self.kernel.name} keeps no running max")
+        if self.modded:  # the IR's max is over the modified tile: the template takes it over scaled(s)
+            raise InternalError(f"kernel {self.kernel.name}: a modified score's max is the max of scaled(s)")
         return self._code(_render(self.max_expr, {self.score.name: s}, axis), s)
 
     def lse(self, m: str, l: str) -> str:
@@ -124,7 +127,7 @@ class ScoreHooks:
         """A query tile's key blocks as code over start_m, N_Q, N_K, BLOCK_M, BLOCK_N: `lo` (the first block
         visited), `full_lo` and `full_hi` (the unmasked blocks [full_lo, full_hi); the others visited are
         masked) and `hi` (one past the last visited). Read from the IR's key loops after causal-skip (masked,
-        full, masked, each stepping BLOCK_N from a multiple of it): the tile visits the blocks of their union.
+        unmasked, masked, each stepping BLOCK_N from a multiple of it): the tile visits the blocks of their union.
         `lib` gl: Gluon code; "" : Python (the tests evaluate it)."""
         loops = _key_loops(self.kernel)
         full = [lp for lp in loops if not _masks(lp)]
@@ -267,7 +270,7 @@ def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:
     raw = scaled.buffer
 
     def to_raw(node):
-        if isinstance(node, Call) and node.op in (Op.DOT_T,):
+        if isinstance(node, Call) and node.op is Op.DOT_T:
             return Ref(raw)
         return node
 
@@ -297,7 +300,7 @@ def _masks(loop) -> bool:
 def _key_loops(kernel) -> list:
     """The serial key loops of an IR forward kernel's query tile, in order."""
     return [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
-            and str(st.var) == "start_n"]
+            and st.var == sym.start_n]
 
 
 def _elements(query: str | None, key: str | None, key_axis: int) -> dict:
