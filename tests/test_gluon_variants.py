@@ -41,6 +41,8 @@ VARIANTS = {
     "sinks_window": ("causal & window(300)", None, True),
     "bottom_right_window": ("causal(bottom_right) & window(300)", "softcap(20)", True),
     "general": ("q - k < 1024 and (k < 64 or q >= k)", None, False),  # two BAND predicates
+    "alibi": ("causal", "alibi", False),  # its slope: one tensor read per tile
+    "alibi_window": ("window(300)", "alibi", True),
 }
 
 
@@ -67,9 +69,8 @@ def test_variants_get_the_gluon_forward(variant):
 
 
 @pytest.mark.parametrize("mask, extra", [
-    ("causal", {"score": "alibi"}),  # the slopes are a tensor read
     ("window(4) | prefix(6)", {}),  # a gap between the two: an EXPR predicate, no bound on its blocks
-    ("none", {"score": "s + bias[h, q - k]"}),  # a declared tensor's read
+    ("none", {"score": "s + bias[h, q - k]"}),  # a declared tensor's read that varies within a tile
 ])
 def test_variants_the_gluon_forward_cannot_take_keep_the_triton_kernel(mask, extra):
     text = spec_text("gv_refused", 128, "bf16", mask, **extra)
@@ -108,6 +109,8 @@ def test_each_variant_module_compiles_as_python(variant):
     compile(source, f"gv_py_{variant}.py", "exec")
     assert "def _ws_variant_softmax(" in source and "def _ws_key_blocks(" in source
     assert ("sinks, sm_scale)" in source) is VARIANTS[variant][2]  # forward() hands the sinks to the Gluon launch
+    assert ("alibi_slopes = gl.load(ALIBI_SLOPES + (b) * stride_alibi_slopes_0 + (h) * stride_alibi_slopes_1)"
+            in source) is (VARIANTS[variant][1] == "alibi")
 
 
 def test_plain_specs_keep_their_gluon_forward():
@@ -184,7 +187,8 @@ def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
 
 def test_the_variant_kernels_compile_for_sm90():
     cases = [("softcap_window", 128, False), ("softcap_window", 128, True), ("sinks_window", 64, False),
-             ("prefix", 64, True), ("window_lr", 128, False), ("bottom_right_window", 128, False)]
+             ("prefix", 64, True), ("window_lr", 128, False), ("bottom_right_window", 128, False),
+             ("alibi_window", 64, False), ("alibi", 128, True)]
     jobs = []
     for variant, d, short in cases:
         kernel = attngen.load(_text(f"gv_sm90_{variant}_{d}", d, "bf16" if d == 128 else "fp16", variant))
@@ -198,6 +202,16 @@ def test_the_variant_kernels_compile_for_sm90():
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------
+
+
+def _tensors(variant, batch, heads):
+    """The run-time tensors of a variant: sinks (heads,), ALiBi's slopes (batch, heads)."""
+    tensors = {}
+    if VARIANTS[variant][1] == "alibi":
+        tensors["alibi_slopes"] = torch.rand(batch, heads, device="cuda") * 0.1
+    if VARIANTS[variant][2]:
+        tensors["sinks"] = torch.randn(heads, device="cuda") * 2
+    return tensors
 
 
 def _accuracy(out, lse, ref, ref_lse, low, low_lse, dtype):
@@ -242,7 +256,7 @@ def test_gluon_variant_forward_against_float64(variant, head_dim, n, monkeypatch
     monkeypatch.setitem(module.WS_SHAPE, "min_keys", 1)
     B, H = 2, 4
     q, k, v = (torch.randn(B, H, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    tensors = {"sinks": torch.randn(H, device="cuda") * 2} if VARIANTS[variant][2] else {}
+    tensors = _tensors(variant, B, H)
     assert module.ws_ready(q, k, v, q)
     called = []
     launch = module.launch_attn_fwd_ws
@@ -256,7 +270,8 @@ def test_gluon_variant_forward_against_float64(variant, head_dim, n, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
-@pytest.mark.parametrize("variant", ["causal_window", "chunked", "sinks_window", "softcap", "bottom_right_window"])
+@pytest.mark.parametrize("variant", ["causal_window", "chunked", "sinks_window", "softcap", "bottom_right_window",
+                                     "alibi_window"])
 @pytest.mark.parametrize("programs", [None, 3])
 def test_gluon_variant_forward_short_shape_and_persistent_grid(variant, programs, monkeypatch):
     """The shape for short sequences at a length past short_keys, and a persistent grid of 3 programs, each taking
@@ -270,7 +285,7 @@ def test_gluon_variant_forward_short_shape_and_persistent_grid(variant, programs
         monkeypatch.setattr(module, "_ws_programs", lambda device: programs)
     q = torch.randn(2, 8, 700, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 1300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    tensors = {"sinks": torch.randn(8, device="cuda")} if VARIANTS[variant][2] else {}
+    tensors = _tensors(variant, 2, 8)
     assert module.ws_ready(q, k, v, q)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")

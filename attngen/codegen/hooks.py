@@ -74,7 +74,8 @@ class ScoreHooks:
         """The scores `s` as exp2 takes them; `query` / `key` the tile's row and key positions (vectors along
         the axes other than / of `key_axis`), needed where a score modifier reads q_idx / k_idx."""
         elements = _elements(query, key, key_axis)
-        return self._code(_render(self.scaled_expr, {self.score.name: s, **elements}), s, *elements.values())
+        reads = _reads(self.scaled_expr).values()  # the template loads them first (reads())
+        return self._code(_render(self.scaled_expr, {self.score.name: s, **elements}), s, *elements.values(), *reads)
 
     @property
     def modded(self) -> bool:
@@ -122,6 +123,33 @@ class ScoreHooks:
                  if isinstance(st, ir.Assign) and st.target.name == "sink"
                  for n in ir.walk_expr(st.value) if isinstance(n, ir.Load)}
         return self.value("sink", loads)
+
+    @property
+    def tensors(self) -> tuple:
+        """The run-time tensors the kernel reads beside Q, K and V (a variant's: declared tensors, ALiBi's slopes,
+        the sinks), in the order of the kernel's parameters."""
+        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in ("Q", "K", "V"))
+
+    @property
+    def tensor_params(self) -> str:
+        """The Gluon kernel's parameters for `tensors`: each one's pointer and strides (", SINKS, stride_sinks_0")."""
+        return "".join(f", {t.name}" + "".join(f", {n}" for n in _strides(t)) for t in self.tensors)
+
+    def reads(self) -> list[tuple[str, str]]:
+        """(name, code) for each tensor read of the score modifier: one value per tile (its indices are over the
+        batch and query head alone: `b`, `h` as the template holds them), loaded under the name `scaled` gives it;
+        a read outside the tensor reads 0 (the spec language's rule)."""
+        out = []
+        for read, name in _reads(self.scaled_expr).items():
+            buf = next(t for t in self.tensors if t.name == read.func.__name__)
+            index = [_elementwise(i, {str(sym.b): "b", str(sym.q_head): "h"}) for i in read.args]
+            ptr = " + ".join([buf.name] + [f"({i}) * {st}" for i, st in zip(index, _strides(buf))])
+            # b < B and h < H hold in every tile (and the template holds neither B nor H where it loads)
+            inside = " & ".join(f"({i} >= 0) & ({i} < {_size(d)})" for i, d, e in zip(index, buf.shape, read.args)
+                                if (e, d) not in ((sym.b, sym.B), (sym.q_head, sym.H)))
+            load = f"gl.load({ptr}, mask={inside}, other=0.0)" if inside else f"gl.load({ptr})"
+            out.append((name, self._code(f"{load}.to(gl.float32)", "b h mask other", self.tensor_params)))
+        return out
 
     def key_blocks(self, lib: str = "gl") -> dict:
         """A query tile's key blocks as code over start_m, N_Q, N_K, BLOCK_M, BLOCK_N: `lo` (the first block
@@ -265,8 +293,9 @@ def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:
         value = value.value
     if not isinstance(value, ir.Pointwise):
         raise InternalError(f"exp2 reads the tile {scaled.buffer.name}, not a score modifier's value")
-    if value.tensors:
-        raise InternalError(f"no Gluon hook spelling for the tensor reads of {sympy.sympify(value.fn)}")
+    for read in _reads(value):
+        if {str(x) for a in read.args for x in sympy.sympify(a).free_symbols} - {str(sym.b), str(sym.q_head)}:
+            raise InternalError(f"no Gluon hook spelling for the read {read}: it varies within a tile")
     raw = scaled.buffer
 
     def to_raw(node):
@@ -275,6 +304,23 @@ def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:
         return node
 
     return ir.map_expr(value, to_raw)
+
+
+def _reads(e) -> dict:
+    """The tensor reads of the Pointwise in `e` (applied sympy functions named after their buffers), each with the
+    name the hooks load it under (the buffer's in lower case, numbered past the first)."""
+    pointwise = [n for n in ir.walk_expr(e) if isinstance(n, ir.Pointwise)]
+    atoms = sorted({a for p in pointwise for a in sympy.sympify(p.fn).atoms(sympy.core.function.AppliedUndef)},
+                   key=sympy.default_sort_key)
+    names = {}
+    for read in atoms:
+        base = read.func.__name__.lower()
+        names[read] = base if base not in names.values() else f"{base}_{len(names)}"
+    return names
+
+
+def _strides(buffer) -> list[str]:
+    return [f"stride_{buffer.name.lower()}_{i}" for i in range(len(buffer.shape))]
 
 
 def _in_blocks(start, block):
@@ -358,7 +404,8 @@ def _expr(e: ir.Expr, names: dict, axis, lib: str) -> tuple[str, int]:
         value = exprs.parenthesized(_expr(e.value, names, axis, lib)[0])
         fn = sympy.sympify(e.fn)
         placeholder = sympy.Symbol("__S__")
-        code = _elementwise(fn.xreplace({sym.S: placeholder}), names)
+        reads = {read: sympy.Symbol(name) for read, name in _reads(e).items()}  # loaded per tile (ScoreHooks.reads)
+        code = _elementwise(fn.xreplace({sym.S: placeholder, **reads}), names)
         return exprs.parenthesized(code.replace(placeholder.name, value)), 3
     if isinstance(e, Call) and e.op is Op.FINITE_OR_ZERO:
         x = _expr(e.args[0], names, axis, lib)[0]

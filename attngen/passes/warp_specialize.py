@@ -29,7 +29,7 @@ hand gets exactly those, in the Triton kernel). A causal program reads only the 
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
-Variant programs (issue 48: windows, prefixes, chunks, softcap, sinks; `variant_supported` says which) get the
+Variant programs (issue 48: windows, prefixes, chunks, softcap, ALiBi, sinks; `variant_supported` says which) get the
 Gluon forward too: each query tile visits exactly the key blocks causal-skip's loops give it, masking those
 outside the unmasked range with the IR's predicates, its scores modified and its sink step taken as the IR says
 (hooks.py); their tiles are taken in order, not in the causal pairs, and they keep the Triton backward.
@@ -84,17 +84,24 @@ def variant_supported(program: ir.Program) -> bool:
     """Whether the Gluon forward (its hooks, codegen/hooks.py) can take a variant program's attn_fwd: masks of
     CAUSAL, KEY_BOUND and BAND predicates (windows, prefixes, chunks; EXPR predicates, the general form, stay on
     the Triton kernel: causal-skip cannot bound them), a score modifier over the score and the element
-    positions alone (ALiBi's slopes and declared tensors are reads the Gluon kernel does not make), and key
-    loops that are one unmasked range between masked ones (the tile's key blocks the template visits)."""
+    positions whose tensor reads depend on the batch and query head alone (ALiBi's slopes: one value per tile;
+    a declared tensor read at positions, as a bias[h, q - k], stays on the Triton kernel), and key loops that
+    are one unmasked range between masked ones (the tile's key blocks the template visits)."""
     kernel = program.kernel("attn_fwd")
     nodes = [n for st in ir.walk_stmts(kernel.body) for e in ir.stmt_exprs(st) for n in ir.walk_expr(e)]
     kinds = {p.kind for n in nodes if isinstance(n, ir.Masked) for p in n.preds}
     if not kinds <= {ir.PredKind.CAUSAL, ir.PredKind.KEY_BOUND, ir.PredKind.BAND}:
         return False
     for n in nodes:
-        if isinstance(n, ir.Pointwise) and (n.tensors or not set(sympy.sympify(n.fn).free_symbols)
-                                            <= {sym.S, sym.q_idx, sym.k_idx}):
+        if not isinstance(n, ir.Pointwise):
+            continue
+        fn = sympy.sympify(n.fn)
+        reads = fn.atoms(sympy.core.function.AppliedUndef)
+        outside = fn.xreplace({r: sympy.Integer(1) for r in reads}).free_symbols
+        if not outside <= {sym.S, sym.q_idx, sym.k_idx}:
             return False
+        if any(not sympy.Tuple(*r.args).free_symbols <= {sym.b, sym.q_head} for r in reads):
+            return False  # a read that varies within a tile (a bias over positions)
     loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
              and st.var == sym.start_n]
     unmasked = [lp for lp in loops if not any(isinstance(n, ir.Masked) for st in ir.walk_stmts(lp.body)
