@@ -97,7 +97,7 @@ def _compile_gluon_ws(module, job):
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])
         maxnreg = shape[short + "maxnreg"]
-        pointers = ("LSE",)
+        pointers = tuple(p for p in ("LSE", "SINKS", "ALIBI_SLOPES") if p in fn.arg_names)  # a variant's tensors
     sig = {arg: "constexpr" if arg in const else descs.get(arg, ("*i32" if arg == "CLAIM" else "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}

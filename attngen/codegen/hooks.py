@@ -6,7 +6,8 @@ comes from here, rendered from the same IR kernel over names the template provid
 templates take `{{modification}}`:
 
     scale             the value exp2 scales the raw scores by (the IR's `qk_scale`: sm_scale * log2(e))
-    scaled(s)         the scores as exp2 takes them, `s` the template's raw score tile (the IR's exp2 argument)
+    scaled(s)         the scores as exp2 takes them, `s` the template's raw score tile (the IR's exp2 argument;
+                      a score modifier's Pointwise over the raw scores, with `query` / `key` the positions it reads)
     scaled_max(s, a)  their maximum along axis `a` (the IR's new running max, before its max with the old)
     lse(m, l)         the log-sum-exp stored from the running max `m` and sum `l` (base 2 back to e)
     lse_log2(x, lib)  a loaded log-sum-exp `x` in base 2, +inf for a row that saw no key (P = 0 there)
@@ -16,6 +17,10 @@ templates take `{{modification}}`:
     causal_offset     b in the IR's causal predicate `key <= query + b`, over the kernel's sizes ("0" top-left)
     diagonal(rows)    query + b for the packed row positions `rows` (query = row // group)
     keep(...)         the masked blocks' predicate over the template's key positions and diagonal positions
+                      (and, with `query`, the row positions a variant's BAND/EXPR predicates read as q_idx)
+    key_blocks(lib)   a query tile's key blocks (variant programs): the first visited, the unmasked
+                      [full_lo, full_hi) and how many, from the IR's key loops after causal-skip
+    sink(load)        the sink's logit in base 2 (the IR's `sink`), `load` the template's read of SINKS[h]
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
@@ -36,7 +41,7 @@ import sympy
 
 from .. import ir
 from ..errors import InternalError
-from ..ir import Call, Num, Op, Pred, PredKind, Ref
+from ..ir import Call, Num, Op, Pred, PredKind, Ref, sym
 from . import exprs
 
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
@@ -65,12 +70,23 @@ class ScoreHooks:
     def scale(self) -> str:
         return self._code(_render(self.scale_value, {}))
 
-    def scaled(self, s: str) -> str:
-        return self._code(_render(self.scaled_expr, {self.score.name: s}), s)
+    def scaled(self, s: str, query: str | None = None, key: str | None = None, key_axis: int = 1) -> str:
+        """The scores `s` as exp2 takes them; `query` / `key` the tile's row and key positions (vectors along
+        the axes other than / of `key_axis`), needed where a score modifier reads q_idx / k_idx."""
+        elements = _elements(query, key, key_axis)
+        reads = _reads(self.scaled_expr).values()  # the template loads them first (reads())
+        return self._code(_render(self.scaled_expr, {self.score.name: s, **elements}), s, *elements.values(), *reads)
+
+    @property
+    def modded(self) -> bool:
+        """Whether a score modifier (a Pointwise of the IR) sits between the raw scores and exp2."""
+        return any(isinstance(n, ir.Pointwise) for n in ir.walk_expr(self.scaled_expr))
 
     def scaled_max(self, s: str, axis: int) -> str:
         if self.max_expr is None:
             raise InternalError(f"kernel {self.kernel.name} keeps no running max")
+        if self.modded:  # the IR's max is over the modified tile: the template takes it over scaled(s)
+            raise InternalError(f"kernel {self.kernel.name}: a modified score's max is the max of scaled(s)")
         return self._code(_render(self.max_expr, {self.score.name: s}, axis), s)
 
     def lse(self, m: str, l: str) -> str:
@@ -87,11 +103,71 @@ class ScoreHooks:
         loads = {n.buffer.name: x for n in ir.walk_expr(self.lse_read) if isinstance(n, ir.Load)}
         return self._code(_render(self.lse_read, loads, lib=lib), x)
 
-    def value(self, target: str, names: dict, lib: str = "gl") -> str:
+    def value(self, target: str, names: dict, lib: str = "gl", default: str | None = None) -> str:
+        """`default` (if given) where the kernel defines no `target`."""
         for st in ir.walk_stmts(self.kernel.body):
             if isinstance(st, (ir.Assign, ir.Store)) and st.target.name == target:
                 return self._code(_render(st.value, names, lib=lib), *names.values())
+        if default is not None:
+            return self._code(default, *names.values())
         raise InternalError(f"kernel {self.kernel.name} defines no {target}")
+
+    @property
+    def sinks(self) -> bool:
+        return any(st.target.name == "sink" for st in ir.walk_stmts(self.kernel.body) if isinstance(st, ir.Assign))
+
+    def sink(self, load: str) -> str:
+        """The sink's logit as the online softmax's extra step takes it (base 2), `load` the template's read
+        of the head's SINKS entry."""
+        loads = {n.buffer.name: load for st in ir.walk_stmts(self.kernel.body)
+                 if isinstance(st, ir.Assign) and st.target.name == "sink"
+                 for n in ir.walk_expr(st.value) if isinstance(n, ir.Load)}
+        return self.value("sink", loads)
+
+    @property
+    def tensors(self) -> tuple:
+        """The run-time tensors the kernel reads beside Q, K and V (a variant's: declared tensors, ALiBi's slopes,
+        the sinks), in the order of the kernel's parameters."""
+        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in ("Q", "K", "V"))
+
+    @property
+    def tensor_params(self) -> str:
+        """The Gluon kernel's parameters for `tensors`: each one's pointer and strides (", SINKS, stride_sinks_0")."""
+        return "".join(f", {t.name}" + "".join(f", {n}" for n in _strides(t)) for t in self.tensors)
+
+    def reads(self) -> list[tuple[str, str]]:
+        """(name, code) for each tensor read of the score modifier: one value per tile (its indices are over the
+        batch and query head alone: `b`, `h` as the template holds them), loaded under the name `scaled` gives it;
+        a read outside the tensor reads 0 (the spec language's rule)."""
+        out = []
+        for read, name in _reads(self.scaled_expr).items():
+            buf = next(t for t in self.tensors if t.name == read.func.__name__)
+            index = [_elementwise(i, {str(sym.b): "b", str(sym.q_head): "h"}) for i in read.args]
+            ptr = " + ".join([buf.name] + [f"({i}) * {st}" for i, st in zip(index, _strides(buf))])
+            # b < B and h < H hold in every tile (and the template holds neither B nor H where it loads)
+            inside = " & ".join(f"({i} >= 0) & ({i} < {_size(d)})" for i, d, e in zip(index, buf.shape, read.args)
+                                if (e, d) not in ((sym.b, sym.B), (sym.q_head, sym.H)))
+            load = f"gl.load({ptr}, mask={inside}, other=0.0)" if inside else f"gl.load({ptr})"
+            out.append((name, self._code(f"{load}.to(gl.float32)", "b h mask other", self.tensor_params)))
+        return out
+
+    def key_blocks(self, lib: str = "gl") -> dict:
+        """A query tile's key blocks as code over start_m, N_Q, N_K, BLOCK_M, BLOCK_N: `lo` (the first block
+        visited), `full_lo` and `full_hi` (the unmasked blocks [full_lo, full_hi); the others visited are
+        masked) and `hi` (one past the last visited). Read from the IR's key loops after causal-skip (masked,
+        unmasked, masked, each stepping BLOCK_N from a multiple of it): the tile visits the blocks of their union.
+        `lib` gl: Gluon code; "" : Python (the tests evaluate it)."""
+        loops = _key_loops(self.kernel)
+        full = [lp for lp in loops if not _masks(lp)]
+        if len(full) != 1:
+            raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one unmasked "
+                                "range between masked ones")
+        block = next(d.symbol for d in self.kernel.symbols if str(d.symbol) == "BLOCK_N")
+        index = {"lo": loops[0].start, "full_lo": full[0].start, "full_hi": full[0].stop}
+        code = {name: _size(_in_blocks(start, block), lib) for name, start in index.items()}
+        code["hi"] = _size(sym.CeilDiv(loops[-1].stop, block), lib)
+        given = "start_m" if lib else "start_m cdiv max min"  # the query tile's first row; Python's builtins
+        return {name: self._code(text, given) for name, text in code.items()}
 
     # -- the mask ------------------------------------------------------------------------------------
     @property
@@ -113,26 +189,37 @@ class ScoreHooks:
             raise InternalError(f"kernel {self.kernel.name}: the Gluon templates take one causal diagonal, not {bounds}")
         return sympy.sympify(bounds.pop())
 
-    def keep(self, key: str, diagonal: str, key_axis: int, structural: tuple[str, ...] = ()) -> str:
+    def keep(self, key: str, diagonal: str | None, key_axis: int, structural: tuple[str, ...] = (),
+             query: str | None = None) -> str:
         """The masked blocks' predicate: `key` the tile's key positions (a vector along `key_axis`), `diagonal`
-        its query positions plus causal_offset (a vector along the other axis). The predicate kinds named in
-        `structural` (PredKind values) are the template's own (say, rows past N_Q given an lse of +inf); every
-        other predicate is rendered."""
+        its query positions plus causal_offset (a vector along the other axis), or `query` its query positions
+        (the IR's q_idx, as a variant's BAND and EXPR predicates read them; the diagonal is then query plus the
+        CAUSAL predicate's own offset). The predicate kinds named in `structural` (PredKind values) are the
+        template's own (say, rows past N_Q given an lse of +inf); every other predicate is rendered."""
         kb, db = _BROADCAST[key_axis], _BROADCAST[1 - key_axis]
+        elements = _elements(query, key, key_axis)
         terms = []
         for p in self.preds:
             if p.kind.value in structural:
                 continue
-            if p.kind is PredKind.CAUSAL:
+            if p.kind is PredKind.CAUSAL and query is not None:
+                offset = "" if sympy.sympify(p.bound) == 0 else f" + ({_size(p.bound)})"
+                terms.append(f"({key}{kb} <= {query}{db}{offset})")
+            elif p.kind is PredKind.CAUSAL:
                 self._offset()  # the one diagonal the template built `diagonal` from
                 terms.append(f"({key}{kb} <= {diagonal}{db})")
             elif p.kind is PredKind.KEY_BOUND:
                 terms.append(f"({key} < {_size(p.bound)}){kb}")
+            elif p.kind is PredKind.QUERY_BOUND and query is not None:
+                terms.append(f"({query} < {_size(p.bound)}){db}")
+            elif p.kind in (PredKind.BAND, PredKind.EXPR) and query is not None:
+                cond = sympy.Le(p.bound, 0, evaluate=False) if p.kind is PredKind.BAND else p.bound
+                terms.append(_elementwise(cond, elements))
             else:
                 raise InternalError(f"kernel {self.kernel.name}: no Gluon spelling for the predicate {ir.format_pred(p)}")
         if not terms:
             raise InternalError(f"kernel {self.kernel.name}: a masked block with nothing to mask")
-        return self._code(" & ".join(terms), key, diagonal)
+        return self._code(" & ".join(terms), key, *(x for x in (diagonal, query) if x is not None))
 
     def _code(self, code: str, *given: str) -> str:
         """`code`, once every identifier in it is a given name's, a symbol's of the kernel, or gl's."""
@@ -154,7 +241,7 @@ def score_hooks(kernel, in_scope: tuple[str, ...] = ("qk_scale",)) -> ScoreHooks
                 and len(st.target.shape) == 2), None)
     if exp is None or not (isinstance(exp, Call) and exp.op is Op.SUB):
         raise InternalError(f"kernel {kernel.name}: no exp2 of scaled scores for the Gluon hooks")
-    scaled = exp.args[0]
+    scaled = _modifier(exp.args[0], assigns)
     score = next(n.buffer for n in ir.walk_expr(scaled) if isinstance(n, Ref) and len(n.buffer.shape) == 2)
     scale_buffers = [n.buffer for n in ir.walk_expr(scaled) if isinstance(n, Ref) and n.buffer.shape == ()]
     values = {st.target.name: st.value for st in assigns}
@@ -182,16 +269,109 @@ def score_hooks(kernel, in_scope: tuple[str, ...] = ("qk_scale",)) -> ScoreHooks
                       in_scope=tuple(in_scope))
 
 
-def _size(expr) -> str:
-    """An integer expression over the kernel's sizes, positive terms first (`n_k - N_Q`, as a person writes it)."""
+def _size(expr, lib: str = "gl") -> str:
+    """An integer expression over the kernel's sizes, positive terms first (`n_k - N_Q`, as a person writes it);
+    `lib` "": as Python."""
     expr = sympy.sympify(expr)
     if isinstance(expr, sympy.Add):
         terms = sorted(expr.args, key=lambda t: (t.could_extract_minus_sign(), sympy.default_sort_key(t)))
-        text = _size(terms[0])
+        text = _size(terms[0], lib)
         for t in terms[1:]:
-            text += f" - {_size(-t)}" if t.could_extract_minus_sign() else f" + {_size(t)}"
+            text += f" - {_size(-t, lib)}" if t.could_extract_minus_sign() else f" + {_size(t, lib)}"
         return text
-    return exprs.gluon(expr)
+    return exprs.gluon(expr) if lib else exprs.host(expr)
+
+
+def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:
+    """exp2's argument with a score modifier in view: where the scores exp2 reads are a tile the kernel
+    assigned a Pointwise of the raw product (a score modifier, under its mask), that Pointwise over the
+    raw product, which the template holds under the assigned tile's name."""
+    if not isinstance(scaled, Ref) or len(scaled.buffer.shape) != 2:
+        return scaled
+    value = next((st.value for st in assigns if st.target.name == scaled.buffer.name), None)
+    if isinstance(value, ir.Masked):
+        value = value.value
+    if not isinstance(value, ir.Pointwise):
+        raise InternalError(f"exp2 reads the tile {scaled.buffer.name}, not a score modifier's value")
+    for read in _reads(value):
+        if {str(x) for a in read.args for x in sympy.sympify(a).free_symbols} - {str(sym.b), str(sym.q_head)}:
+            raise InternalError(f"no Gluon hook spelling for the read {read}: it varies within a tile")
+    raw = scaled.buffer
+
+    def to_raw(node):
+        if isinstance(node, Call) and node.op is Op.DOT_T:
+            return Ref(raw)
+        return node
+
+    return ir.map_expr(value, to_raw)
+
+
+def _reads(e) -> dict:
+    """The tensor reads of the Pointwise in `e` (applied sympy functions named after their buffers), each with the
+    name the hooks load it under (the buffer's in lower case, numbered past the first)."""
+    pointwise = [n for n in ir.walk_expr(e) if isinstance(n, ir.Pointwise)]
+    atoms = sorted({a for p in pointwise for a in sympy.sympify(p.fn).atoms(sympy.core.function.AppliedUndef)},
+                   key=sympy.default_sort_key)
+    names = {}
+    for read in atoms:
+        base = read.func.__name__.lower()
+        names[read] = base if base not in names.values() else f"{base}_{len(names)}"
+    return names
+
+
+def _strides(buffer) -> list[str]:
+    return [f"stride_{buffer.name.lower()}_{i}" for i in range(len(buffer.shape))]
+
+
+def _in_blocks(start, block):
+    """A multiple of `block` (as causal-skip writes its loops' starts: block * k, their max and min, 0) over it."""
+    start = sympy.sympify(start)
+    if start == 0:
+        return start
+    if isinstance(start, (sympy.Max, sympy.Min)):
+        return type(start)(*(_in_blocks(a, block) for a in start.args))
+    if isinstance(start, sympy.Mul) and block in start.args:
+        factors = list(start.args)
+        factors.remove(block)
+        return sympy.Mul(*factors)
+    raise InternalError(f"a key loop starting at {start}, not a multiple of {block}")
+
+
+def _masks(loop) -> bool:
+    """Whether a loop's body masks its scores."""
+    return any(isinstance(n, ir.Masked) for st in ir.walk_stmts(loop.body) for e in ir.stmt_exprs(st)
+               for n in ir.walk_expr(e))
+
+
+def _key_loops(kernel) -> list:
+    """The serial key loops of an IR forward kernel's query tile, in order."""
+    return [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
+            and st.var == sym.start_n]
+
+
+def _elements(query: str | None, key: str | None, key_axis: int) -> dict:
+    """The IR's element symbols as the template's position vectors, broadcast over a 2-D tile."""
+    kb, qb = _BROADCAST[key_axis], _BROADCAST[1 - key_axis]
+    out = {}
+    if query is not None:
+        out[str(sym.q_idx)] = f"{query}{qb}"
+    if key is not None:
+        out[str(sym.k_idx)] = f"{key}{kb}"
+    return out
+
+
+def _elementwise(expr, elements: dict) -> str:
+    """A sympy expression over element symbols (q_idx, k_idx) and sizes as Gluon code over the template's tiles."""
+    expr = sympy.sympify(expr)
+    free = {str(s) for s in expr.free_symbols}
+    missing = free & {str(sym.q_idx), str(sym.k_idx), str(sym.q_head), str(sym.b)} - set(elements)
+    if missing:
+        raise InternalError(f"no Gluon spelling for {expr}: the template gives no {sorted(missing)}")
+    placeholders = {s: sympy.Symbol(f"__{s.name}__") for s in expr.free_symbols if str(s) in elements}
+    code = exprs.gluon(expr.xreplace(placeholders))
+    for s, ph in placeholders.items():
+        code = code.replace(ph.name, elements[str(s)])
+    return code
 
 
 def _render(e: ir.Expr, names: dict, axis: int | None = None, lib: str = "gl") -> str:
@@ -220,6 +400,19 @@ def _expr(e: ir.Expr, names: dict, axis, lib: str) -> tuple[str, int]:
         return f"{lib}.{e.op.value}({_expr(e.args[0], names, axis, lib)[0]})", 3
     if isinstance(e, Call) and e.op is Op.ROWMAX and axis is not None:
         return f"{lib}.max({_expr(e.args[0], names, axis, lib)[0]}, {axis})", 3
+    if isinstance(e, ir.Pointwise):
+        value = exprs.parenthesized(_expr(e.value, names, axis, lib)[0])
+        fn = sympy.sympify(e.fn)
+        placeholder = sympy.Symbol("__S__")
+        reads = {read: sympy.Symbol(name) for read, name in _reads(e).items()}  # loaded per tile (ScoreHooks.reads)
+        code = _elementwise(fn.xreplace({sym.S: placeholder, **reads}), names)
+        return exprs.parenthesized(code.replace(placeholder.name, value)), 3
+    if isinstance(e, Call) and e.op is Op.FINITE_OR_ZERO:
+        x = _expr(e.args[0], names, axis, lib)[0]
+        return f'{lib}.where({x} == float("-inf"), 0.0, {x})', 3
+    if isinstance(e, Call) and e.op is Op.ONE_IF_ZERO:
+        x = _expr(e.args[0], names, axis, lib)[0]
+        return f"{lib}.where({x} == 0.0, 1.0, {x})", 3
     if isinstance(e, Call) and e.op is Op.INF_IF_EMPTY:
         x = _expr(e.args[0], names, axis, lib)[0]
         return f'{lib}.where({x} == float("-inf"), float("inf"), {x})', 3

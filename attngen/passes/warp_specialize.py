@@ -29,6 +29,11 @@ hand gets exactly those, in the Triton kernel). A causal program reads only the 
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
+Variant programs (issue 48: windows, prefixes, chunks, softcap, ALiBi, sinks; `variant_supported` says which) get the
+Gluon forward too: each query tile visits exactly the key blocks causal-skip's loops give it, masking those
+outside the unmasked range with the IR's predicates, its scores modified and its sink step taken as the IR says
+(hooks.py); their tiles are taken in order, not in the causal pairs, and they keep the Triton backward.
+
 Specs with a backward (head dim 64 or 128) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
@@ -49,25 +54,70 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import sympy
+
 from .. import ir
+from ..ir import sym
 from ..policy import hopper
 
 NAME = "warp-specialize"
 
 
 
+PLAIN_MASKS = ("none", "causal(top_left)", "causal(bottom_right)")
+
+
 def applies(program: ir.Program) -> bool:
     return (not program.attr("kvcache", False) and program.attr("split_kv") is None
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
-            and program.attr("mask") in ("none", "causal(top_left)", "causal(bottom_right)")
-            and program.attr("score") is None and not program.attr("sinks", False)
+            and (not is_variant(program) or variant_supported(program))
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS)
+
+
+def is_variant(program: ir.Program) -> bool:
+    """Whether the program's spec has a mask tree, a score modifier or sinks (issue 48's variants)."""
+    return (program.attr("mask") not in PLAIN_MASKS or program.attr("score") is not None
+            or program.attr("sinks", False))
+
+
+def variant_supported(program: ir.Program) -> bool:
+    """Whether the Gluon forward (its hooks, codegen/hooks.py) can take a variant program's attn_fwd: masks of
+    CAUSAL, KEY_BOUND and BAND predicates (windows, prefixes, chunks; EXPR predicates, the general form, stay on
+    the Triton kernel: causal-skip cannot bound them), a score modifier over the score and the element
+    positions whose tensor reads depend on the batch and query head alone (ALiBi's slopes: one value per tile;
+    a declared tensor read at positions, as a bias[h, q - k], stays on the Triton kernel), and key loops that
+    are one unmasked range between masked ones (the tile's key blocks the template visits)."""
+    kernel = program.kernel("attn_fwd")
+    nodes = [n for st in ir.walk_stmts(kernel.body) for e in ir.stmt_exprs(st) for n in ir.walk_expr(e)]
+    kinds = {p.kind for n in nodes if isinstance(n, ir.Masked) for p in n.preds}
+    if not kinds <= {ir.PredKind.CAUSAL, ir.PredKind.KEY_BOUND, ir.PredKind.BAND}:
+        return False
+    for n in nodes:
+        if not isinstance(n, ir.Pointwise):
+            continue
+        fn = sympy.sympify(n.fn)
+        reads = fn.atoms(sympy.core.function.AppliedUndef)
+        outside = fn.xreplace({r: sympy.Integer(1) for r in reads}).free_symbols
+        if not outside <= {sym.S, sym.q_idx, sym.k_idx}:
+            return False
+        if any(not sympy.Tuple(*r.args).free_symbols <= {sym.b, sym.q_head} for r in reads):
+            return False  # a read that varies within a tile (a bias over positions)
+    loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
+             and st.var == sym.start_n]
+    unmasked = [lp for lp in loops if not any(isinstance(n, ir.Masked) for st in ir.walk_stmts(lp.body)
+                                              for e in ir.stmt_exprs(st) for n in ir.walk_expr(e))]
+    return len(unmasked) == 1
 
 
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
+    if is_variant(program):
+        # The Gluon backward and the causal pairing of tiles are the plain masks' (a variant's tiles are
+        # taken in order, each over the key blocks its mask leaves).
+        return replace(program, warp_specialized=replace(program.warp_specialized,
+                                                         forward=hopper.forward_variant(d, causal)))
     backward = None
     if d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
         backward = hopper.backward(d, causal)

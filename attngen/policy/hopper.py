@@ -225,6 +225,15 @@ def forward(head_dim: int, causal: bool) -> ir.GluonForward:
                            short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
 
 
+def forward_variant(head_dim: int, masked: bool) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
+    causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
+    few), an unmasked one (softcap, sinks) the column without a mask. Not measured: a guess until the bench
+    has variant rows. BALANCE is off: its dealing plans around a sequence's short last row block, and a
+    variant's tiles differ by their key blocks instead."""
+    return replace(forward(head_dim, masked), balance=False)
+
+
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS."""
     key, f = (head_dim, causal), BWD_FLAGS
