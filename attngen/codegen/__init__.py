@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 import jinja2
+import sympy
 
 from .. import ir
 from ..ir import variants
@@ -96,6 +97,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         tensors=_runtime_tensors(spec),
         bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if "backward" in entries else [],
         sinks=spec.variant.sinks,
+        uses_tanh=any(e.fn.has(sympy.tanh) for k in program.kernels for st in ir.walk_stmts(k.body)
+                      for x in ir.stmt_exprs(st) for e in ir.walk_expr(x) if isinstance(e, ir.Pointwise)),
     )
     return _ENV.get_template(TEMPLATE).render(**context)
 

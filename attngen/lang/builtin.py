@@ -1,22 +1,102 @@
 """The specs attngen writes itself: `attention()`'s (`sdpa_spec`) and `attention_with_kvcache()`'s
 (`kvcache_spec`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are run-time
-arguments of one compiled kernel."""
+arguments of one compiled kernel. `attention()`'s variant arguments (window, softcap, ALiBi, sinks) add a
+`Variant` (`sdpa_variant`) and a suffix to the kernel's registry key (`sdpa_key`, read back by `sdpa_key_spec`)."""
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
-from .spec import Spec, parse
+from .spec import Mask, Spec, parse
+from .variants import Alibi, And, BinOp, Causal, Compare, Const, Softcap, Var, Variant, Window
+
+NO_WINDOW = (-1, -1)
 
 
 @lru_cache(maxsize=None)
-def sdpa_spec(dtype: str, head_dim: int, causal: bool) -> Spec:
-    """The spec `attention()` uses for one dtype / head dim / mask (with its backward)."""
+def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Variant()) -> Spec:
+    """The spec `attention()` uses for one dtype / head dim / mask / variant (with its backward)."""
     mask = "causal(top_left)" if causal else "none"
     name = f"sdpa_{dtype}_d{head_dim}_{'causal' if causal else 'full'}"
+    if variant:
+        # e.g. sdpa_bf16_d128_causal_window_4096_softcap_30: readable, and an identifier
+        words = " ".join(_variant_words(variant))
+        name = f"sdpa_{dtype}_d{head_dim}_" + re.sub(r"\W+", "_", words if variant.mask is not None
+                                                     else f"{'causal' if causal else 'full'} {words}").strip("_")
     text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
             f"    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n}}\n")
-    return parse(text, f"<attention {name}>")
+    spec = parse(text, f"<attention {name}>")
+    if not variant:
+        return spec
+    return spec.replace(mask=Mask.CUSTOM if variant.mask is not None else spec.mask, variant=variant)
+
+
+def _variant_words(variant: Variant):
+    """The variant's parts as the spec writes them."""
+    if variant.mask is not None:
+        yield variant.mask.text()
+    if variant.score is not None:
+        yield variant.score.text()
+    if variant.sinks:
+        yield "sinks"
+
+
+def sdpa_variant(causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0, alibi: bool = False,
+                 sinks: bool = False) -> Variant:
+    """The variant of `attention()`'s checked arguments, flash-attn's semantics aligned top-left as SDPA's
+    `is_causal` is: `window` (left, right) keeps keys with q - left <= k <= q + right, -1 leaving that side
+    unbounded (with `causal`, right is 0 and the mask is `causal & window(left + 1)`); `softcap` > 0 is
+    `softcap(C)`, 0 none; `alibi` and `sinks` say whether slopes and sinks are passed. Variant() when every
+    argument is its default."""
+    left, right = window
+    mask = None
+    if causal:
+        if left >= 0:
+            mask = And(Causal(), Window(left, 0, left + 1))
+    elif left >= 0 and right >= 0:
+        mask = Window(left, right)
+    elif left >= 0:  # k >= q - left, keys to the right unbounded
+        mask = Compare("<=", BinOp("-", Var("q"), Var("k")), Const(left))
+    elif right >= 0:  # k <= q + right, keys to the left unbounded
+        mask = Compare("<=", BinOp("-", Var("k"), Var("q")), Const(right))
+    score = Softcap(float(softcap)) if softcap else Alibi() if alibi else None
+    return Variant(mask, score, sinks)
+
+
+def sdpa_key(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+             alibi: bool = False, sinks: bool = False) -> str:
+    """The registry key of `attention()`'s kernel: `sdpa:<dtype>:<head_dim>:<causal|full>`, then for each variant
+    argument that is not its default `:window=<left>,<right>`, `:softcap=<C>`, `:alibi`, `:sinks`
+    (`sdpa_key_spec` reads it back). Arguments as `sdpa_variant` takes them, checked."""
+    key = f"sdpa:{dtype}:{head_dim}:{'causal' if causal else 'full'}"
+    if tuple(window) != NO_WINDOW:
+        key += f":window={window[0]},{window[1]}"
+    if softcap:
+        key += f":softcap={float(softcap)!r}"
+    if alibi:
+        key += ":alibi"
+    if sinks:
+        key += ":sinks"
+    return key
+
+
+def sdpa_key_spec(key: str) -> Spec:
+    """The spec of an `sdpa_key`."""
+    _, dtype, head_dim, mask, *parts = key.split(":")
+    options = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        if name == "window":
+            options["window"] = tuple(int(x) for x in value.split(","))
+        elif name == "softcap":
+            options["softcap"] = float(value)
+        elif name in ("alibi", "sinks") and not value:
+            options[name] = True
+        else:
+            raise ValueError(f"unknown part {part!r} of attention() key {key!r}")
+    causal = mask == "causal"
+    return sdpa_spec(dtype, int(head_dim), causal, sdpa_variant(causal, **options) if options else Variant())
 
 
 @lru_cache(maxsize=None)
