@@ -3,6 +3,7 @@ against float64 autograd through reference.variant_attention, the run-time tenso
 generated dK/dV loops skipping dead query blocks."""
 
 import functools
+from dataclasses import replace
 
 import pytest
 import sympy
@@ -11,7 +12,6 @@ import torch
 import attngen
 from attngen import KernelInputError
 from attngen.ir import sym
-from attngen.ir import variants as irv
 from attngen.lang import variants as v
 from attngen.lang.spec import Mask, parse
 from attngen.passes import compile_program
@@ -21,46 +21,42 @@ from attngen.testing.accuracy import ATOL, FUDGE, GRAD_REL_TOL, REL_TOL
 from conftest import DEVICE, spec_text
 
 
-def variant_spec(name, variant, dtype="fp32"):
-    """A forward+backward spec of head dim 32 with 16 x 16 tiles and `variant` (masks and score written as
-    a tree until the spec language spells them)."""
-    base = parse(spec_text(name, 32, dtype, "none", direction="forward+backward", block_m=16, block_n=16))
-    return base.replace(mask=Mask.CUSTOM if variant.mask is not None else Mask.NONE, variant=variant)
+def variant_spec(name, body, dtype="fp32"):
+    """A forward+backward spec of head dim 32 with 16 x 16 tiles and the variant lines `body`."""
+    return parse(spec_text(name, 32, dtype, "none", direction="forward+backward", block_m=16, block_n=16)
+                 .replace("    mask = none\n", "").replace("\n}", "\n    " + body.replace("\n", "\n    ") + "\n}"))
 
 
-def q_minus_k():
-    return v.BinOp("-", v.Var("q"), v.Var("k"))
+def reference_variant(spec):
+    """The spec's variant as reference.variant_attention reads it: a plain causal mask written into the tree."""
+    if spec.mask is Mask.CAUSAL_TOP_LEFT:
+        return replace(spec.variant, mask=v.Causal())
+    assert spec.mask in (Mask.CUSTOM, Mask.NONE) and not spec.bottom_right
+    return spec.variant
 
 
-BIAS = v.TensorDecl("bias", ("H", 64), "fp32")
-# a union with a gap between its pieces: no band bounds it, an EXPR predicate evaluated per element
-GENERAL_MASK = v.Or(v.And(v.Compare(">=", v.Var("q"), v.Var("k")), v.Compare("<", q_minus_k(), v.Const(4))),
-                    v.Compare("<", v.Var("k"), v.Const(6)))
-# an expression causal-skip still solves as bands
-BANDED_MASK = v.And(v.Compare("<", q_minus_k(), v.Const(20)),
-                    v.Or(v.Compare("<", v.Var("k"), v.Const(5)), v.Compare(">=", v.Var("q"), v.Var("k"))))
-GENERAL_SCORE = v.ScoreExpr(v.BinOp("+", v.Var("s"), v.Index("bias", (v.Var("h"), q_minus_k()))))
-
-# name: (variant, run-time tensors (heads, batch) -> dict, (B, H, H_KV, N_Q, N_K))
+# name: (the spec's variant lines, run-time tensors (heads, batch) -> dict, (B, H, H_KV, N_Q, N_K))
 CASES = {
-    "window": (v.Variant(v.Window(7, 0, 8)), None, (2, 2, 2, 37, 45)),
-    "causal_window": (v.Variant(v.And(v.Causal(), v.Window(11, 0, 12))), None, (1, 4, 2, 45, 37)),
-    "window_left_right": (v.Variant(v.Window(5, 3)), None, (1, 2, 1, 33, 50)),
-    "causal_or_prefix": (v.Variant(v.Or(v.Causal(), v.Prefix(9))), None, (1, 2, 2, 41, 41)),
-    "causal_chunked": (v.Variant(v.And(v.Causal(), v.Chunked(12))), None, (2, 2, 2, 39, 39)),
-    "softcap": (v.Variant(None, v.Softcap(2.0)), None, (1, 4, 2, 29, 43)),
-    "alibi_heads": (v.Variant(v.Causal(), v.Alibi()), lambda b, h: {"alibi_slopes": torch.rand(h)}, (2, 2, 2, 35, 35)),
-    "alibi_batch_heads": (v.Variant(v.Causal(), v.Alibi()), lambda b, h: {"alibi_slopes": torch.rand(b, h)},
+    "window": ("mask = window(8)", None, (2, 2, 2, 37, 45)),
+    "causal_window": ("mask = causal & window(12)", None, (1, 4, 2, 45, 37)),
+    "window_left_right": ("mask = window(5, 3)", None, (1, 2, 1, 33, 50)),
+    "causal_or_prefix": ("mask = causal | prefix(9)", None, (1, 2, 2, 41, 41)),
+    "causal_chunked": ("mask = causal & chunked(12)", None, (2, 2, 2, 39, 39)),
+    "softcap": ("mask = none\nscore = softcap(2)", None, (1, 4, 2, 29, 43)),
+    "alibi_heads": ("mask = causal\nscore = alibi", lambda b, h: {"alibi_slopes": torch.rand(h)}, (2, 2, 2, 35, 35)),
+    "alibi_batch_heads": ("mask = causal\nscore = alibi", lambda b, h: {"alibi_slopes": torch.rand(b, h)},
                           (2, 2, 2, 35, 40)),
-    "sinks_window": (v.Variant(v.Window(7, 0, 8), None, True), lambda b, h: {"sinks": torch.randn(h)}, (2, 2, 2, 37, 37)),
-    "general_mask": (v.Variant(GENERAL_MASK), None, (1, 2, 2, 45, 45)),
-    "general_score": (v.Variant(None, GENERAL_SCORE, False, (BIAS,)), lambda b, h: {"bias": torch.randn(h, 64)},
-                      (1, 2, 2, 30, 34)),
+    "sinks_window": ("mask = window(8)\nsinks = true", lambda b, h: {"sinks": torch.randn(h)}, (2, 2, 2, 37, 37)),
+    # a union with a gap between its pieces: no band bounds it, an EXPR predicate evaluated per element
+    "general_mask": ("mask = (q >= k & q - k < 4) | k < 6", None, (1, 2, 2, 45, 45)),
+    "general_score": ("mask = none\ntensor bias[H, 64]: fp32\nscore = s + bias[h, q - k]",
+                      lambda b, h: {"bias": torch.randn(h, 64)}, (1, 2, 2, 30, 34)),
 }
 
 
 def inputs(case, dtype, seed=0):
-    variant, make, (b, h, h_kv, n_q, n_k) = CASES[case]
+    body, make, (b, h, h_kv, n_q, n_k) = CASES[case]
+    variant = reference_variant(variant_spec("vb_reference", body))
     gen = torch.Generator().manual_seed(seed)
     q, k, val, do = (torch.randn(shape, generator=gen).to(DEVICE, dtype)
                      for shape in ((b, h, n_q, 32), (b, h_kv, n_k, 32), (b, h_kv, n_k, 32), (b, h, n_q, 32)))
@@ -100,7 +96,7 @@ def poisoned(q, k, v):
 
 def check_gradients(monkeypatch, case, dtype, seed=0):
     variant, q, k, val, do, tensors = inputs(case, dtype, seed)
-    spec = variant_spec(f"vb_{case}_{SPEC_DTYPES[dtype]}", variant, SPEC_DTYPES[dtype])
+    spec = variant_spec(f"vb_{case}_{SPEC_DTYPES[dtype]}", CASES[case][0], SPEC_DTYPES[dtype])
     kernel = attngen.load(spec)
     # The backward writes into gradient buffers poisoned with NaN: an element it leaves shows.
     monkeypatch.setattr(kernel_module, "gradient_tensors", poisoned)
@@ -137,7 +133,7 @@ def test_sinks_gradient_through_torch_compile_in_one_graph():
     from attngen.runtime.autograd import attention_forward
 
     variant, q, k, val, do, tensors = inputs("sinks_window", torch.float32)
-    key = attngen.load(variant_spec("vb_compile_sinks", variant)).key
+    key = attngen.load(variant_spec("vb_compile_sinks", CASES["sinks_window"][0])).key
 
     def loss(q, k, v, sinks):
         out, _ = attention_forward(key, q, k, v, 32 ** -0.5, (sinks,))
@@ -157,7 +153,7 @@ def test_sinks_gradient_through_torch_compile_in_one_graph():
 
 def test_sinks_in_the_kernels_dtype_get_a_gradient_in_theirs():
     variant, q, k, val, do, tensors = inputs("sinks_window", torch.float16)
-    kernel = attngen.load(variant_spec("vb_sinks_fp16", variant, "fp16"))
+    kernel = attngen.load(variant_spec("vb_sinks_fp16", CASES["sinks_window"][0], "fp16"))
     sinks = tensors["sinks"].half().requires_grad_()
     kernel(q, k, val, sinks=sinks).backward(do)
     ref = reference_grads(variant, q, k, val, do, {"sinks": sinks.detach()}, torch.float64)[-1]
@@ -167,7 +163,7 @@ def test_sinks_in_the_kernels_dtype_get_a_gradient_in_theirs():
 def test_kernel_backward_returns_the_sinks_gradient_last():
     """`Kernel.backward` (no autograd) takes the forward's keyword tensors and returns (dq, dk, dv, dsinks)."""
     variant, q, k, val, do, tensors = inputs("sinks_window", torch.float32)
-    kernel = attngen.load(variant_spec("vb_sinks", variant))
+    kernel = attngen.load(variant_spec("vb_sinks", CASES["sinks_window"][0]))
     out, lse = kernel(q, k, val, return_lse=True, **tensors)
     grads = kernel.backward(q, k, val, out, lse, do, grads=poisoned(q, k, val), **tensors)
     refs = reference_grads(variant, q, k, val, do, tensors, torch.float64)[1:]
@@ -180,7 +176,7 @@ def test_kernel_backward_returns_the_sinks_gradient_last():
 
 def test_run_time_tensors_are_checked_before_any_launch():
     variant, q, k, val, do, tensors = inputs("general_score", torch.float32)
-    kernel = attngen.load(variant_spec("vb_general_score", variant))
+    kernel = attngen.load(variant_spec("vb_general_score", CASES["general_score"][0]))
     with pytest.raises(TypeError, match="needs the tensor bias="):
         kernel(q, k, val)
     with pytest.raises(TypeError, match="unexpected keyword sinks="):
@@ -200,13 +196,13 @@ def test_run_time_tensors_are_checked_before_any_launch():
         plain(q, k, val, alibi_slopes=torch.rand(2))
 
     variant, q, k, val, do, tensors = inputs("alibi_heads", torch.float32)
-    alibi = attngen.load(variant_spec("vb_alibi_heads", variant))
+    alibi = attngen.load(variant_spec("vb_alibi_heads", CASES["alibi_heads"][0]))
     for bad in (torch.rand(3), torch.rand(1, 2, 1), torch.rand(2, 2, dtype=torch.float64)):
         with pytest.raises(KernelInputError, match="alibi_slopes has"):
             alibi(q, k, val, alibi_slopes=bad)
 
     variant, q, k, val, do, tensors = inputs("sinks_window", torch.float32)
-    sinks = attngen.load(variant_spec("vb_sinks", variant))
+    sinks = attngen.load(variant_spec("vb_sinks", CASES["sinks_window"][0]))
     for bad in (torch.zeros(3), torch.zeros(2, dtype=torch.float16), torch.zeros(1, 2)):
         with pytest.raises(KernelInputError, match="sinks has"):
             sinks(q, k, val, sinks=bad)
@@ -220,15 +216,16 @@ def _walk(body):
         yield from _walk(getattr(st, "body", ()))
 
 
-RANGE_MASKS = {name: CASES[name][0].mask for name in ("window", "causal_window", "window_left_right",
-                                                      "causal_chunked", "causal_or_prefix", "general_mask")}
-RANGE_MASKS["banded_expression"] = BANDED_MASK
+RANGE_MASKS = {name: CASES[name][0] for name in ("window", "causal_window", "window_left_right", "causal_chunked",
+                                                "causal_or_prefix", "general_mask")}
+RANGE_MASKS["banded_expression"] = "mask = q - k < 20 & (k < 5 | q >= k)"  # an expression solved as bands
 
 
 @functools.lru_cache(maxsize=None)
 def dkdv_query_loops(name):
-    kernel = compile_program(variant_spec("vb_ranges", v.Variant(RANGE_MASKS[name]))).kernel("attn_bwd_dkdv")
-    return [st for st in _walk(kernel.body) if getattr(st, "var", None) == sym.start_m]
+    spec = variant_spec("vb_ranges", RANGE_MASKS[name])
+    kernel = compile_program(spec).kernel("attn_bwd_dkdv")
+    return spec.variant.mask, [st for st in _walk(kernel.body) if getattr(st, "var", None) == sym.start_m]
 
 
 @pytest.mark.parametrize("name", sorted(RANGE_MASKS))
@@ -239,10 +236,10 @@ def test_dkdv_query_block_ranges_are_exact(name, sizes):
     and every block of an unmasked loop is kept whole (brute force over the tree's condition). A mask no band
     bounds visits every query block."""
     n_q, n_k = sizes
-    loops = dkdv_query_loops(name)
+    mask, loops = dkdv_query_loops(name)
     assert loops
     env = {"q": torch.arange(n_q)[:, None], "k": torch.arange(n_k)[None, :], "b": 0, "h": 0}
-    tree = reference._holds(RANGE_MASKS[name], env).expand(n_q, n_k)
+    tree = reference._holds(mask, env).expand(n_q, n_k)
     banded = name != "general_mask"
     bm = bn = 16
     for start_n in range(0, n_k, bn):
@@ -271,8 +268,8 @@ def test_score_derivative_comes_from_sympy():
     and an additive bias's derivative is 1, so their dS has no factor."""
     from attngen import ir
 
-    def factors(variant):
-        program = compile_program(variant_spec("vb_ir", variant))
+    def factors(body):
+        program = compile_program(variant_spec("vb_ir", body))
         found = []
         for name in ("attn_bwd_dq", "attn_bwd_dkdv"):
             for st in ir.walk_stmts(program.kernel(name).body):
