@@ -96,18 +96,23 @@ def render(spec: Spec, program: ir.Program) -> str:
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
         tensors=_runtime_tensors(spec),
+        bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if "backward" in entries else [],
+        sinks=spec.variant.sinks,
         uses_tanh=any(e.fn.has(sympy.tanh) for k in program.kernels for st in ir.walk_stmts(k.body)
                       for x in ir.stmt_exprs(st) for e in ir.walk_expr(x) if isinstance(e, ir.Pointwise)),
     )
     return _ENV.get_template(TEMPLATE).render(**context)
 
 
-def _runtime_tensors(spec: Spec) -> list[dict]:
+def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
     """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks): the
-    keyword, the launchers' parameter name, and whether a (heads,) tensor is expanded to (batch, heads)."""
+    keyword, the launchers' parameter name, and whether a (heads,) tensor is expanded to (batch, heads);
+    with `kernel`, only those it takes (the backward kernels read the score modifier's tensors, not the sinks)."""
     names = spec.variant.runtime_tensors()
     buffers = variants.tensor_buffers(spec.variant)
-    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI) for name, b in zip(names, buffers)]
+    taken = None if kernel is None else {p.name for p in kernel.params}
+    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI) for name, b in zip(names, buffers)
+            if taken is None or b.name in taken]
 
 
 def _split_heuristic_source() -> str:

@@ -160,6 +160,10 @@ def _split(stmt):
     if not masks:
         return stmt
     if len(masks) != 1:
+        # A loop around an already split one (dK/dV's loop over the query heads of a group) sees the masked
+        # and the unmasked remains of an EXPR predicate: not a loop over a mask's axis, nothing to split.
+        if not any(stmt.var in (m.query.start, m.key.start) for m in masks):
+            return stmt
         raise InternalError(f"causal-skip: loop over {stmt.var} computes {len(masks)} different masks")
     (mask,) = masks
     found = regions(stmt, mask)

@@ -31,9 +31,16 @@ def _scale_of(value):
     return None
 
 
+def _pointwise_reads(body: tuple) -> set[Buffer]:
+    """The tiles a pointwise function reads: it takes them as scaled scores, so they keep their scale."""
+    return {e.value.buffer for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
+            if isinstance(e, ir.Pointwise) and isinstance(e.value, Ref)}
+
+
 def _fold_body(body: tuple) -> tuple:
     out = []
     scaled: dict[Buffer, Ref] = {}
+    kept = _pointwise_reads(body)
     for st in body:
         if isinstance(st, Loop):
             out.append(replace(st, body=_fold_body(st.body)))
@@ -41,7 +48,7 @@ def _fold_body(body: tuple) -> tuple:
         if scaled and isinstance(st, (Assign, ir.Store)):
             st = replace(st, value=_rewrite_uses(st.value, scaled))
         if isinstance(st, Assign):
-            found = _scale_of(st.value)
+            found = None if st.target in kept else _scale_of(st.value)
             if found is not None:
                 st = replace(st, value=found[0])
                 scaled[st.target] = found[1]

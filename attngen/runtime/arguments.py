@@ -284,3 +284,53 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
         if g.stride() != like.stride():
             check_indexing(name, g)
     return grads
+
+
+_TENSOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32}
+
+
+def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict) -> tuple:
+    """The run-time tensors of a variant spec (declared tensors, ALiBi's slopes, the sinks) from a call's
+    keywords, in `Variant.runtime_tensors` order, each checked against q (B, H, N_Q, D): a missing or unknown
+    keyword is a TypeError naming it, a wrong shape, dtype or device a KernelInputError.
+
+    ALiBi's slopes are (H,) or (B, H) float32; the sinks (H,) float32 or the kernel's dtype (their
+    gradient comes back in theirs); a declared tensor is exactly its declared shape (B and H read from q)
+    and dtype. attngen computes gradients for the sinks only: a slope or declared tensor that requires
+    grad while grad mode is on is refused, not treated as a constant (its gradient would silently be
+    missing)."""
+    variant = spec.variant
+    names = variant.runtime_tensors()
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        takes = ", ".join(f"{n}=" for n in names) or "no tensor keywords"
+        raise TypeError(f"kernel '{spec.name}' got the unexpected keyword {unknown[0]}= (its spec takes {takes})")
+    batch, heads = q.shape[0], q.shape[1]
+    out = []
+    for name in names:
+        t = given.get(name)
+        if t is None:
+            raise TypeError(f"kernel '{spec.name}' needs the tensor {name}= (its spec declares it)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        decl = variant.tensor(name)
+        if decl is not None:
+            shapes = [tuple(batch if d == "B" else heads if d == "H" else d for d in decl.dims)]
+            dtypes = [_TENSOR_DTYPES[decl.dtype]]
+        elif name == "sinks":
+            shapes, dtypes = [(heads,)], [torch.float32, spec.dtype.torch]
+        else:  # ALiBi's slopes
+            shapes, dtypes = [(heads,), (batch, heads)], [torch.float32]
+        if tuple(t.shape) not in shapes:
+            raise KernelInputError(f"{name} has shape {tuple(t.shape)}; kernel '{spec.name}' takes "
+                                   + " or ".join(str(s) for s in shapes) + " for q of shape " + str(tuple(q.shape)))
+        if t.dtype not in dtypes:
+            raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes "
+                                   + " or ".join(str(d) for d in dict.fromkeys(dtypes)))
+        if t.layout is not torch.strided or t.device != q.device:
+            raise KernelInputError(f"{name} must be a dense tensor on {q.device}; got a {t.layout} tensor on {t.device}")
+        if name != "sinks" and t.requires_grad and torch.is_grad_enabled():
+            raise KernelInputError(f"{name} requires grad, but attngen computes gradients for q, k, v and sinks only: "
+                                   f"pass {name}.detach() to use it as a constant")
+        out.append(t)
+    return tuple(out)

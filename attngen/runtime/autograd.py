@@ -1,9 +1,11 @@
 """Gradients: the generated kernels as torch custom ops with a registered backward.
 
-`torch.ops.attngen.forward(key, q, k, v, scale) -> (out, lse)` and
-`torch.ops.attngen.backward(key, do, q, k, v, out, lse, scale) -> (dq, dk, dv)` run the kernel
-named by `key`; the forward op's autograd formula calls the backward op, so `.backward()` works on
-q, k and v (any subset requiring grad) and `torch.compile` keeps both in one graph. `key` is either
+`torch.ops.attngen.forward(key, q, k, v, scale, tensors) -> (out, lse)` and
+`torch.ops.attngen.backward(key, do, q, k, v, out, lse, scale, tensors) -> [dq, dk, dv(, dsinks)]` run the
+kernel named by `key`; `tensors` are a variant kernel's run-time tensors in `Variant.runtime_tensors` order
+(declared tensors, ALiBi slopes, sinks; empty for the others). The forward op's autograd formula calls the
+backward op, so `.backward()` works on q, k, v and the sinks (any subset requiring grad; the other run-time
+tensors are constants) and `torch.compile` keeps both in one graph. `key` is either
 a loaded kernel's registry key (`Kernel.key`), or `sdpa:<dtype>:<head_dim>:<causal|full>` for
 `attngen.attention`, which loads its spec inside the op so that tracing never runs attngen's
 loader. The log-sum-exp output carries no gradient.
@@ -30,9 +32,9 @@ class _Eager(torch.autograd.Function):
     """The forward op and its autograd formula, for eager calls (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, key, q, k, v, scale):
-        output = resolve(key).forward(q, k, v, scale)
-        setup_context(ctx, (key, q, k, v, scale), output)
+    def forward(ctx, key, q, k, v, scale, *tensors):
+        output = resolve(key).forward(q, k, v, scale, tensors=tensors)
+        setup_context(ctx, (key, q, k, v, scale, tensors), output)
         ctx.mark_non_differentiable(output[1])
         return output
 
@@ -40,8 +42,9 @@ class _Eager(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         # (q, k, v, out and lse were checked by the forward and are guarded by autograd since: only
         # d_out is checked again)
-        return gradients(ctx, d_out, lambda key, do, q, k, v, out, lse, scale:
-                          resolve(key).backward_saved(q, k, v, out, lse, do, scale))
+        *grads, extra = gradients(ctx, d_out, lambda key, do, q, k, v, out, lse, scale, tensors:
+                                  resolve(key).backward_saved(q, k, v, out, lse, do, scale, tensors))
+        return (*grads, *extra)
 
 
 class Replays:
@@ -165,16 +168,18 @@ def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, 
 
 
 def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k or v
-    require grad: through the custom op while torch.compile traces, else directly."""
+                      scale: float, tensors: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel named by `key` on checked inputs, recorded for autograd when q, k, v or a
+    tensor of `tensors` (the sinks) require grad: through the custom op while torch.compile traces, else
+    directly. `tensors`: the kernel's run-time tensors, checked (`arguments.check_runtime_tensors`), in
+    `Variant.runtime_tensors` order."""
     if torch.compiler.is_compiling():
         from . import ops  # noqa: F401 - registers the ops (torch.compile imports it, it does not trace it)
 
-        return torch.ops.attngen.forward(key, q, k, v, scale)
-    if needs_grad(q, k, v):
-        return _Eager.apply(key, q, k, v, scale)
-    return resolve(key).forward(q, k, v, scale)
+        return torch.ops.attngen.forward(key, q, k, v, scale, list(tensors))
+    if needs_grad(q, k, v, *tensors):
+        return _Eager.apply(key, q, k, v, scale, *tensors)
+    return resolve(key).forward(q, k, v, scale, tensors=tuple(tensors))
 
 
 def needs_grad(*tensors) -> bool:

@@ -30,7 +30,8 @@ from ..passes import compile_program
 from ..policy import configs
 from . import autograd, cache, interpreter_fixes, launch, registry, tables, warmup
 from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out,
-                        check_packed_indexing, check_scale, gradient_tensors, on_other_gpu, tensor_signature)
+                        check_packed_indexing, check_runtime_tensors, check_scale, gradient_tensors, on_other_gpu,
+                        tensor_signature)
 from .keys import Shape, problem_text
 from .parts import PARTS, BackwardPart, KVCachePart
 from .plans import PLANS
@@ -146,6 +147,8 @@ class Kernel:
         self._program = program
         self._parts: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
+        # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks), in order.
+        self.tensor_names = spec.variant.runtime_tensors()
 
     @property
     def name(self) -> str:
@@ -211,12 +214,17 @@ class Kernel:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False,
-                 out: torch.Tensor | None = None, config: dict | None = None):
+                 out: torch.Tensor | None = None, config: dict | None = None, **tensors):
         """softmax(q k^T * scale) v for q (B, H, N_Q, D) and k, v (B, H_KV, N_K, D).
 
         Returns the output (shaped and typed like q), and with `return_lse=True` also the natural-log
         log-sum-exp of each query row's scores, (B, H, N_Q) float32 (-inf for rows with no visible key).
-        When q, k or v require grad, the call is recorded for autograd (forward+backward specs only).
+        When q, k or v (or the sinks) require grad, the call is recorded for autograd (forward+backward
+        specs only).
+
+        `tensors`: the spec's run-time tensors by keyword (`tensor_names`: its declared tensors,
+        `alibi_slopes` (H,) or (B, H) float32, `sinks` (H,)), checked by `arguments.check_runtime_tensors`;
+        a variant's sinks get a gradient, its other tensors are constants.
 
         A call without `config=` whose signature repeats an earlier call's (its plan in `PLANS`, the one cache
         of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
@@ -224,7 +232,8 @@ class Kernel:
         of its second (attngen/runtime/replay.py), with autograd or without, as `attngen.attention` does.
         """
         signature = None
-        if config is None and not torch.compiler.is_compiling():
+        # NOTE: calls with run-time tensors skip the plans and replays: the tensors' checks run every call.
+        if config is None and not tensors and not self.tensor_names and not torch.compiler.is_compiling():
             signature = self._signature(q, k, v, scale, return_lse, out)
             plan = None if signature is None else PLANS.get(signature)
             if plan is not None:
@@ -237,18 +246,19 @@ class Kernel:
                 if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
                     return autograd.planned_forward(plan.training, plan.key, plan.scale, False, q, k, v, return_lse)
         check_attention_inputs(self.spec, q, k, v)
+        extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
         sm_scale = check_scale(scale, self.spec)
-        grad = autograd.needs_grad(q, k, v)
+        grad = autograd.needs_grad(q, k, v, *extra)
         if grad and not self.spec.backward:
             raise KernelInputError(
-                f"q, k or v requires grad, but kernel '{self.spec.name}' is forward-only: "
+                f"q, k, v or sinks requires grad, but kernel '{self.spec.name}' is forward-only: "
                 "write direction = forward+backward in its spec (or call it under torch.no_grad())")
         if grad or torch.compiler.is_compiling():
             if out is not None or config is not None:
                 raise KernelInputError("out= and config= are not supported when recording for autograd")
-            out, lse = autograd.attention_forward(self.key, q, k, v, sm_scale)
+            out, lse = autograd.attention_forward(self.key, q, k, v, sm_scale, extra)
         else:
-            out, lse = self.forward(q, k, v, sm_scale, out=out, config=config)  # (checks out)
+            out, lse = self.forward(q, k, v, sm_scale, out=out, config=config, tensors=extra)  # (checks out)
         if signature is not None:  # (a call that passed every check)
             # (the plan's key is fixed by the signature)
             PLANS.keep(signature, autograd.Plan.new(self.key, sm_scale, False))
@@ -268,15 +278,16 @@ class Kernel:
                 tables.generation())
 
     def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None,
-                lse: torch.Tensor | None = None):
+                lse: torch.Tensor | None = None, tensors: tuple = ()):
         """Run the forward on checked inputs; returns (out, lse). No autograd. `lse`, if given, is a
         contiguous float32 (B, H, N_Q) tensor on q's device to write the log-sum-exp into (not checked:
-        attngen's autograd path allocates it)."""
+        attngen's autograd path allocates it). `tensors`: the checked run-time tensors, in `tensor_names`
+        order."""
         if on_other_gpu(q):
             # Triton launches on the current device: make q's current for this call (the tuning
             # lookup, the launch and the stream it runs on).
             with torch.cuda.device(q.device):
-                return self.forward(q, k, v, scale, out=out, config=config, lse=lse)
+                return self.forward(q, k, v, scale, out=out, config=config, lse=lse, tensors=tensors)
         if out is not None:
             check_out(out, q, inputs={"q": q, "k": k, "v": v})
         else:
@@ -292,18 +303,28 @@ class Kernel:
             if config:
                 launch.update(config)
             warmup.wait()
-            self.module.forward(q, k, v, scale, out=out, lse=lse, config=launch)
+            self.module.forward(q, k, v, scale, out=out, lse=lse, config=launch, **self._keywords(tensors))
         return out, lse
 
-    def backward(self, q, k, v, out, lse, do, scale: float | None = None, config: dict | None = None,
-                 grads: tuple | None = None):
-        """Gradients (dq, dk, dv) for the output gradient `do`, from what `forward` returned.
+    def _keywords(self, tensors: tuple) -> dict:
+        """The generated module's keyword tensors; sinks in float32, as its kernels read them."""
+        named = dict(zip(self.tensor_names, tensors))
+        if named.get("sinks") is not None:
+            named["sinks"] = named["sinks"].float()
+        return named
 
-        `grads`, if given, are the three tensors to write them into (shaped like q, k, v).
+    def backward(self, q, k, v, out, lse, do, scale: float | None = None, config: dict | None = None,
+                 grads: tuple | None = None, **tensors):
+        """Gradients (dq, dk, dv) for the output gradient `do`, from what `forward` returned; a spec with
+        sinks adds their gradient (H,), in the sinks' dtype, last.
+
+        `grads`, if given, are the three tensors to write dq, dk and dv into (shaped like q, k, v).
+        `tensors`: the run-time tensors the forward took, by keyword.
         """
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
+        extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
         check_like(out, q, "out")
         check_like(do, q, "do")  # read only: an expanded gradient (from out.sum()) is fine
         if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):
@@ -316,29 +337,36 @@ class Kernel:
             for name, g, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
                 check_out(g, like, name, inputs=read)
                 read[name] = g
-        return self._backward(q, k, v, out, lse, do, sm_scale, config, grads)
+        return self._backward(q, k, v, out, lse, do, sm_scale, config, grads, extra)
 
-    def backward_saved(self, q, k, v, out, lse, do, scale: float):
+    def backward_saved(self, q, k, v, out, lse, do, scale: float, tensors: tuple = ()):
         """`backward` for autograd: q, k, v and `scale` are what a checked `forward` call took, `out` and
         `lse` what it returned, kept unchanged since by autograd (its version counters raise on an
         in-place change); only the output gradient `do` is checked. Saves the host time of the checks,
         which a short backward is bound by."""
         check_like(do, q, "do")
-        return self._backward(q, k, v, out, lse, do, scale, None, None)
+        return self._backward(q, k, v, out, lse, do, scale, None, None, tensors)
 
-    def _backward(self, q, k, v, out, lse, do, sm_scale: float, config: dict | None, grads: tuple | None):
+    def _backward(self, q, k, v, out, lse, do, sm_scale: float, config: dict | None, grads: tuple | None,
+                  tensors: tuple = ()):
         if on_other_gpu(q):
             with torch.cuda.device(q.device):
-                return self._backward(q, k, v, out, lse, do, sm_scale, config, grads)
+                return self._backward(q, k, v, out, lse, do, sm_scale, config, grads, tensors)
         dq, dk, dv = gradient_tensors(q, k, v) if grads is None else grads
+        sinks = dict(zip(self.tensor_names, tensors)).get("sinks")
         if q.numel() == 0 or k.numel() == 0:
             # Nothing attends: every gradient is zero (and no kernel can be launched on an empty grid).
-            return dq.zero_(), dk.zero_(), dv.zero_()
+            zeros = (dq.zero_(), dk.zero_(), dv.zero_())
+            return zeros if sinks is None else zeros + (torch.zeros_like(sinks),)
         launch = self.backward_config(q, k)
         for name, extra in (config or {}).items():
             launch[name] = dict(launch[name], **extra)
         warmup.wait()
-        return self.module.backward(q, k, v, out, lse, do, sm_scale, dq=dq, dk=dk, dv=dv, config=launch)
+        grads = self.module.backward(q, k, v, out, lse, do, sm_scale, dq=dq, dk=dk, dv=dv, config=launch,
+                                     **self._keywords(tensors))
+        if sinks is None:
+            return grads
+        return grads[:3] + (grads[3].to(sinks.dtype),)
 
     # -- what the config lookup reads (attngen/runtime/tables.py) ---------------------------------
     def tuning_problem(self) -> str:

@@ -1,5 +1,5 @@
 """The custom ops `torch.ops.attngen.forward` and `torch.ops.attngen.backward` (attngen/runtime/autograd.py
-says what they take). Imported by `autograd.attention_forward` while torch.compile traces, so that an
+says what they take; `tensors` is a `Tensor[]`: a variant kernel's run-time tensors). Imported by `autograd.attention_forward` while torch.compile traces, so that an
 eager process never pays for registering them.
 """
 
@@ -12,30 +12,36 @@ from .registry import gradients, resolve, setup_context
 
 
 @torch.library.custom_op("attngen::forward", mutates_args=())
-def forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = resolve(key)
     check_attention_inputs(kernel.spec, q, k, v)
-    return kernel.forward(q, k, v, scale)
+    return kernel.forward(q, k, v, scale, tensors=tuple(tensors))
 
 
 @forward_op.register_fake
-def _forward_fake(key, q, k, v, scale):
+def _forward_fake(key, q, k, v, scale, tensors):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("attngen::backward", mutates_args=())
 def backward_op(key: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return resolve(key).backward(q, k, v, out, lse, do, scale)
+                out: torch.Tensor, lse: torch.Tensor, scale: float, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(resolve(key).backward_saved(q, k, v, out, lse, do, scale, tuple(tensors)))
 
 
 @backward_op.register_fake
-def _backward_fake(key, do, q, k, v, out, lse, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _backward_fake(key, do, q, k, v, out, lse, scale, tensors):
+    grads = [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    # (a spec with sinks has them last: their gradient comes last too)
+    if tensors and resolve(key).spec.variant.sinks:
+        grads.append(torch.empty_like(tensors[-1]))
+    return grads
 
 
 def _backward(ctx, d_out, d_lse):
-    return gradients(ctx, d_out, torch.ops.attngen.backward)
+    return gradients(ctx, d_out, lambda key, do, q, k, v, out, lse, scale, tensors:
+                     torch.ops.attngen.backward(key, do, q, k, v, out, lse, scale, list(tensors)))
 
 
 forward_op.register_autograd(_backward, setup_context=setup_context)

@@ -48,19 +48,25 @@ def resolve(key: str):
 
 
 def setup_context(ctx, inputs, output):
-    """Save what the forward's gradient needs (the forward op's and the eager autograd.Function's)."""
-    key, q, k, v, scale = inputs
+    """Save what the forward's gradient needs (the forward op's and the eager autograd.Function's): inputs
+    (key, q, k, v, scale, tensors), the tensors the kernel's run-time ones in `Kernel.tensor_names` order."""
+    key, q, k, v, scale, tensors = inputs
     out, lse = output
     ctx.key, ctx.scale = key, scale
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
 
 
 def gradients(ctx, d_out, backward):
-    """The forward's input gradients (key, q, k, v, scale) from `backward(key, d_out, q, k, v, out, lse,
-    scale) -> (dq, dk, dv)`: the backward op (traceable) or the kernel's own method (eager)."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """The forward's input gradients (key, q, k, v, scale, tensors), the last a list with one entry per run-time
+    tensor, from `backward(key, d_out, q, k, v, out, lse, scale, tensors) -> (dq, dk, dv[, dsinks])`: the
+    backward op (traceable) or the kernel's own method (eager). Of the run-time tensors only the sinks (the
+    last, where the spec has them) get a gradient."""
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
     if d_out is None:
-        return None, None, None, None, None
-    dq, dk, dv = backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale)
+        return None, None, None, None, None, [None] * len(tensors)
+    dq, dk, dv, *dsinks = backward(ctx.key, d_out, q, k, v, out, lse, ctx.scale, tuple(tensors))
     need = ctx.needs_input_grad
-    return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None
+    extra = [None] * len(tensors)
+    if dsinks and tensors[-1].requires_grad:
+        extra[-1] = dsinks[0]
+    return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None, extra
