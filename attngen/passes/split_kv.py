@@ -12,6 +12,8 @@ kernel, `attn_combine`, merges them, BLOCK_S splits per load: with lse_max the l
     O = sum_s exp(lse_s - lse_max) O_s / sum_s exp(lse_s - lse_max),  LSE = lse_max + log(sum ...)
 
 A split that saw no key has LSE -inf and weight 0; a row no split saw gives 0 and -inf.
+A sink logit (`sinks = true`) joins split 0's partial only (`_sink_once`): its LSE then counts it, so
+the merge above gives exactly the softmax whose denominator has it once, and one split needs nothing more.
 One split needs no merge: the launcher then points O_PART and LSE_PART at the final outputs.
 
 Applies when the spec's split_kv is not 1; a no-op otherwise (split_kv = 1 is the plain kernel).
@@ -26,7 +28,7 @@ import sympy
 from .. import ir
 from ..ir import sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Store, Sym
+from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Stat, Store, Sym
 from .grid import grid_path, rebuild
 from .tiling import tile_spans
 
@@ -65,6 +67,27 @@ def _split_range(body):
         else:
             out.append(st)
     return tuple(out)
+
+
+def _sink_once(body):
+    """The sink's logit in split 0, -inf (no weight: the recurrence step leaves the row unchanged) in the
+    others. NOTE: split 0 rather than the combine kernel, so that one split (no combine launched) and a
+    split 0 that sees no key (a window far from the start) still count it once."""
+    def reads_sink(e):
+        return ((isinstance(e, Load) and e.buffer.stat is Stat.SINK)
+                or (isinstance(e, ir.Pointwise) and any(b.stat is Stat.SINK for b in e.tensors)))
+
+    rows = next(i.span if isinstance(i, ir.Packed) else i for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st)
+                for e in ir.walk_expr(x) if isinstance(e, Load) and e.buffer.name == "Q"
+                for i in e.index if isinstance(i, (Span, ir.Packed)))
+    once = sympy.Piecewise((sym.S, sympy.Eq(sym.split, 0)), (-sympy.oo, True))
+
+    def stmt(st):
+        if isinstance(st, Assign) and any(reads_sink(e) for e in ir.walk_expr(st.value)):
+            return replace(st, value=ir.Pointwise(st.value, once, rows, None, score=False))
+        return st
+
+    return ir.map_stmts(body, stmt)
 
 
 def _to_partial(body, partials: dict):
@@ -151,7 +174,7 @@ def run(program: ir.Program) -> ir.Program:
     partials = {"O": _partial(o), "LSE": _partial(lse)}
     path = grid_path(kernel, NAME)
     grid_b, *inner = path
-    body = _to_partial(_split_range(path[-1].body), partials)
+    body = _to_partial(_sink_once(_split_range(path[-1].body)), partials)
     grid_split = Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.ONE, (), LoopKind.GRID)
     kernel = replace(
         kernel,
