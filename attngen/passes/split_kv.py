@@ -29,6 +29,7 @@ from .. import ir
 from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Stat, Store, Sym
+from . import causal_skip
 from .grid import grid_path, rebuild
 from .tiling import tile_spans
 
@@ -45,17 +46,42 @@ def _partial(buffer: Buffer) -> Buffer:
     return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT, buffer.stat)
 
 
+def _live_keys(loop: Loop):
+    """The keys [lo, hi) a program's mask can keep, where the mask bounds them from below (a window, a chunk);
+    None where every program may need the keys from 0 (no mask, causal, a prefix): those keep today's slices."""
+    masks = {e for st in ir.walk_stmts(loop.body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
+             if isinstance(e, ir.Masked)}
+    if len(masks) != 1:
+        return None
+    found = causal_skip.regions(loop, masks.pop())
+    if found is None:
+        return None
+    (lo, _, _), _, (_, hi, _) = found[0]
+    if sympy.sympify(lo) == loop.start:
+        return None
+    return lo, hi
+
+
 def _split_range(body):
     """The body with its key loop restricted to this split's slice, and the slice's definitions."""
     loops = [st for st in body if isinstance(st, Loop) and st.var == sym.start_n]
     if len(loops) != 1 or loops[0].start != 0 or loops[0].stop != sym.n_k:
         raise InternalError(f"{NAME} expects one key loop over [0, n_k) (after kv-lengths)")
     (loop,) = loops
+    live = _live_keys(loop)
+    if live is None:
+        first, count = sym.ZERO, sym.n_k
+        what = "this split's slice of the keys: whole blocks, so every split starts on a block boundary"
+    else:
+        # A window of 4096 keys over a cache of 128k: the splits share the keys the program's rows can see
+        # (from a block boundary), not the whole cache, so each reads ~4096 / NUM_SPLITS keys.
+        first, count = live[0], sympy.Max(0, live[1] - live[0])
+        what = "this split's slice of the keys the mask keeps: whole blocks from a block boundary"
     slice_defs = (
-        ir.Comment("this split's slice of the keys: whole blocks, so every split starts on a block boundary"),
+        ir.Comment(what),
         Assign(_scalar(sym.keys_per_split),
-               Sym(sym.BLOCK_N * sym.CeilDiv(sym.CeilDiv(sym.n_k, sym.NUM_SPLITS), sym.BLOCK_N))),
-        Assign(_scalar(sym.split_start), Sym(sym.split * sym.keys_per_split)),
+               Sym(sym.BLOCK_N * sym.CeilDiv(sym.CeilDiv(count, sym.NUM_SPLITS), sym.BLOCK_N))),
+        Assign(_scalar(sym.split_start), Sym(first + sym.split * sym.keys_per_split)),
         Assign(_scalar(sym.split_stop), Sym(sympy.Min(sym.n_k, sym.split_start + sym.keys_per_split))),
     )
     new_loop = replace(loop, start=sym.split_start, stop=sym.split_stop, note="this split's key blocks")
