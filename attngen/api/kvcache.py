@@ -4,7 +4,8 @@
 flash-attn's argument names, layouts and semantics: q (batch, seqlen_q, heads, d); a contiguous
 cache (batch, seqlen_max, kv_heads, d), or with a block table a page pool (num_pages, page_size,
 kv_heads, d) and block_table (batch, max_pages) int32; cache_seqlens (batch,) int32 (or one int).
-It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto),
+It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto, and
+flash-attn's window_size, softcap, alibi_slopes and sinks as the spec's variant),
 loads it, and calls the generated module's `forward_kvcache` on (batch, heads, seq, d) views of the
 same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
 a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
