@@ -171,7 +171,7 @@ API_CASES = [
 ]
 
 
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("args", API_CASES, ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
 def test_attention_with_kvcache_variants(args, page_size, monkeypatch):
     empty_plans(monkeypatch)
