@@ -34,6 +34,7 @@ from attngen.cli import main
 from attngen.codegen import render
 from attngen.passes import compile_program
 from attngen.analysis.resources import check_spec_tiles
+from attngen.lang import variants
 from attngen.lang.spec import MAX_SPEC_BYTES, KVLayout, Spec, load_file, parse
 from conftest import ROOT, shipped_specs
 
@@ -165,6 +166,25 @@ def _vocabulary() -> tuple[set, set]:
 _PLAIN = re.compile(r"[ -~\n]*")  # printable ASCII
 
 
+def assert_typed_variant(node) -> None:
+    """A variant's tree holds numbers, booleans, and strings only from the language's fixed sets or
+    checked identifiers (tensor names): no other text of the spec's."""
+    fixed = set(variants.POSITION_VARS + (variants.SCORE_VAR,) + tuple(variants.FUNCTIONS) + variants.COMPARISONS
+                + variants.ARITH + variants.TENSOR_DTYPES + ("top_left", "bottom_right", "B", "H"))
+    for field in dataclasses.fields(node):
+        if field.name == "pos":
+            continue
+        value = getattr(node, field.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if dataclasses.is_dataclass(item):
+                assert_typed_variant(item)
+            elif isinstance(item, str):
+                assert item in fixed or (item.isascii() and item.isidentifier() and not keyword.iskeyword(item)
+                                         and field.name in ("name", "tensor")), (field.name, item)
+            else:
+                assert item is None or isinstance(item, (bool, int, float)), (field.name, item)
+
+
 def assert_only_expected_tokens(source: str, spec: Spec) -> None:
     """Nothing from the spec reaches the module but validated identifiers and numbers:
 
@@ -178,6 +198,8 @@ def assert_only_expected_tokens(source: str, spec: Spec) -> None:
         value = getattr(spec, field.name)
         if field.name == "name":
             assert value.isascii() and value.isidentifier() and not keyword.iskeyword(value), value
+        elif field.name == "variant":
+            assert_typed_variant(value)
         elif field.name not in ("filename", "where"):
             assert value is None or isinstance(value, (bool, int, float, enum.Enum, KVLayout)), (field.name, value)
     neutral_spec = spec.replace(name=NEUTRAL)

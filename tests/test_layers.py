@@ -27,6 +27,7 @@ LAYERS = {
     "attngen.runtime": 7,
     "attngen.api": 8,
     "attngen.testing": 9,
+    "attngen.integrations": 9,  # attngen inside other libraries (transformers): on the API, beside testing
     "attngen.tuning": 10,
     "attngen.bench": 11,
     "attngen.cli": 12, "attngen.__main__": 12,

@@ -47,7 +47,7 @@ from ..runtime.kernel import load
 from ..runtime.keys import Shape
 from ..runtime.plans import PLANS
 from ..runtime.replay import record, wanted
-from .sdpa import _DTYPES
+from .sdpa import _DTYPES, _checked_float
 
 
 def _tensor(name: str, t, dims: int, layout: str) -> torch.Tensor:
@@ -138,7 +138,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
 
-    tensors = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
+    tensors = dict(plan.tensors)
 
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
@@ -176,6 +176,8 @@ class _Plan(NamedTuple):
     capacity: int
     page_size: int | None
     replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
+    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks) in float32, as (keyword, tensor) pairs; such
+                         # a plan is never kept (`_signature` is None for its call)
 
 
 # PLANS holds _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so
@@ -272,7 +274,7 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
-    window_size, softcap = _check_variant(q, window_size, softcap, alibi_slopes, sinks)
+    window_size, softcap, tensors = _check_variant(q, window_size, softcap, alibi_slopes, sinks)
     _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
@@ -296,14 +298,16 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
                                                                 seqlen_q, capacity, q.device)
         check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
-    return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size)
+    return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size,
+                 tensors=tuple(tensors.items()))
 
 
-def _check_variant(q, window_size, softcap, alibi_slopes, sinks) -> tuple[tuple[int, int], float]:
-    """flash-attn's variant arguments checked (a bad one is a ValueError naming it); returns window_size as a
-    tuple of ints and softcap as a float."""
+def _check_variant(q, window_size, softcap, alibi_slopes, sinks):
+    """flash-attn's variant arguments checked (a bad one is a ValueError naming it, a non-tensor slopes or sinks a
+    TypeError); returns window_size as a tuple of ints, softcap as a float, and the run-time tensors by keyword in
+    float32 (as `attention()` takes them)."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+            or not all(type(w) is int and w >= -1 for w in window_size)):
         raise KernelInputError(f"window_size must be (left, right), each an int >= 0 or -1 (unbounded); got {window_size!r}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise KernelInputError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
@@ -311,21 +315,15 @@ def _check_variant(q, window_size, softcap, alibi_slopes, sinks) -> tuple[tuple[
         raise KernelInputError("softcap and alibi_slopes together are not supported: the spec language has one "
                                "score modifier (score = softcap(C) or score = alibi)")
     batch, _, heads, _ = q.shape
+    tensors = {}
     for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor):
-            raise KernelInputError(f"{name} must be a float32 tensor, not {type(t).__name__}")
-        if t.dtype != torch.float32:
-            raise KernelInputError(f"{name} must be float32; got {t.dtype}")
-        if tuple(t.shape) not in shapes:
-            raise KernelInputError(f"{name} must have shape {' or '.join(map(str, shapes))}; got {tuple(t.shape)}")
-        if t.device != q.device:
-            raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
-        if torch.is_grad_enabled() and t.requires_grad:
+        if isinstance(t, torch.Tensor) and torch.is_grad_enabled() and t.requires_grad:
             raise KernelInputError(f"{name} requires grad, but attention_with_kvcache has no backward: call it under "
                                    "torch.no_grad() or pass a detached tensor")
-    return (int(window_size[0]), int(window_size[1])), float(softcap)
+        tensors[name] = _checked_float(name, t, q, shapes)
+    return (window_size[0], window_size[1]), float(softcap), tensors
 
 
 _EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys

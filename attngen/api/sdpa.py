@@ -1,7 +1,7 @@
 """The drop-in for `torch.nn.functional.scaled_dot_product_attention`.
 
 `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` checks its arguments the way SDPA
-does and runs the kernels of the spec it needs (one per dtype, head dim and mask: sequence lengths,
+does and runs the kernels of the spec it needs (one per dtype, head dim, mask and variant: sequence lengths,
 batch and heads are run-time arguments of one compiled kernel) through
 `attngen.runtime.autograd.attention_forward`: the custom op `torch.ops.attngen.forward` while torch.compile
 traces (it keeps the call and its registered backward inside one graph), a plain autograd.Function
@@ -10,17 +10,24 @@ call's skips the checks that call passed (its plan in `attngen.runtime.plans.PLA
 call paths), and from the signature's third call on replays the launches of its second
 (attngen/runtime/replay.py) instead of running `Kernel.forward` again: without autograd here, with it in
 `autograd._Planned`, whose backward replays too.
+
+The keyword-only variant arguments `window_size`, `softcap`, `alibi_slopes` and `sinks` take flash-attn's
+semantics, aligned top-left as `is_causal` is; each combination is one builtin spec (lang/builtin.py's
+`sdpa_variant`, keyed by `sdpa_key`). Calls that pass run-time tensors (slopes, sinks) are checked at every
+call and not replayed (the plans and replays hold q, k and v only).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..env import interpreting
 from ..errors import KernelInputError
-from ..lang.builtin import sdpa_spec
+from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant
+from ..lang.variants import Variant
 from ..runtime import autograd, tables
 from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature
 from ..runtime.plans import PLANS
@@ -30,23 +37,35 @@ _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+              enable_gqa: bool = False, *, window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention with the semantics of
     `torch.nn.functional.scaled_dot_product_attention`.
 
     query (B, H, L, E), key and value (B, H_KV, S, E); 3-D inputs (H, L, E) are taken as batch 1.
     `is_causal` aligns the mask top-left, as SDPA does (query i sees keys 0..i, also when L != S).
     `enable_gqa` lets H be a multiple of H_KV. `attn_mask` and `dropout_p` are not supported.
+
+    Variants, as flash-attn's arguments but aligned top-left: `window_size` (left, right) keeps the keys
+    i - left <= j <= i + right of query i, -1 leaving a side unbounded (with `is_causal`, right is 0 or -1:
+    `(W - 1, 0)` is a sliding window of W keys, the query's own included); `softcap` > 0 caps each scaled score
+    s at `softcap * tanh(s / softcap)`; `alibi_slopes` (H,) or (B, H) subtracts `slope * |i - j|`;
+    `sinks` (H,) adds one learned logit per query head to each row's softmax denominator (gpt-oss), with its
+    gradient when it requires grad. Slopes and sinks are taken in float32.
     """
+    if window_size is not NO_WINDOW or softcap or alibi_slopes is not None or sinks is not None:
+        variant = _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks)
+    else:
+        variant = None
     planned = False
     if torch.compiler.is_compiling():  # traced: the shapes are checked (`_checked_plan`), no plans kept
-        plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant)
     else:
-        signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        signature = _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant)
         plan = None if signature is None else PLANS.get(signature)
         planned = plan is not None
         if plan is None:
-            plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant)
             if signature is not None:
                 PLANS.keep(signature, plan)
     op_key, scale, squeeze = plan.key, plan.scale, plan.squeeze
@@ -57,27 +76,96 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         return autograd.planned_forward(plan.training, op_key, scale, squeeze, query, key, value)
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    out, _ = autograd.attention_forward(op_key, query, key, value, scale)
+    if variant is not None and variant.tensors:
+        out, _ = autograd.attention_forward(op_key, query, key, value, scale, tensors=variant.tensors)
+    else:
+        out, _ = autograd.attention_forward(op_key, query, key, value, scale)
     return out.squeeze(0) if squeeze else out
+
+
+class _Variant(NamedTuple):
+    """`attention()`'s variant arguments, checked: the arguments `sdpa_key` takes (the window normalised:
+    right 0 under `is_causal`), and the run-time tensors in the order the kernel takes them (slopes, then
+    sinks; float32, leading batch 1 on slopes (B, H) of 3-D inputs)."""
+    window: tuple[int, int]
+    softcap: float
+    alibi: bool
+    sinks: bool
+    tensors: tuple[torch.Tensor, ...]
+
+    def options(self) -> dict:
+        """The keyword arguments of `sdpa_key` and `sdpa_variant`."""
+        return dict(window=self.window, softcap=self.softcap, alibi=self.alibi, sinks=self.sinks)
+
+
+def _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks) -> _Variant:
+    """The variant arguments' checks (a bad one raises a ValueError naming it, before anything runs)."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(type(w) is int and w >= -1 for w in window_size)):
+        raise KernelInputError(f"window_size must be two ints (left, right), each -1 (unbounded) or >= 0; "
+                               f"got {window_size!r}")
+    left, right = window_size
+    if is_causal:
+        if right > 0:
+            raise KernelInputError(f"window_size {tuple(window_size)!r} looks right of the query, which "
+                                   "is_causal=True hides: its right side must be 0 or -1")
+        window = (left, 0) if left >= 0 else NO_WINDOW
+    else:
+        window = (left, right)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise KernelInputError(f"softcap must be a finite number >= 0 (0: no soft-capping); got {softcap!r}")
+    if softcap and alibi_slopes is not None:
+        raise KernelInputError("softcap and alibi_slopes cannot be combined; write a spec with a score expression")
+    if not isinstance(query, torch.Tensor) or query.dim() not in (3, 4):  # (_checked_plan says why)
+        return _Variant(window, float(softcap), alibi_slopes is not None, sinks is not None, ())
+    heads = query.shape[-3]
+    batch = query.shape[0] if query.dim() == 4 else 1
+    tensors = []
+    if alibi_slopes is not None:
+        slopes = _checked_float("alibi_slopes", alibi_slopes, query, ((heads,), (batch, heads)))
+        tensors.append(slopes.unsqueeze(0) if query.dim() == 3 and slopes.dim() == 2 else slopes)
+    if sinks is not None:
+        tensors.append(_checked_float("sinks", sinks, query, ((heads,),)))
+    return _Variant(window, float(softcap), alibi_slopes is not None, sinks is not None, tuple(tensors))
+
+
+def _checked_float(name, t, query, shapes) -> torch.Tensor:
+    """A run-time tensor of the variant in float32 (a differentiable cast, so that sinks get their gradient)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if tuple(t.shape) not in shapes:
+        raise KernelInputError(f"{name} must have shape " + " or ".join(str(s) for s in shapes)
+                               + f" for query {tuple(query.shape)}; got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise KernelInputError(f"{name} must be a floating-point tensor; got {t.dtype}")
+    if t.device != query.device:
+        raise KernelInputError(f"{name} is on {t.device} and query on {query.device}")
+    return t.float().contiguous()
 
 
 # PLANS holds _signature(...) -> autograd.Plan of calls that passed `_checked_plan`: a training loop or a
 # decoder's prefill repeats its layouts, and the second call of one skips the checks (as attngen/api/kvcache.py's
 # plans do, benchmarks/NOTES.md v33), the third the module's Python too (v35; with autograd, v36). The
 # signature holds everything the checks read, so a call that would fail them never hits.
-def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant=None):
     """The key of `PLANS`: "sdpa" (this call path), each tensor's `tensor_signature`, the other arguments'
-    values, whether Triton interprets and the tuning tables' generation (a replay keeps the config it was
-    recorded with); None where an argument is not of the plain type the checks expect (checked afresh)."""
+    values (a checked `variant`'s window and softcap after them), whether Triton interprets and the tuning
+    tables' generation (a replay keeps the config it was recorded with); None where an argument is not of the
+    plain type the checks expect, or the variant has run-time tensors (checked afresh)."""
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and attn_mask is None and type(is_causal) is bool and type(enable_gqa) is bool
             and type(dropout_p) in (float, int) and (scale is None or type(scale) in (float, int))):
         return None
+    if variant is None:
+        return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p,
+                is_causal, scale, enable_gqa, interpreting(), tables.generation())
+    if variant.alibi or variant.sinks:
+        return None
     return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
-            scale, enable_gqa, interpreting(), tables.generation())
+            scale, enable_gqa, interpreting(), tables.generation(), variant.window, variant.softcap)
 
 
-def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
+def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant=None) -> tuple:
     """`attention`'s checks (a bad argument raises, naming it, before anything runs): an `autograd.Plan` (the key
     of the kernel that runs the call, the softmax scale, whether the inputs are 3-D)."""
     if attn_mask is not None:
@@ -112,12 +200,17 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     # The op checks again when it runs; checking here names SDPA's arguments and fails before it is
     # dispatched. While torch.compile traces, the spec cannot be parsed (the loader does not trace),
     # so only the shapes are checked here.
+    dtype = _DTYPES[query.dtype]
+    if variant is None:
+        op_key, spec_variant = f"sdpa:{dtype}:{head_dim}:{'causal' if is_causal else 'full'}", Variant()
+    else:
+        op_key = sdpa_key(dtype, head_dim, bool(is_causal), **variant.options())
+        spec_variant = sdpa_variant(bool(is_causal), **variant.options())
     if not torch.compiler.is_compiling():
-        check_attention_inputs(sdpa_spec(_DTYPES[query.dtype], head_dim, bool(is_causal)), query, key, value,
+        check_attention_inputs(sdpa_spec(dtype, head_dim, bool(is_causal), spec_variant), query, key, value,
                                names=("query", "key", "value"))
     elif query.shape[0] != key.shape[0] or key.shape != value.shape or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")
-    return autograd.Plan.new(f"sdpa:{_DTYPES[query.dtype]}:{head_dim}:{'causal' if is_causal else 'full'}",
-                             float(scale), squeeze)
+    return autograd.Plan.new(op_key, float(scale), squeeze)

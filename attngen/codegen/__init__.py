@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 import jinja2
+import sympy
 
 from .. import ir
 from ..ir import variants
@@ -94,6 +95,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
         tensors=_runtime_tensors(spec),
+        uses_tanh=any(e.fn.has(sympy.tanh) for k in program.kernels for st in ir.walk_stmts(k.body)
+                      for x in ir.stmt_exprs(st) for e in ir.walk_expr(x) if isinstance(e, ir.Pointwise)),
     )
     return _ENV.get_template(TEMPLATE).render(**context)
 

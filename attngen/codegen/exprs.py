@@ -64,8 +64,9 @@ class _Printer(StrPrinter):
         return f"{self.lib}.exp({self._print(expr.args[0])})"
 
     def _print_tanh(self, expr):
-        # tanh x = 1 - 2 / (1 + e^(2x)), in exp2: saturates to +-1 without overflow.
-        return f"(1.0 - 2.0 / (1.0 + {self.lib}.math.exp2({2 * sym.LOG2E!r} * ({self._print(expr.args[0])}))))"
+        # The generated module's own helper (templates/attention.py.j2): the multi-function unit's tanh on a GPU.
+        fn = "_tanh" if self.lib == "tl" else "_gl_tanh"
+        return f"{fn}({self._print(expr.args[0])})"
 
     def _print_Pow(self, expr):
         base, power = expr.args

@@ -136,7 +136,7 @@ class ScoreHooks:
 
     def _code(self, code: str, *given: str) -> str:
         """`code`, once every identifier in it is a given name's, a symbol's of the kernel, or gl's."""
-        allowed = {"gl", "tl", "None", "float"} | {str(d.symbol) for d in self.kernel.symbols} | set(self.in_scope)
+        allowed = {"gl", "tl", "None", "float", "_gl_tanh"} | {str(d.symbol) for d in self.kernel.symbols} | set(self.in_scope)
         for text in given:
             allowed |= set(_IDENTIFIER.findall(text))
         unknown = set(_IDENTIFIER.findall(re.sub(r'"[^"]*"', "", code))) - allowed  # float("-inf") holds no name

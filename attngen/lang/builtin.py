@@ -1,68 +1,126 @@
 """The specs attngen writes itself: `attention()`'s (`sdpa_spec`) and `attention_with_kvcache()`'s
 (`kvcache_spec`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are run-time
-arguments of one compiled kernel."""
+arguments of one compiled kernel. `attention()`'s variant arguments (window, softcap, ALiBi, sinks) add a
+`Variant` (`sdpa_variant`) and a suffix to the kernel's registry key (`sdpa_key`, read back by `sdpa_key_spec`)."""
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
-from . import variants as v
 from .spec import Mask, Spec, parse
+from .variants import Alibi, And, BinOp, Causal, Compare, Const, Softcap, Var, Variant, Window
+
+NO_WINDOW = (-1, -1)
 
 
 @lru_cache(maxsize=None)
-def sdpa_spec(dtype: str, head_dim: int, causal: bool) -> Spec:
-    """The spec `attention()` uses for one dtype / head dim / mask (with its backward)."""
+def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Variant()) -> Spec:
+    """The spec `attention()` uses for one dtype / head dim / mask / variant (with its backward)."""
     mask = "causal(top_left)" if causal else "none"
     name = f"sdpa_{dtype}_d{head_dim}_{'causal' if causal else 'full'}"
+    if variant:
+        # e.g. sdpa_bf16_d128_causal_window_4096_softcap_30: readable, and an identifier
+        words = " ".join(_variant_words(variant))
+        name = f"sdpa_{dtype}_d{head_dim}_" + re.sub(r"\W+", "_", words if variant.mask is not None
+                                                     else f"{'causal' if causal else 'full'} {words}").strip("_")
     text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
             f"    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n}}\n")
-    return parse(text, f"<attention {name}>")
+    spec = parse(text, f"<attention {name}>")
+    if not variant:
+        return spec
+    return spec.replace(mask=Mask.CUSTOM if variant.mask is not None else spec.mask, variant=variant)
+
+
+def _variant_words(variant: Variant):
+    """The variant's parts as the spec writes them."""
+    if variant.mask is not None:
+        yield variant.mask.text()
+    if variant.score is not None:
+        yield variant.score.text()
+    if variant.sinks:
+        yield "sinks"
+
+
+def sdpa_variant(causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0, alibi: bool = False,
+                 sinks: bool = False) -> Variant:
+    """The variant of `attention()`'s checked arguments, flash-attn's semantics aligned top-left as SDPA's
+    `is_causal` is: `window` (left, right) keeps keys with q - left <= k <= q + right, -1 leaving that side
+    unbounded (with `causal`, right is 0 and the mask is `causal & window(left + 1)`); `softcap` > 0 is
+    `softcap(C)`, 0 none; `alibi` and `sinks` say whether slopes and sinks are passed. Variant() when every
+    argument is its default."""
+    left, right = window
+    mask = None
+    if causal:
+        if left >= 0:
+            mask = And(Causal(), Window(left, 0, left + 1))
+    elif left >= 0 and right >= 0:
+        mask = Window(left, right)
+    elif left >= 0:  # k >= q - left, keys to the right unbounded
+        mask = Compare("<=", BinOp("-", Var("q"), Var("k")), Const(left))
+    elif right >= 0:  # k <= q + right, keys to the left unbounded
+        mask = Compare("<=", BinOp("-", Var("k"), Var("q")), Const(right))
+    score = Softcap(float(softcap)) if softcap else Alibi() if alibi else None
+    return Variant(mask, score, sinks)
+
+
+def sdpa_key(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+             alibi: bool = False, sinks: bool = False) -> str:
+    """The registry key of `attention()`'s kernel: `sdpa:<dtype>:<head_dim>:<causal|full>`, then for each variant
+    argument that is not its default `:window=<left>,<right>`, `:softcap=<C>`, `:alibi`, `:sinks`
+    (`sdpa_key_spec` reads it back). Arguments as `sdpa_variant` takes them, checked."""
+    key = f"sdpa:{dtype}:{head_dim}:{'causal' if causal else 'full'}"
+    if tuple(window) != NO_WINDOW:
+        key += f":window={window[0]},{window[1]}"
+    if softcap:
+        key += f":softcap={float(softcap)!r}"
+    if alibi:
+        key += ":alibi"
+    if sinks:
+        key += ":sinks"
+    return key
+
+
+def sdpa_key_spec(key: str) -> Spec:
+    """The spec of an `sdpa_key`."""
+    _, dtype, head_dim, mask, *parts = key.split(":")
+    options = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        if name == "window":
+            options["window"] = tuple(int(x) for x in value.split(","))
+        elif name == "softcap":
+            options["softcap"] = float(value)
+        elif name in ("alibi", "sinks") and not value:
+            options[name] = True
+        else:
+            raise ValueError(f"unknown part {part!r} of attention() key {key!r}")
+    causal = mask == "causal"
+    return sdpa_spec(dtype, int(head_dim), causal, sdpa_variant(causal, **options) if options else Variant())
 
 
 @lru_cache(maxsize=None)
-def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = (-1, -1),
+def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
                  softcap: float = 0.0, alibi: bool = False, sinks: bool = False) -> Spec:
     """The spec `attention_with_kvcache()` uses for one dtype / head dim / mask / page size, and flash-attn's
-    variants: `window` (left, right) keys around the query's position, -1 unbounded on that side (right is
-    0 when causal); `softcap` C > 0: s -> C tanh(s / C); `alibi`: run-time slopes; `sinks`: run-time sinks.
-    The caller has checked the values (api/kvcache.py)."""
+    variant arguments as `sdpa_variant` reads them (the spec aligns them bottom-right, as it does the causal
+    mask), written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`."""
+    variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
-    left, right = window
-    right = 0 if causal else right
-    # A window unbounded on the left and closed at the query is the plain causal mask (flash-attn's (-1, 0)).
-    causal = causal or (left < 0 and right == 0)
-    windowed = left >= 0 or right >= 0 and not causal
-    mask = "causal(bottom_right)" if causal else "none"
-    variant = ""
-    if windowed:
-        variant += f"_w{left + 1}" if right == 0 else f"_l{_side(left)}r{_side(right)}"
-    if softcap:
-        variant += "_softcap" + format(float(softcap), "g").replace(".", "p").replace("+", "")
-    variant += ("_alibi" if alibi else "") + ("_sinks" if sinks else "")
-    name = (f"kvcache_{dtype}_d{head_dim}_{'causal' if causal else 'full'}{variant}_"
+    if variant.mask is not None:
+        mask = variant.mask.text()
+        words = " ".join(_variant_words(variant))
+    else:
+        mask = "causal(bottom_right)" if causal else "none"
+        words = " ".join(("causal" if causal else "full", *_variant_words(variant)))
+    # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
+    name = (f"kvcache_{dtype}_d{head_dim}_{re.sub(r'[^0-9A-Za-z]+', '_', words).strip('_')}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    text = (f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n    mask = {mask}\n"
-            f"    head_dim = {head_dim}\n    dtype = {dtype}\n    split_kv = auto\n    kv_layout = {layout}\n}}\n")
-    spec = parse(text, f"<attention_with_kvcache {name}>")
-    tree = v.Variant(_window(left, right) if windowed else None,
-                     v.Softcap(float(softcap)) if softcap else v.Alibi() if alibi else None, sinks)
-    if not tree:
-        return spec
-    # NOTE: built as a tree on the plain spec until the grammar reads the variant lines (`mask = window(W)`,
-    # `score = softcap(C)`, `score = alibi`, `sinks = true`); the spec's canonical text prints them.
-    return spec.replace(mask=Mask.CUSTOM if tree.mask is not None else spec.mask, variant=tree)
-
-
-def _side(x: int) -> str:
-    return "n" if x < 0 else str(x)
-
-
-def _window(left: int, right: int):
-    """Keys q - left <= k <= q + right around the (bottom-right aligned) query position, a side of -1
-    unbounded: `window(W)` (W = left + 1) when right is 0, `window(L, R)`, or one comparison."""
-    if left < 0:  # keys up to q + right
-        return v.Compare("<=", v.BinOp("-", v.Var("k"), v.Var("q")), v.Const(right))
-    if right < 0:  # keys from q - left on
-        return v.Compare("<=", v.BinOp("-", v.Var("q"), v.Var("k")), v.Const(left))
-    return v.Window(left, 0, left + 1) if right == 0 else v.Window(left, right)
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}", f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    if variant.score is not None:
+        lines.append(f"score = {variant.score.text()}")
+    if variant.sinks:
+        lines.append("sinks = true")
+    body = "".join(f"    {line}\n" for line in lines)
+    text = f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n{body}}}\n"
+    return parse(text, f"<attention_with_kvcache {name}>")

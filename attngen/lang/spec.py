@@ -1,8 +1,9 @@
 """Parsing and checking `.attn` specs.
 
 `parse(text, filename)` turns spec text into a `Spec`: the grammar (attn.lark) fixes the shape, a
-Lark Transformer turns the tree into located `Entry` values, and `_build` checks every key and value,
-raising `SpecError` at the offending line and column. A `Spec` is frozen; its canonical text (every
+Lark Transformer (values.py) turns the tree into located `Entry` values, and `_build` checks every key
+and value (the mask, score, sinks and tensor entries through exprs.py, into the variant tree of
+variants.py), raising `SpecError` at the offending line and column. A `Spec` is frozen; its canonical text (every
 key, defaults filled in, comments and layout dropped) is its identity, and the hash of that text is
 the kernel's cache key.
 """
@@ -10,7 +11,6 @@ the kernel's cache key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import keyword
@@ -23,12 +23,18 @@ from typing import Any
 import lark
 
 from ..errors import SpecError, UnsupportedError
-from .variants import Variant
+from . import exprs
+from .values import Entry, Header, TensorEntry, ToEntries, Value, joined_names
+from .values import did_you_mean as _did_you_mean
+from .values import err as _err
+from .values import short as _short
+from .values import shown as _shown
+from .variants import Causal, Variant
 from .variants import alignment as variant_alignment
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_NAME_LENGTH = 64
-# A spec setting every key is about 60 tokens and nests one call deep. These bounds keep the parser's
+# A spec setting every key is about 60 tokens and nests one call deep (an expression a few more). These bounds keep the parser's
 # work (and the recursion of Lark's tree transformer) small whatever the input: a 1 MiB file of
 # entries would otherwise take the LALR parser ten seconds, and deep nesting overflows the stack.
 MAX_TOKENS = 2000
@@ -240,70 +246,6 @@ _KEY_ORDER = (
 # -- parsing -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Value:
-    """A parsed value with its position: kind is 'word', 'number', 'combo' or 'call'."""
-
-    kind: str
-    text: str
-    line: int
-    column: int
-    args: tuple[tuple[str | None, "Value"], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    key: str
-    value: Value
-    line: int
-    column: int
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    name: str
-    line: int
-    column: int
-    entries: tuple[Entry, ...]
-
-
-class _ToEntries(lark.Transformer):
-    """Parse tree -> `Header` of located `Entry` values (no meaning attached yet)."""
-
-    def start(self, items):
-        return items[0]
-
-    def kernel(self, items):
-        name, *entries = items
-        return Header(str(name), name.line, name.column, tuple(entries))
-
-    def entry(self, items):
-        key, value = items[0], items[1]
-        return Entry(str(key), value, key.line, key.column)
-
-    def word(self, items):
-        (tok,) = items
-        return Value("word", str(tok), tok.line, tok.column)
-
-    def number(self, items):
-        (tok,) = items
-        return Value("number", str(tok), tok.line, tok.column)
-
-    def combo(self, items):
-        first = items[0]
-        return Value("combo", "+".join(str(t) for t in items), first.line, first.column)
-
-    def call(self, items):
-        name, *args = items
-        args = [a for a in args if a is not None]
-        located = tuple(a if isinstance(a, tuple) else (None, a) for a in args)
-        return Value("call", str(name), name.line, name.column, located)
-
-    def keyword(self, items):
-        key, value = items
-        return (str(key), value)
-
-
 _PARSER: lark.Lark | None = None
 
 
@@ -318,7 +260,10 @@ def _parser() -> lark.Lark:
 _TOKEN_NAMES = {
     "NAME": "a name", "NUMBER": "a number", "LBRACE": "'{'", "RBRACE": "'}'", "EQUAL": "'='",
     "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "PLUS": "'+'", "SEMICOLON": "';'",
-    "KERNEL": "'kernel'", "$END": "end of file",
+    "KERNEL": "'kernel'", "$END": "end of file", "LSQB": "'['", "RSQB": "']'", "COLON": "':'",
+    "MINUS": "'-'", "STAR": "'*'", "SLASH": "'/'", "FLOORDIV": "'//'", "PERCENT": "'%'",
+    "AMPERSAND": "'&'", "VBAR": "'|'", "AND": "'and'", "OR": "'or'", "NOT": "'not'",
+    "TENSOR": "'tensor'", "COMPARE": "a comparison",
 }
 
 
@@ -369,7 +314,12 @@ def parse(text: str | bytes, filename: str = "<spec>") -> Spec:
         raise SpecError(
             f"unexpected {_describe(e.token)}; expected {_expected(expected)}", filename, line, col
         ) from None
-    header = _ToEntries().transform(tree)
+    try:
+        header = ToEntries(text).transform(tree)
+    except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, SpecError):
+            raise SpecError(e.orig_exc.message, filename, e.orig_exc.line, e.orig_exc.column) from None
+        raise
     return _build(header, filename)
 
 
@@ -379,19 +329,19 @@ _ROUGH_TOKEN = re.compile(r"#[^\n]*|[A-Za-z0-9_.]+|\S")
 
 
 def _check_extent(text: str, filename: str) -> None:
-    """Refuse, before parsing, a spec with too many tokens or calls nested too deeply."""
+    """Refuse, before parsing, a spec with too many tokens or brackets nested too deeply."""
     count = depth = 0
     for m in _ROUGH_TOKEN.finditer(text):
         token = m.group()
         if token[0] == "#":
             continue
         count += 1
-        depth += (token == "(") - (token == ")")
+        depth += (token in "([") - (token in ")]")
         if count > MAX_TOKENS:
             raise SpecError(f"spec has more than {MAX_TOKENS} tokens; a spec is a few dozen",
                             filename, *_line_col(text, m.start()))
         if depth > MAX_NESTING:
-            raise SpecError(f"values are nested more than {MAX_NESTING} calls deep",
+            raise SpecError(f"values are nested more than {MAX_NESTING} brackets deep",
                             filename, *_line_col(text, m.start()))
 
 
@@ -413,11 +363,6 @@ _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float3
 _BOOLS = {"true": True, "false": False, "auto": None}
 
 
-def _err(v: Value | Entry | Header, message: str) -> SpecError:
-    # The filename is filled in by `_build`, which knows it.
-    return SpecError(message, "<spec>", v.line, v.column)
-
-
 def _word(v: Value, key: str, choices) -> str:
     if v.kind != "word":
         raise _err(v, f"{key} takes one of {', '.join(choices)}; got '{_shown(v)}'")
@@ -425,19 +370,6 @@ def _word(v: Value, key: str, choices) -> str:
         hint = _did_you_mean(v.text, choices)
         raise _err(v, f"unknown {key} '{_short(v.text)}'; expected one of {', '.join(choices)}{hint}")
     return v.text
-
-
-def _shown(v: Value) -> str:
-    """A value as written, cut short: messages stay one readable line whatever the input."""
-    if v.kind == "call":
-        inner = ", ".join((f"{k}={_shown(a)}" if k else _shown(a)) for k, a in v.args[:4])
-        return _short(f"{v.text}({inner}{', ...' if len(v.args) > 4 else ''})")
-    return _short(v.text)
-
-
-def _did_you_mean(text: str, choices) -> str:
-    close = difflib.get_close_matches(text, list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _int(v: Value, key: str, lo: int, hi: int, *, auto: bool = False, any_: bool = False) -> int | None:
@@ -456,10 +388,6 @@ def _int(v: Value, key: str, lo: int, hi: int, *, auto: bool = False, any_: bool
     return number
 
 
-def _short(text: str) -> str:
-    return text if len(text) <= 24 else text[:20] + "..."
-
-
 def _power_of_two(v: Value, key: str, lo: int, hi: int, *, auto: bool = True) -> int | None:
     number = _int(v, key, lo, hi, auto=auto)
     if number is not None and number & (number - 1):
@@ -468,21 +396,14 @@ def _power_of_two(v: Value, key: str, lo: int, hi: int, *, auto: bool = True) ->
     return number
 
 
-def _mask(v: Value) -> Mask:
-    if v.kind == "word" and v.text == "none":
-        return Mask.NONE
-    if v.kind == "word" and v.text == "causal":
-        return Mask.CAUSAL_TOP_LEFT
-    if v.kind == "call" and v.text == "causal":
-        if len(v.args) != 1 or v.args[0][1].kind != "word":
-            raise _err(v, "causal takes one alignment: causal(top_left) or causal(bottom_right)")
-        key, arg = v.args[0]
-        if key not in (None, "align"):
-            raise _err(arg, f"causal takes an alignment, not '{key} = ...'")
-        return {"top_left": Mask.CAUSAL_TOP_LEFT, "bottom_right": Mask.CAUSAL_BOTTOM_RIGHT}[
-            _word(arg, "causal alignment", ("top_left", "bottom_right"))
-        ]
-    raise _err(v, f"unknown mask '{_shown(v)}'; expected none, causal, causal(top_left) or causal(bottom_right)")
+def _mask(v: Value, tensors) -> tuple[Mask, Any, set[str]]:
+    """The plain mask enum, the mask's tree when it is not a plain one (else None), the tensors it reads."""
+    tree, read = exprs.mask(v, tensors)
+    if tree is None:
+        return Mask.NONE, None, read
+    if isinstance(tree, Causal):
+        return (Mask.CAUSAL_BOTTOM_RIGHT if tree.align == "bottom_right" else Mask.CAUSAL_TOP_LEFT), None, read
+    return Mask.CUSTOM, tree, read
 
 
 def _kv_layout(v: Value) -> KVLayout:
@@ -512,8 +433,8 @@ def _scale(v: Value) -> float | None:
 
 def _direction(v: Value) -> Direction:
     choices = {"forward": Direction.FORWARD, "forward+backward": Direction.FORWARD_BACKWARD}
-    if v.kind in ("word", "combo") and v.text in choices:
-        return choices[v.text]
+    if joined_names(v) in choices:
+        return choices[joined_names(v)]
     if v.text == "backward":
         raise _err(v, "a backward kernel is generated from its forward: write direction = forward+backward")
     raise _err(v, f"unknown direction '{_shown(v)}'; expected forward or forward+backward")
@@ -531,7 +452,6 @@ def _bool(v: Value, key: str) -> bool | None:
 
 _KEYS = {
     "direction": _direction,
-    "mask": _mask,
     "head_dim": lambda v: _int(v, "head_dim", 16, 256),
     "dtype": _dtype,
     "heads": lambda v: _int(v, "heads", 1, 1024, any_=True),
@@ -546,6 +466,9 @@ _KEYS = {
     "kv_layout": _kv_layout,
     "pack_gqa": lambda v: _bool(v, "pack_gqa"),
 }
+# Read after the tensor declarations, which a mask or score may use wherever they stand in the spec.
+_VARIANT_KEYS = ("mask", "score", "sinks")
+_ALL_KEYS = ("direction", "mask") + tuple(k for k in _KEYS if k != "direction") + ("score", "sinks", "tensor")
 REQUIRED = ("head_dim", "dtype")
 
 
@@ -566,23 +489,51 @@ def _check(header: Header, filename: str) -> Spec:
         raise _err(header, f"'{name}' cannot name a kernel: it is a Python keyword or reserved name")
     values: dict[str, Any] = {}
     seen: dict[str, Entry] = {}
+    declared: dict[str, TensorEntry] = {}
     for entry in header.entries:
-        if entry.key not in _KEYS:
-            hint = _did_you_mean(entry.key, _KEYS)
-            raise _err(entry, f"unknown key '{_short(entry.key)}'{hint}; known keys: {', '.join(_KEYS)}")
+        if isinstance(entry, TensorEntry):
+            if entry.name in declared:
+                raise _err(entry, f"tensor '{entry.name}' is declared twice (first at line {declared[entry.name].line})")
+            declared[entry.name] = entry
+            continue
+        if entry.key not in _KEYS and entry.key not in _VARIANT_KEYS:
+            hint = _did_you_mean(entry.key, _ALL_KEYS)
+            raise _err(entry, f"unknown key '{_short(entry.key)}'{hint}; known keys: {', '.join(_ALL_KEYS)}")
         if entry.key in seen:
             first = seen[entry.key]
             raise _err(entry, f"duplicate key '{entry.key}' (first set at line {first.line})")
         seen[entry.key] = entry
-        values[entry.key] = _KEYS[entry.key](entry.value)
+        if entry.key in _KEYS:
+            values[entry.key] = _KEYS[entry.key](entry.value)
+    values.update(_variant(seen, declared))
     for key in REQUIRED:
         if key not in values:
             raise _err(header, f"kernel '{name}' does not set {key}")
     where = (("kernel", header.line, header.column),) + tuple(
-        (e.key, e.value.line, e.value.column) for e in header.entries
-    )
+        (e.key, e.value.line, e.value.column) for e in header.entries if isinstance(e, Entry)
+    ) + tuple((f"tensor {t.name}", t.line, t.column) for t in declared.values())
     spec = Spec(name=name, filename=filename, where=where, **values)
     return _check_heads(_check_head_dim(spec))
+
+
+def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[str, Any]:
+    """The `mask` and `variant` fields from the mask, score, sinks and tensor entries."""
+    tensors = {name: exprs.tensor(t, MAX_NAME_LENGTH) for name, t in declared.items()}
+    found: dict[str, Any] = {}
+    tree, score, read = None, None, set()
+    if "mask" in seen:
+        found["mask"], tree, read = _mask(seen["mask"].value, tensors)
+    if "score" in seen:
+        score, score_read = exprs.score(seen["score"].value, tensors)
+        read |= score_read
+    for name, t in declared.items():
+        if name not in read:
+            raise _err(t, f"tensor '{name}' is declared but never read; read it in the mask or score, or remove it")
+    sinks = exprs.sinks(seen["sinks"].value) if "sinks" in seen else False
+    variant = Variant(mask=tree, score=score, sinks=sinks, tensors=tuple(tensors.values()))
+    if variant:
+        found["variant"] = variant
+    return found
 
 
 def _check_head_dim(spec: Spec) -> Spec:

@@ -77,8 +77,9 @@ class BinOp:
 
     def text(self) -> str:
         prec = _PREC[self.op]
-        right = prec + 1 if self.op in ("-", "/", "//", "%") else prec
-        return f"{_wrap(self.a, prec)} {self.op} {_wrap(self.b, right)}"
+        # The parser groups to the left, so a right operand of the same precedence keeps its parentheses
+        # (a + (b + c) is another tree, and another sum in floating point).
+        return f"{_wrap(self.a, prec)} {self.op} {_wrap(self.b, prec + 1)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +183,7 @@ class And:
     pos: tuple[int, int] = _pos()
 
     def text(self) -> str:
-        return f"{_mwrap(self.a, 2)} & {_mwrap(self.b, 2)}"
+        return f"{_mwrap(self.a, 2)} & {_mwrap(self.b, 3)}"  # grouped to the left, as parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +193,7 @@ class Or:
     pos: tuple[int, int] = _pos()
 
     def text(self) -> str:
-        return f"{_mwrap(self.a, 1)} | {_mwrap(self.b, 1)}"
+        return f"{_mwrap(self.a, 1)} | {_mwrap(self.b, 2)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,14 +202,14 @@ class Not:
     pos: tuple[int, int] = _pos()
 
     def text(self) -> str:
-        return f"not {_mwrap(self.arg, 3)}"
+        return f"not {_mwrap(self.arg, 5)}"  # `not (q < k)`, `not (not m)`: parenthesized for the reader
 
 
 MaskExpr = Union[Causal, Window, Prefix, Chunked, Compare, And, Or, Not]
 
 
 def _mwrap(m, prec: int) -> str:
-    inner = {Or: 1, And: 2, Not: 3, Compare: 2}.get(type(m), 9)
+    inner = {Or: 1, And: 2, Not: 3, Compare: 4}.get(type(m), 9)
     return f"({m.text()})" if inner < prec else m.text()
 
 
@@ -329,3 +330,72 @@ class Variant:
 
     def tensor(self, name: str) -> TensorDecl | None:
         return next((t for t in self.tensors if t.name == name), None)
+
+
+# -- evaluation on sample positions ---------------------------------------------------------------------
+
+
+def keeps_any(m: MaskExpr) -> bool:
+    """Whether a mask (one that reads no tensor) keeps any (query, key) pair at sample positions: q and k
+    in 0..63, near every constant the mask names and near sums of two of them; h and b in 0..1. Used to
+    refuse a mask that keeps nothing (`causal & not causal`, `window(8) & not window(16)`)."""
+    import numpy as np  # here, not at the top: parsing a plain spec needs no numpy
+
+    consts = sorted({c for c in _mask_constants(m) if 0 < c < 2**31})[:24]
+    points = set(range(64))
+    for i, c in enumerate(consts):
+        points.update(c + d for d in range(-2, 3))
+        points.update(c + e + d for e in consts[i:] for d in range(-1, 2))
+    pos = np.array(sorted(p for p in points if 0 <= p < 2**31)[:600], dtype=np.int64)
+    env = {"q": pos.reshape(-1, 1, 1, 1), "k": pos.reshape(1, -1, 1, 1),
+           "h": np.arange(2).reshape(1, 1, -1, 1), "b": np.arange(2).reshape(1, 1, 1, -1)}
+    with np.errstate(all="ignore"):
+        return bool(np.any(_eval_mask(m, env, np)))
+
+
+def _mask_constants(m: MaskExpr):
+    for n in mask_nodes(m):
+        if isinstance(n, Window):
+            yield from (n.left, n.right, n.left + 1)
+        elif isinstance(n, (Prefix,)):
+            yield n.length
+        elif isinstance(n, Chunked):
+            yield n.size
+        elif isinstance(n, Compare):
+            yield from (abs(c.value) for c in expr_nodes(n) if isinstance(c, Const))
+
+
+def _eval_mask(m: MaskExpr, env, np):
+    q, k = env["q"], env["k"]
+    if isinstance(m, Causal):
+        return k <= q  # the sample grid is square: top-left and bottom-right agree
+    if isinstance(m, Window):
+        return (q - m.left <= k) & (k <= q + m.right)
+    if isinstance(m, Prefix):
+        return k < m.length
+    if isinstance(m, Chunked):
+        return q // m.size == k // m.size
+    if isinstance(m, And):
+        return _eval_mask(m.a, env, np) & _eval_mask(m.b, env, np)
+    if isinstance(m, Or):
+        return _eval_mask(m.a, env, np) | _eval_mask(m.b, env, np)
+    if isinstance(m, Not):
+        return ~_eval_mask(m.arg, env, np)
+    ops = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+           "==": np.equal, "!=": np.not_equal}
+    return ops[m.op](_eval_expr(m.a, env, np), _eval_expr(m.b, env, np))
+
+
+def _eval_expr(e: Expr, env, np):
+    """A whole-number expression over int64 arrays: // and % floor as Python's do (x // 0 is 0 here)."""
+    if isinstance(e, Const):
+        return np.int64(e.value)
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Neg):
+        return -_eval_expr(e.arg, env, np)
+    if isinstance(e, Func):
+        args = [_eval_expr(a, env, np) for a in e.args]
+        return {"abs": np.abs, "min": np.minimum, "max": np.maximum}[e.name](*args)
+    a, b = _eval_expr(e.a, env, np), _eval_expr(e.b, env, np)
+    return {"+": np.add, "-": np.subtract, "*": np.multiply, "//": np.floor_divide, "%": np.mod}[e.op](a, b)

@@ -148,9 +148,13 @@ def _unmask(body, loop: Loop, mask: Masked, kept, axis: str):
     return tuple(out)
 
 
-def _describe(mask: Masked, axis: str, masked: bool) -> str:
+def _describe(mask: Masked, axis: str, masked: bool, kept=()) -> str:
     if not masked:
+        if any(p.kind is PredKind.EXPR for p in kept):
+            return "blocks no bound excludes: mask evaluated per element"
         return "full blocks: no mask"
+    if any(p.kind in (PredKind.BAND, PredKind.EXPR) for p in mask.preds):
+        return "blocks a mask bound cuts: masked"
     causal = any(p.kind is PredKind.CAUSAL for p in mask.preds)
     return ("diagonal blocks: masked" if causal else "sequence end: masked") if axis else "masked"
 
@@ -174,7 +178,7 @@ def _split(stmt):
         if _empty(start, stop):
             continue
         body = stmt.body if masked else _unmask(stmt.body, stmt, mask, kept, axis)
-        loops.append(replace(stmt, start=start, stop=stop, body=body, note=_describe(mask, axis, masked), aligned=True))
+        loops.append(replace(stmt, start=start, stop=stop, body=body, note=_describe(mask, axis, masked, kept), aligned=True))
     return tuple(loops)
 
 

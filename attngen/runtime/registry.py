@@ -1,14 +1,15 @@
 """The loaded kernels by the key the custom ops and attngen's autograd name them with.
 
 A key is a loaded kernel's `Kernel.key` (`register` adds it when `load` loads the kernel), or
-`sdpa:<dtype>:<head_dim>:<causal|full>` for `attngen.attention`, whose spec `resolve` loads on first use (inside
-the op while torch.compile runs the graph, so that tracing never runs attngen's loader).
+`sdpa:<dtype>:<head_dim>:<causal|full>[:<variant>...]` for `attngen.attention` (lang/builtin.py's `sdpa_key`),
+whose spec `resolve` loads on first use (inside the op while torch.compile runs the graph, so that tracing never
+runs attngen's loader).
 """
 
 from __future__ import annotations
 
 from ..errors import AttnGenError
-from ..lang.builtin import sdpa_spec
+from ..lang.builtin import sdpa_key_spec
 
 _KERNELS: dict = {}
 _SDPA_SPECS: dict = {}
@@ -41,8 +42,7 @@ def resolve(key: str):
     if key.startswith("sdpa:"):
         spec = _SDPA_SPECS.get(key)
         if spec is None:
-            _, dtype, head_dim, mask = key.split(":")
-            spec = _SDPA_SPECS[key] = sdpa_spec(dtype, int(head_dim), mask == "causal")
+            spec = _SDPA_SPECS[key] = sdpa_key_spec(key)
         return _load(spec)  # a spec object load() has seen: a dictionary lookup
     raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
 
