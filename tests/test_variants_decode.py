@@ -7,6 +7,8 @@ variant tree per sequence (bottom-right aligned). Outputs are poisoned with NaN 
 ragged, one shorter than the window and one 0.
 """
 
+import dataclasses
+
 import pytest
 import sympy
 import torch
@@ -16,31 +18,34 @@ from attngen import KernelInputError
 from attngen.ir import sym
 from attngen.lang import variants as v
 from attngen.lang.builtin import kvcache_spec
-from attngen.lang.spec import Mask, parse
+from attngen.lang.spec import DType, Mask, parse
 from attngen.passes import compile_program
 from attngen.testing import reference
 from attngen.testing.accuracy import ATOL, FUDGE
-from attngen.lang.spec import DType
 from conftest import DEVICE, empty_plans
 
-_WINDOW = v.Window(6, 0, 7)
 CASES = {
-    "window": v.Variant(_WINDOW),
-    "window_lr": v.Variant(v.Window(5, 3)),
-    "chunked": v.Variant(v.And(v.Causal(), v.Chunked(12))),
-    "general": v.Variant(v.And(v.Compare("<", v.BinOp("-", v.Var("q"), v.Var("k")), v.Const(20)),
-                               v.Or(v.Compare("<", v.Var("k"), v.Const(5)), v.Compare(">=", v.Var("q"), v.Var("k"))))),
-    "softcap": v.Variant(v.Causal(), v.Softcap(2.0)),
-    "alibi": v.Variant(v.Causal(), v.Alibi()),
-    "sinks": v.Variant(None, None, True),
-    "sinks_window": v.Variant(_WINDOW, None, True),
+    "window": "mask = window(7)",
+    "window_lr": "mask = window(5, 3)",
+    "chunked": "mask = causal & chunked(12)",
+    "general": "mask = q - k < 20 and (k < 5 or q >= k)",
+    "softcap": "mask = causal(bottom_right)\n    score = softcap(2)",
+    "alibi": "mask = causal(bottom_right)\n    score = alibi",
+    "sinks": "mask = none\n    sinks = true",
+    "sinks_window": "mask = window(7)\n    sinks = true",
 }
 
 
-def decoding_spec(variant: v.Variant, layout: str, dtype: str = "fp32", head_dim: int = 32):
-    base = parse(f"kernel dec {{\n mask = none\n head_dim = {head_dim}\n dtype = {dtype}\n split_kv = auto\n"
-                 f" kv_layout = {layout}\n}}")
-    return base.replace(mask=Mask.CUSTOM if variant.mask is not None else Mask.NONE, variant=variant)
+def decoding_spec(variant: str, layout: str, dtype: str = "fp32", head_dim: int = 32):
+    return parse(f"kernel dec {{\n    {variant}\n    head_dim = {head_dim}\n    dtype = {dtype}\n    split_kv = auto\n"
+                 f"    kv_layout = {layout}\n}}\n")
+
+
+def reference_variant(spec) -> v.Variant:
+    """The spec's variant with its plain causal mask as a tree node, for the reference."""
+    if spec.variant.mask is None and spec.mask is Mask.CAUSAL_BOTTOM_RIGHT:
+        return dataclasses.replace(spec.variant, mask=v.Causal())
+    return spec.variant
 
 
 def runtime_tensors(variant: v.Variant, batch: int, heads: int, gen) -> dict:
@@ -77,8 +82,9 @@ SHAPES = [
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_kvcache_variants(case, shape):
     layout, heads, kv_heads, seqlen_q, splits = shape
-    variant = CASES[case]
-    module = attngen.load(decoding_spec(variant, layout)).module
+    spec = decoding_spec(CASES[case], layout)
+    variant = reference_variant(spec)
+    module = attngen.load(spec).module
     gen = torch.Generator().manual_seed(48)
     lens = torch.tensor([70, 5, 0, 37], dtype=torch.int32)  # ragged: shorter than the window, and empty
     batch, d, capacity = len(lens), 32, 70
@@ -106,8 +112,9 @@ def test_forward_kvcache_variants(case, shape):
 
 def test_decoding_forward_takes_the_tensors():
     """The module's `forward` (full caches) passes its keyword tensors on; without them it refuses."""
-    variant = CASES["sinks_window"]
-    module = attngen.load(decoding_spec(variant, "paged(page_size = 16)")).module
+    spec = decoding_spec(CASES["sinks_window"], "paged(page_size = 16)")
+    variant = spec.variant
+    module = attngen.load(spec).module
     gen = torch.Generator().manual_seed(1)
     q, k, v_ = (torch.randn(2, 4, n, 32, generator=gen).to(DEVICE) for n in (2, 40, 40))
     sinks = torch.randn(4, generator=gen).to(DEVICE)
