@@ -3,7 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
-    attngen bench [--suite prefill|decode|all] ...   attngen against the peers on this GPU
+    attngen bench [--suite prefill|decode|variants|all] ...   attngen against the peers on this GPU
     attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 from . import ir
-from .analysis import cost
+from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
                                  shared_bytes_backward)
 from .bench import prefill as bench
+from .bench import variants as bench_variants
 from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
@@ -93,8 +94,11 @@ def cmd_check(args) -> int:
     for path in args.specs:
         spec = _spec(path)
         kernel = load(spec)
+        variant = spec.variant
+        mask = variant.mask.text() if variant.mask is not None else spec.mask.value
+        extra = (f", score {variant.score.text()}" if variant.score is not None else "") + (", sinks" if variant.sinks else "")
         print(f"{spec.filename}: kernel {spec.name} [{spec.hash}] ({spec.dtype.value}, head_dim {spec.head_dim}, "
-              f"mask {spec.mask.value}){' in the interpreter' if interpreted else ''}")
+              f"mask {mask}{extra}){' in the interpreter' if interpreted else ''}")
         results = validate(kernel, seed=args.seed, progress=lambda r: print("  " + format_result(r), flush=True))
         bad = sum(not r.ok for r in results)
         failed += bad
@@ -168,7 +172,7 @@ def cmd_explain(args) -> int:
         print(f"{direction}, generated ({', '.join(final_kernels)}):")
         print(f"  flops = {cost.simplified(final.flops)}")
         print(f"  bytes = {cost.simplified(final.bytes)}")
-        fa = cost.evaluate(cost.fa_flops(spec.mask.is_causal, direction == "backward"), sizes)
+        fa = masks.fa_flops(spec, sizes, direction == "backward")
         rows.append((direction, naive, final, fa))
     print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
     for direction, naive, final, fa in rows:
@@ -176,8 +180,14 @@ def cmd_explain(args) -> int:
             flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
             print(f"  {direction:8s} {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  "
                   f"({flops / max(nbytes, 1):.1f} FLOP/byte)")
-        rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "") + (", x2.5 backward" if direction == "backward" else "")
+        if spec.variant.mask is None:
+            rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "")
+        else:
+            rule = "4*d per kept score"
+        rule += ", x2.5 backward" if direction == "backward" else ""
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
+    if spec.variant:
+        _explain_variant(spec, sizes)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
@@ -200,6 +210,38 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+def _explain_variant(spec, sizes) -> None:
+    """The mask's predicates (bounded in closed form or evaluated per block), its block map and kept scores,
+    and the score modifier and sinks."""
+    variant = spec.variant
+    print("=== variant ===")
+    if variant.mask is not None:
+        print(f"mask = {variant.mask.text()} ({'bottom-right' if spec.bottom_right else 'top-left'} aligned)")
+        for pred in masks.predicates(spec):
+            how = ("bounded in closed form: the kernels skip the tiles it drops and mask only the tiles it cuts"
+                   if masks.bounded(pred) else
+                   "the analysis cannot bound: evaluated on every live block")
+            print(f"  {masks.describe(pred)}\n      {how}")
+        n_q, n_k, bm, bn = sizes["N_Q"], sizes["N_K"], sizes["BLOCK_M"], sizes["BLOCK_N"]
+        found = masks.classify(spec, n_q, n_k, bm, bn)
+        tiles = len(found.cells) * len(found.cells[0])
+        print(f"block map at N_Q={n_q}, N_K={n_k}, BLOCK_M={bm}, BLOCK_N={bn} "
+              f"('.' empty, '#' full, '~' partial; rows are query blocks"
+              f"{', coarsened to at most 32 x 32' if max(len(found.cells), len(found.cells[0])) > 32 else ''}):")
+        for line in found.text():
+            print("  " + line)
+        print(f"  {tiles} tiles: {found.count(masks.Block.EMPTY)} empty (skipped), {found.count(masks.Block.FULL)} "
+              f"full (no mask), {found.count(masks.Block.PARTIAL)} partial (masked)")
+        kept = masks.kept_scores(spec, n_q, n_k)
+        print(f"  kept scores per head: {kept:,} of {n_q * n_k:,} ({kept / max(1, n_q * n_k):.1%})")
+    if variant.score is not None:
+        print(f"score = {variant.score.text()}")
+    if variant.sinks:
+        print("sinks = true: one learned logit per query head joins each row's softmax denominator")
+    if variant.runtime_tensors():
+        print(f"run-time tensors (keywords): {', '.join(variant.runtime_tensors())}")
+
+
 # -- bench -------------------------------------------------------------------------------------
 
 
@@ -210,6 +252,19 @@ def cmd_bench(args) -> int:
         except ValueError:
             raise SpecError(f"--{what} takes comma-separated whole numbers; got '{text}'", "<command line>") from None
 
+    if args.suite == "variants":
+        lengths, head_dims = ints(args.lengths, "lengths"), ints(args.head_dims, "head-dims")
+        shape = {key: value for key, value in (("seqlen", lengths and lengths[0]), ("head_dim", head_dims and head_dims[0]),
+                                               ("batch", args.batch), ("heads", args.heads)) if value}
+        names = tuple(args.providers.split(",")) if args.providers else None
+        unknown = set(names or ()) - set(bench_variants.PROVIDERS)
+        if unknown:
+            raise SpecError(f"--providers: unknown {', '.join(sorted(unknown))}; known: "
+                            f"{', '.join(bench_variants.PROVIDERS)}", "<command line>")
+        if args.check:
+            _use_interpreter_without_gpu()
+        directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+        return bench_variants.main(args.output, shape, directions, names, args.check)
     suites = ("prefill", "decode") if args.suite == "all" else (args.suite,)
     providers = tuple(args.providers.split(",")) if args.providers else None
     unknown = set(providers or ()) - set(bench.PREFILL_PROVIDERS)
@@ -401,11 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "all"), default="all")
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "all"), default="all",
+                   help="all: prefill and decode; variants: masks and score modifiers against FlexAttention")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")
     p.add_argument("--providers", default=None, metavar="attngen,flex,...")
+    p.add_argument("--batch", type=int, default=None, metavar="B", help="variants: batch (default 1)")
+    p.add_argument("--heads", type=int, default=None, metavar="H", help="variants: heads (default 16)")
+    p.add_argument("--check", action="store_true",
+                   help="variants: run each row at a tiny size (in the interpreter without a GPU) and compare "
+                        "attngen and the peer with float64 instead of timing")
     p.add_argument("-o", "--output", default="benchmarks/results", metavar="DIR",
                    help="folder for <gpu>.json (rows are merged with what is there)")
     p.set_defaults(run=cmd_bench)

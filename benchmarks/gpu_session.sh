@@ -9,6 +9,8 @@
 #   decode   attngen bench --suite decode (contiguous, paged 16 and 64; SDPA's flash, cuDNN and
 #            efficient backends, FlexAttention, naive)
 #   prefill  attngen bench --suite prefill, both directions, d=64 and 128, N 512..16384
+#   variants attngen bench --suite variants: masks and score modifiers against FlexAttention (and cuDNN's
+#            causal), B=1 H=16 N=16384 d=128, both directions; its --check first (each row against float64)
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
@@ -56,6 +58,12 @@ for stage in "$@"; do
       mkdir -p "$OUT/bench"; cp "benchmarks/results/$SLUG.json" "$OUT/bench/" 2>/dev/null
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
+    variants)
+      mkdir -p "$OUT/bench"; cp "benchmarks/results/variants_$SLUG.json" "$OUT/bench/" 2>/dev/null
+      timeout 120 python3 -m attngen bench --suite variants --check > "$OUT/bench_variants_check.txt" 2>&1
+      tail -12 "$OUT/bench_variants_check.txt"
+      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite variants -o "$OUT/bench" > "$OUT/bench_variants.txt" 2>&1
+      tail -30 "$OUT/bench_variants.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   stamp "done $stage (exit $?)"

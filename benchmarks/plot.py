@@ -6,6 +6,7 @@ Needs matplotlib (the `bench` extra): plots are drawn here from the JSON `attnge
 the GPU machine, which need not have matplotlib. Writes, per GPU:
   <gpu>_prefill_forward.png, <gpu>_prefill_backward.png   TFLOP/s against N, a panel per (d, causal)
   <gpu>_decode.png                                         GB/s of K/V read against context length
+  variants_<gpu>.png (from variants_<gpu>.json)             TFLOP/s on kept scores per variant and provider
 """
 
 from __future__ import annotations
@@ -95,12 +96,52 @@ def plot_decode(rows, device, slug, out_dir):
     return [path]
 
 
+def plot_variants(rows, device, slug, out_dir):
+    """TFLOP/s on kept scores per variant, a bar per provider, a panel per direction."""
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r["suite"] == "variants" and r.get("tflops")]
+    if not sel:
+        return []
+    directions = [d for d in ("forward", "backward") if any(r["direction"] == d for r in sel)]
+    variants = list(dict.fromkeys(r["params"]["variant"] for r in sel))
+    names = [p for p in STYLE if any(r["provider"] == p for r in sel)]
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, len(directions), figsize=(6.5 * len(directions), 3.8), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        for i, provider in enumerate(names):
+            xs, ys = [], []
+            for j, variant in enumerate(variants):
+                r = next((r for r in sel if (r["direction"], r["provider"], r["params"]["variant"]) ==
+                          (direction, provider, variant)), None)
+                if r:
+                    xs.append(j + (i - (len(names) - 1) / 2) * width)
+                    ys.append(r["tflops"])
+            ax.bar(xs, ys, width, color=_style(provider)[0], label=provider)
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
+        ax.set_title(direction)
+        ax.set_ylabel("TFLOP/s (kept scores)")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    first = sel[0]["params"]
+    fig.suptitle(f"variants, bf16, B={first['batch']} H={first['heads']} N={first['seqlen']} d={first['head_dim']} "
+                 f"-- {device}")
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{slug}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def main(path, out_dir=None):
     with open(path) as f:
         data = json.load(f)
     out_dir = out_dir or os.path.dirname(path)
     slug = os.path.splitext(os.path.basename(path))[0]
-    for p in plot_prefill(data["rows"], data["device"], slug, out_dir) + plot_decode(data["rows"], data["device"], slug, out_dir):
+    plots = (plot_prefill(data["rows"], data["device"], slug, out_dir) + plot_decode(data["rows"], data["device"], slug, out_dir)
+             + plot_variants(data["rows"], data["device"], slug, out_dir))
+    for p in plots:
         print(p)
 
 

@@ -129,6 +129,10 @@ def generate_and_sample(data: str | bytes, run: bool) -> None:
 NEUTRAL = "zz_neutral_kernel"
 _CANONICAL_LINE = re.compile(r"#     (%s) = [A-Za-z0-9_.+\-()=]+" % "|".join(
     f for f in Spec.__dataclass_fields__ if f not in ("name", "filename", "where")))
+# A variant's entries in the canonical text (lang/variants.py): its expressions' operators, brackets and
+# spaces, the sinks flag, tensor declarations.
+_VARIANT_LINE = re.compile(r"#     ((mask|score) = [A-Za-z0-9_.+\-*/%%()<>=!&|\[\], ]+|sinks = true"
+                           r"|tensor [A-Za-z_][A-Za-z0-9_]*\[[A-Z0-9, ]+\]: (%s))" % "|".join(variants.TENSOR_DTYPES))
 
 
 def _tokens(source: str) -> list[tuple[int, str]]:
@@ -220,7 +224,7 @@ def assert_only_expected_tokens(source: str, spec: Spec) -> None:
         elif kind in (tokenize.STRING, tokenize.COMMENT):
             assert _PLAIN.fullmatch(text), f"unexpected characters in {text!r}"
             if kind == tokenize.COMMENT and text.startswith("#     "):
-                assert _CANONICAL_LINE.fullmatch(text), f"unexpected comment {text!r}"
+                assert _CANONICAL_LINE.fullmatch(text) or _VARIANT_LINE.fullmatch(text), f"unexpected comment {text!r}"
 
 
 # Attempts to break out of an identifier, a number, a string or the template.

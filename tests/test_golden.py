@@ -54,9 +54,10 @@ def test_generated_files_compile_for_sm90():
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
         # Every kernel of the module (decoding specs add attn_combine, training specs the backward),
-        # each with its own default launch config.
+        # each with its own default launch config; jitted helpers (`_tanh`) are compiled inside them.
         kernels = [n for n, f in vars(module).items()
-                   if isinstance(f, triton.runtime.KernelInterface) and not getattr(f, "is_gluon", lambda: False)()]
+                   if isinstance(f, triton.runtime.KernelInterface) and not getattr(f, "is_gluon", lambda: False)()
+                   and not n.startswith("_")]
         if hasattr(module, "WS_SHAPE"):  # the Gluon forward (passes/warp_specialize.py), at its own fixed shape
             jobs.append(dict(path=golden, gluon_ws=True))
             names.append(f"{spec.name}.attn_fwd_ws")
@@ -65,6 +66,9 @@ def test_generated_files_compile_for_sm90():
             for short in (False, True)[:1 + bool(module.WS_BWD_SHAPE["short_keys"])]:
                 jobs.append(dict(path=golden, gluon_ws="backward", short=short))
                 names.append(f"{spec.name}.attn_bwd_dkdv_ws{' (short)' if short else ''}")
+        # a variant's run-time tensors (ir/variants.tensor_buffers): ALiBi's slopes, the sinks, declared tensors
+        variant_ptrs = {"ALIBI_SLOPES": "*fp32", "SINKS": "*fp32",
+                        **{f"ARG_{t.name}": "*" + t.dtype.replace("int", "i") for t in spec.variant.tensors}}
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")
@@ -81,7 +85,7 @@ def test_generated_files_compile_for_sm90():
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
                                          "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
-                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32"}))
+                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32", **variant_ptrs}))
             names.append(f"{spec.name}.{kernel}")
     assert any(name.endswith(".attn_combine") for name in names)
     for name, result in zip(names, probe(jobs)):

@@ -305,11 +305,13 @@ def test_user_cache_overrides_the_shipped_table_bucket_by_bucket(tmp_path, monke
 
 
 def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
-    """Tables in attngen/tuned/ parse without a warning, name a GPU, hold every kernel of every spec
-    in specs/ and nothing else (forward, backward, decode; a changed spec leaves a stale problem:
-    re-tune, or drop it), and only entries that fit their kernel on that GPU."""
-    parts = {problem_key(part.tuning_problem()): part
-             for spec in map(load_file, shipped_specs()) for part in tuning.tunables(attngen.load(spec))}
+    """Tables in attngen/tuned/ parse without a warning, name a GPU, hold every kernel of every plain spec
+    in specs/ and nothing but kernels of specs/ (forward, backward, decode; a changed spec leaves a stale
+    problem: re-tune, or drop it), and only entries that fit their kernel on that GPU. The variant specs
+    (issue 48) are not tuned yet: their kernels run the policy's tiles (attngen/tuned/README.md)."""
+    specs = list(map(load_file, shipped_specs()))
+    parts = {problem_key(part.tuning_problem()): part for spec in specs for part in tuning.tunables(attngen.load(spec))}
+    required = {key for key, part in parts.items() if not part.spec.variant}
     for table in SHIPPED_TABLES:
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
@@ -318,7 +320,7 @@ def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
         assert not device.interpreter and table.name == f"{device.slug}.json", table.name
         stale = set(data["problems"]) - set(parts)
         assert not stale, f"{table.name}: problems of no spec in specs/: {stale}; re-tune (attngen/tuned/README.md)"
-        missing = sorted(f"{part.spec.name}: {part.label}" for key, part in parts.items() if key not in data["problems"])
+        missing = sorted(f"{parts[key].spec.name}: {parts[key].label}" for key in required if key not in data["problems"])
         assert not missing, f"{table.name}: kernels of shipped specs with no tuned entry: {missing}"
         target = Target(device.capability, SHARED_LIMIT[device.capability], device.name)
         for key, problem in data["problems"].items():

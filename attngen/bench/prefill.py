@@ -127,9 +127,10 @@ def bench_prefill(lengths=PREFILL_LENGTHS, head_dims=(64, 128), providers=PREFIL
     return rows
 
 
-def write(rows: list[Row], out_dir: str, meta: dict) -> str:
+def write(rows: list[Row], out_dir: str, meta: dict, stem: str = "") -> str:
+    """Merge the rows into `<out_dir>/<stem><gpu>.json` (a row replaces an earlier one of the same case)."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{gpu_slug(meta['device'])}.json")
+    path = os.path.join(out_dir, f"{stem}{gpu_slug(meta['device'])}.json")
     old = []
     if os.path.exists(path):
         try:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import reference
-from ..lang.spec import DType, Spec
+from ..lang import variants as v
+from ..lang.spec import DType, Mask, Spec
 from ..env import interpreting
 
 FUDGE = 3.0
@@ -96,6 +97,39 @@ def random_inputs(spec: Spec, case: Case, device, generator=None):
     return q, k, v
 
 
+def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
+    """Random run-time tensors of a variant spec, by keyword: ALiBi slopes (H,) in (0, 0.1] (a bias of a
+    few units across the cases' lengths), sinks (H,) standard normal, declared tensors of their shape and
+    dtype (standard normal; int32 in [0, 4))."""
+    variant = spec.variant
+    tensors = {}
+
+    def normal(shape):
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+
+    for decl in variant.tensors:
+        shape = tuple(case.batch if d == "B" else case.heads if d == "H" else d for d in decl.dims)
+        if decl.dtype == "int32":
+            tensors[decl.name] = torch.randint(0, 4, shape, generator=generator, device=device, dtype=torch.int32)
+        else:
+            tensors[decl.name] = normal(shape).to(DType(decl.dtype).torch)
+    if isinstance(variant.score, v.Alibi):
+        tensors[v.ALIBI_TENSOR] = 0.1 * (1 - torch.rand(case.heads, generator=generator, device=device))
+    if variant.sinks:
+        tensors[v.SINKS_TENSOR] = normal(case.heads)
+    return tensors
+
+
+def spec_reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64):
+    """(out, lse) of the spec's attention in `dtype`: the plain reference, or a variant's full matrices."""
+    if not spec.variant:
+        return reference.attention(q, k, v_, spec.mask, scale, dtype=dtype)
+    variant = spec.variant
+    if variant.mask is None and spec.mask is not Mask.NONE:  # a plain causal mask beside a score modifier
+        variant = replace(variant, mask=v.Causal())
+    return reference.variant_attention(q, k, v_, variant, spec.bottom_right, scale, tensors, dtype=dtype)
+
+
 def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
     """Max abs error of got and of the same-precision computation, on finite reference entries."""
     finite = torch.isfinite(ref)
@@ -105,14 +139,15 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
     return err, low_err
 
 
-def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None) -> Result:
+def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None, tensors: dict | None = None) -> Result:
     scale = spec.softmax_scale if scale is None else scale
-    ref, ref_lse = reference.attention(q, k, v, spec.mask, scale)
-    low, low_lse = reference.attention(q, k, v, spec.mask, scale, dtype=spec.dtype.torch)
+    tensors = tensors or {}
+    ref, ref_lse = spec_reference(spec, q, k, v, scale, tensors)
+    low, low_lse = spec_reference(spec, q, k, v, scale, tensors, dtype=spec.dtype.torch)
     if not ((torch.isfinite(low) | ~torch.isfinite(ref)).all() and (torch.isfinite(low_lse) | ~torch.isfinite(ref_lse)).all()):
         # NOTE: scores past fp16's range (a large scale) overflow the same-precision computation, which
         # would make the tolerance inf or NaN; the kernels keep scores in fp32, so measure against fp32.
-        low, low_lse = reference.attention(q, k, v, spec.mask, scale, dtype=torch.float32)
+        low, low_lse = spec_reference(spec, q, k, v, scale, tensors, dtype=torch.float32)
     problem = ""
     if torch.isnan(out).any() and not torch.isnan(ref).any():
         problem = f"{int(torch.isnan(out).sum())} output elements are NaN (unwritten or poisoned)"
@@ -131,18 +166,34 @@ def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None) -> Result:
                   FUDGE * low_lse_err + atol, problem)
 
 
-def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResult, ...]:
-    """Gradients against float64 autograd of the reference, by the same rule as the outputs."""
+def _variant_grads(spec: Spec, q, k, v_, do, scale, tensors: dict, dtype):
+    """(dq, dk, dv[, dsinks]) by autograd through a variant's full-matrix reference in `dtype`."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v_)]
+    tensors = dict(tensors)
+    if spec.variant.sinks:
+        tensors[v.SINKS_TENSOR] = tensors[v.SINKS_TENSOR].detach().to(dtype).requires_grad_()
+        leaves.append(tensors[v.SINKS_TENSOR])
+    out, _ = spec_reference(spec, *leaves[:3], scale, tensors, dtype)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype), allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
+
+
+def compare_grads(spec: Spec, q, k, v, do, grads, scale=None, tensors: dict | None = None) -> tuple[GradResult, ...]:
+    """Gradients against float64 autograd of the reference, by the same rule as the outputs; a spec with
+    sinks has a fourth gradient, dsinks."""
     scale = spec.softmax_scale if scale is None else scale
 
     def reference_grads(dtype):
+        if spec.variant:
+            return _variant_grads(spec, q, k, v, do, scale, tensors or {}, dtype)
         return reference.attention_grads(q, k, v, do, spec.mask, scale, dtype=dtype)
 
     refs, lows = reference_grads(torch.float64), reference_grads(spec.dtype.torch)
     if not all((torch.isfinite(low) | ~torch.isfinite(ref)).all() for ref, low in zip(refs, lows)):
         lows = reference_grads(torch.float32)  # overflowed in fp16: see compare()
     results = []
-    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, refs, lows):
+    names = ("dq", "dk", "dv") + (("dsinks",) if spec.variant.sinks else ())
+    for name, got, ref, low in zip(names, grads, refs, lows, strict=True):
         problem = ""
         if torch.isnan(got).any() and not torch.isnan(ref).any():
             problem = f"{int(torch.isnan(got).sum())} elements are NaN (unwritten or poisoned)"
@@ -156,14 +207,22 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None) -> tuple[GradResul
 def run_case(kernel, case: Case, device, generator=None) -> Result:
     spec = kernel.spec
     q, k, v = random_inputs(spec, case, device, generator)
+    tensors = runtime_tensors(spec, case, device, generator)
     out = torch.full_like(q, float("nan"))
-    out, lse = kernel(q, k, v, out=out, return_lse=True)
-    result = compare(spec, case, out, lse, q, k, v)
+    if tensors:
+        # NOTE: the generated module's forward takes the run-time tensors as keywords; it is called with the
+        # inputs Kernel checks and the config it would launch with.
+        lse = torch.full(q.shape[:3], float("nan"), device=device, dtype=torch.float32)
+        out, lse = kernel.module.forward(q, k, v, spec.softmax_scale, out=out, lse=lse,
+                                         config=dict(kernel.config(q, k)), **tensors)
+    else:
+        out, lse = kernel(q, k, v, out=out, return_lse=True)
+    result = compare(spec, case, out, lse, q, k, v, tensors=tensors)
     if spec.backward:
         do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
         poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-        grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned)
-        result = replace(result, grads=compare_grads(spec, q, k, v, do, grads))
+        grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned, **tensors)
+        result = replace(result, grads=compare_grads(spec, q, k, v, do, grads, tensors=tensors))
     return result
 
 

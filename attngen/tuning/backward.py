@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analysis.cost import evaluate, fa_flops
+from ..analysis.masks import fa_flops
 from ..runtime import warmup
 from ..runtime.keys import Shape
 from ..runtime.parts import PARTS
@@ -113,4 +113,4 @@ class BackwardTunable(Tunable):
         dK/dV recomputes S^T and dP^T and forms P^T dO and dS^T Q (4 products, 2x). The whole
         backward is 3.5x the forward, which the FlashAttention convention counts as 2.5x."""
         sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
-        return PRODUCTS[self.name] / 2 * evaluate(fa_flops(self.spec.mask.is_causal), sizes)
+        return PRODUCTS[self.name] / 2 * fa_flops(self.spec, sizes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..analysis.cost import evaluate, fa_flops
+from ..analysis.masks import fa_flops
 from ..runtime import warmup
 from ..testing.accuracy import Case, random_inputs
 from .gate import check_attention
@@ -82,4 +82,4 @@ class ForwardTunable(Tunable):
 
     def tuning_flops(self, shape) -> float:
         sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}
-        return evaluate(fa_flops(self.spec.mask.is_causal), sizes)
+        return fa_flops(self.spec, sizes)
