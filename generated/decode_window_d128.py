@@ -113,9 +113,9 @@ def attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # -- one pass over key/value blocks: running max, running sum, rescaled accumulator --
-    # -- this split's slice of the keys: whole blocks, so every split starts on a block boundary --
-    keys_per_split = BLOCK_N*tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N)
-    split_start = keys_per_split*split
+    # -- this split's slice of the keys the mask keeps: whole blocks from a block boundary --
+    keys_per_split = BLOCK_N*tl.cdiv(tl.cdiv(tl.maximum(0, -BLOCK_N*tl.cdiv(tl.maximum(0, -4094 + n_k - BLOCK_N - N_Q + (start_m // GROUP)), BLOCK_N) + tl.minimum(n_k, 1 + n_k - N_Q + (tl.minimum(-1 + GROUP*N_Q, -1 + start_m + BLOCK_M) // GROUP))), NUM_SPLITS), BLOCK_N)
+    split_start = keys_per_split*split + BLOCK_N*tl.cdiv(tl.maximum(0, -4094 + n_k - BLOCK_N - N_Q + (start_m // GROUP)), BLOCK_N)
     split_stop = tl.minimum(n_k, keys_per_split + split_start)
     for start_n in range(split_start + BLOCK_N*tl.cdiv(tl.maximum(0, -4094 + n_k - split_start - BLOCK_N - N_Q + (start_m // GROUP)), BLOCK_N), tl.minimum(tl.minimum(tl.minimum(n_k, split_stop), 1 + n_k - N_Q + (tl.minimum(-1 + GROUP*N_Q, -1 + start_m + BLOCK_M) // GROUP)), tl.maximum(split_start + BLOCK_N*tl.cdiv(tl.maximum(0, -4095 + n_k - split_start - N_Q + (tl.minimum(-1 + GROUP*N_Q, -1 + start_m + BLOCK_M) // GROUP)), BLOCK_N), split_start + BLOCK_N*tl.cdiv(tl.maximum(0, -4094 + n_k - split_start - BLOCK_N - N_Q + (start_m // GROUP)), BLOCK_N))), BLOCK_N):  # blocks a mask bound cuts: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)

@@ -4,7 +4,8 @@
 flash-attn's argument names, layouts and semantics: q (batch, seqlen_q, heads, d); a contiguous
 cache (batch, seqlen_max, kv_heads, d), or with a block table a page pool (num_pages, page_size,
 kv_heads, d) and block_table (batch, max_pages) int32; cache_seqlens (batch,) int32 (or one int).
-It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto),
+It writes the spec it needs (one per dtype, head dim, mask and page size, with split_kv = auto, and
+flash-attn's window_size, softcap, alibi_slopes and sinks as the spec's variant),
 loads it, and calls the generated module's `forward_kvcache` on (batch, heads, seq, d) views of the
 same memory: no copies, and no value read back from the GPU, so a decoding step can be captured in
 a CUDA graph. Every argument is checked first; a bad one is a ValueError (KernelInputError) or
@@ -46,7 +47,7 @@ from ..runtime.kernel import load
 from ..runtime.keys import Shape
 from ..runtime.plans import PLANS
 from ..runtime.replay import record, wanted
-from .sdpa import _DTYPES
+from .sdpa import _DTYPES, _checked_float
 
 
 def _tensor(name: str, t, dims: int, layout: str) -> torch.Tensor:
@@ -78,7 +79,8 @@ def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, pag
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
-                           num_splits=0, return_softmax_lse=False, *, out=None):
+                           num_splits=0, return_softmax_lse=False, *, out=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, sinks=None):
     """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
 
     q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
@@ -91,20 +93,33 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     or an int when every sequence holds that many keys: the launch then takes the bucket's config
     tuned for equal lengths where the table has one (with lengths that differ, a split count that
     evens them out is faster; with equal ones, often fewer splits).
+    flash-attn's variants, positions aligned bottom-right as the causal mask's: `window_size` (left, right)
+    keeps keys k with q - left <= k <= q + right, -1 leaving that side unbounded (causal makes right 0);
+    `softcap` C > 0 maps each scaled score s to C tanh(s / C) (0: off); `alibi_slopes` (H,) or (B, H)
+    float32 subtracts slope * |q - k|; `sinks` (H,) float32, one learned logit per head, joins each
+    row's softmax denominator (and the lse) with no value. softcap and alibi_slopes together are refused.
+    Calls with alibi_slopes or sinks are checked afresh each time (no plan or replay: their tensors are
+    arguments of the launch).
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
-    key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+    key = None
+    if alibi_slopes is None and sinks is None:
+        key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
+                         window_size, softcap)
     plan = None if key is None else PLANS.get(key)
     planned = plan is not None
     if planned and out is not None:  # the layout is the key's; addresses are this call's
         check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if plan is None or on_other_gpu(q):
-        plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out)
+        plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
+                             window_size, softcap, alibi_slopes, sinks)
         if plan is None:  # q is on another GPU: Triton launches on the current device, so make q's current
             with torch.cuda.device(q.device):
                 return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                              softmax_scale, num_splits, return_softmax_lse, out=out)
+                                              softmax_scale, num_splits, return_softmax_lse, out=out,
+                                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                              sinks=sinks)
         planned = False
         if key is not None:
             PLANS.keep(key, plan)
@@ -123,6 +138,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
 
+    tensors = dict(plan.tensors)
+
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
         if plan.page_size:
@@ -132,7 +149,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         else:
             k4, v4 = k_cache[:plan.batch].transpose(1, 2), v_cache[:plan.batch].transpose(1, 2)
         plan.part.launch(q.transpose(1, 2), k4, v4, cache_seqlens, block_table, plan.softmax_scale,
-                         out.transpose(1, 2), lse, plan.config, plan.num_splits)
+                         out.transpose(1, 2), lse, plan.config, plan.num_splits, tensors)
+
 
     if planned and wanted(plan.replay):
         # The signature's second call: its launches are recorded for the calls after it (attngen/runtime/replay.py; False where they cannot be)
@@ -158,13 +176,16 @@ class _Plan(NamedTuple):
     capacity: int
     page_size: int | None
     replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
+    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks) in float32, as (keyword, tensor) pairs; such
+                         # a plan is never kept (`_signature` is None for its call)
 
 
 # PLANS holds _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so
 # from its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
 # v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
 # everything the checks read, so a call that would fail them never hits.
-def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, window_size,
+               softcap):
     """The key of `PLANS`: "kvcache" (this call path), every tensor's shape, strides, dtype, device, layout
     and requires_grad, grad mode, the other arguments' values, the tuning tables' generation and whether
     Triton interprets (all that the checks read but whether `out` shares memory with the inputs, and an int
@@ -172,7 +193,9 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
     expect (those calls are checked afresh)."""
     if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
             and type(causal) is bool and type(num_splits) is int
-            and (softmax_scale is None or type(softmax_scale) in (float, int))):
+            and (softmax_scale is None or type(softmax_scale) in (float, int))
+            and type(window_size) is tuple and len(window_size) == 2 and all(type(w) is int for w in window_size)
+            and type(softcap) in (float, int)):
         return None
     if type(cache_seqlens) is int:
         lens = int  # its value is checked per call (`_check_uniform_length`): nothing else of the plan reads it
@@ -189,11 +212,12 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
     if out is not None and type(out) is not torch.Tensor:
         return None
     return ("kvcache", tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
-            None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, torch.is_grad_enabled(),
-            tables.generation(), interpreting())
+            None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, window_size, softcap,
+            torch.is_grad_enabled(), tables.generation(), interpreting())
 
 
-def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out):
+def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """Every check of `attention_with_kvcache`'s arguments (a bad one raises before anything is launched),
     then the kernel, config and split count of the call, as a _Plan; None where q is on a GPU other than
     the current one (the caller then calls again under torch.cuda.device(q.device))."""
@@ -250,6 +274,7 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
+    window_size, softcap, tensors = _check_variant(q, window_size, softcap, alibi_slopes, sinks)
     _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
@@ -261,7 +286,8 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         if fresh.stride() != q.stride():  # q is expanded
             check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
 
-    kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size))
+    kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size, window_size, softcap,
+                               alibi_slopes is not None, sinks is not None))
     part, config = None, {}
     if q.numel():
         part = kernel.part("kvcache")
@@ -272,7 +298,32 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
                                                                 seqlen_q, capacity, q.device)
         check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
-    return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size)
+    return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size,
+                 tensors=tuple(tensors.items()))
+
+
+def _check_variant(q, window_size, softcap, alibi_slopes, sinks):
+    """flash-attn's variant arguments checked (a bad one is a ValueError naming it, a non-tensor slopes or sinks a
+    TypeError); returns window_size as a tuple of ints, softcap as a float, and the run-time tensors by keyword in
+    float32 (as `attention()` takes them)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(type(w) is int and w >= -1 for w in window_size)):
+        raise KernelInputError(f"window_size must be (left, right), each an int >= 0 or -1 (unbounded); got {window_size!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise KernelInputError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
+    if softcap and alibi_slopes is not None:
+        raise KernelInputError("softcap and alibi_slopes together are not supported: the spec language has one "
+                               "score modifier (score = softcap(C) or score = alibi)")
+    batch, _, heads, _ = q.shape
+    tensors = {}
+    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
+        if t is None:
+            continue
+        if isinstance(t, torch.Tensor) and torch.is_grad_enabled() and t.requires_grad:
+            raise KernelInputError(f"{name} requires grad, but attention_with_kvcache has no backward: call it under "
+                                   "torch.no_grad() or pass a detached tensor")
+        tensors[name] = _checked_float(name, t, q, shapes)
+    return (window_size[0], window_size[1]), float(softcap), tensors
 
 
 _EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys

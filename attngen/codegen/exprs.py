@@ -90,6 +90,18 @@ class _Printer(StrPrinter):
     def _print_Not(self, expr):
         return f"(~{self._print(expr.args[0])})"
 
+    def _print_Piecewise(self, expr):
+        *pieces, (last, otherwise) = expr.args
+        if otherwise is not sympy.true:
+            raise ValueError(f"no device spelling for {expr}: its last piece must hold everywhere")
+        text = self._print(last)
+        for value, cond in reversed(pieces):
+            text = f"{self.lib}.where({self._print(cond)}, {self._print(value)}, {text})"
+        return text
+
+    def _print_NegativeInfinity(self, expr):
+        return 'float("-inf")'
+
     def _print_BooleanTrue(self, expr):
         return "True"
 

@@ -100,12 +100,27 @@ def sdpa_key_spec(key: str) -> Spec:
 
 
 @lru_cache(maxsize=None)
-def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None) -> Spec:
-    """The spec `attention_with_kvcache()` uses for one dtype / head dim / mask / page size."""
-    mask = "causal(bottom_right)" if causal else "none"
+def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False) -> Spec:
+    """The spec `attention_with_kvcache()` uses for one dtype / head dim / mask / page size, and flash-attn's
+    variant arguments as `sdpa_variant` reads them (the spec aligns them bottom-right, as it does the causal
+    mask), written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`."""
+    variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
-    name = (f"kvcache_{dtype}_d{head_dim}_{'causal' if causal else 'full'}_"
+    if variant.mask is not None:
+        mask = variant.mask.text()
+        words = " ".join(_variant_words(variant))
+    else:
+        mask = "causal(bottom_right)" if causal else "none"
+        words = " ".join(("causal" if causal else "full", *_variant_words(variant)))
+    # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
+    name = (f"kvcache_{dtype}_d{head_dim}_{re.sub(r'[^0-9A-Za-z]+', '_', words).strip('_')}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    text = (f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n    mask = {mask}\n"
-            f"    head_dim = {head_dim}\n    dtype = {dtype}\n    split_kv = auto\n    kv_layout = {layout}\n}}\n")
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}", f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    if variant.score is not None:
+        lines.append(f"score = {variant.score.text()}")
+    if variant.sinks:
+        lines.append("sinks = true")
+    body = "".join(f"    {line}\n" for line in lines)
+    text = f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n{body}}}\n"
     return parse(text, f"<attention_with_kvcache {name}>")

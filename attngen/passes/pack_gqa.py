@@ -6,7 +6,9 @@ leaves the tile nearly empty. This pass makes the grid run over key/value heads 
 the tile's rows as (query position, group member) pairs: row r is query head
 `h_kv * GROUP + r % GROUP` at position `r // GROUP` (an `ir.Packed` index on Q, O and LSE), so a
 program reads its K/V head once for all GROUP heads and a decode tile holds GROUP real rows. The
-row count becomes N_Q * GROUP; masks compare keys with the row's position (`query_group`).
+row count becomes N_Q * GROUP; masks and score modifiers compare keys with the row's position
+(`query_group`) and read the row's head as `q_head`, and a sink logit, one per query head, becomes a
+vector of the rows' own sinks.
 
 Applies when the spec packs GQA (`pack_gqa = true`, or `auto` in a decoding spec); a no-op
 otherwise.
@@ -21,7 +23,7 @@ import sympy
 from .. import ir
 from ..ir import sym
 from ..errors import InternalError
-from ..ir import Loop, Masked, Packed, Span
+from ..ir import Assign, Load, Loop, Masked, Packed, Ref, Span, Stat
 from .grid import grid_path, map_indices, rebuild
 
 NAME = "pack-gqa"
@@ -47,6 +49,32 @@ def _pack_index(index, rows: Span):
     return tuple(out)
 
 
+def _sink_rows(body, rows: Span, group):
+    """The sink step with one logit per packed row: SINKS[h] becomes SINKS[q_head] of each row (a rank-1
+    Pointwise, whose emitter defines q_head per row), and the scalar that holds it a vector of rows."""
+    def is_sink(e):
+        return isinstance(e, Load) and e.buffer.stat is Stat.SINK
+
+    found = [st for st in ir.walk_stmts(body) if isinstance(st, Assign)
+             and any(is_sink(e) for e in ir.walk_expr(st.value))]
+    if not found:
+        return body
+    (st,) = found
+    per_row = replace(st.target, shape=(rows.size,))
+
+    def sink(e):
+        if is_sink(e):
+            # fn reads no score: the value it is applied to is a placeholder
+            return ir.Pointwise(ir.Num(0.0), sympy.Function(e.buffer.name)(sym.q_head), rows, None,
+                                query_group=group, tensors=(e.buffer,), score=False)
+        return e
+
+    def stmt(s):
+        return Assign(per_row, ir.map_expr(s.value, sink)) if s == st else s
+
+    return ir.map_exprs_in(ir.map_stmts(body, stmt), lambda e: Ref(per_row) if e == Ref(st.target) else e)
+
+
 def applies(program: ir.Program) -> bool:
     return bool(program.attr("pack_gqa"))
 
@@ -68,7 +96,7 @@ def run(program: ir.Program) -> ir.Program:
             return replace(e, query=rows, query_group=sym.GROUP)
         return e
 
-    body = map_indices(grid_m.body, lambda buffer, index: (buffer, _pack_index(index, rows)))
+    body = map_indices(_sink_rows(grid_m.body, rows, sym.GROUP), lambda buffer, index: (buffer, _pack_index(index, rows)))
     body = ir.map_exprs_in(body, mask)
     grid_h = Loop(sym.h_kv, sym.ZERO, sym.H_KV, sym.ONE, (), ir.LoopKind.GRID)
     grid_m = replace(grid_m, stop=sym.N_Q * sym.GROUP, note="blocks of (query, head of the group) rows")

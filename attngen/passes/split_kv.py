@@ -12,6 +12,8 @@ kernel, `attn_combine`, merges them, BLOCK_S splits per load: with lse_max the l
     O = sum_s exp(lse_s - lse_max) O_s / sum_s exp(lse_s - lse_max),  LSE = lse_max + log(sum ...)
 
 A split that saw no key has LSE -inf and weight 0; a row no split saw gives 0 and -inf.
+A sink logit (`sinks = true`) joins split 0's partial only (`_sink_once`): its LSE then counts it, so
+the merge above gives exactly the softmax whose denominator has it once, and one split needs nothing more.
 One split needs no merge: the launcher then points O_PART and LSE_PART at the final outputs.
 
 Applies when the spec's split_kv is not 1; a no-op otherwise (split_kv = 1 is the plain kernel).
@@ -26,7 +28,8 @@ import sympy
 from .. import ir
 from ..ir import sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Store, Sym
+from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Stat, Store, Sym
+from . import causal_skip
 from .grid import grid_path, rebuild
 from .tiling import tile_spans
 
@@ -43,17 +46,42 @@ def _partial(buffer: Buffer) -> Buffer:
     return Buffer(f"{buffer.name}_PART", shape, DT.F32, Space.HBM, Role.OUTPUT, buffer.stat)
 
 
+def _live_keys(loop: Loop):
+    """The keys [lo, hi) a program's mask can keep, where the mask bounds them from below (a window, a chunk);
+    None where every program may need the keys from 0 (no mask, causal, a prefix): those keep today's slices."""
+    masks = {e for st in ir.walk_stmts(loop.body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
+             if isinstance(e, ir.Masked)}
+    if len(masks) != 1:
+        return None
+    found = causal_skip.regions(loop, masks.pop())
+    if found is None:
+        return None
+    (lo, _, _), _, (_, hi, _) = found[0]
+    if sympy.sympify(lo) == loop.start:
+        return None
+    return lo, hi
+
+
 def _split_range(body):
     """The body with its key loop restricted to this split's slice, and the slice's definitions."""
     loops = [st for st in body if isinstance(st, Loop) and st.var == sym.start_n]
     if len(loops) != 1 or loops[0].start != 0 or loops[0].stop != sym.n_k:
         raise InternalError(f"{NAME} expects one key loop over [0, n_k) (after kv-lengths)")
     (loop,) = loops
+    live = _live_keys(loop)
+    if live is None:
+        first, count = sym.ZERO, sym.n_k
+        what = "this split's slice of the keys: whole blocks, so every split starts on a block boundary"
+    else:
+        # A window of 4096 keys over a cache of 128k: the splits share the keys the program's rows can see
+        # (from a block boundary), not the whole cache, so each reads ~4096 / NUM_SPLITS keys.
+        first, count = live[0], sympy.Max(0, live[1] - live[0])
+        what = "this split's slice of the keys the mask keeps: whole blocks from a block boundary"
     slice_defs = (
-        ir.Comment("this split's slice of the keys: whole blocks, so every split starts on a block boundary"),
+        ir.Comment(what),
         Assign(_scalar(sym.keys_per_split),
-               Sym(sym.BLOCK_N * sym.CeilDiv(sym.CeilDiv(sym.n_k, sym.NUM_SPLITS), sym.BLOCK_N))),
-        Assign(_scalar(sym.split_start), Sym(sym.split * sym.keys_per_split)),
+               Sym(sym.BLOCK_N * sym.CeilDiv(sym.CeilDiv(count, sym.NUM_SPLITS), sym.BLOCK_N))),
+        Assign(_scalar(sym.split_start), Sym(first + sym.split * sym.keys_per_split)),
         Assign(_scalar(sym.split_stop), Sym(sympy.Min(sym.n_k, sym.split_start + sym.keys_per_split))),
     )
     new_loop = replace(loop, start=sym.split_start, stop=sym.split_stop, note="this split's key blocks")
@@ -65,6 +93,27 @@ def _split_range(body):
         else:
             out.append(st)
     return tuple(out)
+
+
+def _sink_once(body):
+    """The sink's logit in split 0, -inf (no weight: the recurrence step leaves the row unchanged) in the
+    others. NOTE: split 0 rather than the combine kernel, so that one split (no combine launched) and a
+    split 0 that sees no key (a window far from the start) still count it once."""
+    def reads_sink(e):
+        return ((isinstance(e, Load) and e.buffer.stat is Stat.SINK)
+                or (isinstance(e, ir.Pointwise) and any(b.stat is Stat.SINK for b in e.tensors)))
+
+    rows = next(i.span if isinstance(i, ir.Packed) else i for st in ir.walk_stmts(body) for x in ir.stmt_exprs(st)
+                for e in ir.walk_expr(x) if isinstance(e, Load) and e.buffer.name == "Q"
+                for i in e.index if isinstance(i, (Span, ir.Packed)))
+    once = sympy.Piecewise((sym.S, sympy.Eq(sym.split, 0)), (-sympy.oo, True))
+
+    def stmt(st):
+        if isinstance(st, Assign) and any(reads_sink(e) for e in ir.walk_expr(st.value)):
+            return replace(st, value=ir.Pointwise(st.value, once, rows, None, score=False))
+        return st
+
+    return ir.map_stmts(body, stmt)
 
 
 def _to_partial(body, partials: dict):
@@ -151,7 +200,7 @@ def run(program: ir.Program) -> ir.Program:
     partials = {"O": _partial(o), "LSE": _partial(lse)}
     path = grid_path(kernel, NAME)
     grid_b, *inner = path
-    body = _to_partial(_split_range(path[-1].body), partials)
+    body = _to_partial(_sink_once(_split_range(path[-1].body)), partials)
     grid_split = Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.ONE, (), LoopKind.GRID)
     kernel = replace(
         kernel,

@@ -147,13 +147,14 @@ class KVCachePart:
         return fits
 
     def launch(self, q4, k4, v4, cache_seqlens, block_table, scale: float, out4, lse, config: dict,
-               num_splits: int = 0):
-        """forward_kvcache on (batch, heads, seq, d) views; `num_splits` (if not 0) overrides the config's."""
+               num_splits: int = 0, tensors: dict | None = None):
+        """forward_kvcache on (batch, heads, seq, d) views; `num_splits` (if not 0) overrides the config's;
+        `tensors`: the spec's run-time tensors by keyword (alibi_slopes, sinks)."""
         config = dict(config)
         splits = config.pop("num_splits", 0)
         warmup.wait()
         return self.kernel.module.forward_kvcache(q4, k4, v4, cache_seqlens, block_table, scale, out4, lse,
-                                                  num_splits or splits, config)
+                                                  num_splits or splits, config, **(tensors or {}))
 
     # -- what the config lookup reads (attngen/runtime/tables.py) ---------------------------------
     def tuning_problem(self) -> str:

@@ -85,22 +85,52 @@ def gather_cache(cache, seqlen: int, table_row=None) -> torch.Tensor:
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, scale=None,
-                      dtype=torch.float64):
+                      dtype=torch.float64, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """Reference for `attention_with_kvcache` (flash-attn layouts): each sequence's keys gathered
-    into a contiguous tensor, then `attention` with a bottom-right causal mask. Returns out
-    (B, S_q, H, D) and lse (B, H, S_q), in `dtype`."""
+    into a contiguous tensor, then `attention` with a bottom-right causal mask, or, with flash-attn's
+    window_size / softcap / alibi_slopes / sinks, `variant_attention` of the variant they mean
+    (`kvcache_variant`), bottom-right aligned per sequence. Returns out (B, S_q, H, D) and lse
+    (B, H, S_q), in `dtype`."""
     batch, seqlen_q, heads, d = q.shape
+    variant = kvcache_variant(causal, window_size, softcap, alibi_slopes is not None, sinks is not None)
     outs, lses = [], []
     for b in range(batch):
         n = int(cache_seqlens[b])
         row = None if block_table is None else block_table[b]
         k = gather_cache(k_cache[b] if row is None else k_cache, n, row).transpose(0, 1)[None]
-        v = gather_cache(v_cache[b] if row is None else v_cache, n, row).transpose(0, 1)[None]
-        mask = Mask.CAUSAL_BOTTOM_RIGHT if causal else Mask.NONE
-        out, lse = attention(q[b : b + 1].transpose(1, 2), k, v, mask, scale, dtype)
+        v_ = gather_cache(v_cache[b] if row is None else v_cache, n, row).transpose(0, 1)[None]
+        if variant:
+            tensors = {"sinks": sinks} if sinks is not None else {}
+            if alibi_slopes is not None:
+                tensors["alibi_slopes"] = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b : b + 1]
+            out, lse = variant_attention(q[b : b + 1].transpose(1, 2), k, v_, variant, True, scale, tensors, dtype)
+        else:
+            mask = Mask.CAUSAL_BOTTOM_RIGHT if causal else Mask.NONE
+            out, lse = attention(q[b : b + 1].transpose(1, 2), k, v_, mask, scale, dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
+
+
+def kvcache_variant(causal: bool, window_size=(-1, -1), softcap=0.0, alibi=False, sinks=False) -> v.Variant:
+    """flash-attn's arguments as a variant tree, written from flash-attn's rule (key k visible to query q when
+    q - left <= k <= q + right, a side of -1 unbounded, right 0 when causal) as plain comparisons; empty for
+    a call without window, softcap, alibi or sinks."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and (right < 0 or causal) and not (softcap or alibi or sinks):
+        return v.Variant()
+    mask = None
+    bounds = []
+    if left >= 0:
+        bounds.append(v.Compare(">=", v.Var("k"), v.BinOp("-", v.Var("q"), v.Const(left))))
+    if right >= 0:
+        bounds.append(v.Compare("<=", v.Var("k"), v.BinOp("+", v.Var("q"), v.Const(right))))
+    for bound in bounds:
+        mask = bound if mask is None else v.And(mask, bound)
+    score = v.Softcap(float(softcap)) if softcap else v.Alibi() if alibi else None
+    return v.Variant(mask, score, bool(sinks))
 
 
 # -- variants: masks and score modifiers built as full matrices from the spec's own tree -----------------
@@ -120,19 +150,21 @@ def _value(e, env: dict, tensors: dict):
                 "//": lambda: a // b, "%": lambda: a % b}[e.op]()
     if isinstance(e, v.Func):
         args = [_value(a, env, tensors) for a in e.args]
-        args = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64) for x in args]
+        device = next((x.device for x in args if isinstance(x, torch.Tensor)), None)
+        args = [x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64, device=device) for x in args]
         return {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "tanh": torch.tanh,
                 "exp": torch.exp}[e.name](*args)
     if isinstance(e, v.Index):
         t = tensors[e.tensor]
         idx = [_value(a, env, tensors) for a in e.args]
-        shape = torch.broadcast_shapes(*(torch.as_tensor(i).shape for i in idx))
-        idx = [torch.as_tensor(i).expand(shape).long() for i in idx]
-        inside = torch.ones(shape, dtype=torch.bool)
+        idx = [torch.as_tensor(i, device=t.device) for i in idx]
+        shape = torch.broadcast_shapes(*(i.shape for i in idx))
+        idx = [i.expand(shape).long() for i in idx]
+        inside = torch.ones(shape, dtype=torch.bool, device=t.device)
         for i, n in zip(idx, t.shape):
             inside &= (i >= 0) & (i < n)
         safe = [torch.where(inside, i, torch.zeros_like(i)) for i in idx]
-        return torch.where(inside, t.to(torch.float64)[tuple(safe)], torch.zeros((), dtype=torch.float64))
+        return torch.where(inside, t.to(torch.float64)[tuple(safe)], torch.zeros((), dtype=torch.float64, device=t.device))
     raise TypeError(f"no value for {e!r}")
 
 
@@ -178,8 +210,9 @@ def variant_attention(q, k, v_, variant, bottom_right: bool = False, scale: floa
         vd = vd.repeat_interleave(heads // k.shape[1], dim=1)
     scores = (qd @ kd.transpose(-1, -2)) * scale
     offset = n_k - n_q if bottom_right else 0
-    env = {"b": torch.arange(batch)[:, None, None, None], "h": torch.arange(heads)[None, :, None, None],
-           "q": torch.arange(n_q)[None, None, :, None] + offset, "k": torch.arange(n_k)[None, None, None, :]}
+    at = dict(device=q.device)
+    env = {"b": torch.arange(batch, **at)[:, None, None, None], "h": torch.arange(heads, **at)[None, :, None, None],
+           "q": torch.arange(n_q, **at)[None, None, :, None] + offset, "k": torch.arange(n_k, **at)[None, None, None, :]}
     score = variant.score
     if isinstance(score, v.Softcap):
         scores = score.cap * torch.tanh(scores / score.cap)
