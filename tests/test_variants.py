@@ -11,6 +11,8 @@ import pytest
 import sympy
 import torch
 
+from conftest import DEVICE
+
 from attngen.codegen import render
 from attngen.ir import PredKind, sym
 from attngen.ir import variants as irv
@@ -139,12 +141,12 @@ def _run(spec, tmp_path, shape=(2, 2, 2, 37, 45), dtype=torch.float32, tensors=N
     torch.manual_seed(seed)
     b, h, h_kv, n_q, n_k = shape
     d = spec.head_dim
-    q = torch.randn(b, h, n_q, d).to(dtype)
-    k = torch.randn(b, h_kv, n_k, d).to(dtype)
-    v_ = torch.randn(b, h_kv, n_k, d).to(dtype)
-    tensors = tensors or {}
+    q = torch.randn(b, h, n_q, d).to(DEVICE, dtype)
+    k = torch.randn(b, h_kv, n_k, d).to(DEVICE, dtype)
+    v_ = torch.randn(b, h_kv, n_k, d).to(DEVICE, dtype)
+    tensors = {name: t.to(DEVICE) for name, t in (tensors or {}).items()}
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((b, h, n_q), float("nan"))
+    lse = torch.full((b, h, n_q), float("nan"), device=DEVICE)
     got, got_lse = _module(spec, tmp_path).forward(q, k, v_, out=out, lse=lse, **tensors)
     ref, ref_lse = reference.variant_attention(q, k, v_, spec.variant, spec.bottom_right, tensors=tensors)
     tol = 2e-5 if dtype is torch.float32 else 2e-2
