@@ -17,7 +17,6 @@ from conftest import ROOT
 
 TINY_CASES = [case.name for case in variants.cases(variants.TINY["seqlen"])]
 # (the Kernel call takes the run-time tensors with the runtime of branch bwd)
-NEEDS_TENSORS = {name for name in TINY_CASES if name.startswith(("alibi", "sinks"))}
 
 
 def test_arguments_parse_on_a_cpu():
@@ -42,10 +41,7 @@ def test_the_suite_s_rows_at_full_size():
     assert masks.fa_flops(window, sizes) == 4 * 128 * 16 * kept
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                               reason="Kernel takes run-time tensors with branch bwd"))
-    if name in NEEDS_TENSORS else name for name in TINY_CASES])
+@pytest.mark.parametrize("name", TINY_CASES)
 def test_check_runs_each_row_in_the_interpreter(name):
     rows = variants.bench_variants(directions=("forward",), check=True, only=(name,), progress=lambda _: None)
     assert {r.provider for r in rows} == {"attngen", "flex"}

@@ -209,14 +209,7 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
     q, k, v = random_inputs(spec, case, device, generator)
     tensors = runtime_tensors(spec, case, device, generator)
     out = torch.full_like(q, float("nan"))
-    if tensors:
-        # NOTE: the generated module's forward takes the run-time tensors as keywords; it is called with the
-        # inputs Kernel checks and the config it would launch with.
-        lse = torch.full(q.shape[:3], float("nan"), device=device, dtype=torch.float32)
-        out, lse = kernel.module.forward(q, k, v, spec.softmax_scale, out=out, lse=lse,
-                                         config=dict(kernel.config(q, k)), **tensors)
-    else:
-        out, lse = kernel(q, k, v, out=out, return_lse=True)
+    out, lse = kernel(q, k, v, out=out, return_lse=True, **tensors)
     result = compare(spec, case, out, lse, q, k, v, tensors=tensors)
     if spec.backward:
         do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
