@@ -220,7 +220,8 @@ def test_attention_with_kvcache_variants(args, page_size, monkeypatch):
 
 def test_kvcache_variant_plans(monkeypatch):
     """A windowed call keeps a plan like a plain one (its own: the window is part of the signature); a call
-    with sinks is checked afresh each time (its tensor is a launch argument)."""
+    with sinks keeps one too, without the tensors: a later call with other sinks of the same layout takes them,
+    and is never replayed (the recorded launches would hold the first call's sinks)."""
     from attngen.runtime.plans import PLANS
 
     empty_plans(monkeypatch)
@@ -230,8 +231,15 @@ def test_kvcache_variant_plans(monkeypatch):
     plain = attngen.attention_with_kvcache(q, k, k, 40)
     assert len(PLANS) == 2
     assert not torch.allclose(windowed, plain)
-    attngen.attention_with_kvcache(q, k, k, 40, sinks=torch.zeros(2, device=DEVICE))
-    assert len(PLANS) == 2
+    outs = [attngen.attention_with_kvcache(q, k, k, 40, sinks=torch.full((2,), s, device=DEVICE))
+            for s in (-1e4, 0.0, 0.0, 3.0, -1e4)]
+    assert len(PLANS) == 3
+    plan = PLANS.plans("kvcache")[-1]  # the sinks' plan
+    assert plan.tensors == () and plan.replay is False
+    torch.testing.assert_close(outs[0], plain)  # a sink of -1e4 weighs nothing
+    torch.testing.assert_close(outs[-1], plain)
+    torch.testing.assert_close(outs[1], outs[2])
+    assert (outs[3].float().norm() < outs[1].float().norm()).item()  # a larger sink takes more of the weight
 
 
 BAD = [

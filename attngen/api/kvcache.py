@@ -98,15 +98,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     `softcap` C > 0 maps each scaled score s to C tanh(s / C) (0: off); `alibi_slopes` (H,) or (B, H)
     float32 subtracts slope * |q - k|; `sinks` (H,) float32, one learned logit per head, joins each
     row's softmax denominator (and the lse) with no value. softcap and alibi_slopes together are refused.
-    Calls with alibi_slopes or sinks are checked afresh each time (no plan or replay: their tensors are
-    arguments of the launch).
+    Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
+    do, but are not replayed (their tensors are arguments of the launch).
     Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
-    key = None
-    if alibi_slopes is None and sinks is None:
-        key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
-                         window_size, softcap)
+    key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
+                     window_size, softcap, alibi_slopes, sinks)
     plan = None if key is None else PLANS.get(key)
     planned = plan is not None
     if planned and out is not None:  # the layout is the key's; addresses are this call's
@@ -122,7 +120,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                                               sinks=sinks)
         planned = False
         if key is not None:
-            PLANS.keep(key, plan)
+            # A plan with run-time tensors keeps the checks' verdict on their layouts, not the tensors (a call
+            # brings its own), and is never replayed: the recorded launches would hold the first call's.
+            PLANS.keep(key, plan._replace(tensors=(), replay=False) if plan.tensors else plan)
     if plan.uniform:
         if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
             _check_uniform_length(cache_seqlens, plan.capacity)
@@ -138,7 +138,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
 
-    tensors = dict(plan.tensors)
+    tensors = dict(plan.tensors) if not planned else _call_tensors(alibi_slopes, sinks)
 
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
@@ -176,16 +176,26 @@ class _Plan(NamedTuple):
     capacity: int
     page_size: int | None
     replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
-    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks) in float32, as (keyword, tensor) pairs; such
-                         # a plan is never kept (`_signature` is None for its call)
+    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks) in float32, as (keyword, tensor) pairs, of
+                         # the call that made the plan (PLANS keeps it without them, and without a replay)
 
 
 # PLANS holds _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so
 # from its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
 # v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
 # everything the checks read, so a call that would fail them never hits.
+def _call_tensors(alibi_slopes, sinks) -> dict:
+    """A planned call's run-time tensors, in float32 (the layouts the plan's signature holds were checked)."""
+    found = {}
+    if alibi_slopes is not None:
+        found["alibi_slopes"] = alibi_slopes.float().contiguous()
+    if sinks is not None:
+        found["sinks"] = sinks.float().contiguous()
+    return found
+
+
 def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, window_size,
-               softcap):
+               softcap, alibi_slopes=None, sinks=None):
     """The key of `PLANS`: "kvcache" (this call path), every tensor's shape, strides, dtype, device, layout
     and requires_grad, grad mode, the other arguments' values, the tuning tables' generation and whether
     Triton interprets (all that the checks read but whether `out` shares memory with the inputs, and an int
@@ -211,7 +221,12 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
-    return ("kvcache", tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
+    extra = ()
+    for t in (alibi_slopes, sinks):  # their layouts, as the checks read them
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+        extra += (None if t is None else tensor_signature(t),)
+    return ("kvcache", *extra, tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
             None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, window_size, softcap,
             torch.is_grad_enabled(), tables.generation(), interpreting())
 
