@@ -21,6 +21,8 @@ templates take `{{modification}}`:
     key_blocks(lib)   a query tile's key blocks (variant programs): the first visited, the unmasked
                       [full_lo, full_hi) and how many, from the IR's key loops after causal-skip
     sink(load)        the sink's logit in base 2 (the IR's `sink`), `load` the template's read of SINKS[h]
+    split_keys(rows)  a decoding split's slice (split-kv's definitions) and its key loops' range, for a program
+                      over every packed row of a K/V head (the Gluon decode kernel)
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
