@@ -52,6 +52,7 @@ def _compile_gluon_ws(module, job):
                      PAGE=page, CAUSAL=module.WSD_CAUSAL, LOADER_REGS=shape["loader_regs"])
         ptrs = {"Q": _PTR[str(module.DTYPE).removeprefix("torch.")], "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32",
                 "BT": "*i32"}
+        ptrs.update({p: "*fp32" for p in ("SINKS", "ALIBI_SLOPES") if p in fn.arg_names})  # a variant's tensors
         sig = {arg: "constexpr" if arg in const else descs.get(arg, ptrs.get(arg, "fp32" if arg == "sm_scale" else "i32"))
                for arg in fn.arg_names}
         attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}

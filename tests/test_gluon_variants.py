@@ -130,16 +130,16 @@ class _Gl:
         return -(-a // b)
 
 
-def _key_blocks_function(source):
-    """The generated `_ws_key_blocks` as a Python function (its gl calls on integers)."""
+def _key_blocks_function(source, name="_ws_key_blocks"):
+    """The generated `_ws_key_blocks` (or the function `name`) as a Python function (its gl calls on integers)."""
     tree = ast.parse(source)
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_ws_key_blocks")
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     fn.decorator_list = []
     for a in fn.args.args:
         a.annotation = None  # gl.constexpr
     scope = {"gl": _Gl}
-    exec(compile(ast.Module([fn], []), "_ws_key_blocks", "exec"), scope)
-    return scope["_ws_key_blocks"]
+    exec(compile(ast.Module([fn], []), name, "exec"), scope)
+    return scope[name]
 
 
 def _triton_blocks(kernel, values, block_n):

@@ -91,8 +91,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         fwd_variant=bool(program.warp_specialized.forward) and bool(spec.variant),
         bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
         dq_hooks=score_hooks(program.kernel("attn_bwd_dq")) if program.warp_specialized.backward else None,
-        decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k")) if program.warp_specialized.decode
-        else None,
+        decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k", "split"))
+        if program.warp_specialized.decode else None,
+        decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
         tensors=_runtime_tensors(spec),

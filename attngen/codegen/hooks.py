@@ -21,6 +21,8 @@ templates take `{{modification}}`:
     key_blocks(lib)   a query tile's key blocks (variant programs): the first visited, the unmasked
                       [full_lo, full_hi) and how many, from the IR's key loops after causal-skip
     sink(load)        the sink's logit in base 2 (the IR's `sink`), `load` the template's read of SINKS[h]
+    split_keys(rows)  a decoding split's slice (split-kv's definitions) and its key loops' range, for a program
+                      over every packed row of a K/V head (the Gluon decode kernel)
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
@@ -47,6 +49,7 @@ from . import exprs
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
 _IDENTIFIER = re.compile(r"(?<![.\w])[A-Za-z_]\w*")  # attributes (gl.max) are not names
 _BROADCAST = {0: "[:, None]", 1: "[None, :]"}  # a vector along axis a of a 2-D tile
+_ATTENTION_INPUTS = ("Q", "K", "V", "SEQLENS", "BLOCK_TABLE")  # not a variant's: the template reads them itself
 
 
 @dataclass(frozen=True)
@@ -118,38 +121,64 @@ class ScoreHooks:
 
     def sink(self, load: str) -> str:
         """The sink's logit as the online softmax's extra step takes it (base 2), `load` the template's read
-        of the head's SINKS entry."""
-        loads = {n.buffer.name: load for st in ir.walk_stmts(self.kernel.body)
-                 if isinstance(st, ir.Assign) and st.target.name == "sink"
-                 for n in ir.walk_expr(st.value) if isinstance(n, ir.Load)}
+        of the head's SINKS entry (a Load of the IR, or a packed row's read of SINKS at its own query head)."""
+        loads = {}
+        for st in ir.walk_stmts(self.kernel.body):
+            if isinstance(st, ir.Assign) and st.target.name == "sink":
+                loads.update({n.buffer.name: load for n in ir.walk_expr(st.value) if isinstance(n, ir.Load)})
+                loads.update({name: load for read, name in _reads(st.value).items() if read.func.__name__ == "SINKS"})
         return self.value("sink", loads)
 
     @property
     def tensors(self) -> tuple:
         """The run-time tensors the kernel reads beside Q, K and V (a variant's: declared tensors, ALiBi's slopes,
         the sinks), in the order of the kernel's parameters."""
-        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in ("Q", "K", "V"))
+        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in _ATTENTION_INPUTS)
 
     @property
     def tensor_params(self) -> str:
         """The Gluon kernel's parameters for `tensors`: each one's pointer and strides (", SINKS, stride_sinks_0")."""
         return "".join(f", {t.name}" + "".join(f", {n}" for n in _strides(t)) for t in self.tensors)
 
-    def reads(self) -> list[tuple[str, str]]:
+    def reads(self, b: str = "b", h: str = "h") -> list[tuple[str, str]]:
         """(name, code) for each tensor read of the score modifier: one value per tile (its indices are over the
-        batch and query head alone: `b`, `h` as the template holds them), loaded under the name `scaled` gives it;
-        a read outside the tensor reads 0 (the spec language's rule)."""
+        batch and query head alone: `b`, `h` as the template holds them; `h` a vector of the packed rows' heads
+        where a tile's rows span a group), loaded under the name `scaled` gives it; a read outside the tensor
+        reads 0 (the spec language's rule)."""
         out = []
         for read, name in _reads(self.scaled_expr).items():
             buf = next(t for t in self.tensors if t.name == read.func.__name__)
-            index = [_elementwise(i, {str(sym.b): "b", str(sym.q_head): "h"}) for i in read.args]
+            index = [_elementwise(i, {str(sym.b): b, str(sym.q_head): h}) for i in read.args]
             ptr = " + ".join([buf.name] + [f"({i}) * {st}" for i, st in zip(index, _strides(buf))])
             # b < B and h < H hold in every tile (and the template holds neither B nor H where it loads)
             inside = " & ".join(f"({i} >= 0) & ({i} < {_size(d)})" for i, d, e in zip(index, buf.shape, read.args)
                                 if (e, d) not in ((sym.b, sym.B), (sym.q_head, sym.H)))
             load = f"gl.load({ptr}, mask={inside}, other=0.0)" if inside else f"gl.load({ptr})"
-            out.append((name, self._code(f"{load}.to(gl.float32)", "b h mask other", self.tensor_params)))
+            out.append((name, self._code(f"{load}.to(gl.float32)", b, h, "mask other", self.tensor_params)))
         return out
+
+    def split_keys(self, rows: str) -> dict:
+        """One split's keys for a program over every packed row of a K/V head (the Gluon decode kernel), as
+        code over split, n_k, N_Q, GROUP, NUM_SPLITS, BLOCK_N and `rows` (the padded row count): the IR's
+        slice definitions after split-kv (`keys_per_split`, `split_start`, `split_stop`, in that order, each
+        reading the ones before) and its key loops' range after causal-skip: `lo`, `hi` (the first key visited
+        and one past the last) and `full_lo`, `full_hi` (the unmasked loop's). The IR's loops are a tile's of
+        BLOCK_M rows from start_m: here the tile of rows [0, rows)."""
+        tile = {sym.start_m: sympy.Integer(0), sym.BLOCK_M: sympy.Symbol(rows, integer=True, positive=True)}
+        names = ("keys_per_split", "split_start", "split_stop")
+        defs = {st.target.name: st.value for st in ir.walk_stmts(self.kernel.body)
+                if isinstance(st, ir.Assign) and st.target.name in names}
+        if set(defs) != set(names) or not all(isinstance(v, ir.Sym) for v in defs.values()):
+            raise InternalError(f"kernel {self.kernel.name}: no split-kv slice {names} to read the split's keys from")
+        loops = _key_loops(self.kernel)
+        full = [lp for lp in loops if not _masks(lp)]
+        if len(full) != 1:
+            raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one unmasked "
+                                "range between masked ones")
+        values = {name: defs[name].expr for name in names}
+        values.update(lo=loops[0].start, full_lo=full[0].start, full_hi=full[0].stop, hi=loops[-1].stop)
+        given = f"split n_k {rows} " + " ".join(names)
+        return {name: self._code(_size(sympy.sympify(e).xreplace(tile)), given) for name, e in values.items()}
 
     def key_blocks(self, lib: str = "gl") -> dict:
         """A query tile's key blocks as code over start_m, N_Q, N_K, BLOCK_M, BLOCK_N: `lo` (the first block

@@ -80,13 +80,14 @@ def is_variant(program: ir.Program) -> bool:
             or program.attr("sinks", False))
 
 
-def variant_supported(program: ir.Program) -> bool:
+def variant_supported(program: ir.Program, scalars: frozenset = frozenset()) -> bool:
     """Whether the Gluon forward (its hooks, codegen/hooks.py) can take a variant program's attn_fwd: masks of
     CAUSAL, KEY_BOUND and BAND predicates (windows, prefixes, chunks; EXPR predicates, the general form, stay on
     the Triton kernel: causal-skip cannot bound them), a score modifier over the score and the element
     positions whose tensor reads depend on the batch and query head alone (ALiBi's slopes: one value per tile;
     a declared tensor read at positions, as a bias[h, q - k], stays on the Triton kernel), and key loops that
-    are one unmasked range between masked ones (the tile's key blocks the template visits)."""
+    are one unmasked range between masked ones (the tile's key blocks the template visits). `scalars`: the
+    values a Pointwise may read besides (decoding's split and the sizes its bottom-right positions read)."""
     kernel = program.kernel("attn_fwd")
     nodes = [n for st in ir.walk_stmts(kernel.body) for e in ir.stmt_exprs(st) for n in ir.walk_expr(e)]
     kinds = {p.kind for n in nodes if isinstance(n, ir.Masked) for p in n.preds}
@@ -98,7 +99,7 @@ def variant_supported(program: ir.Program) -> bool:
         fn = sympy.sympify(n.fn)
         reads = fn.atoms(sympy.core.function.AppliedUndef)
         outside = fn.xreplace({r: sympy.Integer(1) for r in reads}).free_symbols
-        if not outside <= {sym.S, sym.q_idx, sym.k_idx}:
+        if not outside <= {sym.S, sym.q_idx, sym.k_idx} | scalars:
             return False
         if any(not sympy.Tuple(*r.args).free_symbols <= {sym.b, sym.q_head} for r in reads):
             return False  # a read that varies within a tile (a bias over positions)

@@ -27,7 +27,11 @@ merge are the Triton path's; the tuned BLOCK_N, warps and stages serve the Trito
 Applies to decoding specs with a contiguous cache or a paged cache of pages of at least 16 tokens (a
 TMA copy of fewer rows would cut through the shared tiles' swizzle pattern), split-KV, GQA packing, no
 mask or a causal one aligned bottom-right, 16-bit inputs, a head dim of 64 or 128 and the tile keys
-left `auto`.
+left `auto`; and to the variants (issue 48) the Gluon forward takes (`warp_specialize.variant_supported`: windows,
+chunks, prefixes, softcap, ALiBi, sinks): each split visits the key blocks of the IR's partial kernel over the
+group's rows (split-kv's slice narrowed to the window, causal-skip's loops), masks those outside the unmasked
+loop with the IR's predicates, modifies its scores as the IR does (ALiBi's slope per packed row's query head)
+and takes the sink's step in split 0 (hooks.py). EXPR masks and reads at positions keep the Triton kernel.
 """
 
 from __future__ import annotations
@@ -35,20 +39,32 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import ir
+from ..ir import sym
 from ..policy import hopper
+from . import warp_specialize
 
 NAME = "warp-specialize-decode"
 
+
+# what the kernel's Pointwise may read besides the scores and positions: the split (the sink's split-0 step) and the
+# sizes a bottom-right position reads (ALiBi's distance k - q + n_k - N_Q), which the consumer holds
+DECODE_SCALARS = frozenset({sym.split, sym.n_k, sym.N_Q})
 
 
 def applies(program: ir.Program) -> bool:
     page = program.attr("page_size")
     return (program.attr("kvcache", False) and program.attr("split_kv") is not None
             and (page is None or page >= hopper.DECODE_MIN_PAGE) and bool(program.attr("pack_gqa"))
-            and program.attr("mask") in ("none", "causal(bottom_right)")
-            and program.attr("score") is None and not program.attr("sinks", False)
+            and (plain(program) or (warp_specialize.is_variant(program)
+                                    and warp_specialize.variant_supported(program, DECODE_SCALARS)))
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS)
+
+
+def plain(program: ir.Program) -> bool:
+    """Whether the program decodes without a variant: no mask, or a causal one aligned bottom-right."""
+    return (program.attr("mask") in ("none", "causal(bottom_right)") and program.attr("score") is None
+            and not program.attr("sinks", False))
 
 
 def run(program: ir.Program) -> ir.Program:
