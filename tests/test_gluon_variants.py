@@ -121,7 +121,7 @@ def test_plain_specs_keep_their_gluon_forward():
 
 
 class _Gl:
-    """What `_ws_key_blocks` takes from gl, on Python integers."""
+    """What `_ws_key_blocks` (and the backward's `_ws_bwd_query_blocks`) take from gl, on Python integers."""
 
     maximum, minimum = staticmethod(max), staticmethod(min)
 
@@ -130,23 +130,24 @@ class _Gl:
         return -(-a // b)
 
 
-def _key_blocks_function(source):
-    """The generated `_ws_key_blocks` as a Python function (its gl calls on integers)."""
+def generated_function(source, name="_ws_key_blocks"):
+    """The generated gluon.jit function `name` of integer arithmetic as a Python function (its gl calls on integers)."""
     tree = ast.parse(source)
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_ws_key_blocks")
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     fn.decorator_list = []
     for a in fn.args.args:
         a.annotation = None  # gl.constexpr
     scope = {"gl": _Gl}
-    exec(compile(ast.Module([fn], []), "_ws_key_blocks", "exec"), scope)
-    return scope["_ws_key_blocks"]
+    exec(compile(ast.Module([fn], []), name, "exec"), scope)
+    return scope[name]
 
 
-def _triton_blocks(kernel, values, block_n):
-    """(masked, unmasked) key blocks the Triton kernel's loops visit for these sizes."""
+def triton_blocks(kernel, values, block_n, var=sym.start_n):
+    """(masked, unmasked) blocks the Triton kernel's serial loops over `var` visit for these sizes (the forward's
+    key blocks; start_m: the dK/dV kernel's query blocks, `block_n` then BLOCK_M)."""
     masked, full = set(), set()
     for loop in ir.walk_stmts(kernel.body):
-        if not (isinstance(loop, ir.Loop) and loop.kind is ir.LoopKind.SERIAL and loop.var == sym.start_n):
+        if not (isinstance(loop, ir.Loop) and loop.kind is ir.LoopKind.SERIAL and loop.var == var):
             continue
         start, stop = sym.evaluate(loop.start, values), sym.evaluate(loop.stop, values)
         assert start % block_n == 0
@@ -159,7 +160,7 @@ def _triton_blocks(kernel, values, block_n):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
     spec, program = _program(_text(f"gv_kb_{variant}", variant=variant))
-    key_blocks = _key_blocks_function(render(spec, program))
+    key_blocks = generated_function(render(spec, program))
     kernel = program.kernel("attn_fwd")
     shapes = {(s.block_m, s.block_n) for f in (hopper.forward_variant(64, True), hopper.forward_variant(128, True))
               for s in (f.main, f.short)}
@@ -171,7 +172,7 @@ def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
                     lo, full_lo, full_hi, n = key_blocks(start_m, n_q, n_k, block_m, block_n)
                     values = {sym.start_m: start_m, sym.N_Q: n_q, sym.N_K: n_k, sym.BLOCK_M: block_m,
                               sym.BLOCK_N: block_n}
-                    masked, full = _triton_blocks(kernel, values, block_n)
+                    masked, full = triton_blocks(kernel, values, block_n)
                     visited = set(range(lo, lo + n))
                     unmasked = visited & set(range(full_lo, full_hi))
                     where = (variant, block_m, block_n, n_q, n_k, start_m)
