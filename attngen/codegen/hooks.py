@@ -13,7 +13,8 @@ templates take `{{modification}}`:
     lse_log2(x, lib)  a loaded log-sum-exp `x` in base 2, +inf for a row that saw no key (P = 0 there)
     value(name, names, lib)
                       the IR's value of the register or output `name` (its first definition), the IR's
-                      buffers renamed to the template's by `names` (the backward's dS^T, dK, dQ)
+                      buffers renamed to the template's by `names` (the backward's dS^T, dK, dQ); with `score`,
+                      over the template's raw score tile (a score modifier's derivative on dS^T)
     causal_offset     b in the IR's causal predicate `key <= query + b`, over the kernel's sizes ("0" top-left)
     diagonal(rows)    query + b for the packed row positions `rows` (query = row // group)
     keep(...)         the masked blocks' predicate over the template's key positions and diagonal positions
@@ -21,6 +22,10 @@ templates take `{{modification}}`:
     key_blocks(lib)   a query tile's key blocks (variant programs): the first visited, the unmasked
                       [full_lo, full_hi) and how many, from the IR's key loops after causal-skip
     sink(load)        the sink's logit in base 2 (the IR's `sink`), `load` the template's read of SINKS[h]
+    query_blocks(lib) a key tile's query blocks (the dK/dV kernel of variant programs), as key_blocks gives a
+                      query tile's key blocks, from the IR's query loops after causal-skip
+    reads()           a score modifier's tensor reads over the batch and query head (ALiBi's slope; the backward's
+                      GROUP * hkv + g is the query head `h`), loaded once where the template holds b and h
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
