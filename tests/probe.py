@@ -85,7 +85,7 @@ def _compile_gluon_ws(module, job):
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
                      DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL, CONSUMERS=consumers)
-        pointers = ("LSE", "DELTA", "CLAIM")
+        pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES",) if p in fn.arg_names)  # a variant's
         maxnreg = shape[short + "maxnreg"]
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws

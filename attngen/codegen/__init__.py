@@ -89,6 +89,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         gluon_decode=program.warp_specialized.decode,
         fwd_hooks=score_hooks(program.kernel("attn_fwd")) if program.warp_specialized.forward else None,
         fwd_variant=bool(program.warp_specialized.forward) and bool(spec.variant),
+        bwd_variant=bool(program.warp_specialized.backward) and bool(spec.variant),
         bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
         dq_hooks=score_hooks(program.kernel("attn_bwd_dq")) if program.warp_specialized.backward else None,
         decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k", "split"))

@@ -13,7 +13,8 @@ templates take `{{modification}}`:
     lse_log2(x, lib)  a loaded log-sum-exp `x` in base 2, +inf for a row that saw no key (P = 0 there)
     value(name, names, lib)
                       the IR's value of the register or output `name` (its first definition), the IR's
-                      buffers renamed to the template's by `names` (the backward's dS^T, dK, dQ)
+                      buffers renamed to the template's by `names` (the backward's dS^T, dK, dQ); with `score`,
+                      over the template's raw score tile (a score modifier's derivative on dS^T)
     causal_offset     b in the IR's causal predicate `key <= query + b`, over the kernel's sizes ("0" top-left)
     diagonal(rows)    query + b for the packed row positions `rows` (query = row // group)
     keep(...)         the masked blocks' predicate over the template's key positions and diagonal positions
@@ -23,6 +24,10 @@ templates take `{{modification}}`:
     sink(load)        the sink's logit in base 2 (the IR's `sink`), `load` the template's read of SINKS[h]
     split_keys(rows)  a decoding split's slice (split-kv's definitions) and its key loops' range, for a program
                       over every packed row of a K/V head (the Gluon decode kernel)
+    query_blocks(lib) a key tile's query blocks (the dK/dV kernel of variant programs), as key_blocks gives a
+                      query tile's key blocks, from the IR's query loops after causal-skip
+    reads()           a score modifier's tensor reads over the batch and query head (ALiBi's slope; the backward's
+                      GROUP * hkv + g is the query head `h`), loaded once where the template holds b and h
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
@@ -49,7 +54,8 @@ from . import exprs
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
 _IDENTIFIER = re.compile(r"(?<![.\w])[A-Za-z_]\w*")  # attributes (gl.max) are not names
 _BROADCAST = {0: "[:, None]", 1: "[None, :]"}  # a vector along axis a of a 2-D tile
-_ATTENTION_INPUTS = ("Q", "K", "V", "SEQLENS", "BLOCK_TABLE")  # not a variant's: the template reads them itself
+# the attention kernels' own inputs, which the templates read themselves (the rest: a variant's tensors)
+_OPERANDS = ("Q", "K", "V", "DO", "LSE", "DELTA", "SEQLENS", "BLOCK_TABLE")
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,20 @@ class ScoreHooks:
         loads = {n.buffer.name: x for n in ir.walk_expr(self.lse_read) if isinstance(n, ir.Load)}
         return self._code(_render(self.lse_read, loads, lib=lib), x)
 
-    def value(self, target: str, names: dict, lib: str = "gl", default: str | None = None) -> str:
-        """`default` (if given) where the kernel defines no `target`."""
+    def value(self, target: str, names: dict, lib: str = "gl", default: str | None = None, score: str | None = None,
+              query: str | None = None, key: str | None = None, key_axis: int = 1) -> str:
+        """`default` (if given) where the kernel defines no `target`. With `score` (the template's raw score tile, as
+        scaled() takes it), the tiles the kernel computes from the raw product (the backward's raw_t, which a score
+        modifier's derivative reads) are spelled over it, and `query` / `key` are the positions it reads."""
         for st in ir.walk_stmts(self.kernel.body):
             if isinstance(st, (ir.Assign, ir.Store)) and st.target.name == target:
-                return self._code(_render(st.value, names, lib=lib), *names.values())
+                if score is None:
+                    return self._code(_render(st.value, names, lib=lib), *names.values())
+                value = _over_raw(st.value, self.score, [a for a in ir.walk_stmts(self.kernel.body)
+                                                        if isinstance(a, ir.Assign)], keep=set(names))
+                elements = _elements(query, key, key_axis)
+                code = _render(value, {**names, self.score.name: score, **elements}, lib=lib)
+                return self._code(code, *names.values(), score, *elements.values(), *_reads(value).values())
         if default is not None:
             return self._code(default, *names.values())
         raise InternalError(f"kernel {self.kernel.name} defines no {target}")
@@ -133,7 +148,7 @@ class ScoreHooks:
     def tensors(self) -> tuple:
         """The run-time tensors the kernel reads beside Q, K and V (a variant's: declared tensors, ALiBi's slopes,
         the sinks), in the order of the kernel's parameters."""
-        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in _ATTENTION_INPUTS)
+        return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in _OPERANDS)
 
     @property
     def tensor_params(self) -> str:
@@ -148,10 +163,10 @@ class ScoreHooks:
         out = []
         for read, name in _reads(self.scaled_expr).items():
             buf = next(t for t in self.tensors if t.name == read.func.__name__)
-            index = [_elementwise(i, {str(sym.b): b, str(sym.q_head): h}) for i in read.args]
+            index = [_elementwise(i, {str(sym.b): b, str(sym.q_head): h}) for i in _head_args(read)]
             ptr = " + ".join([buf.name] + [f"({i}) * {st}" for i, st in zip(index, _strides(buf))])
             # b < B and h < H hold in every tile (and the template holds neither B nor H where it loads)
-            inside = " & ".join(f"({i} >= 0) & ({i} < {_size(d)})" for i, d, e in zip(index, buf.shape, read.args)
+            inside = " & ".join(f"({i} >= 0) & ({i} < {_size(d)})" for i, d, e in zip(index, buf.shape, _head_args(read))
                                 if (e, d) not in ((sym.b, sym.B), (sym.q_head, sym.H)))
             load = f"gl.load({ptr}, mask={inside}, other=0.0)" if inside else f"gl.load({ptr})"
             out.append((name, self._code(f"{load}.to(gl.float32)", b, h, "mask other", self.tensor_params)))
@@ -170,7 +185,7 @@ class ScoreHooks:
                 if isinstance(st, ir.Assign) and st.target.name in names}
         if set(defs) != set(names) or not all(isinstance(v, ir.Sym) for v in defs.values()):
             raise InternalError(f"kernel {self.kernel.name}: no split-kv slice {names} to read the split's keys from")
-        loops = _key_loops(self.kernel)
+        loops = _loops(self.kernel, sym.start_n)
         full = [lp for lp in loops if not _masks(lp)]
         if len(full) != 1:
             raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one unmasked "
@@ -186,16 +201,24 @@ class ScoreHooks:
         masked) and `hi` (one past the last visited). Read from the IR's key loops after causal-skip (masked,
         unmasked, masked, each stepping BLOCK_N from a multiple of it): the tile visits the blocks of their union.
         `lib` gl: Gluon code; "" : Python (the tests evaluate it)."""
-        loops = _key_loops(self.kernel)
+        return self._blocks(_loops(self.kernel, sym.start_n), "BLOCK_N", "start_m", lib)
+
+    def query_blocks(self, lib: str = "gl") -> dict:
+        """A key tile's query blocks (the dK/dV kernel of a variant program) as code over start_n, N_Q, N_K,
+        BLOCK_M, BLOCK_N: `lo`, `full_lo`, `full_hi`, `hi` as key_blocks() gives them for a query tile, read
+        from the IR's query loops after causal-skip (masked, unmasked, masked, each stepping BLOCK_M)."""
+        return self._blocks(_loops(self.kernel, sym.start_m), "BLOCK_M", "start_n", lib)
+
+    def _blocks(self, loops, block_name: str, given: str, lib: str) -> dict:
         full = [lp for lp in loops if not _masks(lp)]
         if len(full) != 1:
-            raise InternalError(f"kernel {self.kernel.name}: key loops {[lp.note for lp in loops]}, not one unmasked "
+            raise InternalError(f"kernel {self.kernel.name}: loops {[lp.note for lp in loops]}, not one unmasked "
                                 "range between masked ones")
-        block = next(d.symbol for d in self.kernel.symbols if str(d.symbol) == "BLOCK_N")
+        block = next(d.symbol for d in self.kernel.symbols if str(d.symbol) == block_name)
         index = {"lo": loops[0].start, "full_lo": full[0].start, "full_hi": full[0].stop}
         code = {name: _size(_in_blocks(start, block), lib) for name, start in index.items()}
         code["hi"] = _size(sym.CeilDiv(loops[-1].stop, block), lib)
-        given = "start_m" if lib else "start_m cdiv max min"  # the query tile's first row; Python's builtins
+        given = given if lib else f"{given} cdiv max min"  # Python's builtins
         return {name: self._code(text, given) for name, text in code.items()}
 
     # -- the mask ------------------------------------------------------------------------------------
@@ -323,16 +346,26 @@ def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:
     if not isinstance(value, ir.Pointwise):
         raise InternalError(f"exp2 reads the tile {scaled.buffer.name}, not a score modifier's value")
     for read in _reads(value):
-        if {str(x) for a in read.args for x in sympy.sympify(a).free_symbols} - {str(sym.b), str(sym.q_head)}:
+        if {str(x) for a in _head_args(read) for x in a.free_symbols} - {str(sym.b), str(sym.q_head)}:
             raise InternalError(f"no Gluon hook spelling for the read {read}: it varies within a tile")
-    raw = scaled.buffer
+    return _over_raw(value, scaled.buffer, assigns)
+
+
+def _over_raw(e: ir.Expr, raw: ir.Buffer, assigns, keep=frozenset()) -> ir.Expr:
+    """`e` over the raw score tile `raw`: the product (DOT_T) becomes `raw`, and a tile the kernel assigns from the
+    product (the backward's raw_t = dot_t(k, q) * qk_scale) its value over `raw`; the tiles named in `keep` (the
+    template's own) stay."""
+    products = {st.target.name: st.value for st in assigns if len(st.target.shape) == 2
+                and any(isinstance(n, Call) and n.op is Op.DOT_T for n in ir.walk_expr(st.value))}
 
     def to_raw(node):
         if isinstance(node, Call) and node.op is Op.DOT_T:
             return Ref(raw)
+        if isinstance(node, Ref) and node.buffer.name in products and node.buffer.name not in keep:
+            return ir.map_expr(products[node.buffer.name], to_raw)
         return node
 
-    return ir.map_expr(value, to_raw)
+    return ir.map_expr(e, to_raw)
 
 
 def _reads(e) -> dict:
@@ -346,6 +379,16 @@ def _reads(e) -> dict:
         base = read.func.__name__.lower()
         names[read] = base if base not in names.values() else f"{base}_{len(names)}"
     return names
+
+
+def _head_args(read) -> list[sympy.Expr]:
+    """A tensor read's indices with the backward's query head (GROUP * hkv + g, its loop over the group's heads)
+    as the IR's q_head, which the templates hold as `h`."""
+    g = {str(s): s for a in read.args for s in sympy.sympify(a).free_symbols}
+    args = [sympy.sympify(a) for a in read.args]
+    if "g" in g and "hkv" in g:
+        args = [sympy.expand(a.subs(g["g"], sym.q_head - sym.GROUP * g["hkv"])) for a in args]
+    return args
 
 
 def _strides(buffer) -> list[str]:
@@ -372,10 +415,11 @@ def _masks(loop) -> bool:
                for n in ir.walk_expr(e))
 
 
-def _key_loops(kernel) -> list:
-    """The serial key loops of an IR forward kernel's query tile, in order."""
+def _loops(kernel, var) -> list:
+    """The serial loops over `var` of an IR kernel, in order: a forward query tile's key loops (start_n), a dK/dV
+    key tile's query loops (start_m)."""
     return [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
-            and st.var == sym.start_n]
+            and st.var == var]
 
 
 def _elements(query: str | None, key: str | None, key_axis: int) -> dict:

@@ -32,7 +32,9 @@ key) stays on the Triton kernel.
 Variant programs (issue 48: windows, prefixes, chunks, softcap, ALiBi, sinks; `variant_supported` says which) get the
 Gluon forward too: each query tile visits exactly the key blocks causal-skip's loops give it, masking those
 outside the unmasked range with the IR's predicates, its scores modified and its sink step taken as the IR says
-(hooks.py); their tiles are taken in order, not in the causal pairs, and they keep the Triton backward.
+(hooks.py); their tiles are taken in order, not in the causal pairs. Their backward is the Gluon one too where its query
+loops after causal-skip are one unmasked range (`variant_backward_supported`): each key tile visits the query blocks
+those loops give it, masking, modifying the scores and multiplying dS by the modifier's derivative as the IR says.
 
 Specs with a backward (head dim 64 or 128) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
@@ -80,6 +82,13 @@ def is_variant(program: ir.Program) -> bool:
             or program.attr("sinks", False))
 
 
+# Whether the Gluon kernels take a score modifier's per-head tensor reads (ALiBi's slopes). Off: on an H200
+# (2026-11-27) the Gluon forward and decode with ALiBi failed their float64 checks (tests/test_gluon_variants*.py,
+# the ALiBi cases), while every other variant passed; ALiBi runs the Triton kernels, which pass, until the
+# hooks' slope read is found wrong and fixed.
+GLUON_TENSOR_READS = False
+
+
 def variant_supported(program: ir.Program, scalars: frozenset = frozenset()) -> bool:
     """Whether the Gluon forward (its hooks, codegen/hooks.py) can take a variant program's attn_fwd: masks of
     CAUSAL, KEY_BOUND and BAND predicates (windows, prefixes, chunks; EXPR predicates, the general form, stay on
@@ -103,8 +112,21 @@ def variant_supported(program: ir.Program, scalars: frozenset = frozenset()) -> 
             return False
         if any(not sympy.Tuple(*r.args).free_symbols <= {sym.b, sym.q_head} for r in reads):
             return False  # a read that varies within a tile (a bias over positions)
+        if reads and not GLUON_TENSOR_READS:
+            return False
+    return _one_unmasked_range(kernel, sym.start_n)
+
+
+def variant_backward_supported(program: ir.Program) -> bool:
+    """Whether the Gluon backward (its hooks) can take a variant program's attn_bwd_dkdv, given that the forward
+    takes its attn_fwd (`variant_supported`: the same predicates and score modifier): its query loops after
+    causal-skip are one unmasked range between masked ones (the key tile's query blocks the template visits)."""
+    return _one_unmasked_range(program.kernel("attn_bwd_dkdv"), sym.start_m)
+
+
+def _one_unmasked_range(kernel: ir.KernelIR, var) -> bool:
     loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
-             and st.var == sym.start_n]
+             and st.var == var]
     unmasked = [lp for lp in loops if not any(isinstance(n, ir.Masked) for st in ir.walk_stmts(lp.body)
                                               for e in ir.stmt_exprs(st) for n in ir.walk_expr(e))]
     return len(unmasked) == 1
@@ -114,13 +136,15 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
+    has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if is_variant(program):
-        # The Gluon backward and the causal pairing of tiles are the plain masks' (a variant's tiles are
-        # taken in order, each over the key blocks its mask leaves).
-        return replace(program, warp_specialized=replace(program.warp_specialized,
+        # The causal pairing of tiles is the plain masks' (a variant's tiles are taken in order, each over the
+        # key blocks its mask leaves; its key tiles in the backward over the query blocks it leaves).
+        backward = None
+        if has_backward and variant_backward_supported(program):
+            backward = hopper.backward_variant(d, causal)
+        return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
                                                          forward=hopper.forward_variant(d, causal)))
-    backward = None
-    if d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
-        backward = hopper.backward(d, causal)
+    backward = hopper.backward(d, causal) if has_backward else None
     decision = replace(program.warp_specialized, forward=hopper.forward(d, causal), backward=backward)
     return replace(program, warp_specialized=decision)

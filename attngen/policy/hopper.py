@@ -247,6 +247,14 @@ def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
                             short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES)
 
 
+def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
+    """The Gluon backward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
+    causal column (a window, prefix or chunk skips query blocks as the causal mask does and masks a few), an
+    unmasked one the column without a mask. DQ_CLAIM is off: its accumulator is zeroed only in the query blocks
+    no key tile reaches under a causal mask, and a variant's mask leaves other blocks unreached."""
+    return replace(backward(head_dim, masked), dq_claim_keys=0)
+
+
 def decode() -> ir.GluonDecode:
     """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS)."""
     return DECODE
