@@ -88,7 +88,9 @@ def test_logits_and_gradients_match_eager(make):
     config = make()
     eager, ours = twins(config)
     ids = torch.randint(0, TINY["vocab_size"], (1, 21))  # longer than the windows, not a multiple of a block
-    assert_close(eager, ours, ids, 1e-5)
+    # float32 both ways: the error is the sums' order (~1e-5 relative on a router bias's small gradient); a wrong
+    # mask, cap or sink moves logits and gradients by 1e-2 and more
+    assert_close(eager, ours, ids, 1e-4)
 
 
 @pytest.mark.gpu
