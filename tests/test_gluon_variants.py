@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import attngen
-from attngen.passes import warp_specialize
 from attngen import ir
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
@@ -24,17 +23,10 @@ from attngen.lang.spec import parse
 from attngen.passes import compile_program
 from attngen.policy import hopper
 from attngen.testing import reference
-from attngen.testing.accuracy import ATOL, FUDGE, REL_TOL
+from attngen.testing.accuracy import ATOL, FUDGE, REL_TOL, spec_variant
 from conftest import HAS_GPU, spec_text
 from probe import probe
 
-
-@pytest.fixture(autouse=True)
-def gluon_tensor_reads(monkeypatch, request):
-    """The hooks' per-head tensor reads (ALiBi's slope) are rendered and compiled here, though the Gluon kernels
-    leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS); the GPU checks of ALiBi are skipped."""
-    if "gpu" not in request.keywords:
-        monkeypatch.setattr(warp_specialize, "GLUON_TENSOR_READS", True)
 
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -249,8 +241,9 @@ def _against_reference(kernel, q, k, v, out, lse, tensors):
     spec = kernel.spec
     q, k, v, out, lse = (t.cpu() for t in (q, k, v, out, lse))
     tensors = {name: t.cpu() for name, t in tensors.items()}
-    ref, ref_lse = reference.variant_attention(q, k, v, spec.variant, spec.bottom_right, tensors=tensors)
-    low, low_lse = reference.variant_attention(q, k, v, spec.variant, spec.bottom_right, tensors=tensors,
+    variant = spec_variant(spec)  # `mask = causal` beside `score = alibi` is the spec's mask, not the tree's
+    ref, ref_lse = reference.variant_attention(q, k, v, variant, spec.bottom_right, tensors=tensors)
+    low, low_lse = reference.variant_attention(q, k, v, variant, spec.bottom_right, tensors=tensors,
                                                dtype=spec.dtype.torch)
     _accuracy(out, lse, ref, ref_lse, low, low_lse, spec.dtype)
 
@@ -261,8 +254,6 @@ def _against_reference(kernel, q, k, v, out, lse, tensors):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("n", [257, 1000, 4096])
 def test_gluon_variant_forward_against_float64(variant, head_dim, n, monkeypatch):
-    if "alibi" in str(variant):
-        pytest.skip("the Gluon kernels leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS)")
     kernel = attngen.load(_text(f"gv_gpu_{variant}_{head_dim}", head_dim, "bf16", variant))
     module = kernel.module
     monkeypatch.setitem(module.WS_SHAPE, "min_scores", 0)  # run the Gluon kernel at every size here
@@ -288,9 +279,7 @@ def test_gluon_variant_forward_against_float64(variant, head_dim, n, monkeypatch
 @pytest.mark.parametrize("programs", [None, 3])
 def test_gluon_variant_forward_short_shape_and_persistent_grid(variant, programs, monkeypatch):
     """The shape for short sequences at a length past short_keys, and a persistent grid of 3 programs, each taking
-    tiles of several heads and batches with different key-block ranges; GQA and N_Q != N_K.    if "alibi" in str(variant):
-        pytest.skip("the Gluon kernels leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS)")
-"""
+    tiles of several heads and batches with different key-block ranges; GQA and N_Q != N_K."""
     kernel = attngen.load(_text(f"gv_gpu_short_{variant}", 128, "bf16", variant, heads=8, kv_heads=2))
     module = kernel.module
     monkeypatch.setitem(module.WS_SHAPE, "min_scores", 0)

@@ -13,25 +13,17 @@ import pytest
 import torch
 
 import attngen
-from attngen.passes import warp_specialize
 from attngen import ir
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
 from attngen.ir import sym
 from attngen.policy import hopper
 from attngen.testing import reference
-from attngen.testing.accuracy import ATOL, FUDGE, REL_TOL
+from attngen.testing.accuracy import ATOL, FUDGE, REL_TOL, spec_variant
 from conftest import HAS_GPU, spec_text
 from probe import probe
 from test_gluon_variants import VARIANTS, _program, generated_function, triton_blocks  # each gets the Gluon backward too
 
-
-@pytest.fixture(autouse=True)
-def gluon_tensor_reads(monkeypatch, request):
-    """The hooks' per-head tensor reads (ALiBi's slope) are rendered and compiled here, though the Gluon kernels
-    leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS); the GPU checks of ALiBi are skipped."""
-    if "gpu" not in request.keywords:
-        monkeypatch.setattr(warp_specialize, "GLUON_TENSOR_READS", True)
 
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -198,7 +190,7 @@ def _reference_grads(spec, q, k, v, do, tensors, dtype):
     consts = {name: t.detach().cpu() for name, t in tensors.items()}
     if "sinks" in consts:
         consts["sinks"] = consts["sinks"].to(dtype).requires_grad_()
-    out, _ = reference.variant_attention(*leaves, spec.variant, spec.bottom_right, tensors=consts, dtype=dtype)
+    out, _ = reference.variant_attention(*leaves, spec_variant(spec), spec.bottom_right, tensors=consts, dtype=dtype)
     out.backward(do.detach().cpu().to(dtype))
     grads = [t.grad for t in leaves]
     return grads + ([consts["sinks"].grad] if "sinks" in consts else [])
@@ -211,8 +203,6 @@ def _reference_grads(spec, q, k, v, do, tensors, dtype):
 @pytest.mark.parametrize("n", [257, 1000])
 @pytest.mark.parametrize("fused", [True, False])
 def test_gluon_variant_backward_against_float64(variant, head_dim, n, fused, monkeypatch):
-    if "alibi" in str(variant):
-        pytest.skip("the Gluon kernels leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS)")
     kernel = attngen.load(_text(f"gvb_gpu_{variant}_{head_dim}", head_dim, "bf16", variant))
     module, spec = kernel.module, kernel.spec
     for key in ("min_scores", "min_keys"):  # the Gluon kernels at every size here

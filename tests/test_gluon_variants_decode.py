@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import attngen
-from attngen.passes import warp_specialize, warp_specialize_decode
 from attngen import ir
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
@@ -31,14 +30,6 @@ from probe import probe
 from test_gluon_variants import generated_function, triton_blocks
 from test_variants_decode import reference_variant
 
-
-@pytest.fixture(autouse=True)
-def gluon_tensor_reads(monkeypatch, request):
-    """The hooks' per-head tensor reads (ALiBi's slope) are rendered and compiled here, though the Gluon kernels
-    leave ALiBi to the Triton ones (warp_specialize.GLUON_TENSOR_READS); the GPU checks of ALiBi are skipped."""
-    if "gpu" not in request.keywords:
-        monkeypatch.setattr(warp_specialize, "GLUON_TENSOR_READS", True)
-        monkeypatch.setattr(warp_specialize_decode, "GLUON_DECODE_SINKS", True)
 
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -198,9 +189,9 @@ API_CASES = {
 def _api_args(case, heads, gen):
     args = dict(API_CASES[case])
     if args.pop("alibi", False):
-        args["alibi_slopes"] = (torch.rand(heads, generator=gen) * 0.1).cuda()
+        args["alibi_slopes"] = torch.rand(heads, generator=gen, device=gen.device) * 0.1
     if args.pop("sinks", False):
-        args["sinks"] = (torch.randn(heads, generator=gen) + 1.5).cuda()
+        args["sinks"] = torch.randn(heads, generator=gen, device=gen.device) + 1.5
     return args
 
 
@@ -236,8 +227,6 @@ def _cache(batch, capacity, kv_heads, d, dtype, page, lengths, gen):
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("case", sorted(API_CASES))
 def test_attention_with_kvcache_variants_on_the_gluon_decode(case, num_splits, heads, kv_heads, page, monkeypatch):
-    if "alibi" in str(case) or "sinks" in str(case):
-        pytest.skip("the Gluon decode leaves ALiBi and sinks to the Triton kernel (warp_specialize*.GLUON_*)")
     empty_plans(monkeypatch)  # every call launches (no replay of an earlier call's launches)
     gen = torch.Generator("cuda").manual_seed(48 + num_splits + heads // kv_heads)
     lengths = [1, 299, 300, 1000, 2049, 64]
@@ -271,8 +260,6 @@ def test_attention_with_kvcache_variants_on_the_gluon_decode(case, num_splits, h
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_forward_kvcache_variants_on_the_gluon_decode(variant, num_splits, layout):
     """The module's forward_kvcache over (B, H_KV, N, D) views of flash-attn's layout, 8:1 GQA, two new tokens."""
-    if "alibi" in str(variant) or "sinks" in str(variant):
-        pytest.skip("the Gluon decode leaves ALiBi and sinks to the Triton kernel (warp_specialize*.GLUON_*)")
     spec = parse(_text(f"gd_gpu_{variant}", variant, layout, 128, "fp16"))
     module = attngen.load(spec).module
     gen = torch.Generator("cuda").manual_seed(7 + num_splits)

@@ -102,9 +102,20 @@ def test_logits_and_gradients_match_eager_at_real_sizes(make):
     config.head_dim, config.num_attention_heads, config.num_key_value_heads = 64, 8, 2
     config.hidden_size = 512
     eager, ours = twins(config, torch.bfloat16, "cuda")
+    exact = copy.deepcopy(eager).float()  # the same (bf16-rounded) weights, computed in float32: the reference
     ids = torch.randint(0, TINY["vocab_size"], (2, 1100), device="cuda")
-    # bf16: both sides round differently (eager rounds the probabilities to bf16 before P @ V)
-    assert_close(eager, ours, ids, 2e-2)
+    # bf16 rounds differently on each side (eager rounds the probabilities to bf16 before P @ V; a MoE router's
+    # small bias gradients differ by a few percent between two bf16 runs): each of ours is held to the float32
+    # model, within twice eager bf16's own error plus a floor, as the kernels' tests hold theirs to float64.
+    logits_x, grads_x = run(exact, ids)
+    logits_e, grads_e = run(eager, ids)
+    logits_o, grads_o = run(ours, ids)
+    assert grads_o.keys() == grads_e.keys() == grads_x.keys() and grads_x
+    rel = lambda got, want: ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    for name in ["logits"] + list(grads_x):
+        want = logits_x if name == "logits" else grads_x[name]
+        got, eager_bf16 = (logits_o, logits_e) if name == "logits" else (grads_o[name], grads_e[name])
+        assert rel(got, want) <= 2 * rel(eager_bf16, want) + 1e-2, (name, rel(got, want), rel(eager_bf16, want))
 
 
 # Decoding a variant model runs attention_with_kvcache with its variant arguments (issue 48's decoding part).

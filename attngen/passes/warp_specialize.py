@@ -65,7 +65,6 @@ from ..policy import hopper
 NAME = "warp-specialize"
 
 
-
 PLAIN_MASKS = ("none", "causal(top_left)", "causal(bottom_right)")
 
 
@@ -80,13 +79,6 @@ def is_variant(program: ir.Program) -> bool:
     """Whether the program's spec has a mask tree, a score modifier or sinks (issue 48's variants)."""
     return (program.attr("mask") not in PLAIN_MASKS or program.attr("score") is not None
             or program.attr("sinks", False))
-
-
-# Whether the Gluon kernels take a score modifier's per-head tensor reads (ALiBi's slopes). Off: on an H200
-# (2026-11-27) the Gluon forward and decode with ALiBi failed their float64 checks (tests/test_gluon_variants*.py,
-# the ALiBi cases), while every other variant passed; ALiBi runs the Triton kernels, which pass, until the
-# hooks' slope read is found wrong and fixed.
-GLUON_TENSOR_READS = False
 
 
 def variant_supported(program: ir.Program, scalars: frozenset = frozenset()) -> bool:
@@ -112,8 +104,6 @@ def variant_supported(program: ir.Program, scalars: frozenset = frozenset()) -> 
             return False
         if any(not sympy.Tuple(*r.args).free_symbols <= {sym.b, sym.q_head} for r in reads):
             return False  # a read that varies within a tile (a bias over positions)
-        if reads and not GLUON_TENSOR_READS:
-            return False
     return _one_unmasked_range(kernel, sym.start_n)
 
 

@@ -51,18 +51,11 @@ NAME = "warp-specialize-decode"
 DECODE_SCALARS = frozenset({sym.split, sym.n_k, sym.N_Q})
 
 
-# Whether the Gluon decode takes sinks. Off: on an H200 (2026-11-27) it failed its float64 checks with sinks
-# (tests/test_gluon_variants_decode.py, the sinks and sinks_window cases) while windows and softcap passed; sinks
-# run the Triton decode kernel until the Gluon one's sink step is found wrong and fixed.
-GLUON_DECODE_SINKS = False
-
-
 def applies(program: ir.Program) -> bool:
     page = program.attr("page_size")
     return (program.attr("kvcache", False) and program.attr("split_kv") is not None
             and (page is None or page >= hopper.DECODE_MIN_PAGE) and bool(program.attr("pack_gqa"))
             and (plain(program) or (warp_specialize.is_variant(program)
-                                    and (GLUON_DECODE_SINKS or not program.attr("sinks", False))
                                     and warp_specialize.variant_supported(program, DECODE_SCALARS)))
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS)

@@ -120,14 +120,20 @@ def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
     return tensors
 
 
+def spec_variant(spec: Spec) -> v.Variant:
+    """The spec's whole variant as reference.variant_attention reads it: a plain causal mask beside a score
+    modifier or sinks (`mask = causal` with `score = alibi`) lives in `spec.mask`, not in the tree; here it is
+    the tree's `Causal()` (aligned as `spec.bottom_right` says)."""
+    if spec.variant.mask is None and spec.mask is not Mask.NONE:
+        return replace(spec.variant, mask=v.Causal())
+    return spec.variant
+
+
 def spec_reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64):
     """(out, lse) of the spec's attention in `dtype`: the plain reference, or a variant's full matrices."""
     if not spec.variant:
         return reference.attention(q, k, v_, spec.mask, scale, dtype=dtype)
-    variant = spec.variant
-    if variant.mask is None and spec.mask is not Mask.NONE:  # a plain causal mask beside a score modifier
-        variant = replace(variant, mask=v.Causal())
-    return reference.variant_attention(q, k, v_, variant, spec.bottom_right, scale, tensors, dtype=dtype)
+    return reference.variant_attention(q, k, v_, spec_variant(spec), spec.bottom_right, scale, tensors, dtype=dtype)
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
