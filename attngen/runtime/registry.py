@@ -1,18 +1,19 @@
 """The loaded kernels by the key the custom ops and attngen's autograd name them with.
 
 A key is a loaded kernel's `Kernel.key` (`register` adds it when `load` loads the kernel), or
-`sdpa:<dtype>:<head_dim>:<causal|full>[:<variant>...]` for `attngen.attention` (lang/builtin.py's `sdpa_key`),
-whose spec `resolve` loads on first use (inside the op while torch.compile runs the graph, so that tracing never
+`sdpa:<dtype>:<head_dim>:<causal|full>[:<variant>...]` for `attngen.attention` (lang/builtin.py's `sdpa_key`) or
+`varlen:...` for `attngen.flash_attn_varlen_func` (`varlen_key`), whose spec `resolve` loads on first use (inside the op while torch.compile runs the graph, so that tracing never
 runs attngen's loader).
 """
 
 from __future__ import annotations
 
 from ..errors import AttnGenError
-from ..lang.builtin import sdpa_key_spec
+from ..lang.builtin import sdpa_key_spec, varlen_key_spec
 
 _KERNELS: dict = {}
-_SDPA_SPECS: dict = {}
+_SDPA_SPECS: dict = {}  # builtin key -> its spec
+_BUILTIN_KEYS = {"sdpa": sdpa_key_spec, "varlen": varlen_key_spec}  # a builtin key's prefix -> its spec's reader
 
 
 def _no_loader(spec):
@@ -39,10 +40,11 @@ def resolve(key: str):
     kernel = _KERNELS.get(key)
     if kernel is not None:
         return kernel
-    if key.startswith("sdpa:"):
+    builtin = _BUILTIN_KEYS.get(key.partition(":")[0])
+    if builtin is not None:
         spec = _SDPA_SPECS.get(key)
         if spec is None:
-            spec = _SDPA_SPECS[key] = sdpa_key_spec(key)
+            spec = _SDPA_SPECS[key] = builtin(key)
         return _load(spec)  # a spec object load() has seen: a dictionary lookup
     raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
 
