@@ -34,9 +34,9 @@ VARLEN = pytest.mark.skipif(not has_varlen(), reason="needs the varlen kernels (
 
 @pytest.fixture
 def cpu_ops():
-    """attngen's implementations registered for the CPU key, so that torch.ops.aten calls on CPU tensors reach them
-    through the dispatcher; removed afterwards."""
-    handle = torch_flash.activate("CPU")
+    """attngen's implementations registered for the test device's key (the CPU's without a GPU, so that
+    torch.ops.aten calls on CPU tensors reach them through the dispatcher); removed afterwards."""
+    handle = torch_flash.activate("CUDA" if DEVICE == "cuda" else "CPU")
     try:
         yield
     finally:
@@ -44,7 +44,7 @@ def cpu_ops():
 
 
 def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
 
 
 def test_import_registers_attngen_without_activating_it():
@@ -95,7 +95,7 @@ def test_flash_attention_forward_dense_gqa_and_window_against_float64(cpu_ops):
     q, k, v = rand(b, n, 4, d), rand(b, n, 2, d), rand(b, n, 2, d)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, None, None, n, n, 0.0, True, False,
                                                            window_size_left=7, window_size_right=0)
-    cu = torch.tensor([0, n], dtype=torch.int32)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
     ref, ref_lse = varlen_attention(q[0], k[0], v[0], cu, cu, causal=True, window_size=(7, 0))
     assert (out[0].double() - ref).abs().max() < 2e-3
     assert (lse[0].double() - ref_lse).abs().max() < 2e-3
@@ -104,8 +104,8 @@ def test_flash_attention_forward_dense_gqa_and_window_against_float64(cpu_ops):
 @VARLEN
 def test_flash_attention_forward_varlen_and_backward_against_float64(cpu_ops):
     lengths_q, lengths_k = [5, 0, 17, 9], [12, 3, 17, 30]
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = rand(int(cu_q[-1]), 4, 16), rand(int(cu_k[-1]), 2, 16), rand(int(cu_k[-1]), 2, 16)
     do = rand(*q.shape)
     out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max(lengths_q),

@@ -12,6 +12,7 @@ from attngen import KernelInputError
 from attngen.lang.builtin import varlen_key
 from attngen.lang.spec import Mask
 from attngen.testing.reference import attention, varlen_attention
+from conftest import DEVICE
 from test_torch_flash import VARLEN
 
 
@@ -20,10 +21,11 @@ def cu(lengths, device="cpu"):
                         device=device)
 
 
-def batch(lengths_q, lengths_k, heads=2, kv_heads=2, d=16, dtype=torch.float32):
-    q = torch.randn(sum(lengths_q), heads, d, dtype=dtype)
-    k, v = (torch.randn(sum(lengths_k), kv_heads, d, dtype=dtype) for _ in range(2))
-    return q, k, v, cu(lengths_q), cu(lengths_k)
+def batch(lengths_q, lengths_k, heads=2, kv_heads=2, d=16, dtype=torch.float32, device="cpu"):
+    """A packed batch; on the CPU by default (the value checks read the tensors there before any launch)."""
+    q = torch.randn(sum(lengths_q), heads, d, dtype=dtype, device=device)
+    k, v = (torch.randn(sum(lengths_k), kv_heads, d, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v, cu(lengths_q, device), cu(lengths_k, device)
 
 
 def test_the_signature_is_flash_attns():
@@ -169,13 +171,13 @@ CASES = {
 def test_forward_and_gradients_against_float64(case, variant):
     shape = dict(CASES[case])
     lengths_q, lengths_k = shape.pop("lengths_q"), shape.pop("lengths_k")
-    q, k, v, cu_q, cu_k = batch(lengths_q, lengths_k, **shape)
+    q, k, v, cu_q, cu_k = batch(lengths_q, lengths_k, device=DEVICE, **shape)
     heads = q.shape[1]
     kw = {n: variant[n] for n in ("causal", "window_size", "softcap") if n in variant}
     if variant.get("alibi"):
-        kw["alibi_slopes"] = torch.rand(heads)
+        kw["alibi_slopes"] = torch.rand(heads, device=DEVICE)
     if variant.get("sinks"):
-        kw["sinks"] = torch.randn(heads, requires_grad=True)
+        kw["sinks"] = torch.randn(heads, device=DEVICE, requires_grad=True)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse, none = attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                     return_attn_probs=True, **kw)
@@ -208,9 +210,11 @@ def test_paged_keys_with_shuffled_pages_and_seqused_k():
     for b, n in enumerate(pages):
         table[b, :n] = order[start : start + n]
         start += n
-    pool_k, pool_v = (torch.randn(sum(pages) + 3, page_size, 2, 16) for _ in range(2))
-    q = torch.randn(sum(lengths_q), 2, 16)
-    cu_q, cu_k, seqused = cu(lengths_q), cu([16, 32, 16]), torch.tensor(used, dtype=torch.int32)
+    table = table.to(DEVICE)
+    pool_k, pool_v = (torch.randn(sum(pages) + 3, page_size, 2, 16, device=DEVICE) for _ in range(2))
+    q = torch.randn(sum(lengths_q), 2, 16, device=DEVICE)
+    cu_q, cu_k = cu(lengths_q, DEVICE), cu([16, 32, 16], DEVICE)
+    seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
     out = attngen.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 12, 32, causal=True, block_table=table,
                                          seqused_k=seqused)
     ref, _ = varlen_attention(q, pool_k, pool_v, cu_q, cu_k, causal=True, seqused_k=seqused, block_table=table)
