@@ -287,3 +287,15 @@ def test_scale_default_is_one_over_sqrt_head_dim(cpu_ops):
     default, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
     doubled, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=2 / math.sqrt(16))
     assert torch.equal(out, default) and not torch.allclose(out, doubled)
+
+
+def test_repeated_layouts_replay_the_planned_forward_on_fresh_inputs(cpu_ops):
+    # (the second call of a layout records its launches, the third replays them: each on new values)
+    from attngen.runtime.plans import PLANS
+
+    for _ in range(3):
+        q, k, v = (rand(1, 2, 24, 16) for _ in range(3))
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        ref, ref_lse = reference(q.double(), k.double(), v.double(), Mask.CAUSAL_TOP_LEFT)
+        assert (out.double() - ref).abs().max() < 2e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
+    assert PLANS.plans("torch_flash")

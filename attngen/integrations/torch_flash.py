@@ -29,6 +29,8 @@ from ..api import sdpa
 from ..api.varlen import _checked_plan as _varlen_plan
 from ..errors import AttnGenError, KernelInputError
 from ..lang.builtin import NO_WINDOW
+from ..runtime import autograd
+from ..runtime.plans import PLANS
 from ..runtime.registry import resolve
 
 NAME = "attngen"
@@ -124,14 +126,23 @@ def _dense_ok(q_len: int, k_len: int, is_causal: bool, window, alibi_slopes) -> 
     return q_len == k_len or not (is_causal or window != NO_WINDOW or alibi_slopes is not None)
 
 
-def _dense_kernel(q, k, v, is_causal: bool, window, scale, alibi_slopes):
-    """The attention() kernel, softmax scale and run-time tensors of a dense call; q, k, v (B, H, N, D)."""
+def _dense_plan(q, k, v, is_causal: bool, window, scale, alibi_slopes):
+    """The `autograd.Plan` of a dense call on attention()'s kernels (q, k, v (B, H, N, D)), and its run-time
+    tensors: `attention()`'s checks, kept in `PLANS` under "torch_flash" and attention()'s signature, so that a
+    repeated layout skips them and replays its forward's launches as attention() does."""
+    variant = None
     if window != NO_WINDOW or alibi_slopes is not None:
         variant = sdpa._checked_variant(q, is_causal, window, 0.0, alibi_slopes, None)
-    else:
-        variant = None
+    signature = sdpa._signature(q, k, v, None, 0.0, is_causal, scale, True, variant)
+    if signature is not None:
+        signature = ("torch_flash",) + signature[1:]
+        plan = PLANS.get(signature)
+        if plan is not None:
+            return plan, ()
     plan = sdpa._checked_plan(q, k, v, None, 0.0, is_causal, scale, True, variant)
-    return resolve(plan.key), plan.scale, (variant.tensors if variant is not None else ())
+    if signature is not None:
+        PLANS.keep(signature, plan)
+    return plan, (variant.tensors if variant is not None else ())
 
 
 def _packed(q, k, v):
@@ -150,9 +161,13 @@ def _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causa
             raise KernelInputError(f"attngen's aten::{op} takes seqused_k and block_table with cum_seq_q only")
         out = torch.empty_like(query) if out is None else out
         if _dense_ok(query.shape[1], key.shape[1], is_causal, window, alibi_slopes):
-            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-            kernel, sm_scale, tensors = _dense_kernel(q, k, v, is_causal, window, scale, alibi_slopes)
-            _, lse = kernel.forward(q, k, v, sm_scale, out=out.transpose(1, 2), tensors=tensors)
+            q, k, v, o = (t.transpose(1, 2) for t in (query, key, value, out))
+            plan, tensors = _dense_plan(q, k, v, is_causal, window, scale, alibi_slopes)
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            if tensors or o.stride() != q.stride():  # (a replay holds q, k and v's layouts, and out laid out as q)
+                resolve(plan.key).forward(q, k, v, plan.scale, out=o, lse=lse, tensors=tensors)
+            else:
+                autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, o)
             return out, lse
         q, k, v, cu_q, cu_k = _packed(query, key, value)
         flat, lse = _varlen(q, k, v, cu_q, cu_k, query.shape[1], key.shape[1], is_causal, scale, window, None,
@@ -181,8 +196,15 @@ def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
     if cum_seq_q is None:
         if _dense_ok(query.shape[1], key.shape[1], is_causal, window, None):
             q, k, v, o, do = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
-            kernel, sm_scale, tensors = _dense_kernel(q, k, v, is_causal, window, scale, None)
-            dq, dk, dv = kernel.backward(q, k, v, o, logsumexp.contiguous(), do, sm_scale)
+            plan, _ = _dense_plan(q, k, v, is_causal, window, scale, None)
+            kernel = resolve(plan.key)
+            if o.shape != q.shape or logsumexp.shape != q.shape[:3] or logsumexp.dtype != torch.float32:
+                raise KernelInputError(f"attngen's aten::{op}: out {tuple(out.shape)} and logsumexp "
+                                       f"{tuple(logsumexp.shape)} are not what its forward returned for query "
+                                       f"{tuple(query.shape)}")
+            # (q, k, v, out and the log-sum-exp are what the forward took and returned, saved by torch's
+            # autograd: only the output gradient is checked, as attention()'s backward does)
+            dq, dk, dv = kernel.backward_saved(q, k, v, o, logsumexp.contiguous(), do, plan.scale)
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         q, k, v, cu_q, cu_k = _packed(query, key, value)
         grads = _varlen_grads(q, k, v, grad_out.reshape(q.shape), cu_q, cu_k, query.shape[1], key.shape[1], is_causal,
