@@ -102,21 +102,22 @@ def documents_rows(size: dict, device, check: bool, names, directions, generator
     q, k, v = _packed(lengths, heads, d, device, generator, grad=True)
     cu = cu_seqlens(lengths, device)
     params = dict(case="documents", tokens=total, documents=lengths, heads=heads, head_dim=d, causal=True)
-    runs = {"attngen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)}
+    runs = {"attngen": (lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True),
+                        (q, k, v))}
     kept = {"attngen": kept_scores(lengths, lengths, True)}
     if not check:
         runs.update(_document_peers(q, k, v, cu, lengths))
         kept.update(flex=kept["attngen"], varlen_attn=kept["attngen"], sdpa_cudnn=total * (total + 1) // 2)
     rows = []
     for name in (n for n in names if n in runs):
+        fn, inputs = runs[name]
         for direction in directions:
             row = Row("varlen", direction, name, params)
             try:
                 if check:
-                    out = runs[name]()
-                    row.error = _accuracy(out, varlen_attention(q, k, v, cu, cu, causal=True)[0])
+                    row.error = _accuracy(fn(), varlen_attention(q, k, v, cu, cu, causal=True)[0])
                 else:
-                    row.ms = _timed(runs[name], (q, k, v), direction)
+                    row.ms = _timed(fn, inputs, direction)
                     row.tflops = _tflops(kept[name], heads, d, row.ms, direction == "backward")
             except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
                 row.error = _error(e)
@@ -125,7 +126,10 @@ def documents_rows(size: dict, device, check: bool, names, directions, generator
 
 
 def _document_peers(q, k, v, cu, lengths) -> dict:
-    """The documents row's peers: name -> f() -> out (total, H, D), each differentiable."""
+    """The documents row's peers: name -> (f() -> out, the inputs it differentiates); the dense ones read
+    (1, H, total, D) copies of the packed tensors, made here (outside the timing)."""
+    import inspect
+
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
@@ -135,19 +139,22 @@ def _document_peers(q, k, v, cu, lengths) -> dict:
                                   torch.tensor(lengths, device=q.device))
     mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, total, total)
     flex = compiled_flex_attention()
-    dense = [t.transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, total, D) views of the packed tensors
+    dense = tuple(t.detach().transpose(0, 1)[None].contiguous().requires_grad_() for t in (q, k, v))
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(*dense, is_causal=True)
 
-    peers = {"flex": lambda: flex(*dense, block_mask=mask), "sdpa_cudnn": cudnn}
+    peers = {"flex": (lambda: flex(*dense, block_mask=mask), dense), "sdpa_cudnn": (cudnn, dense)}
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return peers
     n = max(lengths)
-    peers["varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, n, n, window_size=(-1, 0))
+    # (torch 2.11's varlen_attn takes is_causal, later ones a window of (-1, 0))
+    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
+              else {"is_causal": True})
+    peers["varlen_attn"] = (lambda: varlen_attn(q, k, v, cu, cu, n, n, **causal), (q, k, v))
     return peers
 
 
