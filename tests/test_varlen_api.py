@@ -129,7 +129,20 @@ def test_keys_round_trip_to_their_specs(key):
 
     spec = varlen_key_spec(key)
     assert spec.backward == ("paged" not in key)
-    assert spec.name.startswith("varlen_")
+    assert spec.name.startswith("varlen_") and spec.varlen
+
+
+@VARLEN
+def test_a_call_loads_its_key_s_kernel_through_the_registry():
+    from attngen.runtime import registry
+
+    q, k, v, cu_q, cu_k = batch([3, 5], [4, 5], heads=4, kv_heads=2, device=DEVICE)
+    attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, window_size=(2, 0))
+    from attngen.lang.builtin import varlen_key_spec
+
+    key = varlen_key("fp32", 16, True, None, (4, 2), (2, 0))
+    assert key in registry._SDPA_SPECS  # (the call resolved it)
+    assert registry.resolve(key).spec.hash == varlen_key_spec(key).hash
 
 
 def test_the_reference_is_attention_per_sequence_bottom_right():
