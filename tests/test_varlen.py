@@ -383,3 +383,36 @@ def test_varlen_pass_before_and_after():
     assert "store LSE[h, q_start + (start_m:+BLOCK_M (<n_q))]" in after
     assert "keep key <= query + n_k - n_q" in after
     assert "n_k: reg int32[] = load SEQLENS_K[b]" in after and "n_q: reg int32[] = load CU_SEQLENS_Q[b + 1] - q_start" in after
+
+
+def test_gradients_through_torch_compile_in_one_graph():
+    """A compiled training step through `autograd.varlen_forward` (what a varlen kernel call records) stays one
+    graph (the custom ops attngen::varlen_forward / varlen_backward, the sinks a Tensor[]) and gives the eager
+    gradients."""
+    from torch._dynamo.testing import CompileCounter
+
+    from attngen.runtime.autograd import varlen_forward
+
+    kernel = _kernel("direction = forward+backward\n mask = causal & window(5)\n sinks = true", "vl_compile")
+    lens_q, lens_k = [4, 0, 11], [9, 3, 11]
+    g = torch.Generator(device=DEVICE).manual_seed(19)
+    q, k, v, cu_q, cu_k = _packed(kernel, lens_q, lens_k, 2, 2, g)
+    sinks = torch.randn(2, generator=g, device=DEVICE)
+    do = torch.randn(q.shape, generator=g, device=DEVICE)
+
+    key, seqlens_k = kernel.key, cu_k[1:] - cu_k[:-1]
+
+    def loss(q, k, v, sinks):
+        out, _ = varlen_forward(key, q, k, v, cu_q, cu_k, seqlens_k, kernel.spec.softmax_scale, (sinks,))
+        return (out * do).sum()
+
+    counter = CompileCounter()
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    runs = []
+    for fn in (loss, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        fn(*leaves).backward()
+        runs.append([t.grad for t in leaves])
+    assert counter.frame_count == 1
+    for eager, traced in zip(*runs):
+        assert torch.allclose(eager, traced, atol=1e-6, rtol=0)

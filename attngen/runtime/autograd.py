@@ -194,7 +194,8 @@ class _VarlenEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        return varlen_gradients(ctx, d_out, lambda key, *args: resolve(key).varlen_backward(*args))
+        *grads, extra = varlen_gradients(ctx, d_out, lambda key, *args: resolve(key).varlen_backward(*args))
+        return (*grads, *extra)
 
 
 def varlen_forward(key: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float,

@@ -81,14 +81,15 @@ def varlen_setup_context(ctx, inputs, output):
 
 
 def varlen_gradients(ctx, d_out, backward) -> tuple:
-    """The varlen forward's input gradients (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, *tensors)
-    from `backward(key, q, k, v, out, lse, do, cu_q, cu_k, seqlens_k, scale, tensors) -> (dq, dk, dv[, dsinks])`."""
+    """The varlen forward's input gradients (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors),
+    the last a list with one entry per run-time tensor (as `gradients`), from `backward(key, q, k, v, out, lse, do,
+    cu_q, cu_k, seqlens_k, scale, tensors) -> (dq, dk, dv[, dsinks])`."""
     q, k, v, out, lse, cu_q, cu_k, seqlens_k, *tensors = ctx.saved_tensors
     extra = [None] * len(tensors)
     if d_out is None:
-        return (None,) * 8 + tuple(extra)
+        return (None,) * 8 + (extra,)
     dq, dk, dv, *dsinks = backward(ctx.key, q, k, v, out, lse, d_out, cu_q, cu_k, seqlens_k, ctx.scale, tuple(tensors))
     if dsinks and tensors[-1].requires_grad:
         extra[-1] = dsinks[0]
     need = ctx.needs_input_grad
-    return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None) + (None,) * 4 + tuple(extra)
+    return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None) + (None,) * 4 + (extra,)
