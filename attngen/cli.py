@@ -29,7 +29,7 @@ from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
-from .passes import PASS_NAMES, compile_program
+from .passes import PASS_NAMES, applied_passes, compile_program
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -133,6 +133,20 @@ def _parse_shape(text: str | None, spec) -> dict:
     return sizes
 
 
+def _print_passes(program: ir.Program) -> None:
+    """Which passes acted on the program and which were no-ops; for a varlen program, how programs find their
+    sequence and tile."""
+    applied = applied_passes(program)
+    print("=== passes ===")
+    print("applied: " + ", ".join(applied))
+    print("no-op:   " + ", ".join(n for n in PASS_NAMES if n not in applied))
+    if program.attr("varlen"):
+        print("varlen:  per head, cdiv(TOTAL_Q, BLOCK_M) + B programs over the query tiles of all sequences: program "
+              "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
+              "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
+              "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N); no Hopper Gluon kernels (warp-specialize: no-op)")
+
+
 def cmd_explain(args) -> int:
     spec = _spec(args.spec)
     if args.pass_name and args.pass_name not in PASS_NAMES:
@@ -146,6 +160,8 @@ def cmd_explain(args) -> int:
             print(ir.format_program(program))
 
     compile_program(spec, trace=show)
+    if args.pass_name is None:
+        _print_passes(stages[PASS_NAMES[-1]])
     sizes = _parse_shape(args.shape, spec)
     config = default_config(spec)
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,

@@ -72,3 +72,26 @@ def gradients(ctx, d_out, backward):
     if dsinks and tensors[-1].requires_grad:
         extra[-1] = dsinks[0]
     return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None, extra
+
+
+def varlen_setup_context(ctx, inputs, output):
+    """What a varlen forward's gradient needs: inputs (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
+    tensors), the tensors in `Kernel.tensor_names` order."""
+    key, q, k, v, cu_q, cu_k, seqlens_k, scale, tensors = inputs
+    ctx.key, ctx.scale = key, scale
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seqlens_k, *tensors)
+
+
+def varlen_gradients(ctx, d_out, backward) -> tuple:
+    """The varlen forward's input gradients (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors),
+    the last a list with one entry per run-time tensor (as `gradients`), from `backward(key, q, k, v, out, lse, do,
+    cu_q, cu_k, seqlens_k, scale, tensors) -> (dq, dk, dv[, dsinks])`."""
+    q, k, v, out, lse, cu_q, cu_k, seqlens_k, *tensors = ctx.saved_tensors
+    extra = [None] * len(tensors)
+    if d_out is None:
+        return (None,) * 8 + (extra,)
+    dq, dk, dv, *dsinks = backward(ctx.key, q, k, v, out, lse, d_out, cu_q, cu_k, seqlens_k, ctx.scale, tuple(tensors))
+    if dsinks and tensors[-1].requires_grad:
+        extra[-1] = dsinks[0]
+    need = ctx.needs_input_grad
+    return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None) + (None,) * 4 + (extra,)
