@@ -314,3 +314,23 @@ def test_repeated_layouts_replay_the_planned_forward_on_fresh_inputs(cpu_ops):
         ref, ref_lse = reference(q.double(), k.double(), v.double(), Mask.CAUSAL_TOP_LEFT)
         assert (out.double() - ref).abs().max() < 2e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
     assert PLANS.plans("torch_flash")
+
+
+@VARLEN
+def test_dense_calls_with_fewer_queries_than_keys_align_causal_bottom_right(cpu_ops):
+    # (B, N, H, D) with 9 queries over 20 keys: flash-attn's causal (bottom-right) runs on the varlen kernels
+    b, n_q, n_k = 2, 9, 20
+    q, k, v, do = rand(b, n_q, 2, 16), rand(b, n_k, 2, 16), rand(b, n_k, 2, 16), rand(b, n_q, 2, 16)
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, None, None, n_q, n_k, 0.0, True,
+                                                                       False)
+    grads = torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, None, None, n_q, n_k, 0.0, True, rng,
+                                                     unused)
+    assert lse.shape == (b, 2, n_q)
+    for i in range(b):
+        q64, k64, v64 = (t[i].double().requires_grad_() for t in (q, k, v))
+        ref, ref_lse = reference(*(t.transpose(0, 1)[None] for t in (q64, k64, v64)), Mask.CAUSAL_BOTTOM_RIGHT)
+        assert (out[i].double() - ref[0].transpose(0, 1)).abs().max() < 2e-3
+        assert (lse[i].double() - ref_lse[0]).abs().max() < 2e-3
+        want = torch.autograd.grad(ref[0].transpose(0, 1), (q64, k64, v64), do[i].double())
+        for got, w in zip(grads, want):
+            assert (got[i].double() - w).abs().max() < 5e-3

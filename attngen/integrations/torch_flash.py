@@ -29,7 +29,7 @@ from ..api import sdpa
 from ..api.varlen import _checked_plan as _varlen_plan
 from ..errors import AttnGenError, KernelInputError
 from ..lang.builtin import NO_WINDOW
-from ..runtime import autograd
+from ..runtime import autograd, varlen
 from ..runtime.plans import PLANS
 from ..runtime.registry import resolve
 
@@ -207,31 +207,27 @@ def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
             dq, dk, dv = kernel.backward_saved(q, k, v, o, logsumexp.contiguous(), do, plan.scale)
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         q, k, v, cu_q, cu_k = _packed(query, key, value)
-        grads = _varlen_grads(q, k, v, grad_out.reshape(q.shape), cu_q, cu_k, query.shape[1], key.shape[1], is_causal,
-                              scale, window)
+        lse = logsumexp.transpose(0, 1).reshape(query.shape[2], -1)  # (B, H, N) as (H, B * N)
+        grads = _varlen_grads(q, k, v, out.reshape(q.shape), lse, grad_out.reshape(q.shape), cu_q, cu_k,
+                              query.shape[1], key.shape[1], is_causal, scale, window)
         return tuple(g.view_as(t) for g, t in zip(grads, (query, key, value)))
     if cum_seq_k is None:
         raise KernelInputError(f"attngen's aten::{op} needs cum_seq_k with cum_seq_q")
-    return _varlen_grads(query, key, value, grad_out, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window)
+    return _varlen_grads(query, key, value, out, logsumexp, grad_out, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                         scale, window)
 
 
-def _varlen_grads(q, k, v, do, cu_q, cu_k, max_q, max_k, is_causal, scale, window):
-    """(dq, dk, dv) of flash_attn_varlen_func's kernels for the output gradient `do`, through their autograd: the
-    forward runs again (the log-sum-exp and output the aten op hands in are not read)."""
-    # NOTE: the aten op runs below torch's autograd dispatch keys; the kernel's autograd needs them back for this
-    # call, so they are taken out of the excluded set while it records and differentiates.
-    with torch.enable_grad(), _autograd_dispatch():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, _ = _varlen(*leaves, cu_q, cu_k, max_q, max_k, is_causal, scale, window, None, None, None)
-        return torch.autograd.grad(out, leaves, do)
-
-
-def _autograd_dispatch():
-    """A context in which the dispatcher runs autograd again, inside an op implementation that runs below it."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
-        exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+def _varlen_grads(q, k, v, out, lse, do, cu_q, cu_k, max_q, max_k, is_causal, scale, window):
+    """(dq, dk, dv) of flash_attn_varlen_func's kernels for the output gradient `do`, from the output and the
+    log-sum-exp (H, total_q) its forward returned (every key of each sequence: the backward takes no seqused_k)."""
+    plan = _varlen_plan(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, scale, is_causal, window, 0.0, None, None,
+                        None, None)
+    if out.shape != q.shape or lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32:
+        raise KernelInputError(f"out {tuple(out.shape)} and logsumexp {tuple(lse.shape)} are not what the varlen "
+                               f"forward returned for query {tuple(q.shape)}")
+    seqlens_k = cu_k[1:] - cu_k[:-1]
+    return tuple(varlen.backward(resolve(plan.key), q, k, v, out, lse.contiguous(), do, cu_q, cu_k, seqlens_k,
+                                 plan.scale)[:3])
 
 
 # -- the ops, with the installed torch's schemas (torch 2.13's parameters; `schema_mismatch` compares) -------------
