@@ -136,6 +136,19 @@ def test_unsupported_arguments_are_named(cpu_ops, call, named):
         call(rand(1, 2, 8, 16))
 
 
+def test_alibi_slopes_are_taken_without_gradients_only(cpu_ops):
+    q, k, v = (rand(1, 12, 2, 16) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, None, None, 12, 12, 0.0, True, False,
+                                                           alibi_slopes=slopes)
+    cu = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
+    ref, _ = varlen_attention(q[0], k[0], v[0], cu, cu, causal=True, alibi_slopes=slopes)
+    assert (out[0].double() - ref).abs().max() < 2e-3
+    with pytest.raises(KernelInputError, match="alibi_slopes"):
+        torch.ops.aten._flash_attention_forward(q.requires_grad_(), k, v, None, None, 12, 12, 0.0, True, False,
+                                                alibi_slopes=slopes)
+
+
 def test_schema_mismatch_names_the_argument():
     schema = torch.ops.aten._flash_attention_backward.default._schema
     assert torch_flash.schema_mismatch(schema, torch_flash._flash_attention_backward) is None

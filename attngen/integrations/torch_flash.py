@@ -111,6 +111,13 @@ def _unsupported(op: str, dropout_p=0.0, return_debug_mask=False) -> None:
         raise KernelInputError(f"attngen's aten::{op} cannot return a debug mask: return_debug_mask must be False")
 
 
+def _alibi_without_grad(op: str, alibi_slopes, *inputs) -> None:
+    # NOTE: aten::_flash_attention_backward takes no alibi_slopes: a backward of this call would drop them
+    if alibi_slopes is not None and any(t.requires_grad for t in inputs):
+        raise KernelInputError(f"attngen's aten::{op} takes alibi_slopes only for inputs that do not require grad "
+                               "(aten::_flash_attention_backward has no alibi_slopes)")
+
+
 def _window(is_causal: bool, left, right) -> tuple[int, int]:
     """aten's window_size_left/right (None or -1: unbounded) as flash-attn's (left, right), right 0 when causal."""
     left = -1 if left is None else int(left)
@@ -239,6 +246,7 @@ def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max
     op = "_flash_attention_forward"
     _count(op)
     _unsupported(op, dropout_p, return_debug_mask)
+    _alibi_without_grad(op, alibi_slopes, query, key, value)
     window = _window(is_causal, window_size_left, window_size_right)
     out, lse = _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window,
                         seqused_k, alibi_slopes, block_table, None)
@@ -262,6 +270,7 @@ def _flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_
     op = "_flash_attention_forward_no_dropout_inplace"
     _count(op)
     _unsupported(op, dropout_p, return_debug_mask)
+    _alibi_without_grad(op, alibi_slopes, query, key, value)
     window = _window(is_causal, window_size_left, window_size_right)
     result, lse = _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window,
                            seqused_k, alibi_slopes, block_table, out)
