@@ -5,11 +5,15 @@
     out = kernel(q, k, v)                                 # q, k, v: (batch, heads, seq, head_dim)
     out = attngen.attention(q, k, v, is_causal=True)      # drop-in for F.scaled_dot_product_attention
     out = attngen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)  # flash-attn's
+    out = attngen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # flash-attn's
+    torch.nn.attention.activate_flash_attention_impl("attngen")  # SDPA's flash backend and varlen_attn run attngen
 """
 
 from .api.kvcache import attention_with_kvcache, merge_states
 from .api.sdpa import attention
+from .api.varlen import flash_attn_varlen_func
 from .errors import AttnGenError, KernelInputError, SpecError, UnsupportedError
+from .integrations import torch_flash as _torch_flash
 from .lang.spec import Spec, parse
 from .runtime import tables as _tables
 from .runtime.kernel import Kernel, load
@@ -19,7 +23,8 @@ from .version import __version__
 
 __all__ = [
     "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
-    "PagedKVCache", "__version__", "attention", "attention_with_kvcache", "load", "merge_states", "parse",
+    "PagedKVCache", "__version__", "attention", "attention_with_kvcache", "flash_attn_varlen_func", "load",
+    "merge_states", "parse",
 ]
 
 
@@ -32,6 +37,10 @@ def __getattr__(name):
         return PagedKVCache
     raise AttributeError(f"module 'attngen' has no attribute {name!r}")
 
+
+# "attngen" in torch.nn.attention's flash-attention registry, not activated (torch leaves that to the user);
+# nothing is compiled until it is.
+_torch_flash.register()
 
 # Calls with autotuning on tune the buckets nobody tuned through the tuner, a layer above the runtime.
 _tables.set_autotuner(_tune_bucket)

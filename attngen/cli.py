@@ -24,11 +24,12 @@ from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasibl
                                  shared_bytes_backward)
 from .bench import prefill as bench
 from .bench import variants as bench_variants
+from .bench import varlen as bench_varlen
 from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
-from .passes import PASS_NAMES, compile_program
+from .passes import PASS_NAMES, applied_passes, compile_program
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -132,6 +133,20 @@ def _parse_shape(text: str | None, spec) -> dict:
     return sizes
 
 
+def _print_passes(program: ir.Program) -> None:
+    """Which passes acted on the program and which were no-ops; for a varlen program, how programs find their
+    sequence and tile."""
+    applied = applied_passes(program)
+    print("=== passes ===")
+    print("applied: " + ", ".join(applied))
+    print("no-op:   " + ", ".join(n for n in PASS_NAMES if n not in applied))
+    if program.attr("varlen"):
+        print("varlen:  per head, cdiv(TOTAL_Q, BLOCK_M) + B programs over the query tiles of all sequences: program "
+              "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
+              "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
+              "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N); no Hopper Gluon kernels (warp-specialize: no-op)")
+
+
 def cmd_explain(args) -> int:
     spec = _spec(args.spec)
     if args.pass_name and args.pass_name not in PASS_NAMES:
@@ -145,6 +160,8 @@ def cmd_explain(args) -> int:
             print(ir.format_program(program))
 
     compile_program(spec, trace=show)
+    if args.pass_name is None:
+        _print_passes(stages[PASS_NAMES[-1]])
     sizes = _parse_shape(args.shape, spec)
     config = default_config(spec)
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
@@ -245,6 +262,16 @@ def _explain_variant(spec, sizes) -> None:
 # -- bench -------------------------------------------------------------------------------------
 
 
+def _providers(text: str | None, known: tuple[str, ...]) -> tuple[str, ...] | None:
+    """--providers as names of `known` (None: all); an unknown one is a usage error."""
+    names = tuple(text.split(",")) if text else None
+    unknown = set(names or ()) - set(known)
+    if unknown:
+        raise SpecError(f"--providers: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}",
+                        "<command line>")
+    return names
+
+
 def cmd_bench(args) -> int:
     def ints(text, what):
         try:
@@ -256,15 +283,17 @@ def cmd_bench(args) -> int:
         lengths, head_dims = ints(args.lengths, "lengths"), ints(args.head_dims, "head-dims")
         shape = {key: value for key, value in (("seqlen", lengths and lengths[0]), ("head_dim", head_dims and head_dims[0]),
                                                ("batch", args.batch), ("heads", args.heads)) if value}
-        names = tuple(args.providers.split(",")) if args.providers else None
-        unknown = set(names or ()) - set(bench_variants.PROVIDERS)
-        if unknown:
-            raise SpecError(f"--providers: unknown {', '.join(sorted(unknown))}; known: "
-                            f"{', '.join(bench_variants.PROVIDERS)}", "<command line>")
+        names = _providers(args.providers, bench_variants.PROVIDERS)
         if args.check:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
         return bench_variants.main(args.output, shape, directions, names, args.check)
+    if args.suite == "varlen":
+        names = _providers(args.providers, bench_varlen.PROVIDERS)
+        if args.check:
+            _use_interpreter_without_gpu()
+        directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
+        return bench_varlen.main(args.output, names, directions, args.check)
     suites = ("prefill", "decode") if args.suite == "all" else (args.suite,)
     providers = tuple(args.providers.split(",")) if args.providers else None
     unknown = set(providers or ()) - set(bench.PREFILL_PROVIDERS)
@@ -456,8 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "variants", "all"), default="all",
-                   help="all: prefill and decode; variants: masks and score modifiers against FlexAttention")
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "all"), default="all",
+                   help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
+                        "varlen: packed variable-length batches and SDPA through the flash-attention slot")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")
@@ -465,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, metavar="B", help="variants: batch (default 1)")
     p.add_argument("--heads", type=int, default=None, metavar="H", help="variants: heads (default 16)")
     p.add_argument("--check", action="store_true",
-                   help="variants: run each row at a tiny size (in the interpreter without a GPU) and compare "
+                   help="variants, varlen: run each row at a tiny size (in the interpreter without a GPU) and compare "
                         "attngen and the peer with float64 instead of timing")
     p.add_argument("-o", "--output", default="benchmarks/results", metavar="DIR",
                    help="folder for <gpu>.json (rows are merged with what is there)")

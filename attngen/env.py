@@ -7,7 +7,8 @@ Each is read on every call (not once at import), so a test or a user can set it 
     ATTNGEN_CACHE_DIR=path     where generated kernels and tuning results are kept (`cache_dir`)
     ATTNGEN_FAST_LAUNCH=0      launches take Triton's own path, not attngen's cached one (`fast_launch`)
     ATTNGEN_WARMUP=0|1         Triton's start-up hash on a background thread at import (`warmup`)
-    ATTNGEN_CHECK_KVCACHE=1    attention_with_kvcache checks cache_seqlens and block_table values (`check_kvcache`)
+    ATTNGEN_CHECK_KVCACHE=1    attention_with_kvcache checks cache_seqlens and block_table values, flash_attn_varlen_func
+                               its sequence tensors' values on a GPU (`check_kvcache`)
 """
 
 from __future__ import annotations

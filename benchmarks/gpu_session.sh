@@ -11,6 +11,9 @@
 #   prefill  attngen bench --suite prefill, both directions, d=64 and 128, N 512..16384
 #   variants attngen bench --suite variants: masks and score modifiers against FlexAttention (and cuDNN's
 #            causal), B=1 H=16 N=16384 d=128, both directions; its --check first (each row against float64)
+#   varlen   attngen bench --suite varlen: packed documents against FlexAttention's document mask, varlen_attn
+#            and cuDNN's dense causal; one long prompt beside short ones; a mixed prefill+decode step in one
+#            paged call; SDPA through the flash-attention slot against attngen.attention; its --check first
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
@@ -64,6 +67,12 @@ for stage in "$@"; do
       tail -12 "$OUT/bench_variants_check.txt"
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite variants -o "$OUT/bench" > "$OUT/bench_variants.txt" 2>&1
       tail -30 "$OUT/bench_variants.txt" ;;
+    varlen)
+      mkdir -p "$OUT/bench"; cp "benchmarks/results/varlen_$SLUG.json" "$OUT/bench/" 2>/dev/null
+      timeout 120 python3 -m attngen bench --suite varlen --check > "$OUT/bench_varlen_check.txt" 2>&1
+      tail -12 "$OUT/bench_varlen_check.txt"
+      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite varlen -o "$OUT/bench" > "$OUT/bench_varlen.txt" 2>&1
+      tail -40 "$OUT/bench_varlen.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   stamp "done $stage (exit $?)"

@@ -19,7 +19,7 @@ import sympy
 
 from .. import ir
 from ..ir import sym
-from ..ir import Assign, Call, Load, Loop, Op, Ref, Softmax, Space, Store
+from ..ir import Assign, Call, Load, Loop, LoopKind, Op, Ref, Softmax, Space, Store
 
 _DOTS = (Op.DOT, Op.DOT_T, Op.DOT_ACC)
 
@@ -68,6 +68,8 @@ def _body_cost(body, defs: dict | None = None) -> Cost:
     for st in body:
         if isinstance(st, Assign) and st.target.shape == () and isinstance(st.value, ir.Sym):
             defs[sympy.Symbol(st.target.name, integer=True, nonnegative=True)] = st.value.expr.subs(defs)
+        if isinstance(st, Loop) and st.body and isinstance(st.body[0], ir.SequenceTile):
+            st = _as_sequences(st)
         if isinstance(st, Loop):
             inner = _body_cost(st.body, defs)
             start, stop = sympy.sympify(st.start).subs(defs), sympy.sympify(st.stop).subs(defs)
@@ -94,14 +96,26 @@ def _body_cost(body, defs: dict | None = None) -> Cost:
     return total
 
 
+def _as_sequences(tiles: Loop) -> Loop:
+    """A varlen grid over all sequences' tiles, priced as B sequences of N_Q queries and N_K keys each: a loop
+    over the sequences around one over a sequence's tiles."""
+    locate, *body = tiles.body
+    count = sympy.sympify(locate.count).xreplace(_PER_SEQUENCE)
+    per_sequence = Loop(locate.start, sympy.Integer(0), count, locate.block, tuple(body), LoopKind.GRID)
+    return Loop(locate.seq, sympy.Integer(0), sym.B, sympy.Integer(1), (per_sequence,), LoopKind.GRID)
+
+
+# A sequence's lengths (decoding, varlen) are priced at the batch's: every sequence full.
+_PER_SEQUENCE = {sym.n_k: sym.N_K, sym.n_q: sym.N_Q}
+
+
 def program_cost(program: ir.Program, kernels=None) -> Cost:
     """FLOPs and HBM bytes of the program's kernels (all, or those named), as formulas in the sizes."""
     total = ZERO
     for kernel in program.kernels:
         if kernels is None or kernel.name in kernels:
             total += _body_cost(kernel.body)
-    # Per-sequence key counts (decoding) are priced at the cache's length: every sequence full.
-    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.n_k: sym.N_K}
+    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, **_PER_SEQUENCE}
     # xreplace, not subs: subs re-simplifies every Sum it enters (a minute for a decoding spec).
     return Cost(total.flops.xreplace(real_width), total.bytes.xreplace(real_width))
 

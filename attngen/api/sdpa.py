@@ -100,22 +100,8 @@ class _Variant(NamedTuple):
 
 def _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks) -> _Variant:
     """The variant arguments' checks (a bad one raises a ValueError naming it, before anything runs)."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(type(w) is int and w >= -1 for w in window_size)):
-        raise KernelInputError(f"window_size must be two ints (left, right), each -1 (unbounded) or >= 0; "
-                               f"got {window_size!r}")
-    left, right = window_size
-    if is_causal:
-        if right > 0:
-            raise KernelInputError(f"window_size {tuple(window_size)!r} looks right of the query, which "
-                                   "is_causal=True hides: its right side must be 0 or -1")
-        window = (left, 0) if left >= 0 else NO_WINDOW
-    else:
-        window = (left, right)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
-        raise KernelInputError(f"softcap must be a finite number >= 0 (0: no soft-capping); got {softcap!r}")
-    if softcap and alibi_slopes is not None:
-        raise KernelInputError("softcap and alibi_slopes cannot be combined; write a spec with a score expression")
+    window = checked_window(is_causal, window_size, "is_causal")
+    softcap = checked_softcap(softcap, alibi_slopes)
     if not isinstance(query, torch.Tensor) or query.dim() not in (3, 4):  # (_checked_plan says why)
         return _Variant(window, float(softcap), alibi_slopes is not None, sinks is not None, ())
     heads = query.shape[-3]
@@ -127,6 +113,31 @@ def _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks
     if sinks is not None:
         tensors.append(_checked_float("sinks", sinks, query, ((heads,),)))
     return _Variant(window, float(softcap), alibi_slopes is not None, sinks is not None, tuple(tensors))
+
+
+def checked_window(causal, window_size, causal_name: str) -> tuple[int, int]:
+    """flash-attn's `window_size` (left, right), checked; right 0 under `causal` (named `causal_name` in the error),
+    NO_WINDOW when causal leaves it unbounded."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(type(w) is int and w >= -1 for w in window_size)):
+        raise KernelInputError(f"window_size must be two ints (left, right), each -1 (unbounded) or >= 0; "
+                               f"got {window_size!r}")
+    left, right = window_size
+    if not causal:
+        return left, right
+    if right > 0:
+        raise KernelInputError(f"window_size {tuple(window_size)!r} looks right of the query, which "
+                               f"{causal_name}=True hides: its right side must be 0 or -1")
+    return (left, 0) if left >= 0 else NO_WINDOW
+
+
+def checked_softcap(softcap, alibi_slopes) -> float:
+    """flash-attn's `softcap`, checked (0: none; it cannot be combined with ALiBi)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise KernelInputError(f"softcap must be a finite number >= 0 (0: no soft-capping); got {softcap!r}")
+    if softcap and alibi_slopes is not None:
+        raise KernelInputError("softcap and alibi_slopes cannot be combined; write a spec with a score expression")
+    return float(softcap)
 
 
 def _checked_float(name, t, query, shapes) -> torch.Tensor:

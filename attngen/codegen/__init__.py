@@ -60,9 +60,11 @@ def render(spec: Spec, program: ir.Program) -> str:
         _ENV = _environment()
     kernels = [KernelEmitter(k).emit() for k in program.kernels]
     names = {k.name for k in kernels}
-    entries = ["kvcache" if program.attr("kvcache") else "forward"]
-    if {"attn_bwd_dq", "attn_bwd_dkdv"} <= names:
-        entries.append("backward")
+    backward = {"attn_bwd_dq", "attn_bwd_dkdv"} <= names
+    if program.attr("varlen"):
+        entries = ["varlen"] + (["varlen_backward"] if backward else [])
+    else:
+        entries = ["kvcache" if program.attr("kvcache") else "forward"] + (["backward"] if backward else [])
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
@@ -82,7 +84,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         kernels=kernels,
         attrs=dict(program.attrs),
         entries=entries,
-        backward_config=backward_config(spec) if "backward" in entries else {},
+        backward_config=backward_config(spec) if backward else {},
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
@@ -98,7 +100,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
         tensors=_runtime_tensors(spec),
-        bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if "backward" in entries else [],
+        bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if backward else [],
         sinks=spec.variant.sinks,
         uses_tanh=any(e.fn.has(sympy.tanh) for k in program.kernels for st in ir.walk_stmts(k.body)
                       for x in ir.stmt_exprs(st) for e in ir.walk_expr(x) if isinstance(e, ir.Pointwise)),

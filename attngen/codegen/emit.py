@@ -16,13 +16,14 @@ import sympy
 from .. import ir
 from ..ir import sym
 from ..errors import InternalError
-from ..ir import Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ref, Span, Store, SymKind
+from ..ir import (Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, Packed, Paged, PredKind, Ragged, Ref,
+                  SequenceTile, Span, Store, SymKind)
 from . import exprs
 from ..passes.grid import grid_path
 
 _DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
                "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
-               "NUM_SPLITS": "split"}
+               "NUM_SPLITS": "split", "TOTAL_Q": "n", "TOTAL_K": "n", "B + 1": "b"}
 
 _UNARY = {Op.EXP: "tl.exp", Op.EXP2: "tl.math.exp2", Op.LOG: "tl.log", Op.LOG2: "tl.math.log2"}
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}
@@ -126,6 +127,7 @@ class KernelEmitter:
         self.reg_names = {st.target.name for st in ir.walk_stmts(kernel.body) if isinstance(st, Assign)}
         self.bases: dict[tuple, str] = {}
         self.grid_vars: set = set()
+        self.fixed: set[str] = set()  # scalars a program reads before its base pointers (its sequence's)
         self.sizes = {d.symbol for d in kernel.symbols}
 
     # -- output ----------------------------------------------------------------------------------
@@ -150,6 +152,9 @@ class KernelEmitter:
         for g in sorted(grid, key=lambda g: -g.axis):
             for code in g.code.split("\n"):
                 self.line(code)
+        if body and isinstance(body[0], SequenceTile):
+            self.sequence_tile(body[0])
+            body = body[1:]
         self._hoist_bases(body)
         self.block(body)
         decls = self.kernel.symbols
@@ -200,6 +205,31 @@ class KernelEmitter:
         count = " * ".join(exprs.host(c) for c in counts)
         return GridAxis(loops[0].var, axis, count, "\n".join(lines))
 
+    def sequence_tile(self, st: SequenceTile) -> None:
+        """Find the program's sequence (a binary search over the sequences' first tiles), read its facts,
+        and return from a program past the sequence's last tile."""
+        first = f"tl.load({st.offsets.name} + mid.to(tl.int64) * {self.strides[st.offsets.name][0]})"
+        block = exprs.device(st.block)
+        self.line(f"# -- which sequence: the last b whose first tile {st.offsets.name}[b] // {block} + b is at or "
+                  f"before this program's --")
+        self.line("lo = tl.full([], 0, dtype=tl.int32)")
+        self.line(f"hi = tl.full([], {exprs.device(sym.B)}, dtype=tl.int32)")
+        self.line("while lo < hi:")
+        self.line("    mid = (lo + hi) // 2")
+        self.line(f"    if {first} // {block} + mid <= {st.tile}:")
+        self.line("        lo = mid + 1")
+        self.line("    else:")
+        self.line("        hi = mid")
+        self.line(f"{st.seq} = lo - 1")
+        self.grid_vars.add(st.seq)
+        for fact in st.facts:
+            self.assign(fact)
+            self.fixed.add(fact.target.name)
+        self.line(f"{st.start} = {exprs.device(st.start_value)}")
+        self.fixed.add(str(st.start))
+        self.line(f"if {st.start} >= {exprs.device(st.count)}:  # past the sequence's last tile")
+        self.line("    return")
+
     # -- base pointers -----------------------------------------------------------------------------
     def _scalar_part(self, buffer: Buffer, index) -> tuple:
         """(buffer dimension, index) of every scalar index item: the tile's fixed coordinates."""
@@ -212,6 +242,10 @@ class KernelEmitter:
                 part.append((dim, item.head))  # the group's first head; rows add their member
                 dim += 2
                 continue
+            if isinstance(item, Ragged):
+                part.append((dim, item.first))  # the sequence's first row; the span adds the position
+                dim += 1
+                continue
             if not isinstance(item, Span):
                 part.append((dim, item))
             dim += 1
@@ -220,7 +254,7 @@ class KernelEmitter:
     def _hoistable(self, part) -> bool:
         for _, item in part:
             for s in sympy.sympify(item).free_symbols:
-                if s not in self.grid_vars and s not in self.sizes:
+                if s not in self.grid_vars and s not in self.sizes and str(s) not in self.fixed:
                     return False
         return True
 
@@ -292,14 +326,15 @@ class KernelEmitter:
     # -- memory ------------------------------------------------------------------------------------
     def address(self, buffer: Buffer, index) -> tuple[str, str | None]:
         """Pointer expression and mask (or None) for a tile of `buffer`."""
-        tile = [it for it in index if isinstance(it, (Span, Paged, Packed))]
+        tile = [it for it in index if isinstance(it, (Span, Paged, Packed, Ragged))]
         rank = len(tile)
         strides = self.strides[buffer.name]
         terms, conds = [self.base(buffer, index)], []
         tile_axis = 0
         dim = 0
         for item in index:
-            if isinstance(item, Span):
+            if isinstance(item, (Span, Ragged)):
+                item = item.span if isinstance(item, Ragged) else item
                 name = self.use_span(item)
                 b = _broadcast(tile_axis, rank)
                 terms.append(f"{name}{b} * {strides[dim]}")

@@ -1,2 +1,3 @@
 """attngen inside other libraries: each module here plugs attngen's kernels into one (`transformers`: Hugging Face
-transformers' attention interface). A layer above the API; nothing in attngen imports it."""
+transformers' attention interface; `torch_flash`: PyTorch's flash-attention provider slot). A layer above the API;
+only the facade (attngen/__init__.py) imports one, `torch_flash`, to register it with torch."""

@@ -131,7 +131,18 @@ class Packed:
     group: sympy.Expr
 
 
-IndexItem = Union[sympy.Expr, Span, Paged, Packed]
+@dataclass(frozen=True, slots=True)
+class Ragged:
+    """One dimension of a packed variable-length tensor (sequences laid end to end, `layout = varlen`):
+    position `r` of `span` in its sequence is row `first + r` of the tensor, `first` the sequence's
+    first row (CU_SEQLENS[b]). The span counts positions inside the sequence, as masks read them; the
+    address counts rows of the packed tensor."""
+
+    first: sympy.Expr
+    span: Span
+
+
+IndexItem = Union[sympy.Expr, Span, Paged, Packed, Ragged]
 
 
 # -- tile expressions ----------------------------------------------------------------------------
@@ -348,7 +359,29 @@ class Comment:
     text: str
 
 
-Stmt = Union[Assign, Store, Softmax, Loop, Comment]
+@dataclass(frozen=True, slots=True)
+class SequenceTile:
+    """Which sequence `seq` and which of its tiles a program of a packed variable-length grid computes.
+
+    The grid loop over `tile` numbers the tiles of all sequences together, each sequence's consecutively:
+    sequence b's first tile is `offsets[b] // block + b` (`offsets`: the B + 1 int32 row offsets,
+    CU_SEQLENS_Q or CU_SEQLENS_K), a bound on the tiles before it that needs no value from the GPU, so
+    the grid is cdiv(total rows, block) + B programs. `seq` is the last b whose first tile is at or
+    before `tile` (a binary search over `offsets`); then `facts`, scalars of that sequence (its first
+    rows and lengths), are read; `start` = `start_value` is the tile's first row inside the sequence,
+    and a program whose `start` is at or past `count` (a tile past the sequence's last) returns."""
+
+    tile: sympy.Symbol
+    offsets: Buffer
+    block: sympy.Expr
+    seq: sympy.Symbol
+    facts: tuple[Assign, ...]
+    start: sympy.Symbol
+    start_value: sympy.Expr
+    count: sympy.Expr
+
+
+Stmt = Union[Assign, Store, Softmax, Loop, Comment, SequenceTile]
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +539,8 @@ def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
         yield stmt
         if isinstance(stmt, Loop):
             yield from walk_stmts(stmt.body)
+        elif isinstance(stmt, SequenceTile):
+            yield from stmt.facts
 
 
 def walk_expr(expr: Expr) -> Iterator[Expr]:
@@ -578,6 +613,8 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
             return replace(it, batch=s(it.batch), span=span(it.span))
         if isinstance(it, Packed):
             return replace(it, head=s(it.head), span=span(it.span), group=s(it.group))
+        if isinstance(it, Ragged):
+            return replace(it, first=s(it.first), span=span(it.span))
         return s(it)
 
     def expr(e):
@@ -612,7 +649,8 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
 
 
 def index_shape(index: tuple[IndexItem, ...]) -> tuple[sympy.Expr, ...]:
-    return tuple(i.size if isinstance(i, Span) else i.span.size for i in index if isinstance(i, (Span, Paged, Packed)))
+    return tuple(i.size if isinstance(i, Span) else i.span.size for i in index
+                 if isinstance(i, (Span, Paged, Packed, Ragged)))
 
 
 def index_dims(index: tuple[IndexItem, ...]) -> int:
@@ -688,6 +726,8 @@ def format_index(index: tuple[IndexItem, ...]) -> str:
             parts.append(f"page({it.table.name}[{_e(it.batch)}], {format_span(it.span)}, size={it.page_size}{lookup})")
         elif isinstance(it, Packed):
             parts.append(f"packed({_e(it.head)}, {format_span(it.span)}, group={_e(it.group)})")
+        elif isinstance(it, Ragged):
+            parts.append(f"{_e(it.first)} + ({format_span(it.span)})")
         else:
             parts.append(_e(it))
     return "[" + ", ".join(parts) + "]"
@@ -764,6 +804,12 @@ def _format_body(body, indent: int, defined: set, out: list) -> None:
         elif isinstance(st, Store):
             op = "+=" if st.accumulate else "="
             out.append(f"{pad}store {st.target.name}{format_index(st.index)} {op} {format_expr(st.value)}")
+        elif isinstance(st, SequenceTile):
+            out.append(f"{pad}{st.seq} = last b with {st.offsets.name}[b] // {_e(st.block)} + b <= {st.tile}"
+                       f"    # programs -> (sequence, tile): each sequence's tiles numbered consecutively")
+            _format_body(st.facts, indent, defined, out)
+            out.append(f"{pad}{st.start} = {_e(st.start_value)}")
+            out.append(f"{pad}return if {st.start} >= {_e(st.count)}    # past the sequence's last tile")
         elif isinstance(st, Softmax):
             for b in (st.probs, st.rowmax, st.rowsum):
                 defined.add(b.name)

@@ -153,6 +153,13 @@ n_k = index("n_k")                # this sequence's key count (loaded from SEQLE
 keys_per_split = index("keys_per_split")
 split_start = index("split_start")
 split_stop = index("split_stop")
+# Packed variable-length batches (pass varlen): sequences end to end, found through CU_SEQLENS_Q / _K.
+TOTAL_Q = size("TOTAL_Q")         # query rows of all sequences together
+TOTAL_K = size("TOTAL_K")         # key rows of all sequences together
+tile = index("tile")              # a program's tile among all sequences' tiles
+q_start = index("q_start")        # this sequence's first query row
+k_start = index("k_start")        # this sequence's first key row
+n_q = index("n_q")                # this sequence's query count
 
 
 # Masks and score modifiers (ir/variants.py): the element a predicate or pointwise function is evaluated at.

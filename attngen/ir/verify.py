@@ -12,8 +12,8 @@ import sympy
 
 from . import nodes as ir, sym
 from ..errors import InternalError
-from .nodes import (DT, Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ref, Role, Softmax, Space,
-                    Span, Store, SymKind)
+from .nodes import (DT, Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Packed, Paged, Ragged, Ref, Role,
+                    SequenceTile, Softmax, Space, Span, Store, SymKind)
 
 # The element a predicate or pointwise function is evaluated at (sym.py): defined wherever a tile is.
 _ELEMENT = {"q_idx", "k_idx", "q_head"}
@@ -61,6 +61,9 @@ class _Checker:
                 self.symbols_ok(i.batch, scope, f"page table row of {buffer.name}")
                 self.declared(i.table)
                 self.paged_ok(buffer, i)
+            elif isinstance(i, Ragged):
+                self.span_ok(i.span, scope)
+                self.symbols_ok(i.first, scope, f"first row of {buffer.name}")
             elif isinstance(i, Packed):
                 self.span_ok(i.span, scope)
                 self.symbols_ok(i.head, scope, f"packed head of {buffer.name}")
@@ -135,6 +138,18 @@ class _Checker:
                 self.body_ok(st.body, scope | {str(st.var)}, inner_defined, in_serial or st.kind is LoopKind.SERIAL)
                 # Values a loop assigns stay visible after it (Triton carries them out).
                 defined |= inner_defined
+            elif isinstance(st, SequenceTile):
+                t = st.offsets
+                if t.role is not Role.INPUT or t.dtype is not DT.I32 or t.rank != 1 or t.space is not Space.HBM:
+                    self.fail(f"sequence offsets {t.name} must be an int32 vector input in HBM")
+                self.declared(t)
+                self.symbols_ok(st.tile, scope, "sequence search")
+                self.symbols_ok(st.block, scope, "sequence search")
+                scope.add(str(st.seq))
+                self.body_ok(st.facts, scope, defined, in_serial)
+                self.symbols_ok(st.start_value, scope, f"first row of {st.start}")
+                scope.add(str(st.start))
+                self.symbols_ok(st.count, scope, "sequence length")
             elif isinstance(st, Assign):
                 self.expr_ok(st.value, scope, defined)
                 self.declared(st.target)

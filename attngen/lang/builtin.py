@@ -1,5 +1,5 @@
-"""The specs attngen writes itself: `attention()`'s (`sdpa_spec`) and `attention_with_kvcache()`'s
-(`kvcache_spec`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are run-time
+"""The specs attngen writes itself: `attention()`'s (`sdpa_spec`), `attention_with_kvcache()`'s
+(`kvcache_spec`) and `flash_attn_varlen_func()`'s (`varlen_spec`, keyed by `varlen_key`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are run-time
 arguments of one compiled kernel. `attention()`'s variant arguments (window, softcap, ALiBi, sinks) add a
 `Variant` (`sdpa_variant`) and a suffix to the kernel's registry key (`sdpa_key`, read back by `sdpa_key_spec`)."""
 
@@ -84,17 +84,7 @@ def sdpa_key(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = 
 def sdpa_key_spec(key: str) -> Spec:
     """The spec of an `sdpa_key`."""
     _, dtype, head_dim, mask, *parts = key.split(":")
-    options = {}
-    for part in parts:
-        name, _, value = part.partition("=")
-        if name == "window":
-            options["window"] = tuple(int(x) for x in value.split(","))
-        elif name == "softcap":
-            options["softcap"] = float(value)
-        elif name in ("alibi", "sinks") and not value:
-            options[name] = True
-        else:
-            raise ValueError(f"unknown part {part!r} of attention() key {key!r}")
+    options = _key_options(key, parts)
     causal = mask == "causal"
     return sdpa_spec(dtype, int(head_dim), causal, sdpa_variant(causal, **options) if options else Variant())
 
@@ -107,20 +97,94 @@ def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None,
     mask), written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
+    mask, words = _bottom_right(variant, causal)
+    # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
+    name = (f"kvcache_{dtype}_d{head_dim}_{words}_"
+            f"{f'paged{page_size}' if page_size else 'contiguous'}")
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}", f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    return _flash_spec("attngen.attention_with_kvcache()", name, lines, variant)
+
+
+def _bottom_right(variant: Variant, causal: bool) -> tuple[str, str]:
+    """The spec's `mask = ...` text of flash-attn's arguments (aligned bottom-right), and the variant's words
+    for a kernel name (e.g. `causal_window_4096_sinks`)."""
     if variant.mask is not None:
         mask = variant.mask.text()
         words = " ".join(_variant_words(variant))
     else:
         mask = "causal(bottom_right)" if causal else "none"
         words = " ".join(("causal" if causal else "full", *_variant_words(variant)))
-    # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
-    name = (f"kvcache_{dtype}_d{head_dim}_{re.sub(r'[^0-9A-Za-z]+', '_', words).strip('_')}_"
-            f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    lines = [f"mask = {mask}", f"head_dim = {head_dim}", f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    return mask, re.sub(r"[^0-9A-Za-z]+", "_", words).strip("_")
+
+
+def _flash_spec(writer: str, name: str, lines: list[str], variant: Variant) -> Spec:
+    """A spec of flash-attn's arguments: `lines` (mask, sizes, layout), then the variant's score and sinks."""
     if variant.score is not None:
         lines.append(f"score = {variant.score.text()}")
     if variant.sinks:
         lines.append("sinks = true")
     body = "".join(f"    {line}\n" for line in lines)
-    text = f"# written by attngen.attention_with_kvcache()\nkernel {name} {{\n{body}}}\n"
-    return parse(text, f"<attention_with_kvcache {name}>")
+    text = f"# written by {writer}\nkernel {name} {{\n{body}}}\n"
+    return parse(text, f"<{writer.removeprefix('attngen.').removesuffix('()')} {name}>")
+
+
+@lru_cache(maxsize=None)
+def varlen_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None = None,
+                gqa: tuple[int, int] | None = None, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+                alibi: bool = False, sinks: bool = False) -> Spec:
+    """The spec `flash_attn_varlen_func()` uses for one dtype / head dim / mask / page size / GQA grouping
+    (`gqa`: (heads, kv_heads), None when they are equal) and flash-attn's variant arguments, aligned
+    bottom-right per sequence as `kvcache_spec` aligns them; with a backward unless K/V are paged."""
+    variant = sdpa_variant(causal, window, softcap, alibi, sinks)
+    mask, words = _bottom_right(variant, causal)
+    # e.g. varlen_bf16_d128_causal_window_4096_gqa32_8_paged16
+    name = (f"varlen_{dtype}_d{head_dim}_{words}" + (f"_gqa{gqa[0]}_{gqa[1]}" if gqa else "")
+            + (f"_paged{page_size}" if page_size else ""))
+    lines = [f"direction = {'forward' if page_size else 'forward+backward'}", f"mask = {mask}",
+             f"head_dim = {head_dim}", f"dtype = {dtype}", "layout = varlen"]
+    if page_size:
+        lines.append(f"kv_layout = paged(page_size = {page_size})")
+    if gqa:
+        lines += [f"heads = {gqa[0]}", f"kv_heads = {gqa[1]}"]
+    return _flash_spec("attngen.flash_attn_varlen_func()", name, lines, variant)
+
+
+def varlen_key(dtype: str, head_dim: int, causal: bool, page_size: int | None = None,
+               gqa: tuple[int, int] | None = None, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+               alibi: bool = False, sinks: bool = False) -> str:
+    """The registry key of `flash_attn_varlen_func()`'s kernel: `varlen:<dtype>:<head_dim>:<causal|full>`, then
+    `:paged=<page_size>`, `:gqa=<heads>,<kv_heads>` where given, and `sdpa_key`'s variant parts
+    (`varlen_key_spec` reads it back)."""
+    key = f"varlen:{dtype}:{head_dim}:{'causal' if causal else 'full'}"
+    if page_size:
+        key += f":paged={page_size}"
+    if gqa:
+        key += f":gqa={gqa[0]},{gqa[1]}"
+    return key + sdpa_key(dtype, head_dim, causal, window, softcap, alibi, sinks).removeprefix(
+        f"sdpa:{dtype}:{head_dim}:{'causal' if causal else 'full'}")
+
+
+def _key_options(key: str, parts: list[str], extra: tuple[str, ...] = ()) -> dict:
+    """The keyword arguments `sdpa_key`'s (and `varlen_key`'s `extra`) parts name."""
+    options = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        if name == "window":
+            options["window"] = tuple(int(x) for x in value.split(","))
+        elif name == "softcap":
+            options["softcap"] = float(value)
+        elif name in ("alibi", "sinks") and not value:
+            options[name] = True
+        elif name == "paged" and name in extra:
+            options["page_size"] = int(value)
+        elif name == "gqa" and name in extra:
+            options["gqa"] = tuple(int(x) for x in value.split(","))
+        else:
+            raise ValueError(f"unknown part {part!r} of key {key!r}")
+    return options
+
+
+def varlen_key_spec(key: str) -> Spec:
+    """The spec of a `varlen_key`."""
+    _, dtype, head_dim, mask, *parts = key.split(":")
+    return varlen_spec(dtype, int(head_dim), mask == "causal", **_key_options(key, parts, ("paged", "gqa")))

@@ -95,6 +95,14 @@ class KVLayout:
         return f"paged(page_size={self.page_size})" if self.paged else "contiguous"
 
 
+class Layout(enum.Enum):
+    """How a batch's queries and keys are laid out: rectangular (batch, heads, seq, head_dim), or packed
+    variable-length sequences end to end (total_tokens, heads, head_dim) with cu_seqlens offsets."""
+
+    DENSE = "dense"
+    VARLEN = "varlen"
+
+
 AUTO = None  # a tile value left to the autotuner / heuristics
 
 
@@ -118,6 +126,7 @@ class Spec:
     split_kv: int | None = 1
     kv_layout: KVLayout = KVLayout()
     pack_gqa: bool | None = AUTO
+    layout: Layout = Layout.DENSE
     # Masks beyond none/causal, score modifiers, sinks and run-time tensors (lang/variants.py); empty for
     # a plain spec. `mask` is Mask.CUSTOM exactly when `variant.mask` holds the mask's tree.
     variant: Variant = Variant()
@@ -154,6 +163,11 @@ class Spec:
         return self.split_kv != 1 or self.kv_layout.paged
 
     @property
+    def varlen(self) -> bool:
+        """Whether q, k and v are packed variable-length sequences (`layout = varlen`)."""
+        return self.layout is Layout.VARLEN
+
+    @property
     def bottom_right(self) -> bool:
         """Whether query positions align bottom-right (the last query at the last key): a KV-cache kernel's,
         or what `causal(bottom_right)` asks for; top-left otherwise. Every mask node and score modifier
@@ -163,14 +177,17 @@ class Spec:
         if self.mask is Mask.CAUSAL_TOP_LEFT:
             return False
         named = variant_alignment(self.variant.mask)
-        return named == "bottom_right" if named else self.decoding
+        # Packed sequences align per sequence bottom-right, as flash-attn's varlen functions do.
+        return named == "bottom_right" if named else (self.decoding or self.varlen)
 
     @property
     def packs_gqa(self) -> bool:
         """Whether query heads sharing a K/V head are processed by one program (decode kernels)."""
         if self.pack_gqa is not None:
             return self.pack_gqa
-        return self.is_split or self.kv_layout.paged
+        # NOTE: packed rows address (head, position) of a (batch, heads, seq) tensor; a varlen tensor is
+        # (tokens, heads): no packing there yet.
+        return (self.is_split or self.kv_layout.paged) and not self.varlen
 
     @property
     def tunables(self) -> tuple[str, ...]:
@@ -222,6 +239,8 @@ class Spec:
                 text = show(value)
             lines.append(f"    {key} = {text}")
         # Written only when set, so that a plain spec's text (and hash) is what it always was.
+        if self.varlen:
+            lines.append(f"    layout = {self.layout.value}")
         if self.variant.score is not None:
             lines.append(f"    score = {self.variant.score.text()}")
         if self.variant.sinks:
@@ -450,6 +469,10 @@ def _bool(v: Value, key: str) -> bool | None:
     return _BOOLS[_word(v, key, tuple(_BOOLS))]
 
 
+def _layout(v: Value) -> Layout:
+    return Layout(_word(v, "layout", tuple(x.value for x in Layout)))
+
+
 _KEYS = {
     "direction": _direction,
     "head_dim": lambda v: _int(v, "head_dim", 16, 256),
@@ -465,6 +488,7 @@ _KEYS = {
     "split_kv": lambda v: _int(v, "split_kv", 1, 128, auto=True),
     "kv_layout": _kv_layout,
     "pack_gqa": lambda v: _bool(v, "pack_gqa"),
+    "layout": _layout,
 }
 # Read after the tensor declarations, which a mask or score may use wherever they stand in the spec.
 _VARIANT_KEYS = ("mask", "score", "sinks")
@@ -506,6 +530,10 @@ def _check(header: Header, filename: str) -> Spec:
         if entry.key in _KEYS:
             values[entry.key] = _KEYS[entry.key](entry.value)
     values.update(_variant(seen, declared))
+    if values.get("layout") is Layout.VARLEN and "mask" in seen:
+        v = seen["mask"].value
+        if v.kind == "word" and v.text == "causal":  # unaligned: per sequence, bottom-right
+            values["mask"] = Mask.CAUSAL_BOTTOM_RIGHT
     for key in REQUIRED:
         if key not in values:
             raise _err(header, f"kernel '{name}' does not set {key}")
@@ -513,7 +541,7 @@ def _check(header: Header, filename: str) -> Spec:
         (e.key, e.value.line, e.value.column) for e in header.entries if isinstance(e, Entry)
     ) + tuple((f"tensor {t.name}", t.line, t.column) for t in declared.values())
     spec = Spec(name=name, filename=filename, where=where, **values)
-    return _check_heads(_check_head_dim(spec))
+    return _check_layout(_check_heads(_check_head_dim(spec)))
 
 
 def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[str, Any]:
@@ -567,6 +595,26 @@ def _check_heads(spec: Spec) -> Spec:
     if spec.is_split and spec.backward:
         raise spec.error("split_kv", "split_kv is for decoding; a forward+backward kernel must use split_kv = 1", UnsupportedError)
     return spec.replace(heads=heads, kv_heads=kv_heads, group=group)
+
+
+def _check_layout(spec: Spec) -> Spec:
+    """What packed variable-length sequences do not combine with (yet)."""
+    if not spec.varlen:
+        return spec
+    if spec.is_split:
+        raise spec.error("split_kv", "layout = varlen runs one program per query tile: split_kv must be 1",
+                         UnsupportedError)
+    if spec.pack_gqa:
+        raise spec.error("pack_gqa", "layout = varlen does not pack GQA rows: leave pack_gqa auto or false",
+                         UnsupportedError)
+    if spec.mask is Mask.CAUSAL_TOP_LEFT or variant_alignment(spec.variant.mask) == "top_left":
+        raise spec.error("mask", "layout = varlen aligns positions bottom-right per sequence (flash-attn's varlen "
+                         "convention): write causal or causal(bottom_right)", UnsupportedError)
+    for t in spec.variant.tensors:
+        if any(isinstance(d, str) and d not in ("B", "H") for d in t.dims):
+            raise spec.error(f"tensor {t.name}", f"tensor '{t.name}' has a dimension other than B, H or a number; "
+                             "a varlen kernel's sequences have no common length", UnsupportedError)
+    return spec
 
 
 def load_file(path: str) -> Spec:

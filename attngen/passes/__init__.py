@@ -7,12 +7,14 @@
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
     kv-lengths      (decoding) per-sequence key counts n_k = SEQLENS[b] replace N_K
+    varlen          (packed variable-length sequences) programs over all sequences' tiles, each finding its
+                    sequence by a binary search over the cu_seqlens; per-sequence n_q, n_k; packed rows
     pack-gqa        (GQA packing) query heads sharing a K/V head fill one tile; grid over K/V heads
     split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
-    tma             (training, no mask, 16-bit, head dim >= 64) dK/dV's streamed Q and dO tiles via TMA descriptors
-    warp-specialize (prefill, 16-bit, head dim 64/128, auto tiles) the forward also as a Hopper Gluon kernel
+    tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
+    warp-specialize (prefill, not varlen, 16-bit, head dim 64/128, auto tiles) the forward also as a Hopper Gluon kernel
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, head dim 64/128) also as a Hopper Gluon kernel
 
 The passes marked with a condition are no-ops for specs that do not ask for them.
@@ -27,9 +29,9 @@ from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
 from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
-               tiling, tma, warp_specialize, warp_specialize_decode)
+               tiling, tma, varlen, warp_specialize, warp_specialize_decode)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, pack_gqa, split_kv, causal_skip, paged,
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip, paged,
             tma, warp_specialize, warp_specialize_decode)
 """The passes after `lower`, in order."""
 

@@ -7,7 +7,8 @@ mask aligns each sequence's last query with its own last key (offset n_k - N_Q),
 never read, and a sequence with no keys gives zeros and a log-sum-exp of -inf. The tensor's own
 length (the cache's capacity) is no longer needed inside the kernel.
 
-Applies to decoding specs (split_kv other than 1, or a paged kv_layout); a no-op otherwise.
+Applies to decoding specs (split_kv other than 1, or a paged kv_layout) but packed variable-length ones,
+whose lengths the varlen pass reads; a no-op otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ NAME = "kv-lengths"
 
 
 def applies(program: ir.Program) -> bool:
-    return program.attr("split_kv") is not None or program.attr("page_size") is not None
+    return (program.attr("split_kv") is not None or program.attr("page_size") is not None) and not program.attr("varlen")
 
 
 def run(program: ir.Program) -> ir.Program:

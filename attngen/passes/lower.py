@@ -110,6 +110,8 @@ def run(spec: Spec) -> ir.Program:
         attrs["page_size"] = spec.kv_layout.page_size
     if spec.packs_gqa:
         attrs["pack_gqa"] = True
+    if spec.varlen:
+        attrs["varlen"] = True
     if spec.variant.score is not None:
         attrs["score"] = spec.variant.score.text()
     if spec.variant.sinks:

@@ -69,7 +69,7 @@ PLAIN_MASKS = ("none", "causal(top_left)", "causal(bottom_right)")
 
 
 def applies(program: ir.Program) -> bool:
-    return (not program.attr("kvcache", False) and program.attr("split_kv") is None
+    return (not program.attr("kvcache", False) and program.attr("split_kv") is None and not program.attr("varlen")
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and (not is_variant(program) or variant_supported(program))
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS)

@@ -32,7 +32,9 @@ K/V tiles); `num_splits` (for `split_kv = auto`) 0 is the run-time heuristic of 
 
 def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     """A reasonable config for a GPU (or the interpreter), before any tuning."""
-    if spec.is_split or spec.kv_layout.paged:
+    # NOTE: a paged varlen kernel tiles the queries of prefills beside decodes (no GQA packing): prefill tiles,
+    # BLOCK_N kept within a page by its launcher. Not measured yet.
+    if (spec.is_split or spec.kv_layout.paged) and not spec.varlen:
         return decode_heuristic(spec, interpreter)
     if interpreter:
         # The interpreter pays per block iteration, not per element: big tiles are fast there.

@@ -195,6 +195,17 @@ def check_grid(batch: int, heads: int, name: str) -> None:
         )
 
 
+def check_recording(spec: Spec, grad: bool, traced: bool, out, config) -> None:
+    """A call that needs gradients (`grad`) or that torch.compile traces (`traced`) is recorded through
+    attngen's autograd: its spec must have a backward, and it takes no out= or config=."""
+    if grad and not spec.backward:
+        raise KernelInputError(
+            f"q, k, v or sinks requires grad, but kernel '{spec.name}' is forward-only: "
+            "write direction = forward+backward in its spec (or call it under torch.no_grad())")
+    if (grad or traced) and (out is not None or config is not None):
+        raise KernelInputError("out= and config= are not supported when recording for autograd")
+
+
 def check_scale(scale, spec: Spec | None = None, name: str = "scale") -> float:
     """A finite positive Python or numpy real number (not a bool or a tensor) in the range the
     kernels compute correctly; None means the spec's scale."""
@@ -289,7 +300,7 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 _TENSOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32}
 
 
-def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict) -> tuple:
+def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int | None = None) -> tuple:
     """The run-time tensors of a variant spec (declared tensors, ALiBi's slopes, the sinks) from a call's
     keywords, in `Variant.runtime_tensors` order, each checked against q (B, H, N_Q, D): a missing or unknown
     keyword is a TypeError naming it, a wrong shape, dtype or device a KernelInputError.
@@ -298,14 +309,14 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict) -> tuple:
     gradient comes back in theirs); a declared tensor is exactly its declared shape (B and H read from q)
     and dtype. attngen computes gradients for the sinks only: a slope or declared tensor that requires
     grad while grad mode is on is refused, not treated as a constant (its gradient would silently be
-    missing)."""
+    missing). `batch`: the number of sequences where q's first dimension is not it (packed varlen q)."""
     variant = spec.variant
     names = variant.runtime_tensors()
     unknown = sorted(set(given) - set(names))
     if unknown:
         takes = ", ".join(f"{n}=" for n in names) or "no tensor keywords"
         raise TypeError(f"kernel '{spec.name}' got the unexpected keyword {unknown[0]}= (its spec takes {takes})")
-    batch, heads = q.shape[0], q.shape[1]
+    batch, heads = q.shape[0] if batch is None else batch, q.shape[1]
     out = []
     for name in names:
         t = given.get(name)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .arguments import check_like, gradient_tensors, tensor_signature
-from .registry import gradients, resolve, setup_context
+from .registry import gradients, resolve, setup_context, varlen_gradients, varlen_setup_context
 from .replay import record, wanted
 
 
@@ -180,6 +180,37 @@ def attention_forward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if needs_grad(q, k, v, *tensors):
         return _Eager.apply(key, q, k, v, scale, *tensors)
     return resolve(key).forward(q, k, v, scale, tensors=tuple(tensors))
+
+
+class _VarlenEager(torch.autograd.Function):
+    """`_Eager` for a varlen kernel (packed sequences): the sequences' int32 offsets and key counts ride along."""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, *tensors):
+        out, lse = resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)
+        varlen_setup_context(ctx, (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors), (out, lse))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        *grads, extra = varlen_gradients(ctx, d_out, lambda key, *args: resolve(key).varlen_backward(*args))
+        return (*grads, *extra)
+
+
+def varlen_forward(key: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float,
+                   tensors: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_forward` for a varlen kernel: (out, lse (H, TOTAL_Q)) of checked packed inputs, recorded for
+    autograd when q, k, v or the sinks require grad, through the custom op `attngen::varlen_forward` while
+    torch.compile traces."""
+    if torch.compiler.is_compiling():
+        from . import ops  # noqa: F401 - registers the ops (torch.compile imports it, it does not trace it)
+
+        return torch.ops.attngen.varlen_forward(key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
+                                                list(tensors))
+    if needs_grad(q, k, v, *tensors):
+        return _VarlenEager.apply(key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, *tensors)
+    return resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tuple(tensors))
 
 
 def needs_grad(*tensors) -> bool:

@@ -28,9 +28,9 @@ from ..errors import KernelInputError
 from ..lang.spec import Spec, load_file, parse
 from ..passes import compile_program
 from ..policy import configs
-from . import autograd, cache, interpreter_fixes, launch, registry, tables, warmup
+from . import autograd, cache, interpreter_fixes, launch, registry, tables, varlen, warmup
 from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out,
-                        check_packed_indexing, check_runtime_tensors, check_scale, gradient_tensors, on_other_gpu,
+                        check_packed_indexing, check_recording, check_runtime_tensors, check_scale, gradient_tensors, on_other_gpu,
                         tensor_signature)
 from .keys import Shape, problem_text
 from .parts import PARTS, BackwardPart, KVCachePart
@@ -167,8 +167,9 @@ class Kernel:
     # -- configuration -----------------------------------------------------------------------------
     @property
     def kvcache(self) -> bool:
-        """Whether the spec is a kernel over a KV cache (split-KV or paged): `forward_kvcache`."""
-        return self.spec.is_split or self.spec.kv_layout.paged
+        """Whether the spec is a kernel over a KV cache (split-KV or paged): `forward_kvcache`. A paged varlen
+        kernel is not: it takes packed sequences (`forward_varlen`)."""
+        return (self.spec.is_split or self.spec.kv_layout.paged) and not self.spec.varlen
 
     def part(self, name: str):
         """One launch of this kernel with a launch config of its own (attngen/runtime/parts.py): "forward" (this
@@ -230,7 +231,13 @@ class Kernel:
         of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
         input: addresses are not in the signature), and from the signature's third call on replays the launches
         of its second (attngen/runtime/replay.py), with autograd or without, as `attngen.attention` does.
+
+        A varlen spec's kernel (`layout = varlen`) takes packed sequences instead: `kernel(q, k, v, *,
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, block_table=None, scale=None,
+        return_lse=False, out=None, **tensors)` (attngen/runtime/varlen.py).
         """
+        if self.spec.varlen:
+            return varlen.call(self, q, k, v, scale=scale, return_lse=return_lse, out=out, config=config, **tensors)
         signature = None
         # NOTE: calls with run-time tensors skip the plans and replays: the tensors' checks run every call.
         if config is None and not tensors and not self.tensor_names and not torch.compiler.is_compiling():
@@ -249,13 +256,8 @@ class Kernel:
         extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
         sm_scale = check_scale(scale, self.spec)
         grad = autograd.needs_grad(q, k, v, *extra)
-        if grad and not self.spec.backward:
-            raise KernelInputError(
-                f"q, k, v or sinks requires grad, but kernel '{self.spec.name}' is forward-only: "
-                "write direction = forward+backward in its spec (or call it under torch.no_grad())")
+        check_recording(self.spec, grad, torch.compiler.is_compiling(), out, config)
         if grad or torch.compiler.is_compiling():
-            if out is not None or config is not None:
-                raise KernelInputError("out= and config= are not supported when recording for autograd")
             out, lse = autograd.attention_forward(self.key, q, k, v, sm_scale, extra)
         else:
             out, lse = self.forward(q, k, v, sm_scale, out=out, config=config, tensors=extra)  # (checks out)
@@ -367,6 +369,15 @@ class Kernel:
         if sinks is None:
             return grads
         return grads[:3] + (grads[3].to(sinks.dtype),)
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = ()):
+        """(out, lse) of a varlen kernel on checked packed inputs (attngen/runtime/varlen.py), for autograd."""
+        return varlen.forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, None, scale, tensors=tensors)
+
+    def varlen_backward(self, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float,
+                        tensors: tuple = ()):
+        """The gradients of `varlen_forward` (dq, dk, dv[, dsinks]); only `do` is checked."""
+        return varlen.backward(self, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)
 
     # -- what the config lookup reads (attngen/runtime/tables.py) ---------------------------------
     def tuning_problem(self) -> str:

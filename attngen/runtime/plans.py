@@ -7,7 +7,8 @@ the replays of its launches (attngen/runtime/replay.py); a signature holds every
 tables' generation), so a later call with the same signature skips the checks and would pass them.
 
 A signature's first element names its call path, so the paths cannot take each other's plans: "sdpa"
-(attngen/api/sdpa.py), "kvcache" (attngen/api/kvcache.py), and for `Kernel.__call__` the `Kernel` object
+(attngen/api/sdpa.py), "kvcache" (attngen/api/kvcache.py), "torch_flash" (the aten ops of
+attngen/integrations/torch_flash.py, whose forward's replays also write the log-sum-exp), and for `Kernel.__call__` the `Kernel` object
 itself (attngen/runtime/kernel.py): a kernel loaded with its own autotune setting is a copy of the plain one
 with the same spec, and its plans hold its own key and replays of its own configs.
 """

@@ -1,18 +1,19 @@
 """The loaded kernels by the key the custom ops and attngen's autograd name them with.
 
 A key is a loaded kernel's `Kernel.key` (`register` adds it when `load` loads the kernel), or
-`sdpa:<dtype>:<head_dim>:<causal|full>[:<variant>...]` for `attngen.attention` (lang/builtin.py's `sdpa_key`),
-whose spec `resolve` loads on first use (inside the op while torch.compile runs the graph, so that tracing never
+`sdpa:<dtype>:<head_dim>:<causal|full>[:<variant>...]` for `attngen.attention` (lang/builtin.py's `sdpa_key`) or
+`varlen:...` for `attngen.flash_attn_varlen_func` (`varlen_key`), whose spec `resolve` loads on first use (inside the op while torch.compile runs the graph, so that tracing never
 runs attngen's loader).
 """
 
 from __future__ import annotations
 
 from ..errors import AttnGenError
-from ..lang.builtin import sdpa_key_spec
+from ..lang.builtin import sdpa_key_spec, varlen_key_spec
 
 _KERNELS: dict = {}
-_SDPA_SPECS: dict = {}
+_SDPA_SPECS: dict = {}  # builtin key -> its spec
+_BUILTIN_KEYS = {"sdpa": sdpa_key_spec, "varlen": varlen_key_spec}  # a builtin key's prefix -> its spec's reader
 
 
 def _no_loader(spec):
@@ -39,10 +40,11 @@ def resolve(key: str):
     kernel = _KERNELS.get(key)
     if kernel is not None:
         return kernel
-    if key.startswith("sdpa:"):
+    builtin = _BUILTIN_KEYS.get(key.partition(":")[0])
+    if builtin is not None:
         spec = _SDPA_SPECS.get(key)
         if spec is None:
-            spec = _SDPA_SPECS[key] = sdpa_key_spec(key)
+            spec = _SDPA_SPECS[key] = builtin(key)
         return _load(spec)  # a spec object load() has seen: a dictionary lookup
     raise AttnGenError(f"no attngen kernel with key {key!r} is loaded in this process")
 
@@ -70,3 +72,26 @@ def gradients(ctx, d_out, backward):
     if dsinks and tensors[-1].requires_grad:
         extra[-1] = dsinks[0]
     return None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None, None, extra
+
+
+def varlen_setup_context(ctx, inputs, output):
+    """What a varlen forward's gradient needs: inputs (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
+    tensors), the tensors in `Kernel.tensor_names` order."""
+    key, q, k, v, cu_q, cu_k, seqlens_k, scale, tensors = inputs
+    ctx.key, ctx.scale = key, scale
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, seqlens_k, *tensors)
+
+
+def varlen_gradients(ctx, d_out, backward) -> tuple:
+    """The varlen forward's input gradients (key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors),
+    the last a list with one entry per run-time tensor (as `gradients`), from `backward(key, q, k, v, out, lse, do,
+    cu_q, cu_k, seqlens_k, scale, tensors) -> (dq, dk, dv[, dsinks])`."""
+    q, k, v, out, lse, cu_q, cu_k, seqlens_k, *tensors = ctx.saved_tensors
+    extra = [None] * len(tensors)
+    if d_out is None:
+        return (None,) * 8 + (extra,)
+    dq, dk, dv, *dsinks = backward(ctx.key, q, k, v, out, lse, d_out, cu_q, cu_k, seqlens_k, ctx.scale, tuple(tensors))
+    if dsinks and tensors[-1].requires_grad:
+        extra[-1] = dsinks[0]
+    need = ctx.needs_input_grad
+    return (None, dq if need[1] else None, dk if need[2] else None, dv if need[3] else None) + (None,) * 4 + (extra,)

@@ -212,6 +212,8 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None, tensors: dict | No
 
 def run_case(kernel, case: Case, device, generator=None) -> Result:
     spec = kernel.spec
+    if spec.varlen:
+        return _run_varlen_case(kernel, case, device, generator)
     q, k, v = random_inputs(spec, case, device, generator)
     tensors = runtime_tensors(spec, case, device, generator)
     out = torch.full_like(q, float("nan"))
@@ -223,6 +225,64 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
         grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned, **tensors)
         result = replace(result, grads=compare_grads(spec, q, k, v, do, grads, tensors=tensors))
     return result
+
+
+def varlen_lengths(case: Case) -> tuple[list[int], list[int]]:
+    """The sequences a varlen kernel runs for `case`: `case.batch` of them, of n_q and n_k, then a few shorter each
+    (odd, unequal lengths; seq_q != seq_k where the case's differ), at least one query and key each."""
+    return ([max(1, case.n_q - 5 * b) for b in range(case.batch)], [max(1, case.n_k - 3 * b) for b in range(case.batch)])
+
+
+def _run_varlen_case(kernel, case: Case, device, generator=None) -> Result:
+    """`run_case` for a varlen kernel: the case's sequences (`varlen_lengths`) packed end to end (K/V copied into
+    pages for a paged spec), the output poisoned, gradients through autograd; each sequence compared with the
+    reference of it alone. Returns the first failing sequence's result, else the one with the largest error."""
+    spec = kernel.spec
+    lens_q, lens_k = varlen_lengths(case)
+    packed = lambda lens, heads: random_inputs(spec, Case(1, heads, heads, sum(lens), 0), device, generator)[0][0]
+    q, k, v_ = packed(lens_q, case.heads), packed(lens_k, case.kv_heads), packed(lens_k, case.kv_heads)
+    q, k, v_ = (t.transpose(0, 1).contiguous() for t in (q, k, v_))  # (tokens, heads, d)
+    offsets = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
+                                        device=device)
+    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    tensors = runtime_tensors(spec, case, device, generator)
+    keys, values, table = k, v_, None
+    if spec.kv_layout.paged:
+        page = spec.kv_layout.page_size
+        pages = [-(-n // page) for n in lens_k]
+        table = torch.zeros((case.batch, max(pages)), dtype=torch.int32, device=device)
+        keys, values = (t.new_zeros((sum(pages), page) + tuple(t.shape[1:])) for t in (k, v_))
+        first = 0
+        for b, n in enumerate(lens_k):
+            table[b, :pages[b]] = torch.arange(first, first + pages[b], dtype=torch.int32, device=device)
+            for pool, t in ((keys, k), (values, v_)):
+                pool.view(-1, *t.shape[1:])[first * page:first * page + n] = t[int(cu_k[b]):int(cu_k[b + 1])]
+            first += pages[b]
+    if spec.backward:
+        q, k, v_ = (t.requires_grad_() for t in (q, k, v_))
+        keys, values = k, v_
+    out, lse = kernel(q, keys, values, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                      max_seqlen_k=max(lens_k), block_table=table, return_lse=True,
+                      out=None if spec.backward else torch.full_like(q, float("nan")), **tensors)
+    do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+    if spec.backward:
+        out.backward(do)
+    results = []
+    for b in range(case.batch):
+        rows = lambda t, cu: t.detach()[int(cu[b]):int(cu[b + 1])].transpose(0, 1)[None]
+        seq = {name: t[b:b + 1] if name == v.ALIBI_TENSOR and t.dim() == 2 else t for name, t in tensors.items()}
+        qs, ks, vs = rows(q, cu_q), rows(k, cu_k), rows(v_, cu_k)
+        result = compare(spec, Case(1, case.heads, case.kv_heads, lens_q[b], lens_k[b]), rows(out, cu_q),
+                         lse[:, int(cu_q[b]):int(cu_q[b + 1])][None], qs, ks, vs, tensors=seq)
+        if spec.backward:
+            grads = tuple(rows(t.grad, cu) for t, cu in ((q, cu_q), (k, cu_k), (v_, cu_k)))
+            # (the sinks' gradient sums over the sequences: not one sequence's; its check is the tests')
+            grads += (torch.zeros_like(seq[v.SINKS_TENSOR]),) if spec.variant.sinks else ()
+            checked = compare_grads(spec, qs, ks, vs, rows(do, cu_q), grads, tensors=seq)[:3]
+            result = replace(result, grads=checked)
+        results.append(result)
+    failed = [r for r in results if not r.ok]
+    return replace(failed[0] if failed else max(results, key=lambda r: r.err), case=case)
 
 
 def validate(kernel, cases=None, seed: int | None = None, device=None, progress=None) -> list[Result]:

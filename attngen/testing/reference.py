@@ -97,19 +97,50 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, caus
     for b in range(batch):
         n = int(cache_seqlens[b])
         row = None if block_table is None else block_table[b]
-        k = gather_cache(k_cache[b] if row is None else k_cache, n, row).transpose(0, 1)[None]
-        v_ = gather_cache(v_cache[b] if row is None else v_cache, n, row).transpose(0, 1)[None]
-        if variant:
-            tensors = {"sinks": sinks} if sinks is not None else {}
-            if alibi_slopes is not None:
-                tensors["alibi_slopes"] = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b : b + 1]
-            out, lse = variant_attention(q[b : b + 1].transpose(1, 2), k, v_, variant, True, scale, tensors, dtype)
-        else:
-            mask = Mask.CAUSAL_BOTTOM_RIGHT if causal else Mask.NONE
-            out, lse = attention(q[b : b + 1].transpose(1, 2), k, v_, mask, scale, dtype)
-        outs.append(out[0].transpose(0, 1))
-        lses.append(lse[0])
+        k = gather_cache(k_cache[b] if row is None else k_cache, n, row)
+        v_ = gather_cache(v_cache[b] if row is None else v_cache, n, row)
+        out, lse = _bottom_right(q[b], k, v_, b, variant, causal, scale, alibi_slopes, sinks, dtype)
+        outs.append(out)
+        lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
+
+
+def _bottom_right(q, k, v_, b: int, variant, causal: bool, scale, alibi_slopes, sinks, dtype):
+    """Sequence `b`'s attention, q (S_q, H, D) and k, v (S_k, H_KV, D), aligned bottom-right: out (S_q, H, D),
+    lse (H, S_q)."""
+    q, k, v_ = (t.transpose(0, 1)[None] for t in (q, k, v_))
+    if variant:
+        tensors = {"sinks": sinks} if sinks is not None else {}
+        if alibi_slopes is not None:
+            tensors["alibi_slopes"] = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b : b + 1]
+        out, lse = variant_attention(q, k, v_, variant, True, scale, tensors, dtype)
+    else:
+        mask = Mask.CAUSAL_BOTTOM_RIGHT if causal else Mask.NONE
+        out, lse = attention(q, k, v_, mask, scale, dtype)
+    return out[0].transpose(0, 1), lse[0]
+
+
+def varlen_attention(q, k, v_, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, dtype=torch.float64,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, seqused_k=None,
+                     block_table=None):
+    """Reference for `flash_attn_varlen_func` (flash-attn's semantics): each sequence on its own, its keys the
+    first seqused_k[b] (else all) of its slice of k and v (total_k, H_KV, D), or with `block_table` of its pages
+    in the pool (num_pages, page_size, H_KV, D), aligned bottom-right as `kvcache_attention` aligns them.
+    Returns out (total_q, H, D) and lse (H, total_q), in `dtype`; differentiable."""
+    variant = kvcache_variant(causal, window_size, softcap, alibi_slopes is not None, sinks is not None)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        n = cu_k[b + 1] - cu_k[b] if seqused_k is None else int(seqused_k[b])
+        if block_table is None:
+            k_b, v_b = k[cu_k[b] : cu_k[b] + n], v_[cu_k[b] : cu_k[b] + n]
+        else:
+            k_b, v_b = gather_cache(k, n, block_table[b]), gather_cache(v_, n, block_table[b])
+        out, lse = _bottom_right(q[cu_q[b] : cu_q[b + 1]], k_b, v_b, b, variant, causal, scale, alibi_slopes, sinks,
+                                 dtype)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def kvcache_variant(causal: bool, window_size=(-1, -1), softcap=0.0, alibi=False, sinks=False) -> v.Variant:

@@ -25,7 +25,10 @@ def tunable(part) -> Tunable:
 
 def tunables(kernel) -> list[Tunable]:
     """Everything of a loaded kernel the autotuner can tune, each with its `kind`: the forward (or, for a spec
-    over a KV cache, its `forward_kvcache` entry), and a forward+backward spec's two backward kernels."""
+    over a KV cache, its `forward_kvcache` entry), and a forward+backward spec's two backward kernels. A varlen
+    kernel has none yet: it runs the policy's tiles (its tuning inputs would be packed batches)."""
+    if kernel.spec.varlen:
+        return []
     if kernel.kvcache:
         return [tunable(kernel.part("kvcache"))]
     return [tunable(kernel)] + ([tunable(kernel.part(name)) for name in PARTS] if kernel.spec.backward else [])

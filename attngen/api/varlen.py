@@ -1,0 +1,199 @@
+"""The drop-in for flash-attn's `flash_attn_varlen_func`: packed sequences of different lengths in one call.
+
+q (total_q, H, D) and k, v (total_k, H_KV, D) hold the batch's sequences one after another; int32
+`cu_seqlens_q` / `cu_seqlens_k` (B + 1,) say where each starts. K and V may instead be a paged pool
+(num_pages, page_size, H_KV, D) read through `block_table` (B, pages per sequence). Each combination of
+dtype, head dim, GQA grouping, mask, variant and page size is one builtin spec (lang/builtin.py's `varlen_spec`,
+registry key `varlen_key`) whose kernel the call runs; the kernel's autograd makes the call differentiable
+(not paged).
+
+The arguments' shapes and dtypes are checked at every call. Their values (cu_seqlens monotonic from 0 and within
+the packed tensors, max_seqlen at least every sequence's length, seqused_k and block_table in range) need the
+tensors on the host: they are checked when the tensors are on the CPU, and on a GPU only under
+ATTNGEN_CHECK_KVCACHE=1 (a debug mode: it copies them back and synchronises), as attention_with_kvcache does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..env import check_kvcache
+from ..errors import KernelInputError
+from ..lang.builtin import NO_WINDOW, varlen_key
+from ..runtime.arguments import check_scale
+from ..runtime.registry import resolve
+from .sdpa import _DTYPES, _checked_float, checked_softcap, checked_window
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           sinks=None, out=None):
+    """Attention over packed variable-length sequences, with flash-attn's `flash_attn_varlen_func` semantics.
+
+    q (total_q, H, D); k and v (total_k, H_KV, D), or with `block_table` (B, pages per sequence; int32) a paged
+    pool (num_pages, page_size, H_KV, D) in which sequence b's keys are its pages in block_table[b]'s order.
+    `cu_seqlens_q`, `cu_seqlens_k`: int32 (B + 1,), each starting at 0; sequence b's queries are
+    q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]. `max_seqlen_q`, `max_seqlen_k`: at least every sequence's length.
+    `seqused_k` (B,) int32: only the first seqused_k[b] keys of sequence b are attended. H a multiple of H_KV
+    (GQA). `causal` and `window_size` (left, right; -1 unbounded) are aligned bottom-right per sequence
+    (query i of a sequence of L queries and S keys sits at key position i + S - L); `softcap` > 0, `alibi_slopes`
+    (H,) or (B, H) and `sinks` (H,) as `attngen.attention` takes them. `dropout_p` must be 0; `deterministic` is
+    accepted for flash-attn's signature (attngen's backward is deterministic under
+    `torch.use_deterministic_algorithms(True)`). `out`: a tensor like q to write the output into.
+
+    Returns out (total_q, H, D); with `return_attn_probs`, (out, softmax_lse, None) as flash-attn does, softmax_lse
+    float32 (H, total_q) in natural log.
+    """
+    plan = _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size, softcap, alibi_slopes, block_table, seqused_k, sinks)
+    kernel = resolve(plan.key)
+    result = kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                    max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table, scale=plan.scale,
+                    return_lse=bool(return_attn_probs), out=out, **plan.tensors)
+    if return_attn_probs:
+        out, lse = result
+        return out, lse, None
+    return result
+
+
+class VarlenPlan(NamedTuple):
+    """What `flash_attn_varlen_func`'s checks decide: the kernel's registry key, the softmax scale, and the
+    run-time tensors by the keyword the kernel takes them with (float32)."""
+    key: str
+    scale: float
+    tensors: dict
+
+
+def _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, block_table, seqused_k, sinks) -> VarlenPlan:
+    """The checks (a bad argument raises, naming it, before anything runs)."""
+    if dropout_p != 0.0:
+        raise KernelInputError(f"dropout_p must be 0.0 (attngen has no dropout); got {dropout_p}")
+    paged = block_table is not None
+    for name, t, dims in (("q", q, 3), ("k", k, 4 if paged else 3), ("v", v, 4 if paged else 3)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dim() != dims:
+            layout = ("(num_pages, page_size, kv_heads, head_dim) with block_table" if dims == 4 else
+                      "(total_tokens, heads, head_dim)")
+            raise KernelInputError(f"{name} must be {layout}; got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise KernelInputError(f"{name} has dtype {t.dtype}; supported are float16, bfloat16 and float32")
+        if t.device != q.device:
+            raise KernelInputError(f"{name} is on {t.device} and q on {q.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise KernelInputError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise KernelInputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise KernelInputError(f"q, k and v must share a head dim; got {head_dim} and {k.shape[-1]}")
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    if kv_heads == 0 or heads % kv_heads:
+        raise KernelInputError(f"q has {heads} heads and k {kv_heads}: the query heads must be a multiple of the "
+                               "key/value heads")
+    batch = _check_batch(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
+    if check_kvcache() or q.device.type == "cpu":
+        page_size = k.shape[1] if paged else None
+        _check_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, q.shape[0],
+                      None if paged else k.shape[0], page_size, k.shape[0] if paged else 0)
+    window, softcap = checked_window(causal, window_size, "causal"), checked_softcap(softcap, alibi_slopes)
+    tensors = {}
+    if alibi_slopes is not None:
+        tensors["alibi_slopes"] = _checked_float("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads)))
+    if sinks is not None:
+        tensors["sinks"] = _checked_float("sinks", sinks, q, ((heads,),))
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
+    key = varlen_key(_DTYPES[q.dtype], head_dim, bool(causal), k.shape[1] if paged else None,
+                     (heads, kv_heads) if heads != kv_heads else None, window, softcap, alibi_slopes is not None,
+                     sinks is not None)
+    return VarlenPlan(key, float(scale), tensors)
+
+
+def _int32_vector(name: str, t, length: int | None, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise KernelInputError(f"{name} must be int32; got {t.dtype}")
+    if t.dim() != 1:
+        raise KernelInputError(f"{name} must be 1-D; got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise KernelInputError(f"{name} must have {length} entries (one per sequence of cu_seqlens_q); "
+                               f"got {t.shape[0]}")
+    if t.device != device:
+        raise KernelInputError(f"{name} is on {t.device} and q on {device}")
+
+
+def _check_batch(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table) -> int:
+    """The checks of the sequence tensors' types and shapes (no values read); returns the batch size."""
+    _int32_vector("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise KernelInputError("cu_seqlens_q must have batch + 1 entries, starting at 0; got none")
+    batch = cu_seqlens_q.shape[0] - 1
+    _int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device)
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise KernelInputError(f"{name} must be an int >= 0; got {n!r}")
+    if seqused_k is not None:
+        _int32_vector("seqused_k", seqused_k, batch, q.device)
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, not {type(block_table).__name__}")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2:
+            raise KernelInputError(f"block_table must be int32 (batch, pages per sequence); got {block_table.dtype} "
+                                   f"{tuple(block_table.shape)}")
+        if block_table.shape[0] != batch:
+            raise KernelInputError(f"block_table has {block_table.shape[0]} rows and cu_seqlens_q {batch + 1} "
+                                   f"entries: it must have one row per sequence ({batch})")
+        if block_table.device != q.device:
+            raise KernelInputError(f"block_table is on {block_table.device} and q on {q.device}")
+    return batch
+
+
+def _check_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, total_q: int,
+                  total_k: int | None, page_size: int | None, num_pages: int) -> None:
+    """The checks that read the sequence tensors' values (on the host; `total_k` None when K/V are paged)."""
+    lengths = {}
+    for name, cu, total, longest, longest_name in (
+            ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")):
+        cu = cu.cpu().long()
+        if cu[0].item() != 0:
+            raise KernelInputError(f"{name} must start at 0; got {cu[0].item()}")
+        diffs = cu.diff()
+        if (diffs < 0).any():
+            b = int((diffs < 0).nonzero()[0, 0])
+            raise KernelInputError(f"{name} must not decrease; entry {b + 1} is {cu[b + 1].item()} after {cu[b].item()}")
+        if total is not None and cu[-1].item() > total:
+            raise KernelInputError(f"{name} ends at {cu[-1].item()}, past the {total} tokens of the packed "
+                                   f"{'q' if name == 'cu_seqlens_q' else 'k and v'}")
+        if diffs.numel() and diffs.max().item() > longest:
+            raise KernelInputError(f"{longest_name} is {longest}, smaller than sequence "
+                                   f"{int(diffs.argmax())}'s {diffs.max().item()} tokens in {name}")
+        lengths[name] = diffs
+    keys = lengths["cu_seqlens_k"]
+    if seqused_k is not None:
+        used = seqused_k.cpu().long()
+        bad = (used < 0) | (used > keys) if total_k is not None else used < 0
+        if bad.any():
+            b = int(bad.nonzero()[0, 0])
+            raise KernelInputError(f"seqused_k[{b}] is {used[b].item()}; it must be from 0 to the sequence's "
+                                   f"{keys[b].item()} keys in cu_seqlens_k")
+        if used.numel() and used.max().item() > max_seqlen_k:
+            raise KernelInputError(f"max_seqlen_k is {max_seqlen_k}, smaller than seqused_k's {used.max().item()}")
+        keys = used
+    if block_table is not None:
+        capacity = block_table.shape[1] * page_size
+        if keys.numel() and keys.max().item() > capacity:
+            b = int(keys.argmax())
+            raise KernelInputError(f"sequence {b} has {keys[b].item()} keys, more than its block_table row's "
+                                   f"{block_table.shape[1]} pages of {page_size} hold")
+        table = block_table.cpu().long()
+        needed = torch.arange(block_table.shape[1]) * page_size < keys[:, None]
+        if ((table < 0) | (table >= num_pages))[needed].any():
+            raise KernelInputError(f"block_table names a page outside the pool of {num_pages} pages")
