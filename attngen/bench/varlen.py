@@ -91,7 +91,8 @@ def _accuracy(out, ref) -> str | None:
 
 
 def _packed(lengths, heads, head_dim, device, generator, grad=False):
-    q, k, v = (torch.randn(sum(lengths), heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)
+    # (drawn by the host's generator, then moved: one generator serves every tensor of a run on any device)
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, generator=generator).to(device, torch.bfloat16)
                .requires_grad_(grad) for _ in range(3))
     return q, k, v
 
@@ -241,7 +242,7 @@ def slot_rows(size: dict, device, check: bool, names, directions, generator) -> 
     for causal in (False, True):
         for n in lengths:
             b = max(1, FULL["tokens"] // n) if not check else 2
-            q, k, v = (torch.randn(b, heads, n, d, device=device, dtype=torch.bfloat16, generator=generator)
+            q, k, v = (torch.randn(b, heads, n, d, generator=generator).to(device, torch.bfloat16)
                        .requires_grad_() for _ in range(3))
             params = dict(case="slot", batch=b, heads=heads, seqlen=n, head_dim=d, causal=True if causal else False)
             runs = {"attngen": lambda: attention(q, k, v, is_causal=causal)}
@@ -278,7 +279,8 @@ def slot_rows(size: dict, device, check: bool, names, directions, generator) -> 
 def bench_varlen(names=PROVIDERS, directions=("forward", "backward"), check=False, progress=print) -> list[Row]:
     device = "cpu" if check and not torch.cuda.is_available() else "cuda"
     size = TINY if check else FULL
-    generator = torch.Generator().manual_seed(49)
+    generator = torch.Generator()
+    generator.seed()  # fresh random data each run
     # (a check compares forward outputs: one direction is enough)
     rows = documents_rows(size, device, check, names, directions[:1] if check else directions, generator)
     progress("varlen documents done")
