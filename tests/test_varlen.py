@@ -382,7 +382,8 @@ def test_varlen_pass_before_and_after():
     assert "load K[k_start + (start_n:+BLOCK_N (<n_k)), (h // GROUP), :HEAD_DIM]" in after
     assert "store LSE[h, q_start + (start_m:+BLOCK_M (<n_q))]" in after
     assert "keep key <= query + n_k - n_q" in after
-    assert "n_k: reg int32[] = load SEQLENS_K[b]" in after and "n_q: reg int32[] = load CU_SEQLENS_Q[b + 1] - q_start" in after
+    assert "n_k: reg int32[] = load SEQLENS_K[b]" in after
+    assert "n_q: reg int32[] = load CU_SEQLENS_Q[b + 1] - q_start" in after
 
 
 def test_gradients_through_torch_compile_in_one_graph():
@@ -444,3 +445,22 @@ def test_gpu_packed_documents_and_a_mixed_serving_step():
                      max_seqlen_k=max(lens_k), block_table=table, out=torch.full_like(q, float("nan")),
                      return_lse=True)
     _check_forward(paged, out, lse, q, k, v, cu_q, cu_k)
+
+
+def test_row_offsets_past_32_bits_are_refused_before_any_launch(monkeypatch):
+    """Rows inside a sequence are 32-bit offsets: packed rows spanning past the limit are refused; a page pool
+    is not held to it as a whole, its pages being 64-bit offsets (the limit lowered to 1000 elements here)."""
+    import attngen.runtime.arguments as arguments_module
+    from attngen.runtime.varlen import arguments
+
+    monkeypatch.setattr(arguments_module, "INT32_MAX", 1000)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    small = torch.zeros((3, 2, 32), device=DEVICE)  # rows span 2 * 64 + 32 elements
+    spec = _kernel("mask = causal", "vl_span").spec
+    arguments(spec, small, small, small, cu, cu, 3, 3)
+    long = torch.zeros((20, 2, 32), device=DEVICE)  # 19 * 64 + 32 > 1000
+    with pytest.raises(ValueError, match="q spans 1,248 elements within one sequence's rows of one head"):
+        arguments(spec, long, small, small, cu, cu, 3, 3)
+    paged = _kernel("mask = causal\n kv_layout = paged(page_size = 16)", "vl_span_paged").spec
+    pool = torch.zeros((4, 16, 2, 32), device=DEVICE)  # a page spans 15 * 64 + 32, the pool 4,096 elements
+    arguments(paged, small, pool, pool, cu, cu, 3, 3, block_table=torch.zeros((1, 1), dtype=torch.int32, device=DEVICE))
