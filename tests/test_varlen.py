@@ -188,7 +188,7 @@ def _pages(k, v, cu_k, page_size, generator):
     """k and v (total, H_KV, D) copied into pools of shuffled pages; returns (k_pool, v_pool, block_table)."""
     lens = [int(cu_k[b + 1] - cu_k[b]) for b in range(cu_k.shape[0] - 1)]
     per = [max(1, -(-n // page_size)) for n in lens]
-    order = torch.randperm(sum(per), generator=generator, device="cpu").to(DEVICE)
+    order = torch.randperm(sum(per), generator=generator, device=generator.device).to(DEVICE)
     pools = [torch.zeros((sum(per), page_size) + tuple(k.shape[1:]), dtype=k.dtype, device=DEVICE) for _ in "kv"]
     table = torch.zeros((len(lens), max(per) + 1), dtype=torch.int32, device=DEVICE)
     used = 0
@@ -382,7 +382,8 @@ def test_varlen_pass_before_and_after():
     assert "load K[k_start + (start_n:+BLOCK_N (<n_k)), (h // GROUP), :HEAD_DIM]" in after
     assert "store LSE[h, q_start + (start_m:+BLOCK_M (<n_q))]" in after
     assert "keep key <= query + n_k - n_q" in after
-    assert "n_k: reg int32[] = load SEQLENS_K[b]" in after and "n_q: reg int32[] = load CU_SEQLENS_Q[b + 1] - q_start" in after
+    assert "n_k: reg int32[] = load SEQLENS_K[b]" in after
+    assert "n_q: reg int32[] = load CU_SEQLENS_Q[b + 1] - q_start" in after
 
 
 def test_gradients_through_torch_compile_in_one_graph():
@@ -416,3 +417,50 @@ def test_gradients_through_torch_compile_in_one_graph():
     assert counter.frame_count == 1
     for eager, traced in zip(*runs):
         assert torch.allclose(eager, traced, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_documents_and_a_mixed_serving_step():
+    """At real sizes on a GPU: 8 documents of random lengths packed into 4096 tokens through the shipped
+    training spec (forward and backward), and 4 prefills beside 28 decodes over shuffled 64-token pages."""
+    g = torch.Generator(device=DEVICE).manual_seed(23)
+    cuts = sorted(torch.randperm(4095, generator=torch.Generator().manual_seed(23))[:7].add(1).tolist())
+    lens = [b - a for a, b in zip([0] + cuts, cuts + [4096])]
+    kernel = attngen.load(os.path.join(SPECS, "varlen_causal_d128.attn"))
+    q, k, v, cu_q, cu_k = _packed(kernel, lens, lens, 32, 8, g, requires_grad=True)
+    out, lse = kernel(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                      return_lse=True)
+    _check_forward(kernel, out.detach(), lse, q.detach(), k.detach(), v.detach(), cu_q, cu_k)
+    do = torch.randn(out.shape, generator=g, device=DEVICE).to(out.dtype)
+    out.backward(do)
+    _check_grads(kernel, q, k, v, cu_q, cu_k, do)
+
+    paged = attngen.load(os.path.join(SPECS, "varlen_paged_d128.attn"))
+    lens_q = [1000, 2048, 77, 513] + [1] * 28
+    lens_k = [1000 + 3000, 2048, 77 + 64, 513 + 900] + [int(n) for n in torch.randint(1, 8000, (28,), generator=g,
+                                                                                      device=DEVICE)]
+    q, k, v, cu_q, cu_k = _packed(paged, lens_q, lens_k, 32, 8, g)
+    pool_k, pool_v, table = _pages(k, v, cu_k, 64, g)
+    out, lse = paged(q, pool_k, pool_v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2048,
+                     max_seqlen_k=max(lens_k), block_table=table, out=torch.full_like(q, float("nan")),
+                     return_lse=True)
+    _check_forward(paged, out, lse, q, k, v, cu_q, cu_k)
+
+
+def test_row_offsets_past_32_bits_are_refused_before_any_launch(monkeypatch):
+    """Rows inside a sequence are 32-bit offsets: packed rows spanning past the limit are refused; a page pool
+    is not held to it as a whole, its pages being 64-bit offsets (the limit lowered to 1000 elements here)."""
+    import attngen.runtime.arguments as arguments_module
+    from attngen.runtime.varlen import arguments
+
+    monkeypatch.setattr(arguments_module, "INT32_MAX", 1000)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    small = torch.zeros((3, 2, 32), device=DEVICE)  # rows span 2 * 64 + 32 elements
+    spec = _kernel("mask = causal", "vl_span").spec
+    arguments(spec, small, small, small, cu, cu, 3, 3)
+    long = torch.zeros((20, 2, 32), device=DEVICE)  # 19 * 64 + 32 > 1000
+    with pytest.raises(ValueError, match="q spans 1,248 elements within one sequence's rows of one head"):
+        arguments(spec, long, small, small, cu, cu, 3, 3)
+    paged = _kernel("mask = causal\n kv_layout = paged(page_size = 16)", "vl_span_paged").spec
+    pool = torch.zeros((4, 16, 2, 32), device=DEVICE)  # a page spans 15 * 64 + 32, the pool 4,096 elements
+    arguments(paged, small, pool, pool, cu, cu, 3, 3, block_table=torch.zeros((1, 1), dtype=torch.int32, device=DEVICE))

@@ -89,22 +89,23 @@ def _kernel(kernel: ir.KernelIR, paged: bool) -> ir.KernelIR:
         if buffer.name not in shapes:
             return buffer, index
         if buffer.name in _ROW_STATS:
-            b, head, rows = index
+            _, head, rows = index
             return shapes[buffer.name], (head, Ragged(sym.q_start, _span(rows, buffer)))
-        b, head, rows, dims = index
+        _, head, rows, dims = index
         start = sym.q_start if buffer.name in _QUERY_ROWS else sym.k_start
         return shapes[buffer.name], (Ragged(start, _span(rows, buffer)), head, dims)
 
     body = map_indices(body, pack)
     tiles = Loop(sym.tile, sym.ZERO, sym.CeilDiv(total, block) + sym.B, sym.ONE, (locate,) + body, LoopKind.GRID,
                  "tiles of all sequences")
-    grid = rebuild(middle, (tiles,)) if middle else (tiles,)
+    grid = rebuild(middle, (tiles,))
     extra = (cu_q,) + (() if paged else (cu_k,)) + (seqlens_k,)
     totals = {sym.N_Q: ir.SymbolDecl(sym.TOTAL_Q, ir.SymKind.SIZE, "query rows of all sequences", specialize=False),
               sym.N_K: ir.SymbolDecl(sym.TOTAL_K, ir.SymKind.SIZE, "key rows of all sequences", specialize=False)}
     if paged:  # the page pool's size is no sequence's
         del totals[sym.N_K]
-    sizes = tuple(totals.get(d.symbol, d) for d in kernel.symbols if d.symbol in totals or d.symbol not in (sym.N_Q, sym.N_K))
+    sizes = tuple(totals.get(d.symbol, d) for d in kernel.symbols
+                  if d.symbol in totals or d.symbol not in (sym.N_Q, sym.N_K))
     doc = kernel.doc.replace("batch", "sequence") + "; programs over the tiles of all sequences"
     return replace(kernel, params=tuple(shapes.get(p.name, p) for p in kernel.params) + extra,
                    symbols=sizes, body=grid, doc=doc)

@@ -62,12 +62,15 @@ def arguments(spec: Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         if t.dtype != spec.dtype.torch:
             raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes {spec.dtype.torch}")
         if t.shape[-1] != spec.head_dim:
-            raise KernelInputError(f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes head_dim {spec.head_dim}")
+            raise KernelInputError(f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes head_dim "
+                                   f"{spec.head_dim}")
         _runtime_device_ok(name, t)
-        # Rows inside a sequence and the head dim are addressed with 32-bit offsets (the sequence's first row
-        # and the head in 64 bits): a sequence can be as long as the tensor.
-        rows, s_rows = (t.shape[0] * t.shape[1], t.stride(1)) if paged and name != "q" else (t.shape[0], t.stride(0))
-        check_span(name, t, (rows, t.shape[-1]), (s_rows, t.stride(-1)), "one sequence's rows of one head",
+        # Rows inside a sequence (a page) and the head dim are addressed with 32-bit offsets (the sequence's first
+        # row, the page and the head in 64 bits): a sequence can be as long as the tensor.
+        pages = paged and name != "q"
+        rows, s_rows = (t.shape[1], t.stride(1)) if pages else (t.shape[0], t.stride(0))
+        check_span(name, t, (rows, t.shape[-1]), (s_rows, t.stride(-1)),
+                   "one page of one head" if pages else "one sequence's rows of one head",
                    "make the token dimension denser or split the batch")
     if not (q.device == k.device == v.device):
         raise KernelInputError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")

@@ -230,7 +230,8 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
 def varlen_lengths(case: Case) -> tuple[list[int], list[int]]:
     """The sequences a varlen kernel runs for `case`: `case.batch` of them, of n_q and n_k, then a few shorter each
     (odd, unequal lengths; seq_q != seq_k where the case's differ), at least one query and key each."""
-    return ([max(1, case.n_q - 5 * b) for b in range(case.batch)], [max(1, case.n_k - 3 * b) for b in range(case.batch)])
+    batch = range(case.batch)
+    return [max(1, case.n_q - 5 * b) for b in batch], [max(1, case.n_k - 3 * b) for b in batch]
 
 
 def _run_varlen_case(kernel, case: Case, device, generator=None) -> Result:
