@@ -117,8 +117,11 @@ def simplified(expr: sympy.Expr) -> sympy.Expr:
 
 def evaluate(expr: sympy.Expr, sizes: dict) -> float:
     """The exact value of a cost formula for concrete sizes (symbol name -> int)."""
-    by_symbol = {s: sizes[str(s)] for s in expr.free_symbols if str(s) in sizes}
-    missing = {str(s) for s in expr.free_symbols} - set(sizes)
+    # NOTE: not expr.free_symbols: a Sum's rebuilds its summand (xreplace of the bound index), minutes of min/max
+    # simplification on a decoding kernel's formula; its indices are Dummies, the sizes plain symbols
+    symbols = {s for s in expr.atoms(sympy.Symbol) if not isinstance(s, sympy.Dummy)}
+    by_symbol = {s: sizes[str(s)] for s in symbols if str(s) in sizes}
+    missing = {str(s) for s in symbols} - set(sizes)
     if missing:
         raise ValueError(f"cost formula needs {', '.join(sorted(missing))}")
     # sums term by term: their terms (integer divisions, min/max) have no closed form

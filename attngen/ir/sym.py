@@ -122,10 +122,11 @@ def value(expr, values: dict) -> Fraction:
 
     NOTE: not `subs`: sympy rebuilds and re-simplifies every node it substitutes into (Min, Max, the divisions'
     eval, every Sum), minutes for a decoding kernel's cost formula, whose trip counts nest the split bounds."""
+    # keyed by identity: a lookup by value compares equal subtrees node by node, as slow as evaluating them
     memo: dict = {}
 
     def walk(e):
-        found = memo.get(e)
+        found = memo.get(id(e))
         if found is not None:
             return found
         if e.is_Symbol:
@@ -148,7 +149,7 @@ def value(expr, values: dict) -> Fraction:
             result = Fraction(_EXACT[e.func](*(walk(a) for a in e.args)))
         else:
             raise ValueError(f"no exact value for {e.func.__name__} in {expr}")
-        memo[e] = result
+        memo[id(e)] = result
         return result
 
     return walk(sympy.sympify(expr))
