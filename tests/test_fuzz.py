@@ -143,11 +143,17 @@ def _normal(text: str, spec: Spec) -> str:
     return text.replace(spec.name, "<name>").replace(spec.hash, "<hash>")
 
 
+def _numbered(name: str) -> str:
+    """A temporary's name with its number left out (`pw_6` -> `pw_#`): the generator numbers pointwise values and
+    reads by how many others the kernel holds, which no list of sample modules covers."""
+    return re.sub(r"_[0-9]+$", "_#", name)
+
+
 @functools.lru_cache(maxsize=1)
 def _vocabulary() -> tuple[set, set]:
     """The identifiers and the short (non-doc) string constants the generator writes, spec name and
-    hash normalised: from the committed golden modules (forward, backward, decoding) and forward
-    modules for every mask and dtype, padded and unpadded head dims."""
+    hash normalised: from the committed golden modules (forward, backward, decoding), forward
+    modules for every mask and dtype, padded and unpadded head dims, and variants' backward and decoding modules."""
     sources = []
     for path in shipped_specs():
         spec = load_file(path)
@@ -157,11 +163,19 @@ def _vocabulary() -> tuple[set, set]:
         for dtype, head_dim in (("fp16", 64), ("bf16", 80), ("fp32", 32)):
             spec = parse(f"kernel {NEUTRAL} {{ mask = {mask} dtype = {dtype} head_dim = {head_dim} }}")
             sources.append((spec, render(spec, _program(spec))))
+    # the variants' backward and decoding modules (the shipped variant specs are forward ones and one decode)
+    # (each variant alone and together: the generator numbers its temporaries by what else the kernel holds)
+    for lines in ("score = softcap(30)", "score = alibi", "sinks = true", "mask = causal & window(300)",
+                  "mask = causal & window(300)\n score = alibi\n sinks = true",
+                  "mask = (q >= k & q - k < 4) | k < 6\n tensor bias[H, 64]: fp32\n score = s + bias[h, q - k]"):
+        for extra in ("direction = forward+backward", "split_kv = auto", "split_kv = auto\n kv_layout = paged(16)"):
+            spec = parse(f"kernel {NEUTRAL} {{ dtype = fp16\n head_dim = 64\n {lines}\n {extra} }}")
+            sources.append((spec, render(spec, _program(spec))))
     names, strings = set(), set()
     for spec, source in sources:
         for kind, text in _tokens(source):
             if kind == tokenize.NAME:
-                names.add(text)
+                names.update((text, _numbered(text)))
             elif kind == tokenize.STRING and not text.startswith('"""'):
                 strings.add(_normal(text, spec))
     return names, strings
@@ -218,7 +232,7 @@ def assert_only_expected_tokens(source: str, spec: Spec) -> None:
     names, strings = _vocabulary()
     for kind, text in neutral:
         if kind == tokenize.NAME:
-            assert text in names, f"unexpected identifier {text!r} in the generated module"
+            assert _numbered(text) in names, f"unexpected identifier {text!r} in the generated module"
         elif kind == tokenize.STRING and not text.startswith('"""'):
             assert _normal(text, neutral_spec) in strings, f"unexpected string {text!r} in the generated module"
         elif kind in (tokenize.STRING, tokenize.COMMENT):
@@ -285,7 +299,13 @@ def test_kernels_named_like_modules_load_and_run(name):
 
 VALID = {
     "direction": ["forward", "forward", "forward", "forward+backward"],
-    "mask": ["none", "causal", "causal(top_left)", "causal(bottom_right)", "causal(align = bottom_right)"],
+    "mask": ["none", "causal", "causal(top_left)", "causal(bottom_right)", "causal(align = bottom_right)",
+             # issue 48's variants: each named mask, a bottom-right one, a general form bounded as bands and one
+             # with a gap (evaluated per block)
+             "window(8)", "causal & window(300)", "window(5, 3)", "causal | prefix(9)", "causal & chunked(64)",
+             "causal(bottom_right) & window(7)", "q - k < 1024 and (k < 64 or q >= k)", "(q >= k & q - k < 4) | k < 6"],
+    "score": ["softcap(30)", "softcap(2)", "alibi", "s + bias[h, q - k]"],  # bias: declared, or not (an error)
+    "sinks": ["true", "false"],
     "head_dim": [str(d) for d in range(16, 257, 16)],
     "dtype": ["fp16", "bf16", "fp32"],
     "heads": ["any", "1", "2", "4", "8", "32", "1024"],
@@ -329,6 +349,8 @@ def grammar_specs(draw) -> str:
         eq = _mostly(draw, [" = ", "=", "\t=\n"], ["==", "", "= ="], one_in=100)
         end = draw(st.sampled_from(["", "", ";", " ;"]))
         entries.append(f"{space()}{key}{eq}{value}{end}")
+    if any("bias[" in e for e in entries) and draw(st.booleans()):
+        entries.append(f"{space()}tensor bias[H, 64]: fp32")
     head = _mostly(draw, ["kernel"], ["Kernel", "kernal", "", "kernel kernel"], one_in=100)
     name = draw(st.one_of(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,70}", fullmatch=True),
                           st.sampled_from(["k", "fuzz", "fwd_d64", "_x", "K9"] + ACCEPTED_NAMES),
@@ -415,6 +437,8 @@ def supported_specs(draw) -> str:
         "block_m": draw(st.sampled_from(["auto", "16", "32", "64"])),
         "block_n": draw(st.sampled_from(["auto", "16", "32", "64"])),
         "num_stages": draw(st.sampled_from(["auto", "1", "2"])),  # deeper pipelines may not fit d=256 fp32
+        "score": draw(st.sampled_from(["softcap(30)", "softcap(2)", "alibi"])),  # (validate passes their tensors)
+        "sinks": "true",
     }
     if entries["heads"] == "any":
         del entries["kv_heads"]

@@ -81,6 +81,45 @@ def test_no_mask_peels_only_the_sequence_end():
     assert loops[0].start == 0 and loops[1].stop == sym.N_K
 
 
+def test_symbolic_values_are_exact_and_match_sympy():
+    """sym.value (what sym.evaluate, the cost formulas and causal-skip's probe use) against sympy's own substitution,
+    on integer divisions of negative numerators, min/max, and a Sum whose bounds depend on an outer size."""
+    i = sympy.Dummy("i", integer=True, nonnegative=True)
+    x = sym.offset("x")
+    exprs = [
+        sympy.Max(0, sym.CeilDiv(sym.N_K - sym.start_m * 3 + x, sym.BLOCK_N)) * sym.BLOCK_N,
+        sym.FloorDiv(x - sym.N_Q, sym.GROUP) + sympy.Min(sym.N_Q, sym.N_K + x) - sym.FloorDivS(x, 7) + sym.ModS(x, 5),
+        sympy.Sum(sympy.Min(sym.N_K, i * sym.BLOCK_M + x), (i, 0, sym.CeilDiv(sym.N_Q, sym.BLOCK_M) - 1)),
+        sym.N_K / sym.BLOCK_N + 1,
+    ]
+    rng = random.Random(0)
+    for _ in range(20):
+        values = {sym.N_K: rng.randint(1, 300), sym.N_Q: rng.randint(1, 300), sym.BLOCK_N: rng.choice([16, 64]),
+                  sym.BLOCK_M: rng.choice([16, 32]), sym.GROUP: rng.randint(1, 4), sym.start_m: rng.randint(0, 99),
+                  x: rng.randint(-200, 200)}
+        for e in exprs:
+            assert sym.value(e, values) == sympy.Rational(e.subs(values).doit().replace(
+                sym.FloorDiv, lambda a, b: a // b).replace(sym.CeilDiv, lambda a, b: -(-a // b))), e
+    with pytest.raises(ValueError, match="no value for N_K"):
+        sym.value(sym.N_K + 1, {})
+
+
+def test_causal_skip_probe_never_disagrees_with_simplify():
+    """A range the probe finds live at some sizes is one simplify cannot prove empty, and a range simplify proves
+    empty the probe never calls live."""
+    lo = sympy.Max(sym.start_m, sym.N_K - 300)
+    empty = [(sym.start_m, sympy.Min(sym.start_m, sym.N_Q)), (lo, sympy.Min(lo, sym.N_K)),
+             (sym.N_Q + 1, sym.N_Q - sym.CeilDiv(sym.N_K, sym.BLOCK_N))]
+    live = [(sym.start_m, sym.start_m + sym.BLOCK_M), (sym.FloorDiv(sym.N_K, sym.BLOCK_N), sym.N_K),
+            (sym.offset("x"), sym.ZERO)]
+    for start, stop in empty:
+        assert not causal_skip._positive_somewhere(stop - start)
+        assert causal_skip._empty(start, stop)
+    for start, stop in live:
+        assert causal_skip._positive_somewhere(stop - start)
+        assert not sympy.simplify(stop - start).is_nonpositive
+
+
 def _blocks(loop, values):
     start, stop, step = (sym.evaluate(x, values) for x in (loop.start, loop.stop, loop.step))
     return list(range(start, stop, step)) if stop > start else []

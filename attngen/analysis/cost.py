@@ -131,23 +131,15 @@ def simplified(expr: sympy.Expr) -> sympy.Expr:
 
 def evaluate(expr: sympy.Expr, sizes: dict) -> float:
     """The exact value of a cost formula for concrete sizes (symbol name -> int)."""
-    by_symbol = {s: sympy.Integer(sizes[str(s)]) for s in expr.free_symbols if str(s) in sizes}
-    missing = {str(s) for s in expr.free_symbols} - set(sizes)
+    # NOTE: not expr.free_symbols: a Sum's rebuilds its summand (xreplace of the bound index), minutes of min/max
+    # simplification on a decoding kernel's formula; its indices are Dummies, the sizes plain symbols
+    symbols = {s for s in expr.atoms(sympy.Symbol) if not isinstance(s, sympy.Dummy)}
+    by_symbol = {s: sizes[str(s)] for s in symbols if str(s) in sizes}
+    missing = {str(s) for s in symbols} - set(sizes)
     if missing:
         raise ValueError(f"cost formula needs {', '.join(sorted(missing))}")
-    return float(_value(expr, by_symbol))
-
-
-def _value(e: sympy.Expr, values: dict) -> sympy.Expr:
-    """Evaluate sums term by term: their terms (integer divisions, min/max) have no closed form.
-    Values go in by xreplace (structural), not subs, which re-simplifies every Sum it enters."""
-    if isinstance(e, sympy.Sum):
-        (i, lo, hi), = e.limits
-        lo, hi = int(_value(lo, values)), int(_value(hi, values))
-        return sum((_value(e.function, {**values, i: sympy.Integer(k)}) for k in range(lo, hi + 1)), sympy.Integer(0))
-    if e.args and e.has(sympy.Sum):
-        return e.func(*(_value(a, values) for a in e.args))
-    return e.xreplace(values)
+    # sums term by term: their terms (integer divisions, min/max) have no closed form
+    return float(sym.value(expr, by_symbol))
 
 
 def fa_flops(mask_causal: bool, backward: bool = False) -> sympy.Expr:

@@ -9,6 +9,9 @@ apply them to non-negative numerators, so C-style and Python-style division agre
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import sympy
 
 sympify = sympy.sympify
@@ -110,12 +113,57 @@ def clamp(x, lo, hi):
 
 def evaluate(expr, values: dict) -> int:
     """Evaluate an integer expression for concrete sizes (FloorDiv/CeilDiv with Python semantics)."""
-    result = sympy.sympify(expr).subs(values)
-    result = result.replace(FloorDiv, lambda a, b: sympy.Integer(int(a) // int(b)))
-    result = result.replace(CeilDiv, lambda a, b: sympy.Integer(-(-int(a) // int(b))))
-    result = result.replace(FloorDivS, lambda a, b: sympy.Integer(int(a) // int(b)))
-    result = result.replace(ModS, lambda a, b: sympy.Integer(int(a) % int(b)))
-    return int(result)
+    return int(value(expr, values))
+
+
+def value(expr, values: dict) -> Fraction:
+    """The exact value of a rational expression (sums over loops included) for concrete values of its symbols
+    (symbol -> number), computed in Python's exact arithmetic, each distinct subexpression once.
+
+    NOTE: not `subs`: sympy rebuilds and re-simplifies every node it substitutes into (Min, Max, the divisions'
+    eval, every Sum), minutes for a decoding kernel's cost formula, whose trip counts nest the split bounds."""
+    # keyed by identity: a lookup by value compares equal subtrees node by node, as slow as evaluating them
+    memo: dict = {}
+
+    def walk(e):
+        found = memo.get(id(e))
+        if found is not None:
+            return found
+        if e.is_Symbol:
+            if e not in values:
+                raise ValueError(f"no value for {e}")
+            result = Fraction(values[e])
+        elif e.is_Rational:
+            result = Fraction(int(e.p), int(e.q))
+        elif e.is_Add:
+            result = sum((walk(a) for a in e.args), Fraction(0))
+        elif e.is_Mul:
+            result = Fraction(1)
+            for a in e.args:
+                result *= walk(a)
+        elif e.is_Pow and e.exp.is_Integer:
+            result = walk(e.base) ** int(e.exp)
+        elif isinstance(e, sympy.Sum):
+            result = _sum_value(e, values, walk)
+        elif e.func in _EXACT:
+            result = Fraction(_EXACT[e.func](*(walk(a) for a in e.args)))
+        else:
+            raise ValueError(f"no exact value for {e.func.__name__} in {expr}")
+        memo[id(e)] = result
+        return result
+
+    return walk(sympy.sympify(expr))
+
+
+def _sum_value(e, values: dict, walk) -> Fraction:
+    """A Sum's terms one by one: its summand's values depend on the index, so each term is a fresh walk."""
+    (i, lo, hi), *outer = e.limits
+    if outer:
+        raise ValueError(f"a Sum over several indices: {e}")
+    total = Fraction(0)
+    for k in range(int(walk(lo)), int(walk(hi)) + 1):
+        total += value(e.function, {**values, i: k})
+    return total
 
 
 # -- the names every pass and the code generator agree on -----------------------------------------
@@ -206,6 +254,21 @@ class ModS(sympy.Function):
     def _sympystr(self, printer):
         a, b = self.args
         return f"({printer.doprint(a)} mod {printer.doprint(b)})"
+
+
+# The integer functions `value` evaluates, on exact numbers (Python's `//` and `%` round down, as these do).
+_EXACT = {
+    sympy.Max: max,
+    sympy.Min: min,
+    sympy.floor: math.floor,
+    sympy.ceiling: math.ceil,
+    sympy.Abs: abs,
+    sympy.Mod: lambda a, b: a % b,
+    FloorDiv: lambda a, b: a // b,
+    CeilDiv: lambda a, b: -(-a // b),
+    FloorDivS: lambda a, b: a // b,
+    ModS: lambda a, b: a % b,
+}
 
 
 def distribute(expr):
