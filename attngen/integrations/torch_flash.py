@@ -243,17 +243,25 @@ def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max
                              return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
                              seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
     # (num_splits is a hint attngen's kernels decide for themselves)
-    op = "_flash_attention_forward"
-    _count(op)
-    _unsupported(op, dropout_p, return_debug_mask)
-    _alibi_without_grad(op, alibi_slopes, query, key, value)
-    window = _window(is_causal, window_size_left, window_size_right)
-    out, lse = _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window,
-                        seqused_k, alibi_slopes, block_table, None)
+    out, lse = _forward_op("_flash_attention_forward", None, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+                           dropout_p, is_causal, return_debug_mask, scale, window_size_left, window_size_right,
+                           seqused_k, alibi_slopes, block_table)
     return out, lse, *_auxiliary(query)
 
 
 _flash_attention_forward.RETURNS = 5
+
+
+def _forward_op(op, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes, block_table):
+    """The forward ops' common body: counted, refused arguments raised, then `_forward` into `out` (or a new
+    tensor when None)."""
+    _count(op)
+    _unsupported(op, dropout_p, return_debug_mask)
+    _alibi_without_grad(op, alibi_slopes, query, key, value)
+    window = _window(is_causal, window_size_left, window_size_right)
+    return _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window,
+                    seqused_k, alibi_slopes, block_table, out)
 
 
 def _auxiliary(query):
@@ -267,13 +275,9 @@ def _flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_
                                                 is_causal, return_debug_mask, *, scale=None, window_size_left=None,
                                                 window_size_right=None, seqused_k=None, alibi_slopes=None,
                                                 block_table=None, num_splits=None):
-    op = "_flash_attention_forward_no_dropout_inplace"
-    _count(op)
-    _unsupported(op, dropout_p, return_debug_mask)
-    _alibi_without_grad(op, alibi_slopes, query, key, value)
-    window = _window(is_causal, window_size_left, window_size_right)
-    result, lse = _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window,
-                           seqused_k, alibi_slopes, block_table, out)
+    result, lse = _forward_op("_flash_attention_forward_no_dropout_inplace", out, query, key, value, cum_seq_q,
+                              cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, scale,
+                              window_size_left, window_size_right, seqused_k, alibi_slopes, block_table)
     if result is not out:  # (a kernel that could not write into `out` returned its own)
         out.copy_(result)
     return lse
