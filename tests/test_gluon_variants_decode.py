@@ -23,12 +23,11 @@ from attngen.lang.spec import parse
 from attngen.passes import compile_program
 from attngen.policy import hopper
 from attngen.testing import reference
-from attngen.testing.accuracy import ATOL, FUDGE
+from attngen.testing.accuracy import ATOL, FUDGE, spec_variant
 from attngen.lang.spec import DType
 from conftest import HAS_GPU, empty_plans, spec_text
 from probe import probe
 from test_gluon_variants import generated_function, triton_blocks
-from test_variants_decode import reference_variant
 
 
 
@@ -296,7 +295,7 @@ def test_forward_kvcache_variants_on_the_gluon_decode(variant, num_splits, layou
             keys = [x[b : b + 1, :n].transpose(1, 2).cpu() for x in (k, v)]
         per_seq = {name: (t[b : b + 1] if name == "alibi_slopes" else t).cpu() for name, t in tensors.items()}
         for dtype, found in refs.items():  # float64, and the same precision's error for the tolerance
-            found.append(reference.variant_attention(q[b : b + 1].cpu(), *keys, reference_variant(spec),
+            found.append(reference.variant_attention(q[b : b + 1].cpu(), *keys, spec_variant(spec),
                                                      bottom_right=True, tensors=per_seq, dtype=dtype))
     (ref, ref_lse), (low, _) = ((torch.cat(x) for x in zip(*found)) for found in refs.values())
     _check(out, lse, ref, ref_lse, FUDGE * (low.double() - ref).abs().max().item() + ATOL[DType.FP16])

@@ -3,7 +3,6 @@ against float64 autograd through reference.variant_attention, the run-time tenso
 generated dK/dV loops skipping dead query blocks."""
 
 import functools
-from dataclasses import replace
 
 import pytest
 import sympy
@@ -12,12 +11,11 @@ import torch
 import attngen
 from attngen import KernelInputError
 from attngen.ir import sym
-from attngen.lang import variants as v
-from attngen.lang.spec import Mask, parse
+from attngen.lang.spec import parse
 from attngen.passes import compile_program
 from attngen.runtime import kernel as kernel_module
 from attngen.testing import reference
-from attngen.testing.accuracy import ATOL, FUDGE, GRAD_REL_TOL, REL_TOL
+from attngen.testing.accuracy import ATOL, FUDGE, GRAD_REL_TOL, REL_TOL, spec_variant
 from conftest import DEVICE, spec_text
 
 
@@ -26,13 +24,6 @@ def variant_spec(name, body, dtype="fp32"):
     return parse(spec_text(name, 32, dtype, "none", direction="forward+backward", block_m=16, block_n=16)
                  .replace("    mask = none\n", "").replace("\n}", "\n    " + body.replace("\n", "\n    ") + "\n}"))
 
-
-def reference_variant(spec):
-    """The spec's variant as reference.variant_attention reads it: a plain causal mask written into the tree."""
-    if spec.mask is Mask.CAUSAL_TOP_LEFT:
-        return replace(spec.variant, mask=v.Causal())
-    assert spec.mask in (Mask.CUSTOM, Mask.NONE) and not spec.bottom_right
-    return spec.variant
 
 
 # name: (the spec's variant lines, run-time tensors (heads, batch) -> dict, (B, H, H_KV, N_Q, N_K))
@@ -56,7 +47,7 @@ CASES = {
 
 def inputs(case, dtype, seed=0):
     body, make, (b, h, h_kv, n_q, n_k) = CASES[case]
-    variant = reference_variant(variant_spec("vb_reference", body))
+    variant = spec_variant(variant_spec("vb_reference", body))
     gen = torch.Generator().manual_seed(seed)
     q, k, val, do = (torch.randn(shape, generator=gen).to(DEVICE, dtype)
                      for shape in ((b, h, n_q, 32), (b, h_kv, n_k, 32), (b, h_kv, n_k, 32), (b, h, n_q, 32)))

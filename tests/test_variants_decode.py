@@ -7,7 +7,6 @@ variant tree per sequence (bottom-right aligned). Outputs are poisoned with NaN 
 ragged, one shorter than the window and one 0.
 """
 
-import dataclasses
 
 import pytest
 import sympy
@@ -18,10 +17,10 @@ from attngen import KernelInputError
 from attngen.ir import sym
 from attngen.lang import variants as v
 from attngen.lang.builtin import kvcache_spec
-from attngen.lang.spec import DType, Mask, parse
+from attngen.lang.spec import DType, parse
 from attngen.passes import compile_program
 from attngen.testing import reference
-from attngen.testing.accuracy import ATOL, FUDGE
+from attngen.testing.accuracy import ATOL, FUDGE, spec_variant
 from conftest import DEVICE, empty_plans
 
 CASES = {
@@ -40,12 +39,6 @@ def decoding_spec(variant: str, layout: str, dtype: str = "fp32", head_dim: int 
     return parse(f"kernel dec {{\n    {variant}\n    head_dim = {head_dim}\n    dtype = {dtype}\n    split_kv = auto\n"
                  f"    kv_layout = {layout}\n}}\n")
 
-
-def reference_variant(spec) -> v.Variant:
-    """The spec's variant with its plain causal mask as a tree node, for the reference."""
-    if spec.variant.mask is None and spec.mask is Mask.CAUSAL_BOTTOM_RIGHT:
-        return dataclasses.replace(spec.variant, mask=v.Causal())
-    return spec.variant
 
 
 def runtime_tensors(variant: v.Variant, batch: int, heads: int, gen) -> dict:
@@ -83,7 +76,7 @@ SHAPES = [
 def test_forward_kvcache_variants(case, shape):
     layout, heads, kv_heads, seqlen_q, splits = shape
     spec = decoding_spec(CASES[case], layout)
-    variant = reference_variant(spec)
+    variant = spec_variant(spec)
     module = attngen.load(spec).module
     gen = torch.Generator().manual_seed(48)
     lens = torch.tensor([70, 5, 0, 37], dtype=torch.int32)  # ragged: shorter than the window, and empty
