@@ -119,9 +119,7 @@ def test_every_named_variant_has_a_shipped_spec():
     assert any(load_file(p).variant.tensors for p in VARIANT_SPECS)
 
 
-# (a decoding variant's explain spends minutes pricing its split kernels in sympy: left out here, and noted on
-# issue 48 to be made fast)
-@pytest.mark.parametrize("path", [p for p in VARIANT_SPECS if not load_file(p).decoding], ids=os.path.basename)
+@pytest.mark.parametrize("path", VARIANT_SPECS, ids=os.path.basename)
 def test_explain_runs_on_each_shipped_variant_spec(path, capsys):
     assert cli.main(["explain", path, "--pass", "lower", "--shape", "N=2048"]) == 0
     out = capsys.readouterr().out

@@ -75,11 +75,15 @@ def _body_cost(body, defs: dict | None = None) -> Cost:
             start, stop = sympy.sympify(st.start).subs(defs), sympy.sympify(st.stop).subs(defs)
             st = replace(st, start=start, stop=stop)
             trips = sympy.Max(0, sym.CeilDiv(st.stop - st.start, st.step))
-            if st.var in inner.flops.free_symbols | inner.bytes.free_symbols:
+            # (atoms, not free_symbols: an inner Sum's free_symbols re-evaluates its summand; its index is a Dummy)
+            if st.var in inner.flops.atoms(sympy.Symbol) | inner.bytes.atoms(sympy.Symbol):
                 i = sympy.Dummy("i", integer=True, nonnegative=True)
                 at = {st.var: st.start + i * st.step}
-                total += Cost(sympy.Sum(inner.flops.subs(at), (i, 0, trips - 1)),
-                              sympy.Sum(inner.bytes.subs(at), (i, 0, trips - 1)))
+                # unevaluated: re-evaluating the summand's min/max terms with the index in them compares every
+                # pair of their (large) arguments, minutes for a split kernel's window-narrowed bounds
+                with sympy.evaluate(False):
+                    flops, moved = inner.flops.xreplace(at), inner.bytes.xreplace(at)
+                total += Cost(sympy.Sum(flops, (i, 0, trips - 1)), sympy.Sum(moved, (i, 0, trips - 1)))
             else:
                 total += inner.scaled(trips)
         elif isinstance(st, Assign):
@@ -116,8 +120,25 @@ def program_cost(program: ir.Program, kernels=None) -> Cost:
         if kernels is None or kernel.name in kernels:
             total += _body_cost(kernel.body)
     real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, **_PER_SEQUENCE}
-    # xreplace, not subs: subs re-simplifies every Sum it enters (a minute for a decoding spec).
-    return Cost(total.flops.xreplace(real_width), total.bytes.xreplace(real_width))
+    return Cost(_renamed(total.flops, real_width), _renamed(total.bytes, real_width))
+
+
+def _renamed(expr: sympy.Expr, names: dict) -> sympy.Expr:
+    """`expr` with symbols replaced by symbols. xreplace, not subs: subs re-simplifies every Sum it enters; and a
+    Sum's summand unevaluated: rebuilding its min/max terms compares every pair of their arguments (minutes for a
+    split kernel's window-narrowed bounds). Sum-free formulas keep their evaluated (printed) form."""
+    if not expr.has(sympy.Sum):
+        return expr.xreplace(names)
+    with sympy.evaluate(False):
+        return expr.xreplace(names)
+
+
+def printed(expr: sympy.Expr) -> str:
+    """A formula as `explain` prints it: `simplified`, and a Sum's terms in the order they were built (sorting
+    them asks each term whether it is a number, which re-evaluates a split kernel's summand: minutes)."""
+    if expr.has(sympy.Sum):
+        return sympy.sstr(expr, order="none")
+    return str(simplified(expr))
 
 
 def simplified(expr: sympy.Expr) -> sympy.Expr:
