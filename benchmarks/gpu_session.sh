@@ -61,18 +61,12 @@ for stage in "$@"; do
       mkdir -p "$OUT/bench"; cp "benchmarks/results/$SLUG.json" "$OUT/bench/" 2>/dev/null
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
-    variants)
-      mkdir -p "$OUT/bench"; cp "benchmarks/results/variants_$SLUG.json" "$OUT/bench/" 2>/dev/null
-      timeout 120 python3 -m attngen bench --suite variants --check > "$OUT/bench_variants_check.txt" 2>&1
-      tail -12 "$OUT/bench_variants_check.txt"
-      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite variants -o "$OUT/bench" > "$OUT/bench_variants.txt" 2>&1
-      tail -30 "$OUT/bench_variants.txt" ;;
-    varlen)
-      mkdir -p "$OUT/bench"; cp "benchmarks/results/varlen_$SLUG.json" "$OUT/bench/" 2>/dev/null
-      timeout 120 python3 -m attngen bench --suite varlen --check > "$OUT/bench_varlen_check.txt" 2>&1
-      tail -12 "$OUT/bench_varlen_check.txt"
-      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite varlen -o "$OUT/bench" > "$OUT/bench_varlen.txt" 2>&1
-      tail -40 "$OUT/bench_varlen.txt" ;;
+    variants|varlen)
+      mkdir -p "$OUT/bench"; cp "benchmarks/results/${stage}_$SLUG.json" "$OUT/bench/" 2>/dev/null
+      timeout 120 python3 -m attngen bench --suite "$stage" --check > "$OUT/bench_${stage}_check.txt" 2>&1
+      tail -12 "$OUT/bench_${stage}_check.txt"
+      timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
+      tail -40 "$OUT/bench_$stage.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   stamp "done $stage (exit $?)"
