@@ -284,15 +284,28 @@ def _ws_release_q(q_empty, i, QBUF: gl.constexpr):
 
 @gluon.jit
 def _ws_rounds(n_m, H, B, QBUF: gl.constexpr):
-    """How many tiles a program of the grid takes, some of them
+    """How many tiles a program of the grid takes (a persistent grid: pairs of them), some of them
     past the end (_ws_tile_index)."""
+    if QBUF > 1:
+        return 2 * gl.cdiv((n_m + 1) // 2 * H * B, gl.num_programs(0))
     return gl.cdiv(n_m * H * B, gl.num_programs(0))
 
 
 @gluon.jit
 def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr):
     """The tile this program takes in its r-th round, and whether there is one. Round r of the grid's
-    P programs takes tiles r * P ... r * P + P - 1."""
+    P programs takes tiles r * P ... r * P + P - 1. A persistent grid (QBUF > 1) takes the row blocks of
+    a (batch, head) in pairs instead, the k-th longest with the k-th shortest: every pair but a middle one
+    holds n_m + 1 key blocks, so programs that take as many pairs finish together (taken one by one, tiles
+    p, p + P, ... of programs p and p + n_m / 2 would be the long and the short ones of every head)."""
+    if QBUF > 1:
+        half = (n_m + 1) // 2  # pairs of a (batch, head)
+        u = (r // 2) * gl.num_programs(0) + gl.program_id(0)
+        k = u % half
+        m = k
+        if r % 2 == 1:
+            m = n_m - 1 - k
+        return (u // half) * n_m + m, (u < half * H * B) & ((r % 2 == 0) | (m != k))
     t = r * gl.num_programs(0) + gl.program_id(0)
     return t, t < n_m * H * B
 
@@ -300,10 +313,11 @@ def _ws_tile_index(r, n_m, H, B, QBUF: gl.constexpr):
 @gluon.jit
 def _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile t's (batch, head, first query row, causal key offset, key blocks): row blocks vary fastest,
-    then heads, then batches, so programs running together share their K and V in L2."""
+    then heads, then batches, so programs running together share their K and V in L2. A
+    (batch, head)'s longest rows come first."""
     m = t % n_m
     bh = t // n_m
-    start_m = m * BLOCK_M
+    start_m = (n_m - 1 - m) * BLOCK_M
     offset = 0
     lo, full_lo, full_hi, n_blocks = _ws_key_blocks(start_m, N_Q, N_K, BLOCK_M, BLOCK_N)
     return bh // H, bh % H, start_m, offset, n_blocks

@@ -74,7 +74,7 @@ def test_explain_prints_the_decision(capsys):
     assert text.split("\n")[1:7] == [
         "gluon forward: 192x128 tiles, 2 stages, 3 consumers x 160 regs (maxnreg 128), loader 24 regs",
         "  short (<= 4096 keys): 128x128 tiles, 2 stages, 2 consumers x 240 regs (maxnreg 168)",
-        "  runs from 2048 keys and 33554432 scores; overlap, early_p, trim, persistent, balance",
+        "  runs from 2048 keys and 33554432 scores; overlap, early_p, trim, persistent, balance, pair",
         "gluon backward: 64x128 tiles, 2 stages, 2 consumers x 240 regs (maxnreg 168), loader 24 regs",
         "  short (<= 2048 keys): 64x64 tiles, 3 stages, 1 consumers x 232 regs (maxnreg 128)",
         "  runs from 1 keys and 33554432 scores; dq_atomic, rows_smem, prefetch, late_rows=0, dq_local_rows=0, "

@@ -66,7 +66,9 @@ def _program(text):
 def test_variants_get_the_gluon_forward(variant):
     spec, program = _program(_text(f"gv_{variant}", variant=variant))
     masked = VARIANTS[variant][0] != "none"
-    assert program.warp_specialized.forward == hopper.forward_variant(128, masked)
+    # tiles in pairs where a tile's key blocks start at the same key for every row block and end with it
+    pair = variant in ("prefix", "alibi")
+    assert program.warp_specialized.forward == hopper.forward_variant(128, masked, pair)
     assert not program.warp_specialized.forward.balance
 
 
@@ -164,7 +166,8 @@ def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
     spec, program = _program(_text(f"gv_kb_{variant}", variant=variant))
     key_blocks = generated_function(render(spec, program))
     kernel = program.kernel("attn_fwd")
-    shapes = {(s.block_m, s.block_n) for f in (hopper.forward_variant(64, True), hopper.forward_variant(128, True))
+    shapes = {(s.block_m, s.block_n) for f in (hopper.forward_variant(64, True, False),
+                                               hopper.forward_variant(128, True, False))
               for s in (f.main, f.short)}
     empty = 0
     for block_m, block_n in sorted(shapes):

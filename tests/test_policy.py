@@ -16,15 +16,16 @@ COMMON = dict(loader_regs=24, overlap=True, pingpong=False, early_p=True, trim=T
 # Written out from the tables as they stood when they were nested (name, value) tuples; any change to a
 # produced value is a change of policy and must change these on purpose.
 FORWARD = {
-    (64, False): ir.GluonForward(main=THREE_CONSUMERS, short=ONE_TWO_EIGHT, balance=True, min_keys=512,
-                                 short_keys=512, **COMMON),
-    (64, True): ir.GluonForward(main=THREE_CONSUMERS, short=ONE_TWO_EIGHT, balance=True, min_keys=2048,
-                                short_keys=4096, **COMMON),
-    (128, False): ir.GluonForward(main=ONE_TWO_EIGHT, short=ONE_TWO_EIGHT, balance=True, min_keys=1, short_keys=0,
-                                  **COMMON),
+    (64, False): ir.GluonForward(main=THREE_CONSUMERS, short=ONE_TWO_EIGHT, balance=True, pair=False,
+                                 min_keys=512, short_keys=512, **COMMON),
+    (64, True): ir.GluonForward(main=THREE_CONSUMERS, short=ONE_TWO_EIGHT, balance=True, pair=True,
+                                min_keys=2048, short_keys=4096, **COMMON),
+    (128, False): ir.GluonForward(main=ONE_TWO_EIGHT, short=ONE_TWO_EIGHT, balance=True, pair=False, min_keys=1,
+                                  short_keys=0, **COMMON),
     (128, True): ir.GluonForward(main=ONE_TWO_EIGHT,
                                  short=S(block_m=128, block_n=64, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
-                                 balance=False, min_keys=1, short_keys=1024, **COMMON),
+                                 balance=False, pair=True, min_keys=1, short_keys=1024,
+                                 **COMMON),
 }
 
 BWD = dict(block_m=64, block_n=128, consumers=2, consumer_regs=240, maxnreg=168)

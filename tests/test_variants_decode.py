@@ -54,11 +54,12 @@ def assert_close(out, lse, ref, ref_lse, atol):
     """Same finite / infinite log-sum-exps, then both within atol; no poisoned element left."""
     assert not torch.isnan(out).any(), "unwritten (poisoned) output elements"
     assert not torch.isnan(lse).any(), "unwritten (poisoned) log-sum-exps"
+    out, lse, ref, ref_lse = (t.double().cpu() for t in (out, lse, ref, ref_lse))  # the reference may be on the GPU
     fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse.cpu()), fin), "rows with no key (and no sink) must have lse -inf"
-    assert (out.double().cpu() - ref).abs().max().item() <= atol
+    assert torch.equal(torch.isfinite(lse), fin), "rows with no key (and no sink) must have lse -inf"
+    assert (out - ref).abs().max().item() <= atol
     if fin.any():
-        assert (lse.double().cpu() - ref_lse)[fin].abs().max().item() <= atol
+        assert (lse - ref_lse)[fin].abs().max().item() <= atol
 
 
 # (layout, heads, kv_heads, seqlen_q, num_splits): GQA packing with 2 and 8 heads a group, 1 and 3 new tokens,

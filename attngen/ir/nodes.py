@@ -426,6 +426,7 @@ class GluonForward:
     trim: bool         # a consumer takes only the key blocks its rows need
     persistent: bool   # one program per multiprocessor
     balance: bool      # a persistent grid deals short tiles over its programs
+    pair: bool         # a (batch, head)'s row blocks longest first, paired k-th longest with k-th shortest
     min_keys: int
     short_keys: int
     min_scores: int

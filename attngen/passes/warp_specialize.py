@@ -114,6 +114,20 @@ def variant_backward_supported(program: ir.Program) -> bool:
     return _one_unmasked_range(program.kernel("attn_bwd_dkdv"), sym.start_m)
 
 
+def grows_like_causal(kernel: ir.KernelIR) -> bool:
+    """Whether a query tile's key blocks start at a key that does not move with the tile (start_m) and end at
+    one that does: its work grows with the row block as the causal mask's does (a prefix-LM, or a score
+    modifier under a causal mask), so pairing the longest tile with the shortest evens the programs' work.
+    A window or a chunk moves both ends: its tiles are about equal."""
+    loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
+             and st.var == sym.start_n]
+    if not loops:
+        return False
+    starts = sympy.Min(*(sympy.sympify(lp.start) for lp in loops))
+    stops = sympy.Max(*(sympy.sympify(lp.stop) for lp in loops))
+    return sym.start_m not in starts.free_symbols and sym.start_m in stops.free_symbols
+
+
 def _one_unmasked_range(kernel: ir.KernelIR, var) -> bool:
     loops = [st for st in ir.walk_stmts(kernel.body) if isinstance(st, ir.Loop) and st.kind is ir.LoopKind.SERIAL
              and st.var == var]
@@ -128,13 +142,13 @@ def run(program: ir.Program) -> ir.Program:
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
     has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if is_variant(program):
-        # The causal pairing of tiles is the plain masks' (a variant's tiles are taken in order, each over the
-        # key blocks its mask leaves; its key tiles in the backward over the query blocks it leaves).
+        # A variant's tiles each visit the key blocks its mask leaves (its key tiles in the backward the query
+        # blocks it leaves); they are taken as the causal mask's, in pairs, where their work grows like it.
         backward = None
         if has_backward and variant_backward_supported(program):
             backward = hopper.backward_variant(d, causal)
-        return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
-                                                         forward=hopper.forward_variant(d, causal)))
+        forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")))
+        return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     backward = hopper.backward(d, causal) if has_backward else None
     decision = replace(program.warp_specialized, forward=hopper.forward(d, causal), backward=backward)
     return replace(program, warp_specialized=decision)

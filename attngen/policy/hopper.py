@@ -221,17 +221,20 @@ def forward(head_dim: int, causal: bool) -> ir.GluonForward:
     key, f = (head_dim, causal), FORWARD_FLAGS
     return ir.GluonForward(main=FORWARD_MAIN[head_dim], short=FORWARD_SHORT[key], loader_regs=f.loader_regs,
                            overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
-                           persistent=f.persistent, balance=BALANCE[key], min_keys=MIN_KEYS[key],
+                           persistent=f.persistent, balance=BALANCE[key], pair=causal, min_keys=MIN_KEYS[key],
                            short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
 
 
-def forward_variant(head_dim: int, masked: bool) -> ir.GluonForward:
+def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
-    few), an unmasked one (softcap, sinks) the column without a mask. Not measured: a guess until the bench
-    has variant rows. BALANCE is off: its dealing plans around a sequence's short last row block, and a
-    variant's tiles differ by their key blocks instead."""
-    return replace(forward(head_dim, masked), balance=False)
+    few), an unmasked one (softcap, sinks) the column without a mask. BALANCE is off: its dealing plans around
+    a sequence's short last row block, and a variant's tiles differ by their key blocks instead. `pair`: the
+    tiles' work grows with the row block as the causal mask's does (a prefix-LM, ALiBi or softcap under a
+    causal mask), so they are taken as the causal mask's are, longest first and in pairs; taken in order,
+    the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
+    the plain causal kernel's 676, NOTES.md v44)."""
+    return replace(forward(head_dim, masked), balance=False, pair=pair)
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
