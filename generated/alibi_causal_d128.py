@@ -255,7 +255,7 @@ def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, N_Q, N_K, qk_sc
     has a running max of -inf, which the IR's m_use makes safe to subtract."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-    sc = (1.0*(sc * qk_scale) - 1.4426950408889634*alibi_slopes*gl.abs(cols[None, :] - rows[:, None]))
+    sc = (1.0*(sc * qk_scale) - 1.4426950408889634*alibi_slopes*gl.abs(cols.to(gl.float32)[None, :] - rows.to(gl.float32)[:, None]))
     if (j < full_lo) | (j >= full_hi):
         keep = (cols[None, :] <= rows[:, None]) & (cols < N_K)[None, :]
         sc = gl.where(keep, sc, float("-inf"))

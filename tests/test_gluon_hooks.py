@@ -12,6 +12,7 @@ import sympy
 import torch
 
 from attngen import ir
+from attngen.ir import sym
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
 from attngen.errors import InternalError
@@ -182,3 +183,21 @@ def test_the_backwards_gradients_are_the_irs():
         hooks.value("ds_t", {"p_t": "pt"})
     with pytest.raises(InternalError, match="defines no"):
         hooks.value("softcap", {})
+
+
+def test_a_modifier_reads_positions_as_floats_only_where_that_is_exact():
+    """slope * |q - k| takes float32 position vectors (converted once each, not once per score); a modifier that
+    divides, takes a modulo or indexes a tensor by position keeps the integers."""
+    from attngen.codegen.hooks import _float_positions
+
+    raw = ir.Ref(ir.Buffer("raw", (sym.BLOCK_M, sym.BLOCK_N), ir.DT.F32, ir.Space.REG))
+    rows, keys = ir.Span("offs_m", sym.start_m, sym.BLOCK_M), ir.Span("offs_n", sym.start_n, sym.BLOCK_N)
+    pointwise = lambda fn: ir.Pointwise(raw, fn, rows, keys)
+
+    slope = sympy.Function("alibi_slopes")(sym.b, sym.q_head)
+    assert _float_positions(pointwise(sym.S - slope * sympy.Abs(sym.k_idx - sym.q_idx)))
+    assert _float_positions(pointwise(sym.S + sympy.Min(sym.q_idx, 3 * sym.k_idx) ** 2))
+    assert not _float_positions(pointwise(sym.S + sympy.floor((sym.q_idx - sym.k_idx) / 7)))
+    assert not _float_positions(pointwise(sym.S + sympy.Mod(sym.q_idx, 4)))
+    assert not _float_positions(pointwise(sym.S + sympy.Function("bias")(sym.q_head, sym.q_idx - sym.k_idx)))
+    assert not _float_positions(pointwise(30 * sympy.tanh(sym.S / 30)))  # no position read: nothing to convert

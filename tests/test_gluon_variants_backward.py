@@ -79,7 +79,9 @@ def test_the_hooks_spell_the_backwards_math():
     assert alibi.reads() == [("alibi_slopes", "gl.load(ALIBI_SLOPES + (b) * stride_alibi_slopes_0 + (h) * "
                                               "stride_alibi_slopes_1).to(gl.float32)")]
     assert alibi.tensor_params == ", ALIBI_SLOPES, stride_alibi_slopes_0, stride_alibi_slopes_1"
-    assert "alibi_slopes*gl.abs(rows[:, None] - cols[None, :])" in alibi.scaled("st", "cols", "rows", 0)
+    # (positions as float32 vectors: one conversion per vector, not per score)
+    assert ("alibi_slopes*gl.abs(rows.to(gl.float32)[:, None] - cols.to(gl.float32)[None, :])"
+            in alibi.scaled("st", "cols", "rows", 0))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -102,7 +102,9 @@ def test_the_hooks_spell_the_packed_rows_math():
     assert "-299 + q_cols[None, :] + n_k - keys[:, None] - N_Q <= 0" in keep
     assert "(keys[:, None] <= q_cols[None, :] + (n_k - N_Q))" in keep and "(keys < n_k)[:, None]" in keep
     scaled = hooks.scaled("sc", "q_cols", "keys", 0)
-    assert "(sc * qk_scale)" in scaled and "alibi_slopes*gl.abs(keys[:, None] + N_Q - q_cols[None, :] - n_k)" in scaled
+    # (positions as float32 vectors, one conversion per vector; the mask above keeps them integers)
+    assert "(sc * qk_scale)" in scaled and ("alibi_slopes*gl.abs(keys.to(gl.float32)[:, None] + N_Q - "
+                                            "q_cols.to(gl.float32)[None, :] - n_k)") in scaled
     (name, code), = hooks.reads(h="heads")
     assert name == "alibi_slopes" and "(heads) * stride_alibi_slopes_1" in code
     assert hooks.sink("LOAD") == '(gl.where((split == 0), ((LOAD) * 1.4426950408889634), float("-inf")))'

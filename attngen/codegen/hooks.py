@@ -82,7 +82,7 @@ class ScoreHooks:
     def scaled(self, s: str, query: str | None = None, key: str | None = None, key_axis: int = 1) -> str:
         """The scores `s` as exp2 takes them; `query` / `key` the tile's row and key positions (vectors along
         the axes other than / of `key_axis`), needed where a score modifier reads q_idx / k_idx."""
-        elements = _elements(query, key, key_axis)
+        elements = _elements(query, key, key_axis, _float_positions(self.scaled_expr))
         reads = _reads(self.scaled_expr).values()  # the template loads them first (reads())
         return self._code(_render(self.scaled_expr, {self.score.name: s, **elements}), s, *elements.values(), *reads)
 
@@ -123,7 +123,7 @@ class ScoreHooks:
                     return self._code(_render(st.value, names, lib=lib), *names.values())
                 value = _over_raw(st.value, self.score, [a for a in ir.walk_stmts(self.kernel.body)
                                                         if isinstance(a, ir.Assign)], keep=set(names))
-                elements = _elements(query, key, key_axis)
+                elements = _elements(query, key, key_axis, _float_positions(value))
                 code = _render(value, {**names, self.score.name: score, **elements}, lib=lib)
                 return self._code(code, *names.values(), score, *elements.values(), *_reads(value).values())
         if default is not None:
@@ -422,15 +422,34 @@ def _loops(kernel, var) -> list:
             and st.var == var]
 
 
-def _elements(query: str | None, key: str | None, key_axis: int) -> dict:
-    """The IR's element symbols as the template's position vectors, broadcast over a 2-D tile."""
+def _elements(query: str | None, key: str | None, key_axis: int, as_float: bool = False) -> dict:
+    """The IR's element symbols as the template's position vectors, broadcast over a 2-D tile (`as_float`:
+    converted to float32 before the broadcast, see `_float_positions`)."""
     kb, qb = _BROADCAST[key_axis], _BROADCAST[1 - key_axis]
+    cast = ".to(gl.float32)" if as_float else ""
     out = {}
     if query is not None:
-        out[str(sym.q_idx)] = f"{query}{qb}"
+        out[str(sym.q_idx)] = f"{query}{cast}{qb}"
     if key is not None:
-        out[str(sym.k_idx)] = f"{key}{kb}"
+        out[str(sym.k_idx)] = f"{key}{cast}{kb}"
     return out
+
+
+# The operations through which a score modifier may read positions as floats: their result is a float either way.
+_FLOAT_READS = (sympy.Symbol, sympy.Add, sympy.Mul, sympy.Abs, sympy.Min, sympy.Max, sympy.Pow, sympy.tanh, sympy.exp)
+
+
+def _float_positions(e: ir.Expr) -> bool:
+    """Whether the score modifiers in `e` read the positions (q_idx, k_idx) only through sums, products, abs,
+    min, max and float functions (ALiBi's slope * |q - k|; no division, modulo, comparison or tensor index):
+    then the template's position vectors are converted to float32 once each and broadcast, instead of one
+    integer-to-float conversion per score (a quarter-rate instruction on Hopper, beside the softmax's exp2).
+    Exact below 2**24 positions, and within one part in 2**24 beyond."""
+    positions = {sym.q_idx, sym.k_idx}
+    fns = [sympy.sympify(n.fn) for n in ir.walk_expr(e) if isinstance(n, ir.Pointwise)]
+    return any(fn.free_symbols & positions for fn in fns) and all(
+        isinstance(node, _FLOAT_READS) for fn in fns for node in sympy.preorder_traversal(fn)
+        if isinstance(node, sympy.Basic) and node.free_symbols & positions)
 
 
 def _elementwise(expr, elements: dict) -> str:
