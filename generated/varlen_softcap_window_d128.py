@@ -504,9 +504,10 @@ def attn_bwd_dkdv(
             s_t = tl.where(keep, 72.13475204444816*_tanh(0.013862943611198907*pw_1), float("-inf"))
             p_t = tl.math.exp2(s_t - lse[None, :])
             dv = tl.dot(p_t.to(tl.bfloat16), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
             pw_2 = raw_t
-            ds_t = p_t * (dp_t - delta[None, :]) * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_2) * _tanh(0.013862943611198907*pw_2)))
+            pf_t = p_t * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_2) * _tanh(0.013862943611198907*pw_2)))
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = pf_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(tl.bfloat16), q, dk)
         for start_m in range(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + n_q, -1 + n_q + start_n + BLOCK_N - n_k)), BLOCK_M)), tl.maximum(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + n_q, -1 + n_q + start_n + BLOCK_N - n_k)), BLOCK_M)), tl.minimum(BLOCK_M*(n_q // BLOCK_M), BLOCK_M*(tl.maximum(0, 4096 + n_q + start_n - n_k) // BLOCK_M))), BLOCK_M):  # full blocks: no mask
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -521,9 +522,10 @@ def attn_bwd_dkdv(
             s_t = 72.13475204444816*_tanh(0.013862943611198907*pw_3)
             p_t = tl.math.exp2(s_t - lse[None, :])
             dv = tl.dot(p_t.to(tl.bfloat16), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
             pw_4 = raw_t
-            ds_t = p_t * (dp_t - delta[None, :]) * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_4) * _tanh(0.013862943611198907*pw_4)))
+            pf_t = p_t * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_4) * _tanh(0.013862943611198907*pw_4)))
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = pf_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(tl.bfloat16), q, dk)
         for start_m in range(tl.maximum(tl.maximum(BLOCK_M*tl.cdiv(tl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M), BLOCK_M*tl.cdiv(tl.maximum(0, tl.minimum(-1 + n_q, -1 + n_q + start_n + BLOCK_N - n_k)), BLOCK_M)), tl.minimum(BLOCK_M*(n_q // BLOCK_M), BLOCK_M*(tl.maximum(0, 4096 + n_q + start_n - n_k) // BLOCK_M))), tl.minimum(n_q, 4095 + n_q + start_n + BLOCK_N - n_k), BLOCK_M):  # blocks a mask bound cuts: masked
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -541,9 +543,10 @@ def attn_bwd_dkdv(
             s_t = tl.where(keep, 72.13475204444816*_tanh(0.013862943611198907*pw_5), float("-inf"))
             p_t = tl.math.exp2(s_t - lse[None, :])
             dv = tl.dot(p_t.to(tl.bfloat16), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
             pw_6 = raw_t
-            ds_t = p_t * (dp_t - delta[None, :]) * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_6) * _tanh(0.013862943611198907*pw_6)))
+            pf_t = p_t * (1.0 - 1.0*(_tanh(0.013862943611198907*pw_6) * _tanh(0.013862943611198907*pw_6)))
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = pf_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(tl.bfloat16), q, dk)
     tl.store(dk_base + offs_n[:, None] * stride_dk_n + offs_d[None, :] * stride_dk_d, (dk * sm_scale).to(tl.bfloat16), mask=(offs_n[:, None] < n_k))
     tl.store(dv_base + offs_n[:, None] * stride_dv_n + offs_d[None, :] * stride_dv_d, dv.to(tl.bfloat16), mask=(offs_n[:, None] < n_k))

@@ -67,11 +67,14 @@ def test_the_hooks_spell_the_backwards_math():
     assert scaled.startswith("(43.28") and "_gl_tanh(" in scaled and "(st * qk_scale)" in scaled
     keep = hooks.keep("rows", None, 0, structural=("query_bound",), query="cols")
     assert keep == "(rows[:, None] <= cols[None, :]) & (-299 + cols[None, :] - rows[:, None] <= 0)"
-    ds = hooks.value("ds_t", {"p_t": "pt", "dp_t": "dpt", "delta": "delta[None, :]"}, score="st", query="cols",
-                     key="rows", key_axis=0)
-    # dS^T = P^T (dP^T - delta) times the softcap's derivative 1 - tanh^2 at the raw score
-    assert ds.startswith("pt * (dpt - delta[None, :]) * (1.0 - 1.0*(_gl_tanh(") and ds.count("(st * qk_scale)") == 2
+    # P^T times the softcap's derivative 1 - tanh^2 at the raw score (pf_t), then dS^T = that (dP^T - delta)
+    assert hooks.defines("pf_t")
+    pf = hooks.value("pf_t", {"p_t": "pt"}, score="st", query="cols", key="rows", key_axis=0)
+    assert pf.startswith("pt * (1.0 - 1.0*(_gl_tanh(") and pf.count("(st * qk_scale)") == 2
+    ds = hooks.value("ds_t", {"pf_t": "pt", "dp_t": "dpt", "delta": "delta[None, :]"})
+    assert ds == "pt * (dpt - delta[None, :])"
     plain = score_hooks(_program(_text("gvb_w", variant="causal_window"))[1].kernel("attn_bwd_dkdv"))
+    assert not plain.defines("pf_t")  # no modifier: no derivative to fold in
     assert plain.value("ds_t", {"p_t": "pt", "dp_t": "dpt", "delta": "d"}, score="st") == "pt * (dpt - d)"
     assert plain.scaled("st", "cols", "rows", 0) == "st * qk_scale"
     alibi = score_hooks(_program(_text("gvb_a", variant="alibi"))[1].kernel("attn_bwd_dkdv"))

@@ -130,6 +130,10 @@ class ScoreHooks:
             return self._code(default, *names.values())
         raise InternalError(f"kernel {self.kernel.name} defines no {target}")
 
+    def defines(self, target: str) -> bool:
+        """Whether the kernel assigns the register `target` (a step the template takes only where the IR has it)."""
+        return any(isinstance(st, ir.Assign) and st.target.name == target for st in ir.walk_stmts(self.kernel.body))
+
     @property
     def sinks(self) -> bool:
         return any(st.target.name == "sink" for st in ir.walk_stmts(self.kernel.body) if isinstance(st, ir.Assign))

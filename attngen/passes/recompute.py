@@ -178,6 +178,17 @@ def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) ->
         s_value, scores_first = replace(s_value, value=product), ()
     else:
         scores_first = (Assign(raw_t, product),)
+    # With a score modifier, fn'(S^T) joins P^T (pf_t) as soon as dV's product has taken P^T: the raw scores it
+    # reads die there instead of living beside P^T until dP^T is in (the Gluon backward at d=128 with softcap
+    # spilled 484 bytes a thread with both live, 16 without a modifier).
+    if factor is None:
+        ds_steps = (Assign(dp_t, Call(Op.DOT_T, (Ref(v), Ref(do)), precision)),
+                    Assign(ds_t, Call(Op.MUL, (Ref(p_t), Call(Op.SUB, (Ref(dp_t), Ref(delta)))))))
+    else:
+        pf_t = t("pf_t", (sym.BLOCK_N, sym.BLOCK_M))
+        ds_steps = (Assign(pf_t, Call(Op.MUL, (Ref(p_t), factor))),
+                    Assign(dp_t, Call(Op.DOT_T, (Ref(v), Ref(do)), precision)),
+                    Assign(ds_t, Call(Op.MUL, (Ref(pf_t), Call(Op.SUB, (Ref(dp_t), Ref(delta)))))))
     inner = Loop(sym.start_m, sym.ZERO, sym.N_Q, sym.BLOCK_M, (
         Assign(q, Load(q_buf, q_index)),
         Assign(do, Load(do_buf, q_index)),
@@ -187,8 +198,7 @@ def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) ->
         Assign(s_t, s_value),
         Assign(p_t, Call(Op.EXP, (Call(Op.SUB, (Ref(s_t), Ref(lse))),))),
         Assign(dv, Call(Op.DOT_ACC, (cast(Ref(p_t)), Ref(do), Ref(dv)), precision)),
-        Assign(dp_t, Call(Op.DOT_T, (Ref(v), Ref(do)), precision)),
-        Assign(ds_t, _times(Call(Op.MUL, (Ref(p_t), Call(Op.SUB, (Ref(dp_t), Ref(delta))))), factor)),
+    ) + ds_steps + (
         Assign(dk, Call(Op.DOT_ACC, (cast(Ref(ds_t)), Ref(q), Ref(dk)), precision)),
     ), LoopKind.SERIAL, "every query block", aligned=True)
     body = (
