@@ -35,6 +35,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch, attngen
 from attngen import tuning
+from attngen.testing.accuracy import Case, runtime_tensors
 t_import = time.perf_counter() - t0
 
 def inputs(kernel, n_q, n_k, batch=2):
@@ -46,6 +47,8 @@ def inputs(kernel, n_q, n_k, batch=2):
 
 def call(kernel, n_q, n_k):
     q, k, v = inputs(kernel, n_q, n_k)
+    # a variant spec's run-time tensors (ALiBi slopes, sinks, declared tensors), random, of this call's shape
+    tensors = runtime_tensors(kernel.spec, Case(q.shape[0], q.shape[1], k.shape[1], n_q, n_k), "cuda")
     if kernel.spec.is_split or kernel.spec.kv_layout.paged:  # this spec's own forward_kvcache
         lens = torch.full((q.shape[0],), n_k, dtype=torch.int32, device="cuda")
         table = None
@@ -60,10 +63,10 @@ def call(kernel, n_q, n_k):
         tuner.launch(q, k, v, lens, table, kernel.spec.softmax_scale, out, lse, config)
     elif kernel.spec.backward:
         q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
-        out = kernel(q, k, v)
+        out = kernel(q, k, v, **tensors)
         out.backward(torch.randn_like(out))
     else:
-        out = kernel(q, k, v)
+        out = kernel(q, k, v, **tensors)
     torch.cuda.synchronize()
     return out
 

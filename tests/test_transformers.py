@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from attngen.api.kvcache import attention_with_kvcache  # noqa: E402
 from attngen.integrations.transformers import NAME, register  # noqa: E402
 from attngen.runtime import autograd  # noqa: E402
-from conftest import HAS_GPU  # noqa: E402
+from conftest import DEVICE, HAS_GPU  # noqa: E402
 
 # Sliding windows, softcap and sinks run variant kernels, whose backward comes with issue 48's backward part.
 VARIANT_BACKWARD = pytest.mark.skipif("tensors" not in inspect.signature(autograd.attention_forward).parameters,
@@ -54,7 +54,7 @@ def registered():
     register()
 
 
-def twins(config, dtype=torch.float32, device="cpu"):
+def twins(config, dtype=torch.float32, device=DEVICE):
     """The same randomly initialised causal LM twice: with eager attention and with attngen's."""
     torch.manual_seed(0)
     # (a model reads its config's attention implementation at each call: each twin needs its own config)
@@ -87,7 +87,8 @@ def assert_close(eager, ours, ids, tolerance):
 def test_logits_and_gradients_match_eager(make):
     config = make()
     eager, ours = twins(config)
-    ids = torch.randint(0, TINY["vocab_size"], (1, 21))  # longer than the windows, not a multiple of a block
+    # longer than the windows, not a multiple of a block
+    ids = torch.randint(0, TINY["vocab_size"], (1, 21), device=DEVICE)
     # float32 both ways: the error is the sums' order (~1e-5 relative on a router bias's small gradient); a wrong
     # mask, cap or sink moves logits and gradients by 1e-2 and more
     assert_close(eager, ours, ids, 1e-4)
@@ -128,7 +129,7 @@ GENERATING = {"llama": llama, **{name: pytest.param(make.values[0], marks=make.m
 @pytest.mark.parametrize("make", list(GENERATING.values()), ids=list(GENERATING))
 def test_generation_matches_eager(make):
     eager, ours = twins(make())
-    ids = torch.randint(0, TINY["vocab_size"], (1, 11))  # (the prompt outgrows the windows of 8)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 11), device=DEVICE)  # (the prompt outgrows the windows of 8)
     with torch.no_grad():
         expected = eager.generate(ids, max_new_tokens=4, do_sample=False)
         got = ours.generate(ids, max_new_tokens=4, do_sample=False)
@@ -137,7 +138,7 @@ def test_generation_matches_eager(make):
 
 def test_padding_is_refused_with_a_clear_error():
     _, ours = twins(llama())
-    ids = torch.randint(0, TINY["vocab_size"], (2, 9))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with pytest.raises(ValueError, match="padding"):
@@ -158,14 +159,15 @@ def test_no_dense_mask_reaches_the_attention(monkeypatch):
     monkeypatch.setattr(integration, "attention", spy)
     _, ours = twins(llama())
     with torch.no_grad():
-        ours(input_ids=torch.randint(0, TINY["vocab_size"], (1, 12)))
+        ours(input_ids=torch.randint(0, TINY["vocab_size"], (1, 12), device=DEVICE))
     assert len(seen) == TINY["num_hidden_layers"]
     assert all(kw["is_causal"] and kw["enable_gqa"] for kw in seen)
 
 
 def test_packed_sequences_are_refused():
     _, ours = twins(llama())
-    ids = torch.randint(0, TINY["vocab_size"], (1, 10))
-    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])  # two sequences in one row
+    ids = torch.randint(0, TINY["vocab_size"], (1, 10), device=DEVICE)
+    # two sequences in one row
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]], device=DEVICE)
     with pytest.raises(ValueError, match="packed"):
         ours(input_ids=ids, position_ids=positions, use_cache=False)
