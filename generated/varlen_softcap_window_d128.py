@@ -718,14 +718,17 @@ def _ws_release_q(q_empty, i, QBUF: gl.constexpr):
 @gluon.jit
 def _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0,
                       SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr):
-    """Tile t of the grid's tiles * H, numbered within a head as the Triton varlen kernel's grid numbers them
-    (`tiles` = cdiv(TOTAL_Q, BLOCK_M) + B a head): sequence b's tiles start at CU_SEQLENS_Q[b] // BLOCK_M + b, the
-    tile's sequence is the last b whose tiles start at or before it (a binary search), and a tile past its
-    sequence's cdiv(n_q, BLOCK_M) is none. Returns (b, h, start_m, q_start, n_q, k_start, n_k, valid): the
-    sequence and head, the tile's first query in the sequence, the sequence's first rows in the packed q and k,
-    its query count and the keys it uses (SEQLENS_K), and whether the tile is one."""
-    h = t // tiles
-    tile = t % tiles
+    """Tile t of the grid's tiles * H: heads vary fastest, then a head's `tiles` (cdiv(TOTAL_Q, BLOCK_M) + B) as
+    the Triton varlen kernel's grid numbers them: sequence b's start at CU_SEQLENS_Q[b] // BLOCK_M + b, a tile's
+    sequence is the last b whose tiles start at or before it (a binary search), and a tile past its sequence's
+    cdiv(n_q, BLOCK_M) is none. Returns (b, h, start_m, q_start, n_q, k_start, n_k, valid): the sequence and head,
+    the tile's first query in the sequence, the sequence's first rows in the packed q and k, its query count and the
+    keys it uses (SEQLENS_K), and whether the tile is one.
+    Heads first: the programs running together take a few row blocks of every head (the heads that share K and V
+    among them), and each program's rounds step through all sequences, so their work evens out where tiles of
+    one head taken in place order would give a program a run of one sequence's long or short tiles."""
+    h = t % H
+    tile = t // H
     lo = 0
     hi = B
     while lo < hi:
@@ -742,7 +745,7 @@ def _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SE
     m = tile - q_start // BLOCK_M - b
     n_m = gl.cdiv(n_q, BLOCK_M)
     start_m = m * BLOCK_M
-    return b, h, start_m, q_start, n_q, k_start, n_k, (h < H) & (m < n_m)
+    return b, h, start_m, q_start, n_q, k_start, n_k, (tile < tiles) & (m < n_m)
 
 
 @gluon.jit

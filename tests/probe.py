@@ -14,7 +14,7 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 "late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
 sequences; a varlen module's forward takes its packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
-"tma_loads": count, "tma_stores": count}.
+"tma_loads": count, "tma_stores": count, "global_stores": count}.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _compile_gluon_ws(module, job):
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
-            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d")}
+            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global")}
 
 
 def _compile(job):
