@@ -751,7 +751,8 @@ def _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SE
 @gluon.jit
 def _ws_rows(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, turn, b, h, start_m, q_start, n_q, n_k, row0, n_mine, it, i, stride_o_n, stride_o_h,
-             stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
+             stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
              WG: gl.constexpr, CONSUMERS: gl.constexpr, QBUF: gl.constexpr):
     """Warpgroup WG's rows of the program's i-th tile over its key blocks [0, n_mine), which are the
@@ -845,36 +846,36 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_r
 
 
 @gluon.jit
-def _ws_consume(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                k_empty, v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h,
-                stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
-                stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr, WG:
-                gl.constexpr):
+def _ws_consume(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n,
+                qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
     """Warpgroup WG's part of each of the program's tiles, in the loader's order."""
     tiles = gl.cdiv(TOTAL_Q, BLOCK_M) + B  # a head's (_ws_sequence_tile)
     it = 0  # key blocks of earlier tiles: the ring's place
     i = 0  # earlier tiles: the Q buffers' place
     for r in range(gl.cdiv(tiles * H, gl.num_programs(0))):
         t = r * gl.num_programs(0) + gl.program_id(0)
-        b, h, start_m, q_start, n_q, k_start, n_k, valid = _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0,
-                                                                             CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
-                                                                             stride_seqlens_k_0, BLOCK_M)
+        b, h, start_m, q_start, n_q, k_start, n_k, valid = _ws_sequence_tile(
+            t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+            stride_seqlens_k_0, BLOCK_M)
         if valid:
             it, i = _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty,
                                      k_ready, k_empty, v_ready, v_empty, turn, b, h, start_m, q_start, n_q, n_k, it, i,
-                                     stride_o_n, stride_o_h, stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
-                                     stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0,
-                                     BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, WG,
-                                     CONSUMERS)
+                                     stride_o_n, stride_o_h, stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q,
+                                     stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                     stride_seqlens_k_0, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG,
+                                     CAUSAL, QBUF, WG, CONSUMERS)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                      k_empty, v_ready, v_empty, turn, b, h, start_m, q_start, n_q, n_k, it, i, stride_o_n, stride_o_h,
-                     stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr,
+                     stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
+                     stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                      PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr, WG: gl.constexpr,
                      CONSUMERS: gl.constexpr):
@@ -909,12 +910,12 @@ def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_s
 
 
 @gluon.jit
-def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                  k_empty, v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h,
-                  stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
-                  stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                  PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                  v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n,
+                  qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                  stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
@@ -925,12 +926,12 @@ def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem
 
 
 @gluon.jit
-def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                  k_empty, v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h,
-                  stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
-                  stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                  PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                  v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n,
+                  qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                  stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                  CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
     _ws_consume(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
@@ -944,17 +945,17 @@ def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem
 def _ws_loader(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                v_ready, v_empty, turn, B, H, GROUP, TOTAL_Q, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n,
                qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
-               stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM:
-               gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL:
-               gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
+               stride_seqlens_k_0, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+               CAUSAL: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     tiles = gl.cdiv(TOTAL_Q, BLOCK_M) + B
     it = 0
     i = 0
     for r in range(gl.cdiv(tiles * H, gl.num_programs(0))):
         t = r * gl.num_programs(0) + gl.program_id(0)
-        b, h, start_m, q_start, n_q, k_start, n_k, valid = _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0,
-                                                                             CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
-                                                                             stride_seqlens_k_0, BLOCK_M)
+        b, h, start_m, q_start, n_q, k_start, n_k, valid = _ws_sequence_tile(
+            t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+            stride_seqlens_k_0, BLOCK_M)
         if valid:
             it, i = _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, GROUP, h, start_m, q_start, n_q, k_start, n_k, it, i, BLOCK_M, BM,
@@ -992,12 +993,11 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
 
 
 @gluon.jit(do_not_specialize=["stride_o_n", "stride_o_h", "stride_lse_h", "stride_lse_n", "B", "H", "GROUP", "TOTAL_Q"])
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n, B, H, GROUP,
-                TOTAL_Q, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
-                stride_seqlens_k_0,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr,
-                CONSUMERS: gl.constexpr):
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_o_n, stride_o_h, stride_lse_h, stride_lse_n, B, H,
+                GROUP, TOTAL_Q, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0,
+                SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+                QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Tiles of BLOCK_M queries of one (sequence, head) of packed sequences, (cdiv(TOTAL_Q, BLOCK_M) + B) * H of them
     (_ws_sequence_tile), taken by the grid's programs in rounds: a TMA loader warp, CONSUMERS consumer warpgroups
     (2). QBUF = 2 Q buffers let a program that takes several tiles (a persistent grid) load the next
