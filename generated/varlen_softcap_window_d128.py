@@ -749,6 +749,19 @@ def _ws_sequence_tile(t, tiles, H, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SE
 
 
 @gluon.jit
+def _ws_zero_rows(v, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows first ... ROWS - 1 of the shared [ROWS, HEAD_DIM] tile v set to 0, 16 rows at a time by this
+    warpgroup. Another warpgroup doing the same at once writes the same values."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    for c in gl.static_range(ROWS // 16):
+        if (c + 1) * 16 > first:
+            chunk = v.slice(c * 16, 16)
+            x = chunk.load(layout)
+            rows = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            chunk.store(gl.where((rows < first)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _ws_rows(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, turn, b, h, start_m, q_start, n_q, n_k, row0, n_mine, it, i, stride_o_n, stride_o_h,
              stride_lse_h, stride_lse_n, qk_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
@@ -823,6 +836,12 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, O, LSE, q_smem, k_smem, v_smem, q_r
     sl = (it + n_mine - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(sl), ((it + n_mine - 1) // STAGES) & 1)
+    # Only the last block reaches past the sequence's keys. Their V rows are another sequence's or memory no one
+    # wrote: P is 0 there, but 0 times a NaN is not 0, so they are zeroed first (the Triton kernel masks the load).
+    if (lo + n_mine) * BLOCK_N > n_k:
+        _ws_zero_rows(v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]), n_k - (lo + n_mine - 1) * BLOCK_N, BLOCK_N,
+                      HEAD_DIM)
+        fence_async_shared()  # the generic proxy's stores before wgmma reads the tile
     acc = warpgroup_mma(p, v_smem.index(sl).reshape([BLOCK_N, HEAD_DIM]),
                         acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))

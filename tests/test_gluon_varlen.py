@@ -219,16 +219,20 @@ def test_the_varlen_kernels_compile_for_sm90():
 def _run(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused=None, tail=100, seed=0):
     """Runs the kernel on packed q, k, v of these lengths followed by `tail` rows that belong to no sequence: a
     tile's store past its sequence's last row lands there as it would on the next sequence's rows (the descriptors
-    do not end there), so out's tail holds a sentinel that must stay, and K and V's tail large values that the key
-    bound must mask. out is poisoned with NaN first. Checks that the Gluon kernel ran and the tail kept its
-    sentinel; returns (q, k, v, out, lse, cu_q, cu_k) over the sequences' rows."""
+    do not end there), so out's tail holds a sentinel that must stay. K and V rows no sequence uses (the tail, and
+    past seqused_k) are NaN: the key bound must mask their scores and their V rows must not reach the output.
+    out is poisoned with NaN first. Checks that the Gluon kernel ran and the tail kept its sentinel; returns (q, k,
+    v, out, lse, cu_q, cu_k) over the sequences' rows."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     d, dt = kernel.spec.head_dim, kernel.spec.dtype.torch
     make = lambda n, h: torch.randn((n, h, d), generator=g, device="cuda").to(dt)
     total_q, total_k = sum(lens_q), sum(lens_k)
     q, k, v = make(total_q + tail, heads), make(total_k + tail, kv_heads), make(total_k + tail, kv_heads)
-    k[total_k:], v[total_k:] = 100.0, 100.0
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    k[total_k:], v[total_k:] = float("nan"), float("nan")
+    for b, n in enumerate(seqused.tolist() if seqused is not None else []):
+        k[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
+        v[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
     out = torch.full_like(q, float("nan"))
     out[total_q:] = 7.0
     called = []
@@ -279,8 +283,9 @@ def test_gluon_varlen_forward_against_float64(variant, head_dim, lengths, monkey
 @pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
 @pytest.mark.parametrize("programs", [None, 3])
 def test_gluon_varlen_seqused_k_and_few_programs(programs, monkeypatch):
-    """seqused_k shorter than the sequences' keys (the rows past it are another's, masked), and a persistent grid
-    of 3 programs, each taking the tiles of many sequences and heads in turn, or one program a tile."""
+    """seqused_k shorter than the sequences' keys (the rows past it NaN: masked, and their V rows zeroed), and a
+    persistent grid of 3 programs, each taking the tiles of many sequences and heads in turn, or one program a
+    tile."""
     kernel = attngen.load(_text("gvl_gpu_used", "gqa"))
     module = kernel.module
     monkeypatch.setitem(module.WS_SHAPE, "min_scores", 0)
