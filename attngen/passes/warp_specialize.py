@@ -30,10 +30,11 @@ and masks the diagonal block; bottom-right alignment with fewer keys than querie
 key) stays on the Triton kernel.
 
 Packed variable-length programs (`layout = varlen`, not paged) get the Gluon forward over all sequences' tiles:
-a persistent program walks the tiles cdiv(TOTAL_Q, BLOCK_M) + B of each head as the Triton varlen kernel's grid
-numbers them, finds a tile's sequence by a binary search over CU_SEQLENS_Q, and reads Q, K and V through
-descriptors over the packed tensors (rows of the next sequence that a block reaches are masked by the key
-bound; a tile that ends past its sequence stores its output through registers, row-masked). Every varlen
+the tiles are the Triton varlen kernel's, cdiv(TOTAL_Q, BLOCK_M) + B a head, taken heads fastest by a persistent
+grid; a tile finds its sequence by a binary search over CU_SEQLENS_Q, and reads Q, K and V through descriptors
+over the packed tensors (keys of the next sequence that a block reaches are masked by the key bound and their V
+rows zeroed in shared memory; a tile that ends past its sequence stores its output through registers,
+row-masked). Every varlen
 program takes the variant path of the template (key blocks and masks from the IR per sequence, rows that see
 no key written as 0 with a log-sum-exp of -inf), with `hopper.forward_varlen`'s shape. Their backward, and the
 paged varlen forward, stay on the Triton kernels (the backward's key tiles walk CU_SEQLENS_K; not written yet).
