@@ -26,7 +26,7 @@ from attngen.ir import sym
 from attngen.lang.spec import parse
 from attngen.passes import compile_program
 from attngen.policy import hopper
-from conftest import HAS_GPU, SPECS, spec_text
+from conftest import DEVICE, HAS_GPU, SPECS, spec_text
 from probe import probe
 from test_gluon_variants import generated_function, same_key_blocks
 from test_varlen import _check_forward, _offsets
@@ -169,10 +169,10 @@ def test_forward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     sequences' offsets and lengths and the spec's run-time tensors; config["warp_specialized"] = False keeps
     the Triton kernel."""
     module = attngen.load(_text("gvl_launch", "sinks", 64, "fp16")).module
-    q, k, v = (torch.randn(9, 2, 64).half() for _ in range(3))
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    used = torch.tensor([4, 5], dtype=torch.int32)
-    sinks = torch.randn(2)
+    q, k, v = (torch.randn(9, 2, 64, device=DEVICE).half() for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([4, 5], dtype=torch.int32, device=DEVICE)
+    sinks = torch.randn(2, device=DEVICE)
     # the launcher's parameters are the kernel's run-time tensors, in its order
     assert list(inspect.signature(module.launch_attn_fwd_ws).parameters) == [
         "q", "k", "v", "o", "lse", "sinks", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "sm_scale"]
