@@ -144,7 +144,21 @@ def _print_passes(program: ir.Program) -> None:
         print("varlen:  per head, cdiv(TOTAL_Q, BLOCK_M) + B programs over the query tiles of all sequences: program "
               "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
               "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
-              "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N); no Hopper Gluon kernels (warp-specialize: no-op)")
+              "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N)")
+        if program.warp_specialized.forward is not None:
+            print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "
+                  "persistent grid: each program walks tiles t, t + programs, ...), TMA over the packed tensors, tiles "
+                  "ending past their sequence stored row-masked; the backward stays on the Triton kernels (the "
+                  "Gluon backward does not walk packed key tiles yet)")
+        else:
+            print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+
+
+def _no_gluon_reason(program: ir.Program) -> str:
+    """Why warp-specialize left a varlen program on the Triton kernels."""
+    if program.attr("page_size") is not None:
+        return "paged K/V: the Gluon forward reads contiguous packed K/V by TMA"
+    return "its spec is outside the Gluon forward's: 16-bit, head dim 64 or 128, auto tiles, supported masks"
 
 
 def cmd_explain(args) -> int:

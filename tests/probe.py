@@ -13,7 +13,8 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
 "late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
-sequences) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores": count}.
+sequences; a varlen module's forward takes its packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
+"tma_loads": count, "tma_stores": count, "global_stores": count}.
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def _compile_gluon_ws(module, job):
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])
         maxnreg = shape[short + "maxnreg"]
         pointers = tuple(p for p in ("LSE", "SINKS", "ALIBI_SLOPES") if p in fn.arg_names)  # a variant's tensors
-    sig = {arg: "constexpr" if arg in const else descs.get(arg, ("*i32" if arg == "CLAIM" else "*fp32") if arg in pointers
+        # a varlen kernel's: the output for its row-masked stores, the sequences' offsets and lengths
+        pointers += tuple(p for p in ("O", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
+    typed = {"CLAIM": "*i32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
+             "O": _PTR[str(module.DTYPE).removeprefix("torch.")]}
+    sig = {arg: "constexpr" if arg in const else descs.get(arg, typed.get(arg, "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}
     attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in pointers}
@@ -113,7 +118,7 @@ def _compile_gluon_ws(module, job):
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
-            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d")}
+            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global")}
 
 
 def _compile(job):

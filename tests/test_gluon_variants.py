@@ -161,6 +161,25 @@ def triton_blocks(kernel, values, block_n, var=sym.start_n):
     return masked, full
 
 
+def same_key_blocks(key_blocks, kernel, values: dict, where) -> bool:
+    """Assert that the generated `_ws_key_blocks` (as Python) gives the query tile at `values` (start_m, the sizes,
+    BLOCK_M and BLOCK_N by their IR symbols) exactly the key blocks the Triton kernel's loops visit, unmasked where
+    they are; returns whether the tile's rows see no key (it then visits one masked block, so its rows are written)."""
+    n_q = values.get(sym.N_Q, values.get(sym.n_q))
+    n_k = values.get(sym.N_K, values.get(sym.n_k))
+    block_n = values[sym.BLOCK_N]
+    lo, full_lo, full_hi, n = key_blocks(values[sym.start_m], n_q, n_k, values[sym.BLOCK_M], block_n)
+    masked, full = triton_blocks(kernel, values, block_n)
+    visited = set(range(lo, lo + n))
+    unmasked = visited & set(range(full_lo, full_hi))
+    assert unmasked == full, where
+    if masked | full:
+        assert visited - unmasked == masked, where
+        return False
+    assert n == 1 and not unmasked, where
+    return True
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
     spec, program = _program(_text(f"gv_kb_{variant}", variant=variant))
@@ -174,19 +193,9 @@ def test_each_tile_visits_exactly_the_triton_kernels_key_blocks(variant):
         for n_q in (1, 63, 257, 1000, 1500):
             for n_k in (1, 100, 257, 1000, 4096):
                 for start_m in range(0, n_q, block_m):
-                    lo, full_lo, full_hi, n = key_blocks(start_m, n_q, n_k, block_m, block_n)
                     values = {sym.start_m: start_m, sym.N_Q: n_q, sym.N_K: n_k, sym.BLOCK_M: block_m,
                               sym.BLOCK_N: block_n}
-                    masked, full = triton_blocks(kernel, values, block_n)
-                    visited = set(range(lo, lo + n))
-                    unmasked = visited & set(range(full_lo, full_hi))
-                    where = (variant, block_m, block_n, n_q, n_k, start_m)
-                    assert unmasked == full, where
-                    if masked | full:
-                        assert visited - unmasked == masked, where
-                    else:  # no key for any row: one block, masked, so that the rows are still written
-                        assert n == 1 and not unmasked, where
-                        empty += 1
+                    empty += same_key_blocks(key_blocks, kernel, values, (variant, block_m, block_n, n_q, n_k, start_m))
     # a window's tiles past N_K + its width see no key at these sizes: the empty case is checked
     assert empty > 0 or variant not in ("window", "window_lr", "causal_window")
 

@@ -151,7 +151,8 @@ class ScoreHooks:
     @property
     def tensors(self) -> tuple:
         """The run-time tensors the kernel reads beside Q, K and V (a variant's: declared tensors, ALiBi's slopes,
-        the sinks), in the order of the kernel's parameters."""
+        the sinks; a varlen kernel's CU_SEQLENS_Q, CU_SEQLENS_K and SEQLENS_K), in the order of the kernel's
+        parameters."""
         return tuple(p for p in self.kernel.params if p.role is ir.Role.INPUT and p.name not in _OPERANDS)
 
     @property

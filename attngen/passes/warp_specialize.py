@@ -29,6 +29,16 @@ hand gets exactly those, in the Triton kernel). A causal program reads only the 
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
+Packed variable-length programs (`layout = varlen`, not paged) get the Gluon forward over all sequences' tiles:
+the tiles are the Triton varlen kernel's, cdiv(TOTAL_Q, BLOCK_M) + B a head, taken heads fastest by a persistent
+grid; a tile finds its sequence by a binary search over CU_SEQLENS_Q, and reads Q, K and V through descriptors
+over the packed tensors (keys of the next sequence that a block reaches are masked by the key bound and their V
+rows zeroed in shared memory; a tile that ends past its sequence stores its output through registers,
+row-masked). Every varlen
+program takes the variant path of the template (key blocks and masks from the IR per sequence, rows that see
+no key written as 0 with a log-sum-exp of -inf), with `hopper.forward_varlen`'s shape. Their backward, and the
+paged varlen forward, stay on the Triton kernels (the backward's key tiles walk CU_SEQLENS_K; not written yet).
+
 Variant programs (issue 48: windows, prefixes, chunks, softcap, ALiBi, sinks; `variant_supported` says which) get the
 Gluon forward too: each query tile visits exactly the key blocks causal-skip's loops give it, masking those
 outside the unmasked range with the IR's predicates, its scores modified and its sink step taken as the IR says
@@ -69,10 +79,17 @@ PLAIN_MASKS = ("none", "causal(top_left)", "causal(bottom_right)")
 
 
 def applies(program: ir.Program) -> bool:
-    return (not program.attr("kvcache", False) and program.attr("split_kv") is None and not program.attr("varlen")
+    return (not program.attr("kvcache", False) and program.attr("split_kv") is None
+            and not (program.attr("varlen") and program.attr("page_size") is not None)
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
-            and (not is_variant(program) or variant_supported(program))
+            and (not is_variant(program) or variant_supported(program, _varlen_scalars(program)))
+            and (not program.attr("varlen") or _one_unmasked_range(program.kernel("attn_fwd"), sym.start_n))
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS)
+
+
+def _varlen_scalars(program: ir.Program) -> frozenset:
+    """The per-sequence sizes a varlen program's score modifier may read (bottom-right positions: n_k - n_q)."""
+    return frozenset({sym.n_q, sym.n_k}) if program.attr("varlen") else frozenset()
 
 
 def is_variant(program: ir.Program) -> bool:
@@ -140,6 +157,9 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
+    if program.attr("varlen"):  # the forward only: the backward's key tiles stay on the Triton kernels
+        return replace(program, warp_specialized=replace(program.warp_specialized,
+                                                         forward=hopper.forward_varlen(d, causal)))
     has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if is_variant(program):
         # A variant's tiles each visit the key blocks its mask leaves (its key tiles in the backward the query

@@ -237,6 +237,17 @@ def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
     return replace(forward(head_dim, masked), balance=False, pair=pair)
 
 
+def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for a packed variable-length program: the variant column of the
+    tables (its tiles visit the key blocks the IR's loops give each sequence), always at the main shape (the
+    lengths are on the GPU, so a launch cannot pick the short shape by them), the persistent grid without BALANCE
+    (its dealing plans around one sequence length). min_keys and min_scores are compared with the average keys a
+    sequence and the scores of sequences that long (`ws_ready`). Not measured: a guess until the varlen bench runs
+    the Gluon kernel."""
+    variant = forward_variant(head_dim, causal)
+    return replace(variant, short=variant.main, short_keys=0)
+
+
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS."""
     key, f = (head_dim, causal), BWD_FLAGS
