@@ -244,7 +244,7 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
     (its dealing plans around one sequence length). min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_ready`). Not measured: a guess until the varlen bench runs
     the Gluon kernel."""
-    variant = forward_variant(head_dim, causal)
+    variant = forward_variant(head_dim, causal, pair=False)  # (its tiles are dealt by _ws_sequence_tile)
     return replace(variant, short=variant.main, short_keys=0)
 
 
