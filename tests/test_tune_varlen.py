@@ -129,6 +129,19 @@ def test_a_tuned_varlen_forward_serves_varlen_calls_of_its_bucket_from_the_writt
     assert configs[-1] == outcome.best[0].trial.config
 
 
+def test_autotune_tunes_a_varlen_call_s_untuned_bucket_once_on_first_use(monkeypatch):
+    kernel = attngen.load(varlen_kernel("vl_auto", direction="forward").spec, autotune=True)
+    calls = []
+    monkeypatch.setattr(tuning, "tune", lambda k, shapes, **kw: calls.append(shapes) or tune(k, shapes, values=TINY))
+    x, sizes = packed_call(kernel, [40, 7, 49], [40, 7, 49])
+    kernel(x.q, x.k, x.v, **sizes)
+    x, sizes = packed_call(kernel, [30, 30, 40], [30, 30, 40])  # the same bucket
+    kernel(x.q, x.k, x.v, **sizes)
+    assert calls == [[Packed(3, 2, 2, 96, 96)]]
+    assert "H=2 TOTAL_Q=128 N_Q=32 N_K=32" in store.user_path(Device.current()).read_text()
+    assert packed_lengths(kernel.spec, Packed(4, 2, 2, 2, 8)) == ([1, 1, 0, 0], [4, 4, 0, 0])  # more sequences than queries
+
+
 def test_a_tuned_varlen_backward_kernel_serves_the_backward_and_gradients_stay_right(monkeypatch):
     kernel = varlen_kernel("vl_bwd")
     part = tuning.tunable(kernel.part("attn_bwd_dkdv"))

@@ -32,13 +32,16 @@ def packed_lengths(spec, shape: Packed) -> tuple[list[int], list[int]]:
     lengths packed into `shape.total_q` tokens. Each sequence's keys are its share of `total_k` (its own queries
     where the totals are equal: packed documents); for a paged spec, whose `total_k` is sequences x the keys a
     block table row addresses, a cache spread from that capacity down to half of it (the decode tuner's spread),
-    never shorter than its queries (a chunked prefill's new tokens are the last of its keys)."""
+    never shorter than its queries (a chunked prefill's new tokens are the last of its keys). A call's shape with
+    more sequences than query tokens (an autotuned bucket) gets empty sequences after one-token ones."""
     generator = torch.Generator().manual_seed(LENGTHS_SEED)
-    lengths_q = document_lengths(shape.total_q, shape.batch, generator)
+    batch = max(shape.batch, 1)
+    filled = min(batch, shape.total_q)
+    lengths_q = (document_lengths(shape.total_q, filled, generator) if filled else []) + [0] * (batch - filled)
     if spec.kv_layout.paged:
-        capacity = shape.total_k // shape.batch
-        return lengths_q, [max(n, capacity - b * capacity // (2 * shape.batch)) for b, n in enumerate(lengths_q)]
-    lengths_k = [n * shape.total_k // shape.total_q for n in lengths_q]
+        capacity = shape.total_k // batch
+        return lengths_q, [max(n, capacity - b * capacity // (2 * batch)) for b, n in enumerate(lengths_q)]
+    lengths_k = [n * shape.total_k // max(shape.total_q, 1) for n in lengths_q]
     lengths_k[-1] += shape.total_k - sum(lengths_k)
     return lengths_q, lengths_k
 
