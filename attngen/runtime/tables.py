@@ -343,8 +343,8 @@ def launch_choice(kernel, shape: "Shape | Packed", device_index: int | None = No
     # kernel objects are per mode, interpreted or compiled: runtime.load keys them by it.)
     if type(shape) is Shape:
         memo_key = (generation(), device_index, kernel, shape.batch * shape.heads, shape.n_q, shape.n_k)
-    else:  # a varlen call's `Packed`: its bucket is not a function of those three sizes
-        memo_key = (generation(), device_index, kernel, shape)
+    else:  # a varlen call's `Packed`, by its bucket: a serving step's token count is new at nearly every call
+        memo_key = (generation(), device_index, kernel, bucket(shape))
     found = _MEMO.get(memo_key)
     if found is None:
         if len(_MEMO) > 4096:
