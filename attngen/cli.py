@@ -36,7 +36,7 @@ from .policy.tma import reads_through_descriptors
 from .runtime.cache import write_atomic
 from .runtime.kernel import load
 from .testing.accuracy import format_result, validate
-from .tuning import Shape, save, tunables, tune
+from .tuning import Packed, Shape, save, tunables, tune
 from .tuning.report import Progress, format_outcome
 from .tuning.space import TuneError, restrict
 from .version import __version__
@@ -361,6 +361,11 @@ DEFAULT_SEQLENS = {  # (on a GPU, in the interpreter), as --seqlens takes them
     "chunked": (["512:4096", "512:16384"], ["16:64"]),     # a paged cache without split: chunked prefill
 }
 DECODE_BATCHES = ([1, 16, 64], [2])
+# A varlen spec's kernels: --seqlens are the packed tokens (queries[:keys]), --batch the sequences packed into them
+# (documents of random lengths, as the bench's document rows). Paged, the keys are sequences x the capacity of a
+# block table row: chunked prefills of 2k new tokens on average over caches of 16k..32k.
+VARLEN_SEQLENS = {False: (["4096", "16384"], ["96"]), True: (["16384:262144"], ["48:192"])}  # by paged
+VARLEN_BATCHES = ([8], [3])
 
 
 def _tune_shapes(spec, args, interpreted: bool, kind: str) -> list:
@@ -369,7 +374,10 @@ def _tune_shapes(spec, args, interpreted: bool, kind: str) -> list:
     if kind == "decode" and not spec.is_split:
         kind = "chunked"
     group = spec.group or 1
-    seqlens = [_seqlen(t) for t in (args.seqlens or DEFAULT_SEQLENS[kind][interpreted])]
+    if spec.varlen:
+        seqlens = [_seqlen(t) for t in (args.seqlens or VARLEN_SEQLENS[spec.kv_layout.paged][interpreted])]
+    else:
+        seqlens = [_seqlen(t) for t in (args.seqlens or DEFAULT_SEQLENS[kind][interpreted])]
     shapes = []
     for heads, kv_heads in [_heads(t) for t in args.heads] if args.heads else [_default_heads(spec, interpreted, kind)]:
         kv_heads = kv_heads or spec.kv_heads or heads // group
@@ -380,11 +388,25 @@ def _tune_shapes(spec, args, interpreted: bool, kind: str) -> list:
                             + (f" ({fixed})" if fixed else " (query heads must be a multiple of kv heads)"))
         for n_q, n_k in seqlens:
             default_batch = DECODE_BATCHES[interpreted] if kind == "decode" else [1 if interpreted else max(1, TOKENS // n_k)]
-            for batch in args.batch or default_batch:
+            for batch in args.batch or (VARLEN_BATCHES[interpreted] if spec.varlen else default_batch):
                 if batch < 1:
                     raise TuneError(f"--batch takes positive whole numbers; got {batch}")
-                shapes.append(Shape(batch, heads, kv_heads, n_q, n_k))
+                if spec.varlen:
+                    shapes.append(_packed_shape(spec, batch, heads, kv_heads, n_q, n_k))
+                else:
+                    shapes.append(Shape(batch, heads, kv_heads, n_q, n_k))
     return shapes
+
+
+def _packed_shape(spec, batch: int, heads: int, kv_heads: int, total_q: int, total_k: int) -> Packed:
+    """A varlen kernel's tuning shape: `batch` sequences of at least one query packed into `total_q` tokens."""
+    if batch > total_q:
+        raise TuneError(f"--batch {batch} sequences do not fit {total_q} tokens (--seqlens): kernel '{spec.name}' is "
+                        "varlen, whose --seqlens are the packed tokens and --batch the sequences in them")
+    if spec.kv_layout.paged and total_k < total_q:
+        raise TuneError(f"--seqlens {total_q}:{total_k}: kernel '{spec.name}' keeps keys in pages, whose sequences "
+                        "hold their queries' keys and more: give at least as many keys as queries")
+    return Packed(batch, heads, kv_heads, total_q, total_k)
 
 
 def _heads(text: str) -> tuple[int, int | None]:
@@ -447,9 +469,12 @@ def cmd_tune(args) -> int:
     plans = []
     for path in args.specs:  # every spec and argument is checked before anything is tuned
         kernel = load(_spec(path))
-        parts = [part for part in tunables(kernel) if not args.kind or part.kind in args.kind]
+        available = tunables(kernel)
+        if not available:
+            raise TuneError(f"kernel '{kernel.spec.name}' ({path}) has no kernel the tuner can tune")
+        parts = [part for part in available if not args.kind or part.kind in args.kind]
         if not parts:
-            have = sorted({part.kind for part in tunables(kernel)})
+            have = sorted({part.kind for part in available})
             raise TuneError(f"--kind {' '.join(args.kind)}: kernel '{kernel.spec.name}' has only {', '.join(have)}")
         for part in parts:
             restrict(part.tuning_space(), values)
@@ -524,9 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence lengths to tune at (default on a GPU: "
                         f"{' '.join(DEFAULT_SEQLENS['forward'][0])}; for decoding, "
                         f"{' '.join(DEFAULT_SEQLENS['decode'][0])}, new tokens : cache capacity; a paged spec "
-                        f"without split, {' '.join(DEFAULT_SEQLENS['chunked'][0])}; 64 or 1:64 in the interpreter)")
+                        f"without split, {' '.join(DEFAULT_SEQLENS['chunked'][0])}; 64 or 1:64 in the interpreter; "
+                        "a varlen spec: the packed tokens, TQ or TQ:TK, default "
+                        f"{' '.join(VARLEN_SEQLENS[False][0])}, paged {' '.join(VARLEN_SEQLENS[True][0])})")
     p.add_argument("--batch", nargs="+", type=int, metavar="B",
-                   help=f"batch sizes (default: {TOKENS} // N_K; for decoding 1 16 64)")
+                   help=f"batch sizes (default: {TOKENS} // N_K; for decoding 1 16 64; a varlen spec: the sequences "
+                        f"packed into the tokens, default {VARLEN_BATCHES[0][0]})")
     p.add_argument("--heads", nargs="+", metavar="H|H:H_KV",
                    help=f"query heads, or query : key/value heads (default: the spec's, else {HIDDEN} // head_dim; "
                         "for decoding 32:8)")

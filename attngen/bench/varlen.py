@@ -27,6 +27,7 @@ from ..api.kvcache import attention_with_kvcache
 from ..api.sdpa import attention
 from ..api.varlen import flash_attn_varlen_func
 from ..integrations import torch_flash
+from ..testing.packed import cu_seqlens, document_lengths
 from ..testing.reference import kvcache_attention, varlen_attention
 from .common import Row, compiled_flex_attention
 from .prefill import PREFILL_LENGTHS, _median_ms, meta, write
@@ -37,12 +38,6 @@ FULL = dict(tokens=16384, documents=8, heads=16, head_dim=128, short=256, shorts
 TINY = dict(tokens=96, documents=3, heads=2, head_dim=32, short=8, shorts=5, prompts=2, prompt=16, decodes=3,
             min_cache=8, max_cache=40, page_size=16)
 CHECK_REL = 2e-2  # a check: ||out - ref|| / ||ref|| under this (bf16 inputs and output)
-
-
-def document_lengths(total: int, count: int, generator: torch.Generator) -> list[int]:
-    """`count` random positive lengths summing to `total` (cut points drawn uniformly)."""
-    cuts = sorted(torch.randperm(total - 1, generator=generator)[: count - 1].add(1).tolist())
-    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
 def kept_scores(lengths_q, lengths_k, causal: bool) -> int:
@@ -57,10 +52,6 @@ def kept_scores(lengths_q, lengths_k, causal: bool) -> int:
         else:  # (the first n_q - n_k queries see no key)
             kept += n_k * (n_k + 1) // 2
     return kept
-
-
-def cu_seqlens(lengths, device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 def _tflops(kept: int, heads: int, head_dim: int, ms: float, backward: bool) -> float:

@@ -19,6 +19,7 @@ def applies(backward: bool, causal: bool, elem_bytes: int, head_dim: int, head_d
 
 
 def reads_through_descriptors(spec, kernel_name: str) -> bool:
-    """Whether the generated `kernel_name` of `spec` has descriptor loads."""
-    return kernel_name == KERNEL and applies(spec.backward, spec.mask.is_causal, spec.dtype.bytes, spec.head_dim,
+    """Whether the generated `kernel_name` of `spec` has descriptor loads (a varlen kernel's never has: the
+    pass leaves packed tensors, whose tiles start at any row, to pointers)."""
+    return kernel_name == KERNEL and not spec.varlen and applies(spec.backward, spec.mask.is_causal, spec.dtype.bytes, spec.head_dim,
                                              spec.head_dim_padded)

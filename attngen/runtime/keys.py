@@ -17,6 +17,12 @@
   * `Shape` -> `bucket`: the sizes of one call, rounded to the nearest power of two (in log scale):
     batch x heads (the kernel's grid is blocks x heads x batch, so only the product matters), N_Q
     and N_K. Sizes come from tensor shapes: no host synchronisation.
+  * `Packed` -> `bucket`: the sizes of one varlen call (packed sequences), likewise rounded: the query heads,
+    the packed query tokens (the grid is cdiv(TOTAL_Q, BLOCK_M) + B tiles x heads) and the mean query and key
+    length of a sequence (what one tile's loop runs over), e.g. 'H=32 TOTAL_Q=16384 N_Q=2048 N_K=2048'. The
+    lengths themselves are on the GPU; the means come from shapes: tokens / sequences (cu_seqlens has B + 1
+    entries), for a paged kernel the keys its block table can address per sequence (the decode kernels' cache
+    capacity).
 """
 
 from __future__ import annotations
@@ -122,6 +128,43 @@ class Shape(NamedTuple):
         return f"B={self.batch} H={heads} N_Q={self.n_q} N_K={self.n_k}"
 
 
+class Packed(NamedTuple):
+    """The sizes of one varlen call: sequences, query heads, key/value heads, and the packed query and key tokens
+    (for a paged kernel: sequences x the keys its block table addresses per sequence)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    total_q: int
+    total_k: int
+
+    @staticmethod
+    def of(q, k, cu_seqlens_q, block_table=None) -> "Packed":
+        """From q (TOTAL_Q, H, D), k (TOTAL_K, H_KV, D) or a page pool (PAGES, PAGE_SIZE, H_KV, D) with its
+        block_table (B, MAX_PAGES), and cu_seqlens_q (B + 1,): tensor shapes only, no synchronisation."""
+        batch = cu_seqlens_q.shape[0] - 1
+        total_k = k.shape[0] if block_table is None else batch * block_table.shape[1] * k.shape[1]
+        return Packed(batch, q.shape[1], k.shape[-2], q.shape[0], total_k)
+
+    @property
+    def n_q(self) -> int:
+        """Query tokens per sequence, on average."""
+        return self.total_q // max(self.batch, 1)
+
+    @property
+    def n_k(self) -> int:
+        """Keys per sequence, on average."""
+        return self.total_k // max(self.batch, 1)
+
+    def as_dict(self) -> dict:
+        return {"B": self.batch, "H": self.heads, "H_KV": self.kv_heads, "TOTAL_Q": self.total_q,
+                "TOTAL_K": self.total_k}
+
+    def __str__(self) -> str:
+        heads = f"{self.heads}" if self.heads == self.kv_heads else f"{self.heads}/{self.kv_heads}"
+        return f"B={self.batch} H={heads} TOTAL_Q={self.total_q} TOTAL_K={self.total_k}"
+
+
 def nearest_power_of_two(n: int) -> int:
     """2^round(log2 n): 1000 -> 1024, 1400 -> 1024, 1500 -> 2048 (n < 1 counts as 1)."""
     n = max(int(n), 1)
@@ -129,8 +172,12 @@ def nearest_power_of_two(n: int) -> int:
     return lower if n * n < 2 * lower * lower else 2 * lower
 
 
-def bucket(shape: Shape) -> str:
-    """The shape bucket an entry is stored under, e.g. 'BH=64 N_Q=1024 N_K=1024'."""
+def bucket(shape: "Shape | Packed") -> str:
+    """The shape bucket an entry is stored under, e.g. 'BH=64 N_Q=1024 N_K=1024', or for a varlen call
+    'H=32 TOTAL_Q=16384 N_Q=2048 N_K=2048'."""
+    if type(shape) is Packed:
+        return (f"H={nearest_power_of_two(shape.heads)} TOTAL_Q={nearest_power_of_two(shape.total_q)} "
+                f"N_Q={nearest_power_of_two(shape.n_q)} N_K={nearest_power_of_two(shape.n_k)}")
     return (f"BH={nearest_power_of_two(shape.batch * shape.heads)} N_Q={nearest_power_of_two(shape.n_q)} "
             f"N_K={nearest_power_of_two(shape.n_k)}")
 

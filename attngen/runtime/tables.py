@@ -54,7 +54,7 @@ import torch
 from .. import env
 from ..env import interpreting
 from .cache import CacheWarning, cache_dir, write_atomic
-from .keys import Device, Shape, bucket, bucket_distance, bucket_sizes, problem_key
+from .keys import Device, Packed, Shape, bucket, bucket_distance, bucket_sizes, problem_key
 from ..analysis.resources import Target
 
 FORMAT = "attngen-tuning/1"
@@ -327,7 +327,7 @@ _TUNING = threading.Lock()
 _ATTEMPTED: set = set()
 
 
-def launch_config(kernel, shape: Shape, device_index: int | None = None) -> dict:
+def launch_config(kernel, shape: "Shape | Packed", device_index: int | None = None) -> dict:
     """The config for one call: tuned for this device and shape bucket if anyone tuned it, else
     the nearest tuned bucket, else the default. No tuning happens here unless autotuning is on and
     this bucket has no entry of its own; then it is tuned once per process, on random inputs of
@@ -335,13 +335,16 @@ def launch_config(kernel, shape: Shape, device_index: int | None = None) -> dict
     return launch_choice(kernel, shape, device_index)[0]
 
 
-def launch_choice(kernel, shape: Shape, device_index: int | None = None, uniform: bool = False) -> tuple[dict, bool]:
+def launch_choice(kernel, shape: "Shape | Packed", device_index: int | None = None, uniform: bool = False) -> tuple[dict, bool]:
     """`launch_config`, and whether the config was tuned for this very bucket (not the nearest one
     or the default): keys that only suit the shapes they were measured at need to know. `uniform`:
     the call's sequences all have one length, and the bucket's entry may hold a config for that."""
     # NOTE: this runs on every call; the memo makes it a handful of dictionary operations. (The
     # kernel objects are per mode, interpreted or compiled: runtime.load keys them by it.)
-    memo_key = (generation(), device_index, kernel, shape.batch * shape.heads, shape.n_q, shape.n_k)
+    if type(shape) is Shape:
+        memo_key = (generation(), device_index, kernel, shape.batch * shape.heads, shape.n_q, shape.n_k)
+    else:  # a varlen call's `Packed`, by its bucket: a serving step's token count is new at nearly every call
+        memo_key = (generation(), device_index, kernel, bucket(shape))
     found = _MEMO.get(memo_key)
     if found is None:
         if len(_MEMO) > 4096:

@@ -6,7 +6,8 @@ block_table (B, MAX_PAGES). Everything is checked on the host from shapes, dtype
 (a `KernelInputError`, i.e. a ValueError, naming the argument; a missing or unknown keyword is a TypeError); the
 values of cu_seqlens are not read here (that needs a copy from the GPU: the API's job). `forward` and `backward`
 run the generated module's `forward_varlen` / `backward_varlen` (`Kernel.varlen_forward` / `varlen_backward`, which
-attngen's autograd and custom ops call by kernel key).
+attngen's autograd and custom ops call by kernel key), each launch with the config tuned for the call's `keys.Packed`
+bucket (attngen/runtime/tables.py; the policy's default where nobody tuned one).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import numbers
 
 import torch
 
-from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.spec import Spec
-from ..policy.configs import backward_config, default_config
-from . import autograd, warmup
+from . import autograd, tables, warmup
 from .arguments import (INT32_MAX, _runtime_device_ok, check_heads, check_like, check_out, check_recording,
                         check_runtime_tensors, check_scale, check_span, check_tensor, on_other_gpu)
+from .keys import Packed
+from .parts import PARTS
 
 
 def call(kernel, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
@@ -126,7 +127,8 @@ def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table,
                            tensors)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
-    launch = dict(default_config(kernel.spec, interpreter=interpreting()), **(config or {}))
+    shape = Packed.of(q, k, cu_seqlens_q, block_table)
+    launch = dict(tables.launch_config(kernel, shape, q.device.index), **(config or {}))
     warmup.wait()
     kernel.module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out=out, lse=lse,
                                  config=launch, **kernel._keywords(tensors))
@@ -139,7 +141,8 @@ def backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_
     if on_other_gpu(q):
         with torch.cuda.device(q.device):
             return backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)
-    launch = backward_config(kernel.spec, interpreter=interpreting())
+    shape = Packed.of(q, k, cu_seqlens_q)
+    launch = {name: tables.launch_config(kernel.part(name), shape, q.device.index) for name in PARTS}
     warmup.wait()
     grads = kernel.module.backward_varlen(q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
                                           config=launch, **kernel._keywords(tensors))

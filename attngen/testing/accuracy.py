@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import reference
+from .packed import packed_inputs
 from ..lang import variants as v
 from ..lang.spec import DType, Mask, Spec
 from ..env import interpreting
@@ -41,8 +42,26 @@ class Case:
 
 
 @dataclass(frozen=True)
+class PackedCase:
+    """A varlen kernel's case: sequences of these query and key lengths (zero allowed) packed end to end."""
+
+    heads: int
+    kv_heads: int
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths_q)
+
+    def __str__(self) -> str:
+        return (f"B={self.batch} H={self.heads}/{self.kv_heads} N_Q={'+'.join(map(str, self.lengths_q))} "
+                f"N_K={'+'.join(map(str, self.lengths_k))}")
+
+
+@dataclass(frozen=True)
 class Result:
-    case: Case
+    case: "Case | PackedCase"
     err: float          # max |out - ref64|
     rel: float          # ||out - ref64|| / ||ref64||
     tol: float          # the bound err must stay under
@@ -72,11 +91,21 @@ class GradResult:
         return not self.problem and self.err <= self.tol and self.rel <= self.rel_tol
 
 
-def default_cases(spec: Spec, small: bool = False) -> list[Case]:
-    """Odd sizes, seq 1, seq_q != seq_k (both ways), and a long one (shorter when `small`)."""
+def default_cases(spec: Spec, small: bool = False) -> list:
+    """Odd sizes, seq 1, seq_q != seq_k (both ways), and a long one (shorter when `small`); for a varlen spec,
+    packed batches of such sequences (`PackedCase`)."""
     heads = spec.heads or 2 * (spec.group or 1)
     kv = spec.kv_heads or heads // (spec.group or 1)
     long = 200 if small else 1000
+    if spec.varlen:
+        return [
+            PackedCase(heads, kv, (1,), (1,)),
+            PackedCase(heads, kv, (77, 13, 40), (77, 13, 40)),  # documents of unequal lengths
+            # seq_q != seq_k both ways, an empty sequence of queries and one of keys (its queries see nothing)
+            PackedCase(heads, kv, (5, 0, 37, 3, 17), (9, 4, 37, 0, 40)),
+            PackedCase(heads, kv, (1, 1, 77), (long, 77, 90)),  # decodes beside a chunked prefill
+            PackedCase(heads, kv, (long, 77), (long, 100)),
+        ]
     return [
         Case(1, heads, kv, 1, 1),
         Case(2, heads, kv, 77, 77),
@@ -227,59 +256,45 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
     return result
 
 
-def varlen_lengths(case: Case) -> tuple[list[int], list[int]]:
-    """The sequences a varlen kernel runs for `case`: `case.batch` of them, of n_q and n_k, then a few shorter each
-    (odd, unequal lengths; seq_q != seq_k where the case's differ), at least one query and key each."""
+def varlen_lengths(case: "Case | PackedCase") -> tuple[list[int], list[int]]:
+    """The sequences a varlen kernel runs for `case`: a `PackedCase`'s own; for a `Case`, `case.batch` of them, of
+    n_q and n_k, then a few shorter each (odd, unequal lengths; seq_q != seq_k where the case's differ), at least
+    one query and key each."""
+    if isinstance(case, PackedCase):
+        return list(case.lengths_q), list(case.lengths_k)
     batch = range(case.batch)
     return [max(1, case.n_q - 5 * b) for b in batch], [max(1, case.n_k - 3 * b) for b in batch]
 
 
-def _run_varlen_case(kernel, case: Case, device, generator=None) -> Result:
+def _run_varlen_case(kernel, case: "Case | PackedCase", device, generator=None) -> Result:
     """`run_case` for a varlen kernel: the case's sequences (`varlen_lengths`) packed end to end (K/V copied into
-    pages for a paged spec), the output poisoned, gradients through autograd; each sequence compared with the
-    reference of it alone. Returns the first failing sequence's result, else the one with the largest error."""
+    shuffled pages for a paged spec), the output poisoned, gradients through autograd; each sequence compared with
+    the reference of it alone. Returns the first failing sequence's result, else the one with the largest error."""
     spec = kernel.spec
     lens_q, lens_k = varlen_lengths(case)
-    packed = lambda lens, heads: random_inputs(spec, Case(1, heads, heads, sum(lens), 0), device, generator)[0][0]
-    q, k, v_ = packed(lens_q, case.heads), packed(lens_k, case.kv_heads), packed(lens_k, case.kv_heads)
-    q, k, v_ = (t.transpose(0, 1).contiguous() for t in (q, k, v_))  # (tokens, heads, d)
-    offsets = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
-                                        device=device)
-    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    x = packed_inputs(spec, lens_q, lens_k, case.heads, case.kv_heads, device, generator)
     tensors = runtime_tensors(spec, case, device, generator)
-    keys, values, table = k, v_, None
-    if spec.kv_layout.paged:
-        page = spec.kv_layout.page_size
-        pages = [-(-n // page) for n in lens_k]
-        table = torch.zeros((case.batch, max(pages)), dtype=torch.int32, device=device)
-        keys, values = (t.new_zeros((sum(pages), page) + tuple(t.shape[1:])) for t in (k, v_))
-        first = 0
-        for b, n in enumerate(lens_k):
-            table[b, :pages[b]] = torch.arange(first, first + pages[b], dtype=torch.int32, device=device)
-            for pool, t in ((keys, k), (values, v_)):
-                pool.view(-1, *t.shape[1:])[first * page:first * page + n] = t[int(cu_k[b]):int(cu_k[b + 1])]
-            first += pages[b]
-    if spec.backward:
-        q, k, v_ = (t.requires_grad_() for t in (q, k, v_))
-        keys, values = k, v_
-    out, lse = kernel(q, keys, values, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
-                      max_seqlen_k=max(lens_k), block_table=table, return_lse=True,
-                      out=None if spec.backward else torch.full_like(q, float("nan")), **tensors)
-    do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+    if spec.backward:  # (not paged: keys and values are k and v)
+        for t in (x.q, x.k, x.v):
+            t.requires_grad_()
+    out, lse = kernel(x.q, x.keys, x.values, cu_seqlens_q=x.cu_seqlens_q, cu_seqlens_k=x.cu_seqlens_k,
+                      max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), block_table=x.block_table, return_lse=True,
+                      out=None if spec.backward else torch.full_like(x.q, float("nan")), **tensors)
+    do = torch.randn(x.q.shape, generator=generator, device=device, dtype=torch.float32).to(x.q.dtype)
     if spec.backward:
         out.backward(do)
     results = []
-    for b in range(case.batch):
-        rows = lambda t, cu: t.detach()[int(cu[b]):int(cu[b + 1])].transpose(0, 1)[None]
+    for b in range(len(lens_q)):
         seq = {name: t[b:b + 1] if name == v.ALIBI_TENSOR and t.dim() == 2 else t for name, t in tensors.items()}
-        qs, ks, vs = rows(q, cu_q), rows(k, cu_k), rows(v_, cu_k)
-        result = compare(spec, Case(1, case.heads, case.kv_heads, lens_q[b], lens_k[b]), rows(out, cu_q),
-                         lse[:, int(cu_q[b]):int(cu_q[b + 1])][None], qs, ks, vs, tensors=seq)
+        qs, ks, vs = x.rows(x.q.detach(), b), x.rows(x.k.detach(), b, keys=True), x.rows(x.v.detach(), b, keys=True)
+        lse_b = lse[:, int(x.cu_seqlens_q[b]):int(x.cu_seqlens_q[b + 1])][None]
+        result = compare(spec, Case(1, case.heads, case.kv_heads, lens_q[b], lens_k[b]), x.rows(out.detach(), b),
+                         lse_b, qs, ks, vs, tensors=seq)
         if spec.backward:
-            grads = tuple(rows(t.grad, cu) for t, cu in ((q, cu_q), (k, cu_k), (v_, cu_k)))
+            grads = (x.rows(x.q.grad, b), x.rows(x.k.grad, b, keys=True), x.rows(x.v.grad, b, keys=True))
             # (the sinks' gradient sums over the sequences: not one sequence's; its check is the tests')
             grads += (torch.zeros_like(seq[v.SINKS_TENSOR]),) if spec.variant.sinks else ()
-            checked = compare_grads(spec, qs, ks, vs, rows(do, cu_q), grads, tensors=seq)[:3]
+            checked = compare_grads(spec, qs, ks, vs, x.rows(do, b), grads, tensors=seq)[:3]
             result = replace(result, grads=checked)
         results.append(result)
     failed = [r for r in results if not r.ok]

@@ -8,7 +8,8 @@ The modules: `space` (candidates, pruning by the resource model, the budget), `s
 validate, time), `gate` (the accuracy check of a forward candidate), `report` (progress bar and table),
 and what the tuner drives: `tunables` (the protocol's base and the forward kernel), `backward` (the dQ and
 dK/dV kernels of a forward+backward spec, one at a time), `decoding` (the `forward_kvcache` entry of a
-split-KV or paged spec, with its split count), `adapt` (which of them a launch part gets). The tables the
+split-KV or paged spec, with its split count), `varlen` (a varlen spec's forward and backward kernels, on
+packed batches), `adapt` (which of them a launch part gets). The tables the
 results go to and the run-time lookup over them are the runtime's (attngen/runtime/tables.py, keys.py).
 
 ## The protocol a kernel object provides
@@ -41,7 +42,8 @@ adds the rest.
         with the numbers; None if it fits. Called before anything compiles.
     tuning_inputs(shape, device, generator) -> inputs
         Fresh random inputs for a `keys.Shape` (and output buffers), on `device`, drawn from
-        `generator`. Decode kernels add cache_seqlens and a block table of realistic lengths.
+        `generator`. Decode kernels add cache_seqlens and a block table of realistic lengths; a varlen
+        kernel's shape is a `keys.Packed`, its inputs a packed batch of documents of random lengths.
     tuning_run(inputs, config, *, poison=False) -> outputs
         Launch with `config`, writing into the buffers of `inputs`; with `poison`, fill the outputs
         with NaN first so unwritten elements show. Must not consult the tuned tables.
@@ -64,7 +66,8 @@ adds the rest.
 At run time, the kernel's launch path calls `tables.launch_config(part, shape, device_index)` (or
 `launch_choice`, which also says whether the entry was tuned for this very bucket); a kind whose
 inputs are not (q, k) builds its `Shape` from its own tensors' sizes (a decode kernel: the KV
-cache's capacity, not the device-side cache_seqlens), never from device data.
+cache's capacity, not the device-side cache_seqlens; a varlen kernel: `Packed.of`, the packed tokens and
+cu_seqlens' length, not the lengths in it), never from device data.
 """
 
 from __future__ import annotations
@@ -73,12 +76,12 @@ import warnings
 
 from ..runtime import tables as store
 from ..runtime.cache import CacheWarning
-from ..runtime.keys import Device, Shape
+from ..runtime.keys import Device, Packed, Shape
 from .adapt import tunable, tunables
 from .search import Outcome, tune
 from .space import TuneError
 
-__all__ = ["Device", "Outcome", "Shape", "TuneError", "save", "tunable", "tunables", "tune", "tune_bucket"]
+__all__ = ["Device", "Outcome", "Packed", "Shape", "TuneError", "save", "tunable", "tunables", "tune", "tune_bucket"]
 
 
 def save(outcome: Outcome, path=None) -> str | None:
@@ -100,7 +103,7 @@ def save(outcome: Outcome, path=None) -> str | None:
     return str(path)
 
 
-def tune_bucket(part, shape: Shape) -> bool:
+def tune_bucket(part, shape: "Shape | Packed") -> bool:
     """Tune one launch part (a `Kernel`, or one of `runtime.parts`) at one shape and save what passed: what a
     call with autotuning on does for a bucket nobody tuned (`runtime.tables.set_autotuner`). Returns whether
     a config passed validation."""

@@ -76,10 +76,7 @@ class BackwardTunable(Tunable):
         x, module, scale = inputs, self.kernel.module, self.spec.softmax_scale
         warmup.wait()
         if poison:
-            for name in ("dq", "dk", "dv"):
-                x[name].fill_(float("nan"))
-            other = next(p for p in PARTS if p != self.name)
-            launch = {self.name: dict(config), other: self._current_config(other, x)}
+            launch = self._validation_launch(x, config)
             if self.kernel.program.warp_specialized.backward is not None:  # the tuner validates the Triton dK/dV kernel
                 launch["attn_bwd_dkdv"]["warp_specialized"] = False
             module.backward(x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"], scale,
@@ -93,6 +90,14 @@ class BackwardTunable(Tunable):
             module.launch_attn_bwd_dkdv(q=x["q"], k=x["k"], v=x["v"], do=x["do"], lse=x["lse"], delta=x["delta"],
                                         dk=x["dk"], dv=x["dv"], sm_scale=scale, **config)
         return x["dq"], x["dk"], x["dv"]
+
+    def _validation_launch(self, inputs: dict, config: dict) -> dict:
+        """Poison the gradient buffers of `inputs` (NaN) and return the configs of a whole backward that runs this
+        part with `config` and the other part with its current config."""
+        for name in ("dq", "dk", "dv"):
+            inputs[name].fill_(float("nan"))
+        other = next(p for p in PARTS if p != self.name)
+        return {self.name: dict(config), other: self._current_config(other, inputs)}
 
     def _current_config(self, part: str, inputs: dict) -> dict:
         """The config a call of this shape would launch `part` with now (never tuning it)."""
