@@ -9,22 +9,13 @@ width, and tiles overhanging a sequence end at full size, so counts are upper bo
 tile per row.
 
 `lower`'s program is the standard three-pass algorithm; the last pass's is the generated kernel.
-
-The formulas nest the min/max bounds of windows and splits; sympy spends seconds comparing their arguments when
-it builds each, so while they are built, a min or max whose arguments no size can order is built without the
-comparisons (`_undecided_min_max_kept`): the same expressions, decode_window_d128's explain in 5 s, not 27.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass, replace
 
 import sympy
-from sympy.core.operations import ShortCircuit
-from sympy.core.parameters import global_parameters
-from sympy.functions.elementary.miscellaneous import MinMaxBase
 
 from .. import ir
 from ..ir import sym
@@ -125,70 +116,11 @@ _PER_SEQUENCE = {sym.n_k: sym.N_K, sym.n_q: sym.N_Q}
 def program_cost(program: ir.Program, kernels=None) -> Cost:
     """FLOPs and HBM bytes of the program's kernels (all, or those named), as formulas in the sizes."""
     total = ZERO
-    with _undecided_min_max_kept():
-        for kernel in program.kernels:
-            if kernels is None or kernel.name in kernels:
-                total += _body_cost(kernel.body)
+    for kernel in program.kernels:
+        if kernels is None or kernel.name in kernels:
+            total += _body_cost(kernel.body)
     real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, **_PER_SEQUENCE}
     return Cost(_renamed(total.flops, real_width), _renamed(total.bytes, real_width))
-
-
-@contextlib.contextmanager
-def _undecided_min_max_kept():
-    """While the formulas are built, sympy's Min and Max are built by `_min_max`: the same expressions, in a
-    fraction of the time. NOTE: sympy builds them inside its own simplification too (factor_terms rebuilds them in
-    Max's comparisons of its arguments), out of reach of a function of ours; the constructor is put back after."""
-    with _MIN_MAX_LOCK:
-        defined, original = MinMaxBase.__dict__["__new__"], MinMaxBase.__new__
-        memo: dict = {}
-        MinMaxBase.__new__ = staticmethod(lambda cls, *args, **options: _min_max(original, memo, cls, args, options))
-        try:
-            yield
-        finally:
-            MinMaxBase.__new__ = defined
-
-
-_MIN_MAX_LOCK = threading.Lock()
-
-
-def _min_max(original, memo: dict, cls, args: tuple, options: dict) -> sympy.Expr:
-    """cls(*args) (Min or Max) as sympy builds it (`original`), each distinct one once (`memo`).
-
-    sympy filters the arguments (flattening nested ones of its own kind), collapses redundant ones, then compares
-    every pair (assumption queries on factor_terms of their difference, which rebuilds the min and max inside):
-    seconds a node on window-narrowed bounds, 25 s of decode_window_d128's explain. Where each pair's difference is
-    positive at some values its symbols allow and negative at others (`sym.probed`), no comparison can be proved,
-    and sympy keeps every argument: built from the collapsed arguments without the comparisons, the expression is
-    the very one it builds."""
-    if options.get("evaluate", global_parameters.evaluate) is False or options.keys() - {"evaluate"}:
-        return original(cls, *args, **options)
-    key = (cls, args)
-    found = memo.get(key)
-    if found is not None:
-        return found
-    try:
-        kept = cls._collapse_arguments(frozenset(cls._new_args_filter(sympy.sympify(a) for a in args)))
-    except (ShortCircuit, ValueError):  # (sympy returns its zero, or raises for incomparable arguments)
-        kept = None
-    undecided = (kept is not None and len(set(kept)) == len(kept)
-                 and all(_both_signs(a - b) for i, a in enumerate(kept) for b in kept[i + 1:]))
-    memo[key] = found = original(cls, *kept, evaluate=False) if undecided else original(cls, *args)
-    return found
-
-
-def _both_signs(diff: sympy.Expr) -> bool:
-    signs = set()
-    for v in sym.probed(diff, _PROBES, _PROBE_VALUES):
-        signs.add((v > 0) - (v < 0))
-        if {1, -1} <= signs:
-            return True
-    return False
-
-
-# Draws that look for both signs of a difference (at most ~0.1 s): a window-narrowed trip count is positive only
-# where the keys outnumber the window (4094 in decode_window_d128), so sizes past it are among the values.
-_PROBES = 256
-_PROBE_VALUES = sym.PROBE_VALUES + (10000, 65536)
 
 
 def _renamed(expr: sympy.Expr, names: dict) -> sympy.Expr:

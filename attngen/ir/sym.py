@@ -10,7 +10,6 @@ apply them to non-negative numerators, so C-style and Python-style division agre
 from __future__ import annotations
 
 import math
-import random
 from fractions import Fraction
 
 import sympy
@@ -165,33 +164,6 @@ def _sum_value(e, values: dict, walk) -> Fraction:
     for k in range(int(walk(lo)), int(walk(hi)) + 1):
         total += value(e.function, {**values, i: k})
     return total
-
-
-# Values probed for each symbol of an expression; its assumptions pick those it may take.
-PROBE_VALUES = (0, 1, 2, 3, 5, 16, 37, 64, 128, 1000, 4096, -1, -7, -300)
-
-
-def probed(expr, tries: int = 8, values: tuple = PROBE_VALUES):
-    """`expr`'s values at `tries` draws (seeds 0, 1, ...) of `values` for its symbols, each among those its
-    assumptions allow (positive, nonnegative, or any integer); the draws stop at the first the expression cannot be
-    evaluated at (a division by zero, a function `value` does not know).
-
-    Python's rounding division is a model of all sympy knows of FloorDiv and CeilDiv (integers; CeilDiv of a
-    nonnegative by a positive is nonnegative), so a sign probed here is one sympy can never prove absent: where
-    `expr` is positive at some draw, sympy cannot prove it nonpositive, and the other way round."""
-    symbols = sorted(expr.free_symbols, key=str)
-    for seed in range(tries):
-        rng = random.Random(seed)
-        draw = {s: rng.choice([x for x in values if _allowed(s, x)]) for s in symbols}
-        try:
-            yield value(expr, draw)
-        except (ValueError, ZeroDivisionError):
-            return
-
-
-def _allowed(symbol, x: int) -> bool:
-    return not ((symbol.is_positive and x <= 0) or (symbol.is_nonnegative and x < 0)
-                or (symbol.is_negative and x >= 0) or (symbol.is_nonpositive and x > 0))
 
 
 # -- the names every pass and the code generator agree on -----------------------------------------

@@ -17,6 +17,7 @@ not depend on the loop's axis stay in every region.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import sympy
@@ -118,11 +119,30 @@ def _empty(start, stop) -> bool:
     return bool(sympy.simplify(diff).is_nonpositive)
 
 
+# Values probed for each symbol of a range's length; its assumptions pick those it may take.
+_PROBE_VALUES = (0, 1, 2, 3, 5, 16, 37, 64, 128, 1000, 4096, -1, -7, -300)
+
+
 def _positive_somewhere(diff) -> bool:
-    """Whether the range's length `diff` is positive at some values its symbols' assumptions allow (`sym.probed`):
-    then simplify cannot prove the range empty, and it need not try (seconds a range on a window's bounds; nearly
-    every range a pass asks about is live)."""
-    return any(v > 0 for v in sym.probed(diff))
+    """Whether the range's length `diff` is positive at some values its symbols' assumptions allow (positive,
+    nonnegative, or any integer): then simplify cannot prove the range empty, and it need not try (seconds a
+    range on a window's bounds; nearly every range a pass asks about is live). Python's rounding-down division is
+    a model of all sympy knows of FloorDiv and CeilDiv, so the answer never differs from simplify's."""
+    symbols = sorted(diff.free_symbols, key=str)
+    for seed in range(8):
+        rng = random.Random(seed)
+        values = {s: rng.choice([x for x in _PROBE_VALUES if _allowed(s, x)]) for s in symbols}
+        try:
+            if sym.value(diff, values) > 0:
+                return True
+        except (ValueError, ZeroDivisionError):
+            return False
+    return False
+
+
+def _allowed(symbol, x: int) -> bool:
+    return not ((symbol.is_positive and x <= 0) or (symbol.is_nonnegative and x < 0)
+                or (symbol.is_negative and x >= 0) or (symbol.is_nonpositive and x > 0))
 
 
 def _unmask(body, loop: Loop, mask: Masked, kept, axis: str):
