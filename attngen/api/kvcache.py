@@ -47,7 +47,7 @@ from ..runtime.kernel import load
 from ..runtime.keys import Shape
 from ..runtime.plans import PLANS
 from ..runtime.replay import record, wanted
-from .sdpa import _DTYPES, _checked_float
+from .sdpa import _DTYPES, _checked_float, checked_softcap, checked_window
 
 
 def _tensor(name: str, t, dims: int, layout: str) -> torch.Tensor:
@@ -321,14 +321,8 @@ def _check_variant(q, window_size, softcap, alibi_slopes, sinks):
     """flash-attn's variant arguments checked (a bad one is a ValueError naming it, a non-tensor slopes or sinks a
     TypeError); returns window_size as a tuple of ints, softcap as a float, and the run-time tensors by keyword in
     float32 (as `attention()` takes them)."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(type(w) is int and w >= -1 for w in window_size)):
-        raise KernelInputError(f"window_size must be (left, right), each an int >= 0 or -1 (unbounded); got {window_size!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
-        raise KernelInputError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
-    if softcap and alibi_slopes is not None:
-        raise KernelInputError("softcap and alibi_slopes together are not supported: the spec language has one "
-                               "score modifier (score = softcap(C) or score = alibi)")
+    # (the window as given: `causal` aligns it bottom-right later, as flash-attn's decode does)
+    window_size, softcap = checked_window(False, window_size, "causal"), checked_softcap(softcap, alibi_slopes)
     batch, _, heads, _ = q.shape
     tensors = {}
     for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
@@ -338,7 +332,7 @@ def _check_variant(q, window_size, softcap, alibi_slopes, sinks):
             raise KernelInputError(f"{name} requires grad, but attention_with_kvcache has no backward: call it under "
                                    "torch.no_grad() or pass a detached tensor")
         tensors[name] = _checked_float(name, t, q, shapes)
-    return (window_size[0], window_size[1]), float(softcap), tensors
+    return window_size, softcap, tensors
 
 
 _EQUAL_LENGTHS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of keys
