@@ -60,6 +60,9 @@ def _expr_cost(e: ir.Expr) -> Cost:
     return total
 
 
+_EVALUATED_OPS = 40  # (the plain specs' counts have at most a dozen operations)
+
+
 def _body_cost(body, defs: dict | None = None) -> Cost:
     """`defs`: scalars assigned from integer expressions so far (split bounds), inlined into loop
     bounds so that trip counts are formulas in the sizes."""
@@ -74,7 +77,11 @@ def _body_cost(body, defs: dict | None = None) -> Cost:
             inner = _body_cost(st.body, defs)
             start, stop = sympy.sympify(st.start).subs(defs), sympy.sympify(st.stop).subs(defs)
             st = replace(st, start=start, stop=stop)
-            trips = sympy.Max(0, sym.CeilDiv(st.stop - st.start, st.step))
+            count = sym.CeilDiv(st.stop - st.start, st.step)
+            # A large count (a split kernel's window-narrowed bounds) is kept as Max(0, count) unevaluated:
+            # sympy would compare every pair of its nested min/max terms, which took explain a minute on
+            # decode_window_d128, to prove nothing; the value at a shape is the same.
+            trips = sympy.Max(0, count, evaluate=sympy.count_ops(count) <= _EVALUATED_OPS)
             # (atoms, not free_symbols: an inner Sum's free_symbols re-evaluates its summand; its index is a Dummy)
             if st.var in inner.flops.atoms(sympy.Symbol) | inner.bytes.atoms(sympy.Symbol):
                 i = sympy.Dummy("i", integer=True, nonnegative=True)
