@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from ..errors import KernelInputError
-from ..lang.spec import MIN_SCALE, Spec
+from ..lang.spec import MAX_HEAD_DIM_V, MIN_SCALE, Spec
 from ..env import interpreting
 
 INT32_MAX = 2**31 - 1
@@ -145,6 +145,18 @@ def check_head_dim(spec: Spec, name: str, t, value: bool = False) -> None:
     key, want = ("head_dim_v", spec.head_dim_v) if value and spec.splits_head_dims else ("head_dim", spec.head_dim)
     if t.shape[-1] != want:
         raise KernelInputError(f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes {key} {want}")
+
+
+def value_head_dim(v, head_dim: int, name: str = "value") -> int | None:
+    """V's head dim for a drop-in call whose q and k have `head_dim`: None where it is that too, else the spec's
+    `head_dim_v` (a multiple of 16 up to MAX_HEAD_DIM_V, as the spec key takes it)."""
+    head_dim_v = v.shape[-1]
+    if head_dim_v == head_dim:
+        return None
+    if head_dim_v % 16 or not 16 <= head_dim_v <= MAX_HEAD_DIM_V:
+        raise KernelInputError(f"{name} has head dim {head_dim_v}, which is not supported: it must be a multiple of 16 "
+                               f"from 16 to {MAX_HEAD_DIM_V}")
+    return head_dim_v
 
 
 def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
