@@ -85,7 +85,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 
     q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
     (B, max_pages) int32 page pools (num_pages, page_size, H_KV, D) with page_size a power of two
-    from 1 to 256. `causal` aligns the mask bottom-right (query i of S_q sees keys up to
+    from 1 to 256; v_cache's D may differ from q's and k_cache's (D_V, a multiple of 16 up to 512). `causal` aligns the mask bottom-right (query i of S_q sees keys up to
     cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
     (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` takes the
     Flash-Decoding split count tuned for this GPU and shape bucket (`attngen tune`), else picks it
@@ -100,7 +100,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     row's softmax denominator (and the lse) with no value. softcap and alibi_slopes together are refused.
     Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
     do, but are not replayed (their tensors are arguments of the launch).
-    Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
+    Returns out (B, S_q, H, D_V), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,

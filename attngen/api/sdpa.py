@@ -26,7 +26,7 @@ import torch
 
 from ..env import interpreting
 from ..errors import KernelInputError
-from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant
+from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant, v_keyword
 from ..lang.variants import Variant
 from ..runtime import autograd, tables
 from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature, value_head_dim
@@ -220,8 +220,8 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         op_key = sdpa_key(dtype, head_dim, bool(is_causal), **options, head_dim_v=head_dim_v)
         spec_variant = sdpa_variant(bool(is_causal), **options) if options else Variant()
     if not torch.compiler.is_compiling():
-        check_attention_inputs(sdpa_spec(dtype, head_dim, bool(is_causal), spec_variant, head_dim_v), query, key,
-                               value, names=("query", "key", "value"))
+        check_attention_inputs(sdpa_spec(dtype, head_dim, bool(is_causal), spec_variant, **v_keyword(head_dim_v)),
+                               query, key, value, names=("query", "key", "value"))
     elif (query.shape[0] != key.shape[0] or key.shape[:-1] != value.shape[:-1] or key.shape[1] == 0
           or query.shape[1] % key.shape[1]):
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "

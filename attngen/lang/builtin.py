@@ -34,6 +34,12 @@ def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Varian
     return spec.replace(mask=Mask.CUSTOM if variant.mask is not None else spec.mask, variant=variant)
 
 
+def v_keyword(head_dim_v: int | None) -> dict:
+    """`head_dim_v=` for the cached spec writers where V has another head dim: a call without it stays the call
+    (and the cached spec) it always was."""
+    return {"head_dim_v": head_dim_v} if head_dim_v else {}
+
+
 def _dims(head_dim: int, head_dim_v: int | None) -> str:
     """The head dims in a kernel's name: `d128`, or `d192_dv128` where V has another."""
     return f"d{head_dim}" + (f"_dv{head_dim_v}" if head_dim_v else "")
@@ -109,7 +115,8 @@ def sdpa_key_spec(key: str) -> Spec:
     options = _key_options(key, parts)
     causal = mask == "causal"
     head_dim, head_dim_v = _key_head_dims(dims)
-    return sdpa_spec(dtype, head_dim, causal, sdpa_variant(causal, **options) if options else Variant(), head_dim_v)
+    variant = sdpa_variant(causal, **options) if options else Variant()
+    return sdpa_spec(dtype, head_dim, causal, variant, **v_keyword(head_dim_v))
 
 
 @lru_cache(maxsize=None)
@@ -215,5 +222,5 @@ def varlen_key_spec(key: str) -> Spec:
     """The spec of a `varlen_key`."""
     _, dtype, dims, mask, *parts = key.split(":")
     head_dim, head_dim_v = _key_head_dims(dims)
-    return varlen_spec(dtype, head_dim, mask == "causal", **_key_options(key, parts, ("paged", "gqa")),
-                       head_dim_v=head_dim_v)
+    options = _key_options(key, parts, ("paged", "gqa"))
+    return varlen_spec(dtype, head_dim, mask == "causal", **options, **v_keyword(head_dim_v))
