@@ -18,7 +18,7 @@ from attngen.cli import main
 from attngen.errors import SpecError
 from attngen.ir import sym
 from attngen.lang.spec import parse
-from attngen.passes import compile_program
+from attngen.passes import applied_passes, compile_program
 from attngen.testing import reference
 from attngen.testing.accuracy import Case, PackedCase, run_case
 
@@ -116,6 +116,16 @@ def test_gluon_kernels_stay_for_one_head_dim(keys, part):
     assert getattr(other.warp_specialized, part) is None and other.warp_specialized.backward is None
 
 
+def test_tma_reads_q_and_do_at_their_own_widths():
+    program = compile_program(_spec(head_dim=128, head_dim_v=64, dtype="bf16", direction="forward+backward"))
+    loads = {e.buffer.name: e.index[-1].size for k in program.kernels if k.name == "attn_bwd_dkdv"
+             for st in ir.walk_stmts(k.body) for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)
+             if isinstance(e, ir.Load) and e.descriptor}
+    assert loads == {"Q": sym.HEAD_DIM, "DO": sym.HEAD_DIM_V}
+    padded_v = compile_program(_spec(head_dim=128, head_dim_v=80, dtype="bf16", direction="forward+backward"))
+    assert "tma" not in applied_passes(padded_v)  # dO's loads are masked along its padded head dim
+
+
 def test_explain_says_why_no_gluon_kernel_runs(capsys):
     assert main(["explain", os.path.join(SPECS, "deepseek_192_128.attn")]) == 0
     out = capsys.readouterr().out
@@ -162,6 +172,8 @@ KERNELS = [  # (spec keys, cases): odd sizes, seq_q != seq_k both ways, GQA
     (dict(head_dim=48, head_dim_v=32, dtype="fp32", mask="causal", direction="forward+backward", heads=4,
           kv_heads=2), [Case(2, 4, 2, 13, 29), Case(1, 4, 2, 37, 11)]),
     (dict(head_dim=32, head_dim_v=64, dtype="bf16", direction="forward+backward"), [Case(1, 6, 2, 21, 45)]),
+    # dK/dV reads Q (128 wide) and dO (64 wide) through TMA descriptors (the interpreter emulates them)
+    (dict(head_dim=128, head_dim_v=64, dtype="bf16", direction="forward+backward"), [Case(1, 2, 1, 37, 45)]),
     (dict(head_dim=64, head_dim_v=80, dtype="fp16", mask="causal(bottom_right) & window(9)", score="softcap(20)",
           direction="forward+backward", heads=3, kv_heads=1), [Case(1, 3, 1, 19, 33)]),
     (dict(head_dim=80, head_dim_v=48, dtype="fp32", mask="causal(bottom_right)", split_kv=3,
