@@ -229,6 +229,25 @@ def test_attention_takes_v_of_another_head_dim_as_sdpa_does(causal):
     _close(out3, ref[0], 1e-5)
 
 
+def test_torch_compile_traces_v_of_another_head_dim_with_gradients():
+    """The custom ops' fake outputs take v's head dim: one graph, the eager result, gradients through it."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(lambda q, k, v: attngen.attention(q, k, v, is_causal=True, enable_gqa=True) * 2,
+                             backend=counter, fullgraph=True)
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    q, k, v = (t.requires_grad_() for t in (_randn(1, 4, 11, 32, gen=gen), _randn(1, 2, 19, 32, gen=gen),
+                                            _randn(1, 2, 19, 48, gen=gen)))
+    out = compiled(q, k, v)
+    assert counter.frame_count == 1 and out.shape == (1, 4, 11, 48)
+    eager = attngen.attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+    _close(out, eager, 1e-6)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, want in zip(got, torch.autograd.grad(eager.sum(), (q, k, v))):
+        _close(g, want, 1e-6)
+
+
 def test_attention_with_kvcache_takes_a_v_cache_of_another_head_dim():
     gen = torch.Generator(DEVICE).manual_seed(2)
     q = _randn(2, 3, 4, 48, gen=gen, dtype=torch.bfloat16)
