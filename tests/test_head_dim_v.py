@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from attngen import ir
 from attngen.analysis import cost, masks
 from attngen.analysis.resources import Target, infeasible, registers, shared_bytes, shared_bytes_backward
 from attngen.cli import main
-from attngen.errors import SpecError
+from attngen.errors import InternalError, SpecError
 from attngen.ir import sym
+from attngen.ir.verify import verify
 from attngen.lang.spec import parse
 from attngen.passes import applied_passes, compile_program
 from attngen.testing import reference
@@ -98,6 +100,19 @@ def test_v_o_do_dv_take_head_dim_v_and_q_k_dq_dk_head_dim():
                                    mask="causal(bottom_right)"))
     assert _last_dims(decode)["O_PART"] == sym.HEAD_DIM_V and _last_dims(decode)["O"] == sym.HEAD_DIM_V
     assert decode.attr("combine_block_s") == 4096 // 256  # chunks of [BLOCK_S, D_V] partial outputs (32 at D = 128)
+
+
+def test_verify_holds_each_buffer_to_its_head_dim():
+    split = compile_program(_spec(head_dim=128, head_dim_v=64, dtype="bf16", direction="forward+backward"))
+    plain = compile_program(_spec(head_dim=128, dtype="bf16", direction="forward+backward"))
+    verify(split, "test")
+    with pytest.raises(InternalError, match="after pass 'test': attn_fwd: V is HEAD_DIM_V wide; its head dim is "
+                                            "HEAD_DIM"):
+        verify(split.with_attrs(head_dim_v=None), "test")
+    with pytest.raises(InternalError, match="attn_fwd: V is HEAD_DIM wide; its head dim is HEAD_DIM_V"):
+        verify(plain.with_attrs(head_dim_v=128), "test")
+    with pytest.raises(InternalError, match="head_dim_v 64 beside head_dim 128: the templates take one head dim"):
+        verify(replace(split, warp_specialized=plain.warp_specialized), "test")
 
 
 def test_a_plain_spec_has_no_second_head_dim_anywhere():
