@@ -98,7 +98,8 @@ def cmd_check(args) -> int:
         variant = spec.variant
         mask = variant.mask.text() if variant.mask is not None else spec.mask.value
         extra = (f", score {variant.score.text()}" if variant.score is not None else "") + (", sinks" if variant.sinks else "")
-        print(f"{spec.filename}: kernel {spec.name} [{spec.hash}] ({spec.dtype.value}, head_dim {spec.head_dim}, "
+        dims = f"head_dim {spec.head_dim}" + (f", head_dim_v {spec.head_dim_v}" if spec.splits_head_dims else "")
+        print(f"{spec.filename}: kernel {spec.name} [{spec.hash}] ({spec.dtype.value}, {dims}, "
               f"mask {mask}{extra}){' in the interpreter' if interpreted else ''}")
         results = validate(kernel, seed=args.seed, progress=lambda r: print("  " + format_result(r), flush=True))
         bad = sum(not r.ok for r in results)
@@ -152,10 +153,16 @@ def _print_passes(program: ir.Program) -> None:
                   "Gluon backward does not walk packed key tiles yet)")
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+    elif program.attr("head_dim_v") is not None:
+        print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
+              f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
+              "Triton kernels run")
 
 
 def _no_gluon_reason(program: ir.Program) -> str:
     """Why warp-specialize left a varlen program on the Triton kernels."""
+    if program.attr("head_dim_v") is not None:
+        return "head_dim_v differs from head_dim: the Gluon forward takes one head dim for Q, K and V"
     if program.attr("page_size") is not None:
         return "paged K/V: the Gluon forward reads contiguous packed K/V by TMA"
     return "its spec is outside the Gluon forward's: 16-bit, head dim 64 or 128, auto tiles, supported masks"
@@ -180,6 +187,8 @@ def cmd_explain(args) -> int:
     config = default_config(spec)
     sizes.update(HEAD_DIM=spec.head_dim, HEAD_DIM_PADDED=spec.head_dim_padded,
                  BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"])
+    if spec.splits_head_dims:
+        sizes.update(HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PADDED=spec.head_dim_v_padded)
     if spec.is_split:  # decoding: the split count a launch would use on an sm_90 with 132 SMs
         programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_Q"] * sizes["GROUP"] // config["BLOCK_M"])
         sizes["NUM_SPLITS"] = spec.split_kv or choose_num_splits(programs, -(-sizes["N_K"] // config["BLOCK_N"]), 132)
@@ -205,26 +214,29 @@ def cmd_explain(args) -> int:
         print(f"  bytes = {cost.printed(final.bytes)}")
         fa = masks.fa_flops(spec, sizes, direction == "backward")
         rows.append((direction, naive, final, fa))
-    print(f"at {shape}, head_dim {spec.head_dim}, {spec.dtype.value}:")
+    dims = f"head_dim {spec.head_dim}" + (f", head_dim_v {spec.head_dim_v}" if spec.splits_head_dims else "")
+    print(f"at {shape}, {dims}, {spec.dtype.value}:")
     for direction, naive, final, fa in rows:
         for label, c in (("standard", naive), ("generated", final)):
             flops, nbytes = cost.evaluate(c.flops, sizes), cost.evaluate(c.bytes, sizes)
             print(f"  {direction:8s} {label:9s}  {flops / 1e9:12.2f} GFLOP  {nbytes / 1e6:12.2f} MB  "
                   f"({flops / max(nbytes, 1):.1f} FLOP/byte)")
-        if spec.variant.mask is None:
-            rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "")
+        if spec.splits_head_dims:  # (cost.fa_flops' generalisation: the backward's products by their widths)
+            per = "2*(3*d + 2*d_v)" if direction == "backward" else "2*(d + d_v)"
+            rule = f"{per} per kept score" + (", /2 causal" if spec.variant.mask is None and spec.mask.is_causal else "")
         else:
-            rule = "4*d per kept score"
-        rule += ", x2.5 backward" if direction == "backward" else ""
+            rule = "4*B*H*N_Q*N_K*d" + (", /2 causal" if spec.mask.is_causal else "") if spec.variant.mask is None \
+                else "4*d per kept score"
+            rule += ", x2.5 backward" if direction == "backward" else ""
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
     if spec.variant:
         _explain_variant(spec, sizes)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
-                        config["num_stages"], target)
+                        config["num_stages"], target, head_dim_v_padded=spec.head_dim_v_padded)
     print(f"  shared memory {smem:,} of {target.shared_limit:,} bytes; "
-          f">= {registers(spec.head_dim_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
+          f">= {registers(spec.head_dim_v_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
           "fp32 registers per thread")
     problem = infeasible(spec, config, target)
     if problem:
@@ -233,7 +245,7 @@ def cmd_explain(args) -> int:
         for name, cfg in backward_config(spec).items():
             tma = reads_through_descriptors(spec, name)
             smem = shared_bytes_backward(name, spec.head_dim_padded, spec.dtype.bytes, cfg["BLOCK_M"], cfg["BLOCK_N"],
-                                         cfg["num_stages"], target, tma=tma)
+                                         cfg["num_stages"], target, tma=tma, head_dim_v_padded=spec.head_dim_v_padded)
             print(f"  {name} (default config {cfg}): shared memory {smem:,} of {target.shared_limit:,} bytes")
             problem = infeasible_backward(spec, name, cfg, target, tma=tma)
             if problem:

@@ -45,7 +45,8 @@ def test_gqa_and_scale_and_3d():
     (lambda q, k, v: attngen.attention(q, k[:, :2], v[:, :2]), "enable_gqa"),
     (lambda q, k, v: attngen.attention(q[..., :40], k[..., :40], v[..., :40]), "multiple of 16"),
     (lambda q, k, v: attngen.attention(q.double(), k.double(), v.double()), "float64"),
-    (lambda q, k, v: attngen.attention(q, k, v[..., :32]), "head dim"),
+    (lambda q, k, v: attngen.attention(q, k[..., :32], v), "query and key must share a head dim"),
+    (lambda q, k, v: attngen.attention(q, k, v[..., :40]), "value has head dim 40"),  # (v[..., :32]: head_dim_v)
     (lambda q, k, v: attngen.attention(q[0, 0], k[0, 0], v[0, 0]), "got shape"),
     (lambda q, k, v: attngen.attention(q, k, v, scale=float("nan")), "scale"),
 ])

@@ -187,7 +187,8 @@ KERNEL_CASES = [
 
 SDPA_CASES = [
     ("dtypes-differ", _set("k", lambda t, a: t.float()), ValueError, r"query, key and value must share a dtype"),
-    ("head-dims-differ", _set("v", lambda t, a: t[..., :16]), ValueError, r"share a head dim"),
+    # (v may differ, as SDPA allows: a spec with head_dim_v; q and k may not)
+    ("head-dims-differ", _set("k", lambda t, a: t[..., :16]), ValueError, r"query and key must share a head dim"),
     ("head-dim-40", lambda a, n: [a.update({n[r]: rand(*a[n[r]].shape[:-1], 40)}) for r in ("q", "k", "v")],
      ValueError, r"head dim 40 is not supported: it must be a multiple of 16"),
     ("gqa-off", _kwarg("enable_gqa", False), ValueError, r"query has 4 heads and key 2; pass enable_gqa=True"),

@@ -126,7 +126,7 @@ def program_cost(program: ir.Program, kernels=None) -> Cost:
     for kernel in program.kernels:
         if kernels is None or kernel.name in kernels:
             total += _body_cost(kernel.body)
-    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, **_PER_SEQUENCE}
+    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.HEAD_DIM_V_PADDED: sym.HEAD_DIM_V, **_PER_SEQUENCE}
     return Cost(_renamed(total.flops, real_width), _renamed(total.bytes, real_width))
 
 
@@ -170,9 +170,20 @@ def evaluate(expr: sympy.Expr, sizes: dict) -> float:
     return float(sym.value(expr, by_symbol))
 
 
-def fa_flops(mask_causal: bool, backward: bool = False) -> sympy.Expr:
+def fa_flops(mask_causal: bool, backward: bool = False, head_dim_v: bool = False) -> sympy.Expr:
     """The FlashAttention convention: 4 * B * H * N_Q * N_K * d forward, halved when causal;
-    the backward counts 2.5 times the forward."""
-    flops = 4 * sym.B * sym.H * sym.N_Q * sym.N_K * sym.HEAD_DIM
-    flops = flops / 2 if mask_causal else flops
-    return flops * sympy.Rational(5, 2) if backward else flops
+    the backward counts 2.5 times the forward. With `head_dim_v` (a spec whose V has another head dim,
+    HEAD_DIM_V), the convention generalised: a score costs 2 * (HEAD_DIM + HEAD_DIM_V) forward (Q K^T, P V)
+    and 2 * (3 * HEAD_DIM + 2 * HEAD_DIM_V) backward (Q K^T, dS K, dS^T Q; dO V^T, P^T dO): 4 d and
+    2.5 x 4 d where the two are equal."""
+    if not head_dim_v:
+        flops = 4 * sym.B * sym.H * sym.N_Q * sym.N_K * sym.HEAD_DIM
+        flops = flops / 2 if mask_causal else flops
+        return flops * sympy.Rational(5, 2) if backward else flops
+    flops = sym.B * sym.H * sym.N_Q * sym.N_K * per_score(backward, sym.HEAD_DIM, sym.HEAD_DIM_V)
+    return flops / 2 if mask_causal else flops
+
+
+def per_score(backward: bool, head_dim, head_dim_v):
+    """The FlashAttention-convention FLOPs of one kept score (`fa_flops` says which products they count)."""
+    return 2 * (3 * head_dim + 2 * head_dim_v) if backward else 2 * (head_dim + head_dim_v)

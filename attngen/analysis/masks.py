@@ -249,11 +249,16 @@ def kept_scores(spec: Spec, n_q: int, n_k: int, batch: int = 1, heads: int = 1, 
 
 
 def fa_flops(spec: Spec, sizes: dict, backward: bool = False) -> float:
-    """The FlashAttention-convention FLOPs of one call at `sizes` (B, H, N_Q, N_K, HEAD_DIM): 4 * d per kept
-    score forward, x2.5 backward. A plain mask keeps cost.fa_flops' formula (causal counted as half), so
-    the numbers printed for plain specs stay what they were."""
+    """The FlashAttention-convention FLOPs of one call at `sizes` (B, H, N_Q, N_K, HEAD_DIM; HEAD_DIM_V, else the
+    spec's head_dim_v): 4 * d per kept score forward, x2.5 backward (cost.fa_flops' generalisation where V has
+    another head dim). A plain mask keeps cost.fa_flops' formula (causal counted as half), so the numbers printed
+    for plain specs stay what they were."""
+    if spec.splits_head_dims:
+        sizes = {"HEAD_DIM_V": spec.head_dim_v, **sizes}
     if spec.variant.mask is None:
-        return cost.evaluate(cost.fa_flops(spec.mask.is_causal, backward), sizes)
+        return cost.evaluate(cost.fa_flops(spec.mask.is_causal, backward, spec.splits_head_dims), sizes)
     kept = kept_scores(spec, sizes["N_Q"], sizes["N_K"], sizes["B"], sizes["H"])
+    if spec.splits_head_dims:
+        return float(cost.per_score(backward, sizes["HEAD_DIM"], sizes["HEAD_DIM_V"]) * kept)
     flops = 4 * sizes["HEAD_DIM"] * kept
     return flops * 2.5 if backward else float(flops)

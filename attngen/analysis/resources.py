@@ -5,7 +5,8 @@ the element size, fitted to what Triton 3.6 allocates for the generated forward 
 (checked against the compiler: tests/test_resources.py):
 
   * The query tile lives in shared memory:  ELEM * BLOCK_M * D.
-  * Each pipeline stage buffers one K and one V tile: with Hopper's warpgroup MMA (wgmma: 16-bit
+  * Each pipeline stage buffers one K tile (D wide) and one V tile (D_V wide: V's head dim, `head_dim_v`,
+    padded; D unless a spec sets another): with Hopper's warpgroup MMA (wgmma: 16-bit
     inputs, BLOCK_M >= 64 on sm_90+) there are `num_stages` of them; with the older MMA path
     `num_stages - 1` (the cp.async pipeline keeps one in registers); with one stage, one tile.
   * Without wgmma, P goes through shared memory to change layout: ELEM * BLOCK_M * BLOCK_N, plus
@@ -18,7 +19,7 @@ the element size, fitted to what Triton 3.6 allocates for the generated forward 
 The backward kernels (attngen/passes/recompute.py) follow the same pattern with the roles swapped
 (fitted to sm_90 compiles of the generated `attn_bwd_dq` and `attn_bwd_dkdv`, every block size
 16-128 and 1-4 stages: tests/test_resources.py). Each keeps two tiles of R rows resident and
-streams two tiles of S rows per pipeline stage:
+streams two tiles of S rows per pipeline stage, one D and one D_V wide:
 
   * `attn_bwd_dq`: Q and dO resident (R = BLOCK_M), K and V streamed (S = BLOCK_N);
   * `attn_bwd_dkdv`: K and V resident (R = BLOCK_N), Q and dO streamed (S = BLOCK_M), with the
@@ -31,7 +32,7 @@ streams two tiles of S rows per pipeline stage:
   says (an upper bound there, as nothing near the limit runs one stage on that path).
 
 Registers are estimated from the fp32 values each thread keeps live across the key loop (the
-accumulator and the score tile); a configuration needing more than the 255 a thread can have would
+accumulator, D_V wide, and the score tile); a configuration needing more than the 255 a thread can have would
 spill heavily, and is pruned.
 """
 
@@ -48,12 +49,13 @@ WARPS = sym.size("NUM_WARPS")
 ELEM = sym.size("ELEM_BYTES")
 WGMMA = sympy.Symbol("WGMMA")  # 1 on the warpgroup-MMA path, else 0
 
+DV = sym.HEAD_DIM_V_PADDED  # V's padded head dim; HEAD_DIM_PADDED's value where a spec sets no other
 _T = sympy.Piecewise((1, sympy.Lt(STAGES, 2)), (2 * STAGES, sympy.Eq(WGMMA, 1)), (2 * STAGES - 2, True))
-SHARED_BYTES = (ELEM * sym.HEAD_DIM_PADDED * (sym.BLOCK_M + sym.BLOCK_N * _T)
+SHARED_BYTES = (ELEM * (sym.HEAD_DIM_PADDED * sym.BLOCK_M + sym.BLOCK_N * _T * (sym.HEAD_DIM_PADDED + DV) / 2)
                 + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (ELEM * sym.BLOCK_M * sym.BLOCK_N + 128, True)))
 """Shared memory of the forward kernel, in bytes."""
 
-REGISTERS = (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)
+REGISTERS = (sym.BLOCK_M * DV + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)
 """Lower bound on 32-bit registers per thread: the fp32 accumulator and score tile."""
 
 MAX_REGISTERS = 255
@@ -65,8 +67,8 @@ _MMA_P = sympy.Piecewise(  # the MMA path's P tile in shared memory (see the mod
      sympy.And(sympy.Gt(STAT_BYTES, 0), sympy.Lt(STAGES, 2))),
     (ELEM * sym.BLOCK_M * sym.BLOCK_N + 128, True))
 TMA = sympy.Symbol("TMA")  # 1 when the streamed tiles come through TMA descriptors, else 0
-SHARED_BYTES_BACKWARD = (2 * ELEM * ROWS_RESIDENT * sym.HEAD_DIM_PADDED
-                         + _PAIRS * (2 * ELEM * ROWS_STREAMED * sym.HEAD_DIM_PADDED + STAT_BYTES * ROWS_STREAMED)
+SHARED_BYTES_BACKWARD = (ELEM * ROWS_RESIDENT * (sym.HEAD_DIM_PADDED + DV)
+                         + _PAIRS * (ELEM * ROWS_STREAMED * (sym.HEAD_DIM_PADDED + DV) + STAT_BYTES * ROWS_STREAMED)
                          + sympy.Piecewise((0, sympy.Eq(WGMMA, 1)), (_MMA_P, True))
                          + TMA * (1024 + 8 * STAGES))
 """Shared memory of a backward kernel, in bytes (R, S: resident and streamed rows; STAT_BYTES: the
@@ -75,7 +77,7 @@ aligned to 1 KB and each stage has an 8-byte barrier: sm_90 compiles of the dK/d
 descriptor loads take 8-1024 bytes more than without."""
 
 REGISTERS_BACKWARD = {"attn_bwd_dq": (sym.BLOCK_M * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS),
-                      "attn_bwd_dkdv": (2 * sym.BLOCK_N * sym.HEAD_DIM_PADDED + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)}
+                      "attn_bwd_dkdv": (sym.BLOCK_N * (sym.HEAD_DIM_PADDED + DV) + sym.BLOCK_M * sym.BLOCK_N) / (32 * WARPS)}
 """Lower bounds on 32-bit registers per thread: the fp32 accumulators (dQ; dK and dV) and one score tile."""
 
 _LAMBDIFIED: dict = {}
@@ -133,32 +135,35 @@ def uses_wgmma(elem_bytes: int, block_m: int, target: Target) -> bool:
 
 
 def shared_bytes(head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int, num_stages: int,
-                 target: Target, paged: bool = False) -> int:
+                 target: Target, paged: bool = False, head_dim_v_padded: int | None = None) -> int:
+    """`head_dim_v_padded`: V's padded head dim, head_dim_padded unless given (so for the register estimates)."""
     stages = 1 + max(1, (num_stages - 1) // 2) if paged else num_stages
-    values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
+    values = {sym.HEAD_DIM_PADDED: head_dim_padded, DV: head_dim_v_padded or head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
               sym.BLOCK_N: block_n, STAGES: stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
     return int(_value(SHARED_BYTES, values)) + (1024 if paged else 0)
 
 
-def registers(head_dim_padded: int, block_m: int, block_n: int, num_warps: int) -> float:
-    return float(_value(REGISTERS, {sym.HEAD_DIM_PADDED: head_dim_padded, sym.BLOCK_M: block_m,
-                                    sym.BLOCK_N: block_n, WARPS: num_warps}))
+def registers(head_dim_v_padded: int, block_m: int, block_n: int, num_warps: int) -> float:
+    """The forward's estimate: its accumulator is as wide as V's padded head dim."""
+    return float(_value(REGISTERS, {DV: head_dim_v_padded, sym.BLOCK_M: block_m, sym.BLOCK_N: block_n,
+                                    WARPS: num_warps}))
 
 
 def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
     """Why `config` cannot run `spec` on `target` (with the numbers), or None if it fits."""
     target = target or Target.current()
-    dp, elem = spec.head_dim_padded, spec.dtype.bytes
+    dp, dvp, elem = spec.head_dim_padded, spec.head_dim_v_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
-    smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged)
+    smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged, head_dim_v_padded=dvp)
+    dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
     if smem > target.shared_limit:
         path = "wgmma" if uses_wgmma(elem, bm, target) else "mma"
         return (f"needs {smem:,} bytes of shared memory but sm_{target.capability[0]}{target.capability[1]} "
-                f"allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, head_dim {dp} padded, "
+                f"allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, {dims} padded, "
                 f"{elem}-byte elements, num_stages={stages}, {path} path)")
-    regs = registers(dp, bm, bn, warps)
+    regs = registers(dvp, bm, bn, warps)
     if regs > MAX_REGISTERS:
-        return (f"keeps at least {regs:.0f} fp32 registers per thread live (block_m={bm} x head_dim {dp} "
+        return (f"keeps at least {regs:.0f} fp32 registers per thread live (block_m={bm} x head_dim{'_v' if dvp != dp else ''} {dvp} "
                 f"accumulator + block_m x block_n={bn} scores over {32 * warps} threads); a thread has "
                 f"{MAX_REGISTERS}")
     return None
@@ -219,10 +224,11 @@ BACKWARD_KERNELS = ("attn_bwd_dq", "attn_bwd_dkdv")
 
 
 def shared_bytes_backward(kernel_name: str, head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int,
-                          num_stages: int, target: Target, tma: bool = False) -> int:
-    """`tma`: the kernel reads its streamed tiles through TMA descriptors (policy/tma.py)."""
+                          num_stages: int, target: Target, tma: bool = False, head_dim_v_padded: int | None = None) -> int:
+    """`tma`: the kernel reads its streamed tiles through TMA descriptors (policy/tma.py); `head_dim_v_padded`: V's
+    padded head dim, head_dim_padded unless given."""
     resident, streamed, stats = (block_m, block_n, 0) if kernel_name == "attn_bwd_dq" else (block_n, block_m, 8)
-    values = {sym.HEAD_DIM_PADDED: head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m, sym.BLOCK_N: block_n,
+    values = {sym.HEAD_DIM_PADDED: head_dim_padded, DV: head_dim_v_padded or head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m, sym.BLOCK_N: block_n,
               STAGES: num_stages, ROWS_RESIDENT: resident, ROWS_STREAMED: streamed, STAT_BYTES: stats,
               WGMMA: int(uses_wgmma(elem_bytes, resident, target)), TMA: int(tma and target.capability >= (9, 0))}
     return int(_value(SHARED_BYTES_BACKWARD, values))
@@ -235,15 +241,16 @@ def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | N
     if kernel_name not in BACKWARD_KERNELS:
         raise ValueError(f"no backward kernel '{kernel_name}'; the backward kernels are {', '.join(BACKWARD_KERNELS)}")
     target = target or Target.current()
-    dp, elem = spec.head_dim_padded, spec.dtype.bytes
+    dp, dvp, elem = spec.head_dim_padded, spec.head_dim_v_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
-    smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target, tma=tma)
+    smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target, tma=tma, head_dim_v_padded=dvp)
+    dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
     if smem > target.shared_limit:
         return (f"{kernel_name} needs {smem:,} bytes of shared memory but sm_{target.capability[0]}"
                 f"{target.capability[1]} allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, "
-                f"head_dim {dp} padded, {elem}-byte elements, num_stages={stages})")
-    regs = float(_value(REGISTERS_BACKWARD[kernel_name], {sym.HEAD_DIM_PADDED: dp, sym.BLOCK_M: bm, sym.BLOCK_N: bn,
-                                                           WARPS: warps}))
+                f"{dims} padded, {elem}-byte elements, num_stages={stages})")
+    regs = float(_value(REGISTERS_BACKWARD[kernel_name], {sym.HEAD_DIM_PADDED: dp, DV: dvp, sym.BLOCK_M: bm,
+                                                           sym.BLOCK_N: bn, WARPS: warps}))
     if regs > MAX_REGISTERS:
         held = "dQ" if kernel_name == "attn_bwd_dq" else "dK and dV"
         return (f"{kernel_name} keeps at least {regs:.0f} fp32 registers per thread live (the {held} "

@@ -42,7 +42,7 @@ from ..lang.builtin import kvcache_spec
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
-                                 on_other_gpu, tensor_signature)
+                                 new_output, on_other_gpu, output_shape, tensor_signature, value_head_dim)
 from ..runtime.kernel import load
 from ..runtime.keys import Shape
 from ..runtime.plans import PLANS
@@ -85,7 +85,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 
     q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
     (B, max_pages) int32 page pools (num_pages, page_size, H_KV, D) with page_size a power of two
-    from 1 to 256. `causal` aligns the mask bottom-right (query i of S_q sees keys up to
+    from 1 to 256; v_cache's D may differ from q's and k_cache's (D_V, a multiple of 16 up to 512). `causal` aligns the mask bottom-right (query i of S_q sees keys up to
     cache_seqlens[b] - S_q + i), so a chunk of new tokens whose K/V are already in the cache
     (chunked prefill) and single-token decoding (S_q = 1) both work. `num_splits=0` takes the
     Flash-Decoding split count tuned for this GPU and shape bucket (`attngen tune`), else picks it
@@ -100,7 +100,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     row's softmax denominator (and the lse) with no value. softcap and alibi_slopes together are refused.
     Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
     do, but are not replayed (their tensors are arguments of the launch).
-    Returns out (B, S_q, H, D), and (out, lse) with lse (B, H, S_q) float32 when
+    Returns out (B, S_q, H, D_V), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
@@ -130,7 +130,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if env.check_kvcache():
         _check_values(cache_seqlens, block_table, plan.capacity, k_cache.shape[0], plan.page_size or 1)
     if out is None:
-        out = torch.empty_like(q)
+        out = new_output(q, v_cache)
     lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
     if plan.part is None:  # q is empty
         return (out, lse) if return_softmax_lse else out
@@ -258,12 +258,15 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
             raise KernelInputError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
         if t.device != q.device:
             raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.shape[-1] != head_dim:
-            raise KernelInputError(f"{name} has head_dim {t.shape[-1]} but q has {head_dim}")
-    if k_cache.shape != v_cache.shape:
-        raise KernelInputError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[-1] != head_dim:
+        raise KernelInputError(f"k_cache has head_dim {k_cache.shape[-1]} but q has {head_dim}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise KernelInputError(f"k_cache and v_cache must have the same shape but for the head dim; got "
+                               f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    head_dim_v = value_head_dim(v_cache, head_dim, "v_cache")  # (the output takes it)
+    out_shape = output_shape(q, v_cache)
     kv_heads = k_cache.shape[2]
     if kv_heads == 0 or heads % kv_heads:
         raise KernelInputError(f"q has {heads} heads, which is not a multiple of the {kv_heads} heads of k_cache")
@@ -292,17 +295,17 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
     window_size, softcap, tensors = _check_variant(q, window_size, softcap, alibi_slopes, sinks)
     _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
-        check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache}, shape=out_shape)
         if out.stride() != q.stride():
             check_packed_indexing("out", out.transpose(1, 2), heads // kv_heads, out,
                                   "pass a denser out (e.g. torch.empty_like(q)) or fewer queries per call")
     else:
-        fresh = torch.empty_like(q)  # what the call allocates: q's layout if dense, else laid out afresh
+        fresh = new_output(q, v_cache)  # what the call allocates: q's layout if dense, else laid out afresh
         if fresh.stride() != q.stride():  # q is expanded
             check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size, window_size, softcap,
-                               alibi_slopes is not None, sinks is not None))
+                               alibi_slopes is not None, sinks is not None, head_dim_v))
     part, config = None, {}
     if q.numel():
         part = kernel.part("kvcache")
@@ -312,7 +315,7 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         tuned_splits = config.pop("num_splits", 0)
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
                                                                 seqlen_q, capacity, q.device)
-        check_split_launch(batch, heads, kv_heads, seqlen_q, head_dim, num_splits, "q", "k_cache")
+        check_split_launch(batch, heads, kv_heads, seqlen_q, v_cache.shape[-1], num_splits, "q", "k_cache")
     return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size,
                  tensors=tuple(tensors.items()))
 

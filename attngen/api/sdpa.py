@@ -26,10 +26,10 @@ import torch
 
 from ..env import interpreting
 from ..errors import KernelInputError
-from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant
+from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant, v_keyword
 from ..lang.variants import Variant
 from ..runtime import autograd, tables
-from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature
+from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature, value_head_dim
 from ..runtime.plans import PLANS
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -199,11 +199,12 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     head_dim = query.shape[-1]
-    if value.shape[-1] != head_dim or key.shape[-1] != head_dim:
-        raise KernelInputError(f"query, key and value must share a head dim; got {head_dim}, "
-                               f"{key.shape[-1]} and {value.shape[-1]}")
+    if key.shape[-1] != head_dim:
+        raise KernelInputError(f"query and key must share a head dim; got {head_dim} and {key.shape[-1]}")
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    # value may have another head dim, as SDPA allows (the output takes it): `head_dim_v` of the spec
+    head_dim_v = value_head_dim(value, head_dim)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise KernelInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}; "
                                "pass enable_gqa=True for grouped-query attention")
@@ -212,15 +213,17 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     # dispatched. While torch.compile traces, the spec cannot be parsed (the loader does not trace),
     # so only the shapes are checked here.
     dtype = _DTYPES[query.dtype]
-    if variant is None:
+    if variant is None and head_dim_v is None:
         op_key, spec_variant = f"sdpa:{dtype}:{head_dim}:{'causal' if is_causal else 'full'}", Variant()
     else:
-        op_key = sdpa_key(dtype, head_dim, bool(is_causal), **variant.options())
-        spec_variant = sdpa_variant(bool(is_causal), **variant.options())
+        options = variant.options() if variant is not None else {}
+        op_key = sdpa_key(dtype, head_dim, bool(is_causal), **options, head_dim_v=head_dim_v)
+        spec_variant = sdpa_variant(bool(is_causal), **options) if options else Variant()
     if not torch.compiler.is_compiling():
-        check_attention_inputs(sdpa_spec(dtype, head_dim, bool(is_causal), spec_variant), query, key, value,
-                               names=("query", "key", "value"))
-    elif query.shape[0] != key.shape[0] or key.shape != value.shape or key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        check_attention_inputs(sdpa_spec(dtype, head_dim, bool(is_causal), spec_variant, **v_keyword(head_dim_v)),
+                               query, key, value, names=("query", "key", "value"))
+    elif (query.shape[0] != key.shape[0] or key.shape[:-1] != value.shape[:-1] or key.shape[1] == 0
+          or query.shape[1] % key.shape[1]):
         raise KernelInputError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
                                "must share batch, key and value must have one shape, and the query heads must "
                                "be a multiple of the key/value heads")

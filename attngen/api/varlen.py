@@ -23,7 +23,7 @@ import torch
 from ..env import check_kvcache
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW, varlen_key
-from ..runtime.arguments import check_scale
+from ..runtime.arguments import check_scale, value_head_dim
 from ..runtime.registry import resolve
 from .sdpa import _DTYPES, _checked_float, checked_softcap, checked_window
 
@@ -43,10 +43,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (query i of a sequence of L queries and S keys sits at key position i + S - L); `softcap` > 0, `alibi_slopes`
     (H,) or (B, H) and `sinks` (H,) as `attngen.attention` takes them. `dropout_p` must be 0; `deterministic` is
     accepted for flash-attn's signature (attngen's backward is deterministic under
-    `torch.use_deterministic_algorithms(True)`). `out`: a tensor like q to write the output into.
+    `torch.use_deterministic_algorithms(True)`). `out`: a tensor like q (as wide as v) to write the output into.
 
-    Returns out (total_q, H, D); with `return_attn_probs`, (out, softmax_lse, None) as flash-attn does, softmax_lse
-    float32 (H, total_q) in natural log.
+    Returns out (total_q, H, D_V: v's head dim); with `return_attn_probs`, (out, softmax_lse, None) as flash-attn
+    does, softmax_lse float32 (H, total_q) in natural log.
     """
     plan = _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                          causal, window_size, softcap, alibi_slopes, block_table, seqused_k, sinks)
@@ -87,13 +87,14 @@ def _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise KernelInputError(f"{name} is on {t.device} and q on {q.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise KernelInputError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise KernelInputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise KernelInputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape but for the head dim")
     heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[-2]
     if k.shape[-1] != head_dim:
-        raise KernelInputError(f"q, k and v must share a head dim; got {head_dim} and {k.shape[-1]}")
+        raise KernelInputError(f"q and k must share a head dim; got {head_dim} and {k.shape[-1]}")
     if head_dim % 16 or not 16 <= head_dim <= 256:
         raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    head_dim_v = value_head_dim(v, head_dim, "v")  # (the output takes it)
     if kv_heads == 0 or heads % kv_heads:
         raise KernelInputError(f"q has {heads} heads and k {kv_heads}: the query heads must be a multiple of the "
                                "key/value heads")
@@ -111,7 +112,7 @@ def _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else check_scale(softmax_scale, name="softmax_scale")
     key = varlen_key(_DTYPES[q.dtype], head_dim, bool(causal), k.shape[1] if paged else None,
                      (heads, kv_heads) if heads != kv_heads else None, window, softcap, alibi_slopes is not None,
-                     sinks is not None)
+                     sinks is not None, head_dim_v)
     return VarlenPlan(key, float(scale), tensors)
 
 

@@ -66,6 +66,8 @@ def render(spec: Spec, program: ir.Program) -> str:
     else:
         entries = ["kvcache" if program.attr("kvcache") else "forward"] + (["backward"] if backward else [])
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
+    if spec.splits_head_dims:
+        constants.update(HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PADDED=spec.head_dim_v_padded)
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
     if program.attr("max_block_n") is not None:  # the runtime reads it without rebuilding the program
@@ -79,6 +81,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         spec_lines=spec.canonical().rstrip("\n").split("\n"),
         passes=list(applied_passes(program)),
         constants=constants,
+        head_dim_v=spec.head_dim_v if spec.splits_head_dims else None,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
         default_config=default_config(spec, target=Target.default()),  # the same source on every machine
         kernels=kernels,

@@ -21,7 +21,7 @@ from ..ir import (Assign, Buffer, Call, Load, Loop, LoopKind, Masked, Num, Op, P
 from . import exprs
 from ..passes.grid import grid_path
 
-_DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d",
+_DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d", "HEAD_DIM_V": "d",
                "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
                "NUM_SPLITS": "split", "TOTAL_Q": "n", "TOTAL_K": "n", "B + 1": "b"}
 

@@ -177,6 +177,8 @@ N_K = size("N_K")             # key/value sequence length
 # Compile-time sizes (tl.constexpr).
 HEAD_DIM = size("HEAD_DIM")
 HEAD_DIM_PADDED = size("HEAD_DIM_PADDED")
+HEAD_DIM_V = size("HEAD_DIM_V")                # V's and O's head dim, where a spec sets another (head_dim_v)
+HEAD_DIM_V_PADDED = size("HEAD_DIM_V_PADDED")
 BLOCK_M = size("BLOCK_M")
 BLOCK_N = size("BLOCK_N")
 # Grid and loop variables.

@@ -230,6 +230,14 @@ def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> No
                 later = [k for k in program.kernels[i + 1:] if read in k.params]
                 if not later:
                     fail(f"{kernel.name} writes per-split {p.name}, which no later kernel merges")
+    # Two head dims: Q, K and their gradients are head_dim wide; V, O, dO, dV and the partial outputs head_dim_v wide
+    # (the same symbol unless the spec sets another).
+    d_v = sym.HEAD_DIM_V if program.attr("head_dim_v") is not None else sym.HEAD_DIM
+    widths = {**dict.fromkeys(_QK_BUFFERS, sym.HEAD_DIM), **dict.fromkeys(_VO_BUFFERS, d_v)}
+    for kernel in program.kernels:
+        for p in kernel.params:
+            if p.name in widths and p.shape[-1] != widths[p.name]:
+                fail(f"{kernel.name}: {p.name} is {p.shape[-1]} wide; its head dim is {widths[p.name]}")
     # Pages looked up once per tile: the launcher must keep BLOCK_N within a page.
     for checker in checkers:
         for size in checker.per_tile_pages:
@@ -237,6 +245,9 @@ def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> No
                 fail(f"{checker.kernel.name} looks pages of {size} up once per tile, "
                      f"but the program does not bound BLOCK_N by {size} (attr max_block_n)")
 
+
+_QK_BUFFERS = ("Q", "K", "DQ", "DK")
+_VO_BUFFERS = ("V", "O", "DO", "DV", "O_PART")
 
 _GLUON_HEAD_DIMS = (64, 128)  # the head dims the Gluon templates' layouts and register budgets are written for
 
@@ -269,6 +280,9 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
     if ws and not (program.attr("head_dim") == program.attr("head_dim_padded") in _GLUON_HEAD_DIMS):
         fail(f"kernels for head dim {program.attr('head_dim')} (padded {program.attr('head_dim_padded')}); "
              f"the templates take {_GLUON_HEAD_DIMS}")
+    if ws and program.attr("head_dim_v") is not None:
+        fail(f"kernels for head_dim_v {program.attr('head_dim_v')} beside head_dim {program.attr('head_dim')}: the "
+             "templates take one head dim for Q, K and V")
     if ws and program.attr("dtype") not in ("fp16", "bf16"):
         fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
     if ws.forward is not None:

@@ -15,21 +15,48 @@ NO_WINDOW = (-1, -1)
 
 
 @lru_cache(maxsize=None)
-def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Variant()) -> Spec:
-    """The spec `attention()` uses for one dtype / head dim / mask / variant (with its backward)."""
+def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Variant(), head_dim_v: int | None = None) -> Spec:
+    """The spec `attention()` uses for one dtype / head dim / mask / variant (with its backward); `head_dim_v`: V's
+    head dim where it is not head_dim (None where it is)."""
     mask = "causal(top_left)" if causal else "none"
-    name = f"sdpa_{dtype}_d{head_dim}_{'causal' if causal else 'full'}"
+    dims = _dims(head_dim, head_dim_v)
+    name = f"sdpa_{dtype}_{dims}_{'causal' if causal else 'full'}"
     if variant:
         # e.g. sdpa_bf16_d128_causal_window_4096_softcap_30: readable, and an identifier
         words = " ".join(_variant_words(variant))
-        name = f"sdpa_{dtype}_d{head_dim}_" + re.sub(r"\W+", "_", words if variant.mask is not None
-                                                     else f"{'causal' if causal else 'full'} {words}").strip("_")
+        name = f"sdpa_{dtype}_{dims}_" + re.sub(r"\W+", "_", words if variant.mask is not None
+                                                else f"{'causal' if causal else 'full'} {words}").strip("_")
     text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
-            f"    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n}}\n")
+            f"    mask = {mask}\n    head_dim = {head_dim}\n{_dim_v_line(head_dim_v)}    dtype = {dtype}\n}}\n")
     spec = parse(text, f"<attention {name}>")
     if not variant:
         return spec
     return spec.replace(mask=Mask.CUSTOM if variant.mask is not None else spec.mask, variant=variant)
+
+
+def v_keyword(head_dim_v: int | None) -> dict:
+    """`head_dim_v=` for the cached spec writers where V has another head dim: a call without it stays the call
+    (and the cached spec) it always was."""
+    return {"head_dim_v": head_dim_v} if head_dim_v else {}
+
+
+def _dims(head_dim: int, head_dim_v: int | None) -> str:
+    """The head dims in a kernel's name: `d128`, or `d192_dv128` where V has another."""
+    return f"d{head_dim}" + (f"_dv{head_dim_v}" if head_dim_v else "")
+
+
+def _dim_v_line(head_dim_v: int | None) -> str:
+    return f"    head_dim_v = {head_dim_v}\n" if head_dim_v else ""
+
+
+def _key_dims(head_dim: int, head_dim_v: int | None) -> str:
+    """The head dims in a registry key: `128`, or `192,128` where V has another (`_key_head_dims` reads it)."""
+    return f"{head_dim},{head_dim_v}" if head_dim_v else str(head_dim)
+
+
+def _key_head_dims(text: str) -> tuple[int, int | None]:
+    head_dim, _, head_dim_v = text.partition(",")
+    return int(head_dim), int(head_dim_v) if head_dim_v else None
 
 
 def _variant_words(variant: Variant):
@@ -65,11 +92,12 @@ def sdpa_variant(causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: flo
 
 
 def sdpa_key(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-             alibi: bool = False, sinks: bool = False) -> str:
-    """The registry key of `attention()`'s kernel: `sdpa:<dtype>:<head_dim>:<causal|full>`, then for each variant
-    argument that is not its default `:window=<left>,<right>`, `:softcap=<C>`, `:alibi`, `:sinks`
-    (`sdpa_key_spec` reads it back). Arguments as `sdpa_variant` takes them, checked."""
-    key = f"sdpa:{dtype}:{head_dim}:{'causal' if causal else 'full'}"
+             alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> str:
+    """The registry key of `attention()`'s kernel: `sdpa:<dtype>:<head_dim>:<causal|full>` (`<head_dim>,<head_dim_v>`
+    where V has another head dim), then for each variant argument that is not its default
+    `:window=<left>,<right>`, `:softcap=<C>`, `:alibi`, `:sinks` (`sdpa_key_spec` reads it back). Arguments as
+    `sdpa_variant` takes them, checked."""
+    key = f"sdpa:{dtype}:{_key_dims(head_dim, head_dim_v)}:{'causal' if causal else 'full'}"
     if tuple(window) != NO_WINDOW:
         key += f":window={window[0]},{window[1]}"
     if softcap:
@@ -83,25 +111,29 @@ def sdpa_key(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = 
 
 def sdpa_key_spec(key: str) -> Spec:
     """The spec of an `sdpa_key`."""
-    _, dtype, head_dim, mask, *parts = key.split(":")
+    _, dtype, dims, mask, *parts = key.split(":")
     options = _key_options(key, parts)
     causal = mask == "causal"
-    return sdpa_spec(dtype, int(head_dim), causal, sdpa_variant(causal, **options) if options else Variant())
+    head_dim, head_dim_v = _key_head_dims(dims)
+    variant = sdpa_variant(causal, **options) if options else Variant()
+    return sdpa_spec(dtype, head_dim, causal, variant, **v_keyword(head_dim_v))
 
 
 @lru_cache(maxsize=None)
 def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
-                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False) -> Spec:
-    """The spec `attention_with_kvcache()` uses for one dtype / head dim / mask / page size, and flash-attn's
-    variant arguments as `sdpa_variant` reads them (the spec aligns them bottom-right, as it does the causal
-    mask), written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`."""
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> Spec:
+    """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another)
+    / mask / page size, and flash-attn's variant arguments as `sdpa_variant` reads them (the spec aligns them
+    bottom-right, as it does the causal mask), written as spec text: e.g. `mask = causal & window(4096)`,
+    `score = softcap(30)`, `sinks = true`."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
     mask, words = _bottom_right(variant, causal)
     # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
-    name = (f"kvcache_{dtype}_d{head_dim}_{words}_"
+    name = (f"kvcache_{dtype}_{_dims(head_dim, head_dim_v)}_{words}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    lines = [f"mask = {mask}", f"head_dim = {head_dim}", f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + [
+        f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
     return _flash_spec("attngen.attention_with_kvcache()", name, lines, variant)
 
 
@@ -131,17 +163,19 @@ def _flash_spec(writer: str, name: str, lines: list[str], variant: Variant) -> S
 @lru_cache(maxsize=None)
 def varlen_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None = None,
                 gqa: tuple[int, int] | None = None, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                alibi: bool = False, sinks: bool = False) -> Spec:
-    """The spec `flash_attn_varlen_func()` uses for one dtype / head dim / mask / page size / GQA grouping
-    (`gqa`: (heads, kv_heads), None when they are equal) and flash-attn's variant arguments, aligned
-    bottom-right per sequence as `kvcache_spec` aligns them; with a backward unless K/V are paged."""
+                alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> Spec:
+    """The spec `flash_attn_varlen_func()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is
+    another) / mask / page size / GQA grouping (`gqa`: (heads, kv_heads), None when they are equal) and
+    flash-attn's variant arguments, aligned bottom-right per sequence as `kvcache_spec` aligns them; with a
+    backward unless K/V are paged."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     mask, words = _bottom_right(variant, causal)
     # e.g. varlen_bf16_d128_causal_window_4096_gqa32_8_paged16
-    name = (f"varlen_{dtype}_d{head_dim}_{words}" + (f"_gqa{gqa[0]}_{gqa[1]}" if gqa else "")
+    name = (f"varlen_{dtype}_{_dims(head_dim, head_dim_v)}_{words}" + (f"_gqa{gqa[0]}_{gqa[1]}" if gqa else "")
             + (f"_paged{page_size}" if page_size else ""))
     lines = [f"direction = {'forward' if page_size else 'forward+backward'}", f"mask = {mask}",
-             f"head_dim = {head_dim}", f"dtype = {dtype}", "layout = varlen"]
+             f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + [
+             f"dtype = {dtype}", "layout = varlen"]
     if page_size:
         lines.append(f"kv_layout = paged(page_size = {page_size})")
     if gqa:
@@ -151,11 +185,11 @@ def varlen_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None =
 
 def varlen_key(dtype: str, head_dim: int, causal: bool, page_size: int | None = None,
                gqa: tuple[int, int] | None = None, window: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-               alibi: bool = False, sinks: bool = False) -> str:
-    """The registry key of `flash_attn_varlen_func()`'s kernel: `varlen:<dtype>:<head_dim>:<causal|full>`, then
-    `:paged=<page_size>`, `:gqa=<heads>,<kv_heads>` where given, and `sdpa_key`'s variant parts
-    (`varlen_key_spec` reads it back)."""
-    key = f"varlen:{dtype}:{head_dim}:{'causal' if causal else 'full'}"
+               alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> str:
+    """The registry key of `flash_attn_varlen_func()`'s kernel: `varlen:<dtype>:<head_dim>:<causal|full>` (head dims
+    as `sdpa_key` writes them), then `:paged=<page_size>`, `:gqa=<heads>,<kv_heads>` where given, and `sdpa_key`'s
+    variant parts (`varlen_key_spec` reads it back)."""
+    key = f"varlen:{dtype}:{_key_dims(head_dim, head_dim_v)}:{'causal' if causal else 'full'}"
     if page_size:
         key += f":paged={page_size}"
     if gqa:
@@ -186,5 +220,7 @@ def _key_options(key: str, parts: list[str], extra: tuple[str, ...] = ()) -> dic
 
 def varlen_key_spec(key: str) -> Spec:
     """The spec of a `varlen_key`."""
-    _, dtype, head_dim, mask, *parts = key.split(":")
-    return varlen_spec(dtype, int(head_dim), mask == "causal", **_key_options(key, parts, ("paged", "gqa")))
+    _, dtype, dims, mask, *parts = key.split(":")
+    head_dim, head_dim_v = _key_head_dims(dims)
+    options = _key_options(key, parts, ("paged", "gqa"))
+    return varlen_spec(dtype, head_dim, mask == "causal", **options, **v_keyword(head_dim_v))

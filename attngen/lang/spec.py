@@ -39,6 +39,8 @@ MAX_NAME_LENGTH = 64
 # entries would otherwise take the LALR parser ten seconds, and deep nesting overflows the stack.
 MAX_TOKENS = 2000
 MAX_NESTING = 8
+# The largest head dim of V (`head_dim_v`): MLA's latent values are 512 wide.
+MAX_HEAD_DIM_V = 512
 # The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
 # non-zero fp32 number (see checks.check_scale).
 MIN_SCALE = 1e-30
@@ -130,15 +132,31 @@ class Spec:
     # Masks beyond none/causal, score modifiers, sinks and run-time tensors (lang/variants.py); empty for
     # a plain spec. `mask` is Mask.CUSTOM exactly when `variant.mask` holds the mask's tree.
     variant: Variant = Variant()
+    # The head dim of V and O (`head_dim_v`); None in the constructor means head_dim, and __post_init__ fills it in.
+    head_dim_v: int | None = None
     # Where each key was written, for error messages; not part of the kernel's identity.
     filename: str = field(default="<spec>", compare=False, repr=False)
     where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     # -- derived facts ---------------------------------------------------------------------------
     @property
     def head_dim_padded(self) -> int:
         """Head dim rounded up to a power of two: `tl.arange` needs one; the rest is masked off."""
         return 1 << (self.head_dim - 1).bit_length()
+
+    @property
+    def head_dim_v_padded(self) -> int:
+        """V's head dim rounded up to a power of two, like `head_dim_padded`."""
+        return 1 << (self.head_dim_v - 1).bit_length()
+
+    @property
+    def splits_head_dims(self) -> bool:
+        """Whether V and O have another head dim than Q and K (`head_dim_v` set to something else)."""
+        return self.head_dim_v != self.head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -238,6 +256,8 @@ class Spec:
             else:
                 text = show(value)
             lines.append(f"    {key} = {text}")
+            if key == "head_dim" and self.splits_head_dims:  # only when set: a plain spec's hash stays
+                lines.append(f"    head_dim_v = {self.head_dim_v}")
         # Written only when set, so that a plain spec's text (and hash) is what it always was.
         if self.varlen:
             lines.append(f"    layout = {self.layout.value}")
@@ -476,6 +496,7 @@ def _layout(v: Value) -> Layout:
 _KEYS = {
     "direction": _direction,
     "head_dim": lambda v: _int(v, "head_dim", 16, 256),
+    "head_dim_v": lambda v: _int(v, "head_dim_v", 16, MAX_HEAD_DIM_V),
     "dtype": _dtype,
     "heads": lambda v: _int(v, "heads", 1, 1024, any_=True),
     "kv_heads": lambda v: _int(v, "kv_heads", 1, 1024, any_=True),
@@ -565,12 +586,11 @@ def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[s
 
 
 def _check_head_dim(spec: Spec) -> Spec:
-    if spec.head_dim % 16:
-        below = spec.head_dim // 16 * 16
-        raise spec.error(
-            "head_dim",
-            f"head_dim = {spec.head_dim} is not a multiple of 16; use {max(below, 16)} or {below + 16}",
-        )
+    for key in ("head_dim", "head_dim_v"):
+        value = getattr(spec, key)
+        if value % 16:
+            below = value // 16 * 16
+            raise spec.error(key, f"{key} = {value} is not a multiple of 16; use {max(below, 16)} or {below + 16}")
     return spec
 
 

@@ -38,13 +38,20 @@ def mask_preds(spec: Spec) -> tuple[Pred, ...]:
     return ()
 
 
+def value_dims(spec: Spec) -> Span:
+    """The span over V's and O's head dim: Q's and K's (`offs_d`) unless the spec sets another head_dim_v."""
+    if spec.splits_head_dims:
+        return Span("offs_dv", sym.ZERO, sym.HEAD_DIM_V)
+    return Span("offs_d", sym.ZERO, sym.HEAD_DIM)
+
+
 def run(spec: Spec) -> ir.Program:
     dt = io_dtype(spec)
-    d = sym.HEAD_DIM
+    d, dv = sym.HEAD_DIM, value_dims(spec).size
     q_buf = Buffer("Q", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.INPUT)
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
-    v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
-    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.OUTPUT)
+    v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), dt, Space.HBM, Role.INPUT)
+    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), dt, Space.HBM, Role.OUTPUT)
     lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     p_buf = Buffer("P", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
@@ -54,10 +61,11 @@ def run(spec: Spec) -> ir.Program:
     rows = Span("offs_m", sym.ZERO, sym.N_Q)
     cols = Span("offs_n", sym.ZERO, sym.N_K)
     dims = Span("offs_d", sym.ZERO, d)
+    dims_v = value_dims(spec)
     kv_head = sym.FloorDiv(sym.h, sym.GROUP)
     q = Load(q_buf, (sym.b, sym.h, rows, dims))
     k = Load(k_buf, (sym.b, kv_head, cols, dims))
-    v = Load(v_buf, (sym.b, kv_head, cols, dims))
+    v = Load(v_buf, (sym.b, kv_head, cols, dims_v))
 
     scores = Call(Op.MUL, (Call(Op.DOT_T, (q, k), _precision(dt)), Sym(sym.sm_scale)))
     extra = variants.tensor_buffers(spec.variant)
@@ -78,7 +86,7 @@ def run(spec: Spec) -> ir.Program:
         ir.Comment("pass 2: row softmax, HBM to HBM"),
         ir.Softmax(p_buf, m_buf, l_buf, Ref(s_buf), sink),
         ir.Comment("pass 3: weighted sum of values"),
-        ir.Store(o_buf, (sym.b, sym.h, rows, dims),
+        ir.Store(o_buf, (sym.b, sym.h, rows, dims_v),
                  Call(Op.DIV, (Call(Op.DOT, (Ref(p_buf), v), _precision(dt)), Ref(l_buf)))),
         ir.Store(lse_buf, (sym.b, sym.h, rows), Call(Op.ADD, (Ref(m_buf), Call(Op.LOG, (Ref(l_buf),))))),
     )
@@ -94,15 +102,18 @@ def run(spec: Spec) -> ir.Program:
         ir.SymbolDecl(sym.N_Q, ir.SymKind.SIZE, "query length", specialize=False),
         ir.SymbolDecl(sym.N_K, ir.SymKind.SIZE, "key/value length", specialize=False),
         ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
+    ) + ((ir.SymbolDecl(sym.HEAD_DIM_V, ir.SymKind.CONSTEXPR, "head dim of V and O"),) if spec.splits_head_dims else ()) + (
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
     kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra, symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
-    kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, kv_head)) if spec.backward else (kernel,)
+    kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, dims_v, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
         mask=spec.variant.mask.text() if spec.variant.mask is not None else spec.mask.value, dtype=spec.dtype.value, head_dim=spec.head_dim,
         head_dim_padded=spec.head_dim_padded, backward=spec.backward,
     )
+    if spec.splits_head_dims:  # absent for a plain spec, so that its IR text is what it always was
+        attrs.update(head_dim_v=spec.head_dim_v, head_dim_v_padded=spec.head_dim_v_padded)
     # What the decoding passes act on; absent (so the IR text is unchanged) for a plain forward.
     if spec.is_split:
         attrs["split_kv"] = spec.split_kv or "auto"
@@ -121,7 +132,7 @@ def run(spec: Spec) -> ir.Program:
     return ir.Program(spec.name, spec.hash, kernels).with_attrs(**attrs)
 
 
-def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, kv_head) -> ir.KernelIR:
+def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, dims_v, kv_head) -> ir.KernelIR:
     """The textbook backward: P was stored by the forward and is read back; dP and dS go through
     HBM too. `recompute` replaces this kernel; it is here to be priced and printed."""
     params = {b.name: b for b in fwd.params}
@@ -131,9 +142,9 @@ def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, kv_hea
     dp_buf = Buffer("dP", p_buf.shape, DT.F32, Space.HBM, Role.SCRATCH)
     ds_buf = Buffer("dS", p_buf.shape, DT.F32, Space.HBM, Role.SCRATCH)
     delta = Buffer("delta", (sym.N_Q,), DT.F32, Space.REG)
-    do = Load(do_buf, (sym.b, sym.h, rows, dims))
+    do = Load(do_buf, (sym.b, sym.h, rows, dims_v))
     o_in = Buffer("O", params["O"].shape, params["O"].dtype, Space.HBM, Role.INPUT)
-    o = Load(o_in, (sym.b, sym.h, rows, dims))
+    o = Load(o_in, (sym.b, sym.h, rows, dims_v))
     dt = params["Q"].dtype
     dot = lambda op, a, b_: Call(op, (a, b_), _precision(dt))
     trans = lambda x: Call(Op.TRANS, (x,))
@@ -146,7 +157,7 @@ def _naive_backward(fwd: ir.KernelIR, p_buf: Buffer, q, k, v, rows, dims, kv_hea
         ir.Store(dq_buf, (sym.b, sym.h, rows, dims), scaled(dot(Op.DOT, Ref(ds_buf), k))),
         ir.Store(dk_buf, (sym.b, kv_head, Span("offs_n", sym.ZERO, sym.N_K), dims),
                  scaled(dot(Op.DOT, trans(Ref(ds_buf)), q)), accumulate=True),
-        ir.Store(dv_buf, (sym.b, kv_head, Span("offs_n", sym.ZERO, sym.N_K), dims),
+        ir.Store(dv_buf, (sym.b, kv_head, Span("offs_n", sym.ZERO, sym.N_K), dims_v),
                  dot(Op.DOT, trans(Ref(p_buf)), do), accumulate=True),
     )
     grid = ir.Loop(sym.b, sym.ZERO, sym.B, sym.ONE,

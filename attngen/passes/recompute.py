@@ -108,13 +108,14 @@ def _dq_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) -> i
     io = q_buf.dtype
     d = dims.size
     t = lambda name, shape, dtype=DT.F32: Buffer(name, shape, dtype, Space.REG)
-    q, do = t("q", (sym.BLOCK_M, d), io), t("do", (sym.BLOCK_M, d), io)
+    q, do = t("q", (sym.BLOCK_M, d), io), t("do", (sym.BLOCK_M, v_load.index[-1].size), io)
     lse, delta = t("lse", (sym.BLOCK_M,)), t("delta", (sym.BLOCK_M,))
     s, p, dp, ds = (t(n, (sym.BLOCK_M, sym.BLOCK_N)) for n in ("s", "p", "dp", "ds"))
     raw = t("raw", (sym.BLOCK_M, sym.BLOCK_N))
     dq = t("dq", (sym.BLOCK_M, d))
     row_index = (sym.b, sym.h, rows)
     tile_index = q_load.index
+    out_index = tile_index[:-1] + v_load.index[-1:]  # O and dO: V's head dim
     f32 = lambda e: Call(Op.CAST, (e,), DT.F32)
     cast = (lambda e: e) if io is DT.F32 else (lambda e: Call(Op.CAST, (e,), io))
     qk = ir.map_expr(scores, lambda e: Ref(q) if e == q_load else e)
@@ -127,8 +128,8 @@ def _dq_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) -> i
         factor, scores_first = None, ()
     body = (
         ir.Comment("preprocessing: delta = rowsum(dO * O), saved for the dK/dV kernel"),
-        Assign(do, Load(do_buf, tile_index)),
-        Assign(delta, Call(Op.ROWSUM, (Call(Op.MUL, (f32(Load(o_buf, tile_index)), f32(Ref(do)))),))),
+        Assign(do, Load(do_buf, out_index)),
+        Assign(delta, Call(Op.ROWSUM, (Call(Op.MUL, (f32(Load(o_buf, out_index)), f32(Ref(do)))),))),
         Store(delta_buf, row_index, Ref(delta)),
         Assign(q, q_load),
         Assign(lse, Call(Op.INF_IF_EMPTY, (Load(lse_buf, row_index),))),
@@ -153,19 +154,21 @@ def _dq_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) -> i
 def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) -> ir.KernelIR:
     q_buf, k_buf, v_buf, do_buf, lse_buf, delta_buf, dk_buf, dv_buf = bufs
     q_load, k_load = loads["Q"], loads["K"]
-    rows, cols, dims = q_load.index[2], k_load.index[2], q_load.index[3]
+    rows, cols, dims, dims_v = q_load.index[2], k_load.index[2], q_load.index[3], loads["V"].index[3]
     io = q_buf.dtype
-    d = dims.size
+    d, d_v = dims.size, dims_v.size
     t = lambda name, shape, dtype=DT.F32: Buffer(name, shape, dtype, Space.REG)
-    k, v = t("k", (sym.BLOCK_N, d), io), t("v", (sym.BLOCK_N, d), io)
-    q, do = t("q", (sym.BLOCK_M, d), io), t("do", (sym.BLOCK_M, d), io)
+    k, v = t("k", (sym.BLOCK_N, d), io), t("v", (sym.BLOCK_N, d_v), io)
+    q, do = t("q", (sym.BLOCK_M, d), io), t("do", (sym.BLOCK_M, d_v), io)
     lse, delta = t("lse", (sym.BLOCK_M,)), t("delta", (sym.BLOCK_M,))
     s_t, p_t, dp_t, ds_t, raw_t = (t(n, (sym.BLOCK_N, sym.BLOCK_M)) for n in ("s_t", "p_t", "dp_t", "ds_t", "raw_t"))
-    dk, dv = t("dk", (sym.BLOCK_N, d)), t("dv", (sym.BLOCK_N, d))
+    dk, dv = t("dk", (sym.BLOCK_N, d)), t("dv", (sym.BLOCK_N, d_v))
     head = hkv * sym.GROUP + g
     q_index = (sym.b, head, rows, dims)
+    do_index = (sym.b, head, rows, dims_v)
     row_index = (sym.b, head, rows)
     kv_index = (sym.b, hkv, cols, dims)
+    v_index = (sym.b, hkv, cols, dims_v)
     cast = (lambda e: e) if io is DT.F32 else (lambda e: Call(Op.CAST, (e,), io))
     # The forward's mask, seen from the key tile: keys are rows now, queries columns; padding
     # query rows of the last block must not add to dK/dV (padding key rows are never stored).
@@ -191,7 +194,7 @@ def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) ->
                     Assign(ds_t, Call(Op.MUL, (Ref(pf_t), Call(Op.SUB, (Ref(dp_t), Ref(delta)))))))
     inner = Loop(sym.start_m, sym.ZERO, sym.N_Q, sym.BLOCK_M, (
         Assign(q, Load(q_buf, q_index)),
-        Assign(do, Load(do_buf, q_index)),
+        Assign(do, Load(do_buf, do_index)),
         Assign(lse, Call(Op.INF_IF_EMPTY, (Load(lse_buf, row_index),))),
         Assign(delta, Load(delta_buf, row_index)),
     ) + scores_first + (
@@ -203,13 +206,13 @@ def _dkdv_kernel(fwd: ir.KernelIR, loads, scores, pointwise, precision, bufs) ->
     ), LoopKind.SERIAL, "every query block", aligned=True)
     body = (
         Assign(k, Load(k_buf, kv_index)),
-        Assign(v, Load(v_buf, kv_index)),
+        Assign(v, Load(v_buf, v_index)),
         Assign(dk, Num(0.0)),
         Assign(dv, Num(0.0)),
         ir.Comment("recompute P^T for every query head of the group and block of queries"),
         Loop(g, sym.ZERO, sym.GROUP, sym.ONE, (inner,), LoopKind.SERIAL, "query heads sharing this K/V head"),
         Store(dk_buf, kv_index, Call(Op.MUL, (Ref(dk), Sym(sym.sm_scale)))),
-        Store(dv_buf, kv_index, Ref(dv)),
+        Store(dv_buf, v_index, Ref(dv)),
     )
     grid = _grid([(sym.b, sym.B, sym.ONE, ""), (hkv, sym.H_KV, sym.ONE, ""),
                   (sym.start_n, sym.N_K, sym.BLOCK_N, "key blocks")], body)

@@ -31,7 +31,7 @@ from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Num, Op, Ref, Role, Space, Span, Stat, Store, Sym
 from . import causal_skip
 from .grid import grid_path, rebuild
-from .tiling import tile_spans
+from .tiling import value_span
 
 NAME = "split-kv"
 
@@ -135,7 +135,7 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
     step at 16 splits (benchmarks/NOTES.md, v4). The launcher passes the split count rounded up to a
     power of two, at most the program's `combine_block_s`: a 32-wide step at 2 splits cost 1.6 us
     more of a batch-16 step (v20)."""
-    dims = tile_spans(program)["offs_d"]
+    dims = value_span(program)
     splits = Span("offs_s", sym.split, sym.BLOCK_S, sym.NUM_SPLITS)
     scalar = lambda name: Buffer(name, (), DT.F32, Space.REG)  # noqa: E731
     chunk = lambda name: Buffer(name, (sym.BLOCK_S,), DT.F32, Space.REG)  # noqa: E731
@@ -178,13 +178,21 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
         ir.SymbolDecl(sym.H, ir.SymKind.SIZE, "query heads"),
         ir.SymbolDecl(sym.NUM_SPLITS, ir.SymKind.SIZE, "key/value splits", specialize=False),
         ir.SymbolDecl(sym.N_Q, ir.SymKind.SIZE, "query length", specialize=False),
-        ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
-        ir.SymbolDecl(sym.HEAD_DIM_PADDED, ir.SymKind.CONSTEXPR, "head dim rounded up to a power of two"),
+    ) + _value_dims(program) + (
         ir.SymbolDecl(sym.BLOCK_S, ir.SymKind.CONSTEXPR, "splits merged per step"),
     )
     params = (replace(o_part, role=Role.INPUT), replace(lse_part, role=Role.INPUT), o, lse)
     return ir.KernelIR("attn_combine", params, symbols, (grid,),
                      doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)")
+
+
+def _value_dims(program: ir.Program) -> tuple[ir.SymbolDecl, ...]:
+    """The head dim symbols of the outputs the combine kernel merges: V's, which is Q's unless the spec sets another."""
+    if program.attr("head_dim_v") is not None:
+        return (ir.SymbolDecl(sym.HEAD_DIM_V, ir.SymKind.CONSTEXPR, "head dim of V and O"),
+                ir.SymbolDecl(sym.HEAD_DIM_V_PADDED, ir.SymKind.CONSTEXPR, "head dim of V and O rounded up to a power of two"))
+    return (ir.SymbolDecl(sym.HEAD_DIM, ir.SymKind.CONSTEXPR, "head dim"),
+            ir.SymbolDecl(sym.HEAD_DIM_PADDED, ir.SymKind.CONSTEXPR, "head dim rounded up to a power of two"))
 
 
 def applies(program: ir.Program) -> bool:
@@ -212,5 +220,5 @@ def run(program: ir.Program) -> ir.Program:
     combine = combine_kernel(program, o, lse, partials["O"], partials["LSE"])
     # A chunk of [BLOCK_S, D] float32 outputs: 32 values a thread at 4 warps, at most 32 splits
     # (BLOCK_S's upper bound: a launch with fewer splits passes fewer).
-    block_s = max(1, min(32, 4096 // program.attr("head_dim_padded")))
+    block_s = max(1, min(32, 4096 // program.attr("head_dim_v_padded", program.attr("head_dim_padded"))))
     return replace(program, kernels=(kernel, combine)).with_attrs(combine_block_s=block_s)

@@ -21,14 +21,26 @@ NAME = "tiling"
 
 
 def tile_spans(program: ir.Program) -> dict[str, Span]:
-    """The spans of the tiled program, by the name the naive program gave them."""
+    """The spans of the tiled program, by the name the naive program gave them (`offs_dv`, V's and O's head dim,
+    only where the spec sets another head_dim_v)."""
     padded = program.attr("head_dim") != program.attr("head_dim_padded")
-    return {
+    spans = {
         "offs_m": Span("offs_m", sym.start_m, sym.BLOCK_M, sym.N_Q),
         "offs_n": Span("offs_n", sym.start_n, sym.BLOCK_N, sym.N_K),
         "offs_d": Span("offs_d", sym.ZERO, sym.HEAD_DIM_PADDED, sym.HEAD_DIM) if padded
         else Span("offs_d", sym.ZERO, sym.HEAD_DIM),
     }
+    if program.attr("head_dim_v") is not None:
+        padded_v = program.attr("head_dim_v") != program.attr("head_dim_v_padded")
+        spans["offs_dv"] = (Span("offs_dv", sym.ZERO, sym.HEAD_DIM_V_PADDED, sym.HEAD_DIM_V) if padded_v
+                            else Span("offs_dv", sym.ZERO, sym.HEAD_DIM_V))
+    return spans
+
+
+def value_span(program: ir.Program) -> Span:
+    """The tiled span over V's and O's head dim (Q's and K's unless the spec sets another head_dim_v)."""
+    spans = tile_spans(program)
+    return spans.get("offs_dv", spans["offs_d"])
 
 
 def _retile_index(index, spans):
@@ -89,7 +101,7 @@ def run(program: ir.Program) -> ir.Program:
     block_m_rows = Span("offs_n", sym.ZERO, sym.N_K)
     m = Buffer(softmax.rowmax.name, (sym.BLOCK_M,), DT.F32, Space.REG)
     l = Buffer(softmax.rowsum.name, (sym.BLOCK_M,), DT.F32, Space.REG)
-    acc = Buffer("acc", (sym.BLOCK_M, dims.size), DT.F32, Space.REG)
+    acc = Buffer("acc", (sym.BLOCK_M, value_span(program).size), DT.F32, Space.REG)
     dot = o_store.value.args[0]
     v_load = _retile(dot.args[1], spans)
 
@@ -113,10 +125,12 @@ def run(program: ir.Program) -> ir.Program:
     )
     grid_m = Loop(sym.start_m, sym.ZERO, sym.N_Q, sym.BLOCK_M, body, LoopKind.GRID, "query blocks", aligned=True)
     grid_b = replace(grid_b, body=(replace(grid_h, body=(grid_m,)),))
+    padded_v = ((sym.HEAD_DIM_V_PADDED, "head dim of V and O rounded up to a power of two"),) \
+        if program.attr("head_dim_v") is not None else ()
     symbols = kernel.symbols + tuple(
         ir.SymbolDecl(s, ir.SymKind.CONSTEXPR, note)
-        for s, note in ((sym.HEAD_DIM_PADDED, "head dim rounded up to a power of two"),
-                        (sym.BLOCK_M, "query rows per program"), (sym.BLOCK_N, "keys per loop step"))
+        for s, note in ((sym.HEAD_DIM_PADDED, "head dim rounded up to a power of two"),) + padded_v +
+        ((sym.BLOCK_M, "query rows per program"), (sym.BLOCK_N, "keys per loop step"))
     )
     kernel = replace(kernel, body=(grid_b,), symbols=symbols,
                      doc="one program per (batch, head, block of BLOCK_M queries)")

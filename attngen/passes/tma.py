@@ -43,7 +43,8 @@ def applies(program: ir.Program) -> bool:
     # NOTE: a packed varlen tensor's tiles start at any row: no descriptors for them (yet).
     return not program.attr("varlen") and tma.applies(bool(program.attr("backward", False)), program.attr("mask") != "none",
                        2 if program.attr("dtype") in ("fp16", "bf16") else 4,
-                       program.attr("head_dim", 0), program.attr("head_dim_padded", 0))
+                       program.attr("head_dim", 0), program.attr("head_dim_padded", 0),
+                       program.attr("head_dim_v"), program.attr("head_dim_v_padded"))
 
 
 def _descriptor_tile(load: Load) -> bool:

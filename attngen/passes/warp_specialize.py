@@ -84,7 +84,8 @@ def applies(program: ir.Program) -> bool:
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and (not is_variant(program) or variant_supported(program, _varlen_scalars(program)))
             and (not program.attr("varlen") or _one_unmasked_range(program.kernel("attn_fwd"), sym.start_n))
-            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS)
+            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS
+            and program.attr("head_dim_v") is None)  # the Gluon templates take one head dim for Q, K and V
 
 
 def _varlen_scalars(program: ir.Program) -> frozenset:

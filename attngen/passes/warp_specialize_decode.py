@@ -58,7 +58,8 @@ def applies(program: ir.Program) -> bool:
             and (plain(program) or (warp_specialize.is_variant(program)
                                     and warp_specialize.variant_supported(program, DECODE_SCALARS)))
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
-            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS)
+            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS
+            and program.attr("head_dim_v") is None)  # the Gluon template takes one head dim for K and V
 
 
 def plain(program: ir.Program) -> bool:

@@ -39,7 +39,7 @@ def heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     if interpreter:
         # The interpreter pays per block iteration, not per element: big tiles are fast there.
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
-    d = spec.head_dim_padded
+    d = max(spec.head_dim_padded, spec.head_dim_v_padded)  # the wider of the two head dims sizes the tiles
     if spec.dtype is DType.FP32:
         bm, bn, warps = (64, 32, 4) if d <= 64 else (32, 32, 4)
     elif d <= 64:
@@ -76,7 +76,7 @@ def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str
     if interpreter:
         tile = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
         return {"attn_bwd_dq": dict(tile), "attn_bwd_dkdv": dict(tile)}
-    d = spec.head_dim_padded
+    d = max(spec.head_dim_padded, spec.head_dim_v_padded)  # the wider of the two head dims sizes the tiles
     if spec.dtype is DType.FP32:
         dq = dkdv = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     # From config sweeps on an H200 (bf16, N=4096; NOTES.md v1-v2):
@@ -116,7 +116,7 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     128 with 5, per-tile pages (>= 64 tokens) 64 with 7 bring paged to 0.96-0.98x of contiguous."""
     if interpreter:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    d = spec.head_dim_padded
+    d = max(spec.head_dim_padded, spec.head_dim_v_padded)  # the wider of the two head dims sizes the tiles
     if d > 128:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     page = spec.kv_layout.page_size if spec.kv_layout.paged else None

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from ..errors import KernelInputError
-from ..lang.spec import MIN_SCALE, Spec
+from ..lang.spec import MAX_HEAD_DIM_V, MIN_SCALE, Spec
 from ..env import interpreting
 
 INT32_MAX = 2**31 - 1
@@ -140,24 +140,42 @@ def check_split_launch(batch: int, heads: int, kv_heads: int, seqlen_q: int, hea
                 "queries per call")
 
 
+def check_head_dim(spec: Spec, name: str, t, value: bool = False) -> None:
+    """`t`'s last dimension is the spec's head dim: head_dim_v for a value or output tensor (`value`)."""
+    key, want = ("head_dim_v", spec.head_dim_v) if value and spec.splits_head_dims else ("head_dim", spec.head_dim)
+    if t.shape[-1] != want:
+        raise KernelInputError(f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes {key} {want}")
+
+
+def value_head_dim(v, head_dim: int, name: str = "value") -> int | None:
+    """V's head dim for a drop-in call whose q and k have `head_dim`: None where it is that too, else the spec's
+    `head_dim_v` (a multiple of 16 up to MAX_HEAD_DIM_V, as the spec key takes it)."""
+    head_dim_v = v.shape[-1]
+    if head_dim_v == head_dim:
+        return None
+    if head_dim_v % 16 or not 16 <= head_dim_v <= MAX_HEAD_DIM_V:
+        raise KernelInputError(f"{name} has head dim {head_dim_v}, which is not supported: it must be a multiple of 16 "
+                               f"from 16 to {MAX_HEAD_DIM_V}")
+    return head_dim_v
+
+
 def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
-    """q (B, H, N_Q, D), k and v (B, H_KV, N_K, D), matching the spec's dtype, head dim and heads."""
+    """q (B, H, N_Q, D), k (B, H_KV, N_K, D) and v (B, H_KV, N_K, D_V), matching the spec's dtype, head dims
+    (D_V its head_dim_v) and heads."""
     layout = "(batch, heads, seq, head_dim)"
     qn, kn, vn = names
-    for name, t in zip(names, (q, k, v)):
+    for i, (name, t) in enumerate(zip(names, (q, k, v))):
         check_tensor(name, t, 4, layout)
         if t.dtype != spec.dtype.torch:
             raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes {spec.dtype.torch}")
-        if t.shape[-1] != spec.head_dim:
-            raise KernelInputError(
-                f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes head_dim {spec.head_dim}"
-            )
+        check_head_dim(spec, name, t, value=i == 2)
         check_indexing(name, t)
         _runtime_device_ok(name, t)
     if not (q.device == k.device == v.device):
         raise KernelInputError(f"{qn}, {kn} and {vn} must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise KernelInputError(f"{kn} and {vn} must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise KernelInputError(f"{kn} and {vn} must have the same shape but for the head dim; got {tuple(k.shape)} "
+                               f"and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise KernelInputError(f"{qn} has batch {q.shape[0]} but {kn} and {vn} have batch {k.shape[0]}")
     check_heads(spec, q.shape[1], k.shape[1], qn, kn, vn)
@@ -167,7 +185,7 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
         if spec.is_split and spec.split_kv is not None:
             # NOTE: `split_kv = auto` splits only launches that leave the GPU mostly idle (a small
             # batch x heads x queries: attngen/policy/splits.py), far from these limits.
-            check_split_launch(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], spec.split_kv, qn, kn,
+            check_split_launch(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[3], spec.split_kv, qn, kn,
                                "split_kv")
 
 
@@ -226,22 +244,35 @@ def check_scale(scale, spec: Spec | None = None, name: str = "scale") -> float:
     return value
 
 
-def check_like(t, like: torch.Tensor, name: str) -> None:
-    """A tensor the kernel reads (e.g. the output gradient) must match `like`; any strides work."""
+def output_shape(q: torch.Tensor, v: torch.Tensor) -> torch.Size:
+    """The shape of the output (and its gradient) of q over v: q's, with v's head dim last (SDPA's rule)."""
+    return q.shape[:-1] + v.shape[-1:]
+
+
+def new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An uninitialised output for q over v: laid out like q where v's head dim is q's, else contiguous."""
+    return torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(output_shape(q, v))
+
+
+def check_like(t, like: torch.Tensor, name: str, shape: torch.Size | None = None) -> None:
+    """A tensor the kernel reads (e.g. the output gradient) must match `like` (with `shape` instead of its
+    shape, where given); any strides work."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.layout is not torch.strided or t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+    shape = like.shape if shape is None else shape
+    if t.layout is not torch.strided or t.shape != shape or t.dtype != like.dtype or t.device != like.device:
         raise KernelInputError(
-            f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device}; "
+            f"{name} must be {tuple(shape)} {like.dtype} on {like.device}; "
             f"got {tuple(t.shape)} {t.dtype} on {t.device}"
         )
     check_indexing(name, t)
 
 
-def check_out(out, like: torch.Tensor, name: str = "out", inputs: dict | None = None) -> None:
-    """A tensor the kernel writes must match `like` and own its memory: no element twice, nothing
-    shared with `inputs` (name -> tensor), since some programs read inputs while others write."""
-    check_like(out, like, name)
+def check_out(out, like: torch.Tensor, name: str = "out", inputs: dict | None = None,
+              shape: torch.Size | None = None) -> None:
+    """A tensor the kernel writes must match `like` (`shape`: as check_like) and own its memory: no element
+    twice, nothing shared with `inputs` (name -> tensor), since some programs read inputs while others write."""
+    check_like(out, like, name, shape)
     if has_internal_overlap(out):
         raise KernelInputError(
             f"{name} has strides {out.stride()} for shape {tuple(out.shape)}, so some of its elements share "

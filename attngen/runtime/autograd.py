@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from .arguments import check_like, gradient_tensors, tensor_signature
+from .arguments import check_like, gradient_tensors, new_output, output_shape, tensor_signature
 from .registry import gradients, resolve, setup_context, varlen_gradients, varlen_setup_context
 from .replay import record, wanted
 
@@ -85,7 +85,7 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
     (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch. `out`: the tensor to
     write the output into (`Kernel.__call__`'s out=, laid out as the signature's and checked for sharing
     memory with q, k and v), else one like q allocated here."""
-    out = torch.empty_like(q) if out is None else out
+    out = new_output(q, v) if out is None else out
     inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
     replay = replays.forward
     if replay and replay(inputs):
@@ -130,7 +130,7 @@ class _Planned(torch.autograd.Function):
         layout = (tensor_signature(do), torch.are_deterministic_algorithms_enabled())
         replay = layouts.get(layout, _NEW)
         if replay is _NEW:
-            check_like(do, q, "do")  # once per layout: the rest of the layout is the signature's
+            check_like(do, q, "do", output_shape(q, v))  # once per layout: the rest of the layout is the signature's
         grads = gradient_tensors(q, k, v)
         inputs = (q, k, v, out, lse, do) + grads
         if not (replay and replay is not _NEW and replay(inputs)):

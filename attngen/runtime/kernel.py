@@ -29,7 +29,8 @@ from ..lang.spec import Spec, load_file, parse
 from ..passes import compile_program
 from ..policy import configs
 from . import autograd, cache, interpreter_fixes, launch, registry, tables, varlen, warmup
-from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out,
+from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out, new_output,
+                        output_shape,
                         check_packed_indexing, check_recording, check_runtime_tensors, check_scale, gradient_tensors, on_other_gpu,
                         tensor_signature)
 from .keys import Shape, problem_text
@@ -291,9 +292,9 @@ class Kernel:
             with torch.cuda.device(q.device):
                 return self.forward(q, k, v, scale, out=out, config=config, lse=lse, tensors=tensors)
         if out is not None:
-            check_out(out, q, inputs={"q": q, "k": k, "v": v})
+            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v))
         else:
-            out = torch.empty_like(q)
+            out = new_output(q, v)
         if out.stride() != q.stride():  # else q's checks cover out (empty_like(q) differs when q is expanded)
             check_indexing("out", out)
             if self.spec.packs_gqa:
@@ -327,8 +328,8 @@ class Kernel:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
         extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
-        check_like(out, q, "out")
-        check_like(do, q, "do")  # read only: an expanded gradient (from out.sum()) is fine
+        check_like(out, q, "out", output_shape(q, v))
+        check_like(do, q, "do", output_shape(q, v))  # read only: an expanded gradient (from out.sum()) is fine
         if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):
             raise KernelInputError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
         if lse.layout is not torch.strided or lse.device != q.device:
@@ -346,7 +347,7 @@ class Kernel:
         `lse` what it returned, kept unchanged since by autograd (its version counters raise on an
         in-place change); only the output gradient `do` is checked. Saves the host time of the checks,
         which a short backward is bound by."""
-        check_like(do, q, "do")
+        check_like(do, q, "do", output_shape(q, v))
         return self._backward(q, k, v, out, lse, do, scale, None, None, tensors)
 
     def _backward(self, q, k, v, out, lse, do, sm_scale: float, config: dict | None, grads: tuple | None,

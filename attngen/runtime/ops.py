@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .arguments import check_attention_inputs
+from .arguments import check_attention_inputs, new_output
 from .registry import gradients, resolve, setup_context, varlen_gradients, varlen_setup_context
 
 
@@ -23,7 +23,7 @@ def forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 @forward_op.register_fake
 def _forward_fake(key, q, k, v, scale, tensors):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return new_output(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("attngen::backward", mutates_args=())
@@ -58,7 +58,7 @@ def varlen_forward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @varlen_forward_op.register_fake
 def _varlen_forward_fake(key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return new_output(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("attngen::varlen_backward", mutates_args=())

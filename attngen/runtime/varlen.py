@@ -19,8 +19,8 @@ import torch
 from ..errors import KernelInputError
 from ..lang.spec import Spec
 from . import autograd, tables, warmup
-from .arguments import (INT32_MAX, _runtime_device_ok, check_heads, check_like, check_out, check_recording,
-                        check_runtime_tensors, check_scale, check_span, check_tensor, on_other_gpu)
+from .arguments import (INT32_MAX, _runtime_device_ok, check_head_dim, check_heads, check_like, check_out,
+                        check_recording, check_runtime_tensors, new_output, output_shape, check_scale, check_span, check_tensor, on_other_gpu)
 from .keys import Packed
 from .parts import PARTS
 
@@ -46,7 +46,7 @@ def call(kernel, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         out, lse = autograd.varlen_forward(kernel.key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, sm_scale, extra)
     else:
         if out is not None:
-            check_out(out, q, inputs={"q": q, "k": k, "v": v})
+            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v))
         out, lse = forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, sm_scale, out=out,
                            config=config, tensors=extra)
     return (out, lse) if return_lse else out
@@ -62,9 +62,7 @@ def arguments(spec: Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         check_tensor(name, t, dims, layout)
         if t.dtype != spec.dtype.torch:
             raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes {spec.dtype.torch}")
-        if t.shape[-1] != spec.head_dim:
-            raise KernelInputError(f"{name} has head_dim {t.shape[-1]}; kernel '{spec.name}' takes head_dim "
-                                   f"{spec.head_dim}")
+        check_head_dim(spec, name, t, value=name == "v")
         _runtime_device_ok(name, t)
         # Rows inside a sequence (a page) and the head dim are addressed with 32-bit offsets (the sequence's first
         # row, the page and the head in 64 bits): a sequence can be as long as the tensor.
@@ -75,8 +73,9 @@ def arguments(spec: Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                    "make the token dimension denser or split the batch")
     if not (q.device == k.device == v.device):
         raise KernelInputError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise KernelInputError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise KernelInputError(f"k and v must have the same shape but for the head dim; got {tuple(k.shape)} and "
+                               f"{tuple(v.shape)}")
     if paged and k.shape[1] != spec.kv_layout.page_size:
         raise KernelInputError(f"k and v have pages of {k.shape[1]} tokens; kernel '{spec.name}' takes page_size = "
                                f"{spec.kv_layout.page_size}")
@@ -125,7 +124,7 @@ def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table,
         with torch.cuda.device(q.device):
             return forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out, config,
                            tensors)
-    out = torch.empty_like(q) if out is None else out
+    out = new_output(q, v) if out is None else out
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     shape = Packed.of(q, k, cu_seqlens_q, block_table)
     launch = dict(tables.launch_config(kernel, shape, q.device.index), **(config or {}))
@@ -137,7 +136,7 @@ def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table,
 
 def backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = ()):
     """(dq, dk, dv), and the sinks' gradient in their dtype last where the spec has sinks; `do` is checked."""
-    check_like(do, q, "do")
+    check_like(do, q, "do", output_shape(q, v))
     if on_other_gpu(q):
         with torch.cuda.device(q.device):
             return backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)

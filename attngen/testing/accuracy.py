@@ -120,9 +120,10 @@ def random_inputs(spec: Spec, case: Case, device, generator=None):
     dt = spec.dtype.torch
     shape_q = (case.batch, case.heads, case.n_q, spec.head_dim)
     shape_k = (case.batch, case.kv_heads, case.n_k, spec.head_dim)
+    shape_v = shape_k[:-1] + (spec.head_dim_v,)
     q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
     k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
-    v = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
+    v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(dt)
     return q, k, v
 
 
@@ -245,11 +246,11 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
         return _run_varlen_case(kernel, case, device, generator)
     q, k, v = random_inputs(spec, case, device, generator)
     tensors = runtime_tensors(spec, case, device, generator)
-    out = torch.full_like(q, float("nan"))
+    out = q.new_full(q.shape[:-1] + v.shape[-1:], float("nan"))
     out, lse = kernel(q, k, v, out=out, return_lse=True, **tensors)
     result = compare(spec, case, out, lse, q, k, v, tensors=tensors)
     if spec.backward:
-        do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
+        do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
         poisoned = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         grads = kernel.backward(q, k, v, out, lse, do, grads=poisoned, **tensors)
         result = replace(result, grads=compare_grads(spec, q, k, v, do, grads, tensors=tensors))
@@ -279,8 +280,9 @@ def _run_varlen_case(kernel, case: "Case | PackedCase", device, generator=None) 
             t.requires_grad_()
     out, lse = kernel(x.q, x.keys, x.values, cu_seqlens_q=x.cu_seqlens_q, cu_seqlens_k=x.cu_seqlens_k,
                       max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), block_table=x.block_table, return_lse=True,
-                      out=None if spec.backward else torch.full_like(x.q, float("nan")), **tensors)
-    do = torch.randn(x.q.shape, generator=generator, device=device, dtype=torch.float32).to(x.q.dtype)
+                      out=None if spec.backward else x.q.new_full(x.q.shape[:-1] + x.v.shape[-1:], float("nan")),
+                      **tensors)
+    do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(x.q.dtype)
     if spec.backward:
         out.backward(do)
     results = []

@@ -55,12 +55,12 @@ class Batch:
 def packed_inputs(spec: Spec, lengths_q, lengths_k, heads: int, kv_heads: int, device, generator=None) -> Batch:
     """Standard normal q, k, v in the spec's dtype for sequences of these lengths (zero allowed), packed; for a
     paged spec, K/V also copied into a pool with a spare page, each sequence on pages in shuffled order."""
-    d, dtype = spec.head_dim, spec.dtype.torch
+    d, d_v, dtype = spec.head_dim, spec.head_dim_v, spec.dtype.torch
 
     def randn(*size):
         return torch.randn(size, generator=generator, device=device, dtype=torch.float32).to(dtype)
 
-    q, k, v = randn(sum(lengths_q), heads, d), randn(sum(lengths_k), kv_heads, d), randn(sum(lengths_k), kv_heads, d)
+    q, k, v = randn(sum(lengths_q), heads, d), randn(sum(lengths_k), kv_heads, d), randn(sum(lengths_k), kv_heads, d_v)
     batch = Batch(q, k, v, cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device), list(lengths_q),
                   list(lengths_k), k, v)
     if spec.kv_layout.paged:
@@ -69,7 +69,7 @@ def packed_inputs(spec: Spec, lengths_q, lengths_k, heads: int, kv_heads: int, d
         # (the generator's device: a CUDA generator draws CUDA permutations)
         order = torch.randperm(sum(pages) + 1, generator=generator, device=device)[: sum(pages)].to(torch.int32)
         table = torch.zeros((len(pages), max(pages, default=0)), dtype=torch.int32, device=device)
-        keys, values = (t.new_zeros((sum(pages) + 1, page, kv_heads, d)) for t in (k, v))
+        keys, values = (t.new_zeros((sum(pages) + 1, page, kv_heads, t.shape[-1])) for t in (k, v))
         first = 0
         for b, n in enumerate(lengths_k):
             table[b, :pages[b]] = order[first:first + pages[b]]

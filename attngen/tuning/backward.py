@@ -65,8 +65,8 @@ class BackwardTunable(Tunable):
     def tuning_inputs(self, shape, device, generator) -> dict:
         case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
         q, k, v = random_inputs(self.spec, case, device, generator)
-        do = torch.randn(q.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
         out, lse = self.kernel.forward(q, k, v, self.spec.softmax_scale)
+        do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)
         return {"q": q, "k": k, "v": v, "out": out, "lse": lse, "do": do, "delta": torch.zeros_like(lse),
                 "dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
 

@@ -58,7 +58,7 @@ class KVCacheTunable(Tunable):
 
     def tuning_inputs(self, shape: Shape, device, generator) -> dict:
         spec = self.spec
-        d, dtype = spec.head_dim, spec.dtype.torch
+        d, d_v, dtype = spec.head_dim, spec.head_dim_v, spec.dtype.torch
 
         def randn(*size):
             return torch.randn(size, generator=generator, device=device, dtype=torch.float32).to(dtype)
@@ -73,11 +73,11 @@ class KVCacheTunable(Tunable):
             pool = batch * per_seq + per_seq  # spare pages: the pool is not exactly the table
             order = torch.randperm(pool, generator=generator, device=device)[: batch * per_seq]
             table = order.to(torch.int32).view(batch, per_seq)
-            k, v = randn(pool, page, shape.kv_heads, d), randn(pool, page, shape.kv_heads, d)
+            k, v = randn(pool, page, shape.kv_heads, d), randn(pool, page, shape.kv_heads, d_v)
         else:
-            k, v = randn(batch, capacity, shape.kv_heads, d), randn(batch, capacity, shape.kv_heads, d)
+            k, v = randn(batch, capacity, shape.kv_heads, d), randn(batch, capacity, shape.kv_heads, d_v)
         return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape,
-                "out": torch.empty_like(q), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
+                "out": q.new_empty((batch, shape.n_q, shape.heads, d_v)), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
                                                                 dtype=torch.float32)}
 
     def tuning_variants(self, inputs: dict) -> list[tuple[str, dict]]:
@@ -114,7 +114,7 @@ class KVCacheTunable(Tunable):
 
     def tuning_flops(self, shape: Shape) -> float:
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
-        return 4.0 * shape.heads * shape.n_q * keys * self.spec.head_dim
+        return 2.0 * shape.heads * shape.n_q * keys * (self.spec.head_dim + self.spec.head_dim_v)
 
     def tuning_bytes(self, shape: Shape) -> float | None:
         """K and V bytes read by one call on the tuning inputs, when that bounds its speed (one query
@@ -122,4 +122,4 @@ class KVCacheTunable(Tunable):
         if self.part.rows(shape) > 16:
             return None
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
-        return 2.0 * shape.kv_heads * keys * self.spec.head_dim * self.spec.dtype.bytes
+        return shape.kv_heads * keys * (self.spec.head_dim + self.spec.head_dim_v) * self.spec.dtype.bytes

@@ -12,6 +12,7 @@ import torch
 
 from ..analysis.masks import fa_flops
 from ..runtime import warmup
+from ..runtime.arguments import new_output
 from ..testing.accuracy import Case, random_inputs
 from .gate import check_attention
 
@@ -63,7 +64,7 @@ class ForwardTunable(Tunable):
         case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
         q, k, v = random_inputs(self.spec, case, device, generator)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        return {"q": q, "k": k, "v": v, "out": torch.empty_like(q), "lse": lse}
+        return {"q": q, "k": k, "v": v, "out": new_output(q, v), "lse": lse}
 
     def tuning_run(self, inputs: dict, config: dict, *, poison: bool = False):
         if poison:

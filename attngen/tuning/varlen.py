@@ -16,6 +16,7 @@ import torch
 
 from ..analysis.masks import kept_scores
 from ..runtime import varlen, warmup
+from ..runtime.arguments import new_output
 from ..runtime.keys import Packed
 from ..runtime.tables import describe_config
 from ..testing.accuracy import compare_grads
@@ -54,10 +55,11 @@ def checked_sequences(lengths: list[int]) -> list[int]:
 
 
 def packed_flops(spec, shape: Packed) -> float:
-    """FLOPs of one forward at `shape` by the FlashAttention convention per sequence: 4 * d per kept score."""
+    """FLOPs of one forward at `shape` by the FlashAttention convention per sequence: 2 * (d + d_v) per kept score
+    (4 * d where V's head dim is q's)."""
     lengths_q, lengths_k = packed_lengths(spec, shape)
     kept = sum(kept_scores(spec, n_q, n_k) for n_q, n_k in zip(lengths_q, lengths_k))
-    return 4.0 * spec.head_dim * shape.heads * kept
+    return 2.0 * (spec.head_dim + spec.head_dim_v) * shape.heads * kept
 
 
 class VarlenForwardTunable(ForwardTunable):
@@ -67,7 +69,7 @@ class VarlenForwardTunable(ForwardTunable):
         lengths_q, lengths_k = packed_lengths(self.spec, shape)
         batch = packed_inputs(self.spec, lengths_q, lengths_k, shape.heads, shape.kv_heads, device, generator)
         lse = torch.empty((shape.heads, batch.q.shape[0]), device=device, dtype=torch.float32)
-        return {"batch": batch, "seqlens_k": batch.seqlens_k, "out": torch.empty_like(batch.q), "lse": lse}
+        return {"batch": batch, "seqlens_k": batch.seqlens_k, "out": new_output(batch.q, batch.v), "lse": lse}
 
     def tuning_run(self, inputs: dict, config: dict, *, poison: bool = False):
         if poison:
@@ -107,10 +109,10 @@ class VarlenBackwardTunable(BackwardTunable):
     def tuning_inputs(self, shape: Packed, device, generator) -> dict:
         lengths_q, lengths_k = packed_lengths(self.spec, shape)
         x = packed_inputs(self.spec, lengths_q, lengths_k, shape.heads, shape.kv_heads, device, generator)
-        do = torch.randn(x.q.shape, generator=generator, device=device, dtype=torch.float32).to(x.q.dtype)
         seqlens_k = x.seqlens_k
         out, lse = varlen.forward(self.kernel, x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, seqlens_k, None,
                                   self.spec.softmax_scale)
+        do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(x.q.dtype)
         return {"batch": x, "seqlens_k": seqlens_k, "out": out, "lse": lse, "do": do, "delta": torch.zeros_like(lse),
                 "dq": torch.empty_like(x.q), "dk": torch.empty_like(x.k), "dv": torch.empty_like(x.v)}
 
