@@ -217,3 +217,51 @@ def test_needs_an_initialised_group():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(ValueError, match="init_process_group"):
         context_parallel_attention(q, q, q)
+
+
+def _torch_worker(rank, world, path):
+    """torch's own context_parallel with attngen in the flash slot (registered for the CPU key): the ring's
+    per-step aten::_scaled_dot_product_flash_attention calls and their backward run attngen's kernels.
+
+    NOTE: the aten op is called on DTensors directly: on CPU tensors F.scaled_dot_product_attention picks
+    aten::_scaled_dot_product_flash_attention_for_cpu, which torch's context_parallel has no handler (and DTensor
+    no sharding rule) for; on CUDA it picks the flash op this calls, so F.scaled_dot_product_attention works there.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+
+    from attngen.integrations import torch_flash
+    mesh = init_device_mesh("cpu", (world,))
+    handle = torch_flash.activate("CPU")
+    try:
+        for causal in (True, False):
+            _cp_options.enable_load_balance = causal  # (torch refuses to balance a non-causal mask)
+            torch.manual_seed(7)
+            q, k, v, do = (torch.randn(1, 2, 4 * world, 16) for _ in range(4))
+            full = [t.double().requires_grad_() for t in (q, k, v)]
+            want, _ = reference(*full, causal, NO_WINDOW, 16 ** -0.5, 0.0)
+            want.backward(do.double())
+            before = torch_flash.calls.get("_scaled_dot_product_flash_attention_backward", 0)
+            buffers = [t.clone() for t in (q, k, v, do)]
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4):
+                mine = [t.detach().requires_grad_() for t in buffers[:3]]
+                shards = [DTensor.from_local(t, mesh, [Shard(2)]) for t in mine]
+                out = torch.ops.aten._scaled_dot_product_flash_attention(*shards, 0.0, causal)[0].to_local()
+                out.backward(buffers[3])
+                got = context_parallel_unshard(mesh, [out] + [t.grad for t in mine], [2] * 4)
+            assert torch_flash.calls["_scaled_dot_product_flash_attention_backward"] - before >= world
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, [want] + [t.grad for t in full]):
+                torch.testing.assert_close(g.double(), w.detach(), atol=2e-4, rtol=2e-4,
+                                           msg=lambda m: f"{name} causal={causal}: {m}")
+    finally:
+        handle.remove()
+        dist.destroy_process_group()
+
+
+def test_torch_context_parallel_runs_attngen_over_gloo():
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_torch_worker, args=(2, os.path.join(folder, "store")), nprocs=2)
