@@ -138,6 +138,10 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
             theirs = chunks_of((rank - step) % world, world, n, load_balance)
             blocks = [pair_block(qc, kc, lo, hi) for qc in mine for kc in theirs]
             steps.append(merged_blocks([b for b in blocks if b is not None]))
+        if causal and window == NO_WINDOW:
+            # NOTE: a shard's chunks are in sequence order, so its own keys are causal in local positions: one
+            # call instead of two diagonal chunks and the full pair between them
+            steps[0] = [Block(0, n, 0, n, True, NO_WINDOW)]
         schedule.append(steps)
     needed = 1 + max(s for steps in schedule for s, blocks in enumerate(steps) if blocks)
     return [steps[:needed] for steps in schedule]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (chunks_of, context_parallel_attention, pair_block, ring_schedule, shard_sequence,
+from attngen.distributed import (Block, chunks_of, context_parallel_attention, pair_block, ring_schedule, shard_sequence,
                                  unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
@@ -93,16 +93,15 @@ def test_ring_schedule_covers_the_mask_once(seed):
 
 
 def test_causal_load_balance_steps_are_full_or_diagonal():
-    """Head-tail chunks give every rank the same work: its own shard (two diagonal chunks and one full pair) first,
-    then one unmasked block per step."""
+    """Head-tail chunks give every rank the same work: its own shard, causal, in one call, then one unmasked block
+    per step."""
     world, n = 4, 8
     schedule = ring_schedule(world, n, True, NO_WINDOW, True)
     work = [sum((b.q_end - b.q_start) * (b.k_end - b.k_start) / (2 if b.causal else 1) for s in steps for b in s)
             for steps in schedule]
     assert len(set(work)) == 1
     for steps in schedule:
-        assert [b.causal for b in steps[0]] == [True, False, True] or sorted(b.causal for b in steps[0]) == [
-            False, True, True]
+        assert steps[0] == [Block(0, n, 0, n, True, NO_WINDOW)]
         assert all(len(s) == 1 and not s[0].causal and s[0].window == NO_WINDOW for s in steps[1:])
 
 
