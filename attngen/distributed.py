@@ -314,8 +314,9 @@ def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, w
                         dtype=torch.float64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()  # (one copy to the host, not one a value)
     for i, name in enumerate(names):
-        values = [t[i].item() for t in every]
+        values = table[:, i].tolist()
         if len(set(values)) > 1:
             argument = {"shard length": "q", "q heads": "q", "batch": "q", "head dim": "q", "k heads": "k"}.get(
                 name, name.split()[0])
