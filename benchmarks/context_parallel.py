@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 benchmarks/context_parallel.py
     python benchmarks/context_parallel.py --plot benchmarks/results/context_parallel_<gpu>.json   # (matplotlib)
 
-B=1, H=32, d=128, bf16, causal, N from --n (default 128k, 256k, 512k; a length that runs out of memory is
+B=1, H=32, d=128, bf16, causal, N from --lengths (default 128k, 256k, 512k; a length that runs out of memory is
 recorded as such). Providers, each at the same shapes:
   attngen         attngen.distributed.context_parallel_attention (on one GPU: attngen.attention)
   torch_cudnn     torch's context_parallel with SDPA's cuDNN backend (on one GPU: SDPA cuDNN)
@@ -14,9 +14,10 @@ recorded as such). Providers, each at the same shapes:
   attngen_window  attngen's, with a sliding window of --window keys (no torch provider runs one sharded)
 Each run appends its rows to benchmarks/results/context_parallel_<gpu>.json (replacing rows of the same provider,
 GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for forward and
-forward + backward. Times are medians over --reps of the slowest rank's (CUDA events, a barrier before each);
-TFLOP/s of the whole sequence by the FlashAttention convention (causal halved, backward 2.5x). A script, not a
-test: GPU only.
+forward + backward. attngen's rows on several GPUs add the time of their kernels alone (`compute_*_ms`, the
+rank's ring blocks on its own keys) and `exposed_share`, the part of forward + backward beyond it. Times are
+medians over --reps of the slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by
+the FlashAttention convention (causal halved, backward 2.5x). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -123,10 +124,43 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
         forward_ms = timed(lambda: fn(q, k, v), reps, world)
         both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
     size = window if provider == "attngen_window" else None
-    return {"provider": provider, "gpus": world, "n": n, "heads": heads, "head_dim": d, "window": size,
+    extra = {}
+    if provider == "attngen" and world > 1:
+        extra = exposed_communication(q, k, v, do, world, rank, reps)
+        extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
+    return {**extra, "provider": provider, "gpus": world, "n": n, "heads": heads, "head_dim": d, "window": size,
             "forward_ms": forward_ms, "forward_backward_ms": both_ms,
             "forward_tflops": flops(n, heads, d, size, False) / forward_ms / 1e9,
             "forward_backward_tflops": flops(n, heads, d, size, True) / both_ms / 1e9}
+
+
+def exposed_communication(q, k, v, do, world: int, rank: int, reps: int) -> dict:
+    """The time of the kernels alone of this rank's causal ring schedule (its blocks run on its own keys: no
+    exchange, no merge), forward and forward + backward; what the ring takes beyond it is exposed communication
+    (and merging)."""
+    import torch
+
+    import attngen
+    from attngen.distributed import ring_schedule
+    from attngen.lang.builtin import NO_WINDOW
+
+    blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
+
+    def kernels():
+        for b in blocks:
+            rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+            out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal)
+            yield out, (q, k, v), do[:, :, rows]
+
+    def forward():
+        for _ in kernels():
+            pass
+
+    def both():
+        for out, inputs, grad in kernels():
+            torch.autograd.grad(out, inputs, grad)
+
+    return {"compute_forward_ms": timed(forward, reps, world), "compute_forward_backward_ms": timed(both, reps, world)}
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
@@ -143,7 +177,7 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[131072, 262144, 524288])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 524288])
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--window", type=int, default=4096)
@@ -167,7 +201,7 @@ def main() -> None:
         dist.init_process_group("nccl")
         mesh = init_device_mesh("cuda", (world,))
     rows = []
-    for n in args.n:
+    for n in args.lengths:
         for provider in args.providers:
             try:
                 row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.reps)
