@@ -275,7 +275,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
     `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
-    sequence. Every rank must pass shards of one shape and the same arguments; a ValueError names the argument
+    sequence. Ring steps no rank needs are not run: under a sliding window shorter than a shard, contiguous shards
+    (`load_balance=False`) need only the previous rank's keys (two steps), while head-tail chunks put a chunk's
+    neighbour on the far side of the ring. Every rank must pass shards of one shape and the same arguments; a ValueError names the argument
     that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective: every rank
     of `group` must call it, and its backward, together.
     """

@@ -105,6 +105,12 @@ def test_causal_load_balance_steps_are_full_or_diagonal():
         assert all(len(s) == 1 and not s[0].causal and s[0].window == NO_WINDOW for s in steps[1:])
 
 
+def test_contiguous_window_cuts_the_ring():
+    """Contiguous shards under a window shorter than a shard need only the previous rank's keys: two steps."""
+    assert all(len(steps) == 2 for steps in ring_schedule(4, 8, True, (5, 0), False))
+    assert all(len(steps) == 4 for steps in ring_schedule(4, 8, True, (5, 0), True))
+
+
 def test_shard_unshard_round_trip():
     x = torch.arange(2 * 3 * 24 * 4).reshape(2, 3, 24, 4)
     for world in (2, 3, 4):
@@ -137,7 +143,8 @@ CASES = {
         (1, 2, 2, 8, True, True, (5, 0), 0.0),         # sliding window across chunks
         (1, 2, 2, 7, False, False, (2, 3), 5.0)],       # two-sided window, softcap
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
-        (1, 2, 2, 4, True, True, (3, 0), 0.0)],
+        (1, 2, 2, 4, True, True, (3, 0), 0.0),
+        (1, 2, 2, 4, True, False, (3, 0), 0.0)],       # the ring cut after step 1: dK/dV sent straight home
 }
 
 
