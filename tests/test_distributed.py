@@ -183,14 +183,18 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     got = (out, lse, *(t.grad for t in mine))
     label = f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap}"
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        expected = shard(want[i])
-        if not gpu:
-            torch.testing.assert_close(got[i].double(), expected, atol=2e-4, rtol=2e-4,
-                                       msg=lambda m: f"{name}, {label}: {m}")
-            continue
-        err = (got[i].double() - expected).abs().max().item()
-        bound = 4 * (shard(low[i]).double() - expected).abs().max().item() + 1e-3
-        assert err <= bound, f"{name}, {label}: error {err:.3g} > {bound:.3g}"
+        _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
+
+
+def _compare(got, want, low, label):
+    """got against the float64 `want`: within 2e-4 (float32 in the interpreter), or within 4 times the error of
+    `low`, the same computation in PyTorch at got's precision, plus 1e-3."""
+    if low is None:
+        torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4, msg=lambda m: f"{label}: {m}")
+        return
+    err = (got.double() - want).abs().max().item()
+    bound = 4 * (low.double() - want).abs().max().item() + 1e-3
+    assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
 
 
 def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision):
@@ -222,6 +226,11 @@ def _spawn(world, device):
         mp.spawn(_worker, args=(world, os.path.join(folder, "store"), device, CASES[world]), nprocs=world)
 
 
+# (where a GPU is, the nccl tests run these checks on it: the interpreter is for machines without one)
+CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="runs on GPUs over nccl instead")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_over_gloo(world):
     _spawn(world, "cpu")
@@ -239,49 +248,69 @@ def test_needs_an_initialised_group():
         context_parallel_attention(q, q, q)
 
 
-def _torch_worker(rank, world, path):
-    """torch's own context_parallel with attngen in the flash slot (registered for the CPU key): the ring's
-    per-step aten::_scaled_dot_product_flash_attention calls and their backward run attngen's kernels.
+def _torch_worker(rank, world, path, device):
+    """torch's own context_parallel with attngen in the flash slot: the ring's per-step
+    aten::_scaled_dot_product_flash_attention calls and their backward run attngen's kernels.
 
-    NOTE: the aten op is called on DTensors directly: on CPU tensors F.scaled_dot_product_attention picks
-    aten::_scaled_dot_product_flash_attention_for_cpu, which torch's context_parallel has no handler (and DTensor
-    no sharding rule) for; on CUDA it picks the flash op this calls, so F.scaled_dot_product_attention works there.
+    NOTE: on CPU tensors F.scaled_dot_product_attention picks aten::_scaled_dot_product_flash_attention_for_cpu,
+    which torch's context_parallel has no handler (and DTensor no sharding rule) for, so on the CPU the flash op is
+    called on DTensors directly (what SDPA's flash backend does on CUDA, where F.scaled_dot_product_attention runs).
     """
-    os.environ["TRITON_INTERPRET"] = "1"
-    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.set_device(rank)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.FileStore(path, world), rank=rank,
+                            world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from attngen.integrations import torch_flash
-    mesh = init_device_mesh("cpu", (world,))
-    handle = torch_flash.activate("CPU")
+    mesh = init_device_mesh(device, (world,))
+    handle = torch_flash.activate("CUDA" if gpu else "CPU")
+    dtype, n, head_dim = (torch.bfloat16, 256, 64) if gpu else (torch.float32, 4, 16)
     try:
         for causal in (True, False):
             _cp_options.enable_load_balance = causal  # (torch refuses to balance a non-causal mask)
             torch.manual_seed(7)
-            q, k, v, do = (torch.randn(1, 2, 4 * world, 16) for _ in range(4))
-            full = [t.double().requires_grad_() for t in (q, k, v)]
-            want, _ = reference(*full, causal, NO_WINDOW, 16 ** -0.5, 0.0)
-            want.backward(do.double())
+            q, k, v, do = (torch.randn(1, 2, n * world, head_dim, dtype=dtype, device=device) for _ in range(4))
+            want = _reference_with_grads(q, k, v, do, causal, NO_WINDOW, head_dim ** -0.5, 0.0, torch.float64)
+            low = _reference_with_grads(q, k, v, do, causal, NO_WINDOW, head_dim ** -0.5, 0.0, dtype)
             before = torch_flash.calls.get("_scaled_dot_product_flash_attention_backward", 0)
             buffers = [t.clone() for t in (q, k, v, do)]
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4):
                 mine = [t.detach().requires_grad_() for t in buffers[:3]]
-                shards = [DTensor.from_local(t, mesh, [Shard(2)]) for t in mine]
-                out = torch.ops.aten._scaled_dot_product_flash_attention(*shards, 0.0, causal)[0].to_local()
+                if gpu:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = torch.nn.functional.scaled_dot_product_attention(*mine, is_causal=causal)
+                else:
+                    shards = [DTensor.from_local(t, mesh, [Shard(2)]) for t in mine]
+                    out = torch.ops.aten._scaled_dot_product_flash_attention(*shards, 0.0, causal)[0].to_local()
                 out.backward(buffers[3])
                 got = context_parallel_unshard(mesh, [out] + [t.grad for t in mine], [2] * 4)
             assert torch_flash.calls["_scaled_dot_product_flash_attention_backward"] - before >= world
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, [want] + [t.grad for t in full]):
-                torch.testing.assert_close(g.double(), w.detach(), atol=2e-4, rtol=2e-4,
-                                           msg=lambda m: f"{name} causal={causal}: {m}")
+            for mine_i, i, name in zip(got, (0, 2, 3, 4), ("out", "dq", "dk", "dv")):  # (torch returns no lse)
+                _compare(mine_i, want[i], low[i] if gpu else None, f"{name}, torch's context_parallel, causal={causal}")
     finally:
         handle.remove()
         dist.destroy_process_group()
 
 
-def test_torch_context_parallel_runs_attngen_over_gloo():
+def _torch_spawn(device):
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_torch_worker, args=(2, os.path.join(folder, "store")), nprocs=2)
+        mp.spawn(_torch_worker, args=(2, os.path.join(folder, "store"), device), nprocs=2)
+
+
+@CPU_ONLY
+def test_torch_context_parallel_runs_attngen_over_gloo():
+    _torch_spawn("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_torch_context_parallel_runs_attngen_over_nccl():
+    _torch_spawn("cuda")
