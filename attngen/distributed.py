@@ -309,9 +309,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
-    names = ("batch", "q heads", "k heads", "shard length", "head dim", "causal", "scale", "load_balance",
+    names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
              "window_size left", "window_size right", "softcap")
-    mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3], bool(causal),
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
+                         dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
                          -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap],
                         dtype=torch.float64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -320,7 +322,8 @@ def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, w
     for i, name in enumerate(names):
         values = table[:, i].tolist()
         if len(set(values)) > 1:
-            argument = {"shard length": "q", "q heads": "q", "batch": "q", "head dim": "q", "k heads": "k"}.get(
+            argument = {"shard length": "q", "q heads": "q", "batch": "q", "head dim": "q", "dtype": "q",
+                        "k heads": "k"}.get(
                 name, name.split()[0])
             raise KernelInputError(f"{argument}: the ranks disagree on the {name} ({values}); every rank must pass "
                                    "shards of one shape and the same arguments")

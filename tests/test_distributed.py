@@ -210,6 +210,8 @@ def _check_errors(rank, world, device):
     with pytest.raises(ValueError, match="q: the ranks disagree on the shard length"):
         context_parallel_attention(q, q, q, load_balance=False)
     q = torch.randn(1, 2, 4, 16, device=device)
+    with pytest.raises(ValueError, match="q: the ranks disagree on the dtype"):
+        context_parallel_attention(*(q.to(torch.float16 if rank else torch.float32),) * 3)
     with pytest.raises(ValueError, match="causal: the ranks disagree"):
         context_parallel_attention(q, q, q, causal=rank == 0)
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
