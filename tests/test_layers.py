@@ -26,6 +26,7 @@ LAYERS = {
     "attngen.codegen": 6,
     "attngen.runtime": 7,
     "attngen.api": 8,
+    "attngen.distributed": 8,  # context parallelism: the API over torch.distributed
     "attngen.testing": 9,
     "attngen.integrations": 9,  # attngen inside other libraries (transformers): on the API, beside testing
     "attngen.tuning": 10,

@@ -1,0 +1,329 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a torch.distributed group.
+
+    shard = attngen.distributed.shard_sequence(x, world, rank)              # this rank's part of (B, H, N, D)
+    out = attngen.distributed.context_parallel_attention(q, k, v, causal=True)   # q, k, v: shards
+    full = attngen.distributed.unshard_sequence([out_0, out_1, ...])        # the sequence again
+
+Ring attention: each rank keeps its query shard while the key/value shards travel around the ring (batched
+isend/irecv, the next step's exchange posted before this step's kernels run); each step's partial (out, lse) is
+merged in float32 with `merge_states`. Under `load_balance` the sequence is cut into 2W chunks and rank r holds
+chunks r and 2W-1-r (head-tail), so that a causal mask gives every rank the same work; either way every
+(query chunk, key chunk) pair a step meets is full, masked (causal or a window, in the chunks' local positions) or
+empty, and empty ones are skipped, as are whole ring steps no rank needs (a sliding window). The backward
+recomputes each step from the global out and lse (`Kernel.backward_saved`), accumulates dQ locally and sends
+dK/dV around the ring behind their keys, back to the ranks that own them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .api import sdpa
+from .api.kvcache import merge_states
+from .errors import KernelInputError
+from .lang.builtin import NO_WINDOW
+from .runtime.registry import resolve
+
+__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
+
+
+def shard_sequence(x: torch.Tensor, world: int, rank: int, *, load_balance: bool = True, dim: int = 2) -> torch.Tensor:
+    """Rank `rank`'s shard of `x` along `dim` (the sequence of (B, H, N, D)) among `world` ranks: chunks rank and
+    2*world-1-rank of 2*world equal chunks under `load_balance`, else the rank-th of `world` equal parts."""
+    parts = 2 * world if load_balance else world
+    if x.shape[dim] % parts:
+        raise KernelInputError(f"a sequence of {x.shape[dim]} cannot be cut into {parts} equal chunks for {world} "
+                               f"ranks with load_balance={load_balance}")
+    chunks = x.chunk(parts, dim)
+    if not load_balance:
+        return chunks[rank]
+    return torch.cat([chunks[rank], chunks[parts - 1 - rank]], dim)
+
+
+def unshard_sequence(shards, *, load_balance: bool = True, dim: int = 2) -> torch.Tensor:
+    """The sequence whose `shard_sequence` pieces are `shards` (rank order)."""
+    if not load_balance:
+        return torch.cat(list(shards), dim)
+    halves = [s.chunk(2, dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+class Block(NamedTuple):
+    """One kernel call of a ring step: queries q_start:q_end of the rank's shard against keys k_start:k_end of the
+    shard it holds, with `causal` and `window` (flash-attn's (left, right), top-left in these local positions)."""
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    causal: bool
+    window: tuple[int, int]
+
+
+def chunks_of(rank: int, world: int, n: int, load_balance: bool) -> tuple[tuple[int, int, int], ...]:
+    """(global start, local start, length) of each contiguous chunk of rank `rank`'s shard of length n."""
+    if not load_balance:
+        return ((rank * n, 0, n),)
+    half = n // 2
+    return ((rank * half, 0, half), ((2 * world - 1 - rank) * half, half, half))
+
+
+def pair_block(q_chunk, k_chunk, lo: float, hi: float) -> Block | None:
+    """The block of one (query chunk, key chunk) pair where query position p sees keys p + lo .. p + hi (lo may be
+    -inf, hi +inf), None where it sees none. A partly visible pair is cut to the rows and keys that see something,
+    so that its band holds its own diagonal and the kernel's top-left window covers it."""
+    (q_pos, q_local, nq), (k_pos, k_local, nk) = q_chunk, k_chunk
+    d = k_pos - q_pos  # key j and query i of the pair are d + j - i apart
+    if nk - 1 + d < lo or d - (nq - 1) > hi:
+        return None
+    if d - (nq - 1) >= lo and nk - 1 + d <= hi:
+        return Block(q_local, q_local + nq, k_local, k_local + nk, False, NO_WINDOW)
+    lo, hi = lo - d, hi - d  # in the pair's local positions: i sees j with lo <= j - i <= hi
+    skip_k = int(max(0, lo))  # keys every row is past
+    skip_q = int(max(0, -hi))  # rows before every key
+    lo, hi = lo - skip_k + skip_q, hi - skip_k + skip_q
+    nq, nk = nq - skip_q, nk - skip_k
+    if lo > -math.inf:
+        nq = min(nq, int(nk - lo))  # rows whose first key lies beyond the chunk see nothing
+    if hi < math.inf:
+        nk = min(nk, int(nq + hi))  # keys past the last row's reach
+    q0, k0 = q_local + skip_q, k_local + skip_k
+    if lo == -math.inf and hi == 0:
+        return Block(q0, q0 + nq, k0, k0 + nk, True, NO_WINDOW)
+    window = (-1 if lo == -math.inf else int(-lo), -1 if hi == math.inf else int(hi))
+    return Block(q0, q0 + nq, k0, k0 + nk, False, window)
+
+
+def merged_blocks(blocks: list[Block]) -> list[Block]:
+    """`blocks` with unmasked neighbours joined into one call (the same rows over adjacent keys, or the same keys
+    over adjacent rows)."""
+    out = list(blocks)
+    joined = True
+    while joined:
+        joined = False
+        for a in out:
+            for b in out:
+                if a is b or a.causal or b.causal or a.window != NO_WINDOW or b.window != NO_WINDOW:
+                    continue
+                if (a.q_start, a.q_end) == (b.q_start, b.q_end) and a.k_end == b.k_start:
+                    new = Block(a.q_start, a.q_end, a.k_start, b.k_end, False, NO_WINDOW)
+                elif (a.k_start, a.k_end) == (b.k_start, b.k_end) and a.q_end == b.q_start:
+                    new = Block(a.q_start, b.q_end, a.k_start, a.k_end, False, NO_WINDOW)
+                else:
+                    continue
+                out = [x for x in out if x is not a and x is not b] + [new]
+                joined = True
+                break
+            if joined:
+                break
+    return sorted(out)
+
+
+def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool):
+    """Every rank's blocks per ring step (schedule[rank][step], step s holding the keys of rank rank - s), cut
+    after the last step any rank needs."""
+    left, right = window
+    lo = -math.inf if left < 0 else -left
+    hi = math.inf if right < 0 else right
+    if causal:
+        hi = min(hi, 0)
+    schedule = []
+    for rank in range(world):
+        mine = chunks_of(rank, world, n, load_balance)
+        steps = []
+        for step in range(world):
+            theirs = chunks_of((rank - step) % world, world, n, load_balance)
+            blocks = [pair_block(qc, kc, lo, hi) for qc in mine for kc in theirs]
+            steps.append(merged_blocks([b for b in blocks if b is not None]))
+        if causal and window == NO_WINDOW:
+            # NOTE: a shard's chunks are in sequence order, so its own keys are causal in local positions: one
+            # call instead of two diagonal chunks and the full pair between them
+            steps[0] = [Block(0, n, 0, n, True, NO_WINDOW)]
+        schedule.append(steps)
+    needed = 1 + max(s for steps in schedule for s, blocks in enumerate(steps) if blocks)
+    return [steps[:needed] for steps in schedule]
+
+
+class _Ring(NamedTuple):
+    """This rank's place in the group: P2P peers as global ranks."""
+    group: object
+    rank: int
+    world: int
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
+
+
+def _exchange(ring: _Ring, tensors, send_to: int, recv_from: int, tag: int):
+    """Post the sends of `tensors` to group rank offset `send_to` and the receives of tensors like them from
+    `recv_from`; returns (the receive buffers, the requests)."""
+    buffers = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, ring.peer(send_to), ring.group, tag + i) for i, t in enumerate(tensors)]
+    ops += [dist.P2POp(dist.irecv, b, ring.peer(recv_from), ring.group, tag + i) for i, b in enumerate(buffers)]
+    return buffers, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _Kernels:
+    """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call."""
+
+    def __init__(self, q, k, v, scale, softcap):
+        self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
+
+    def __call__(self, block: Block):
+        mask = (block.causal, block.window)
+        if mask not in self.found:
+            q, k, v, scale = self.args
+            variant = None
+            if block.window != NO_WINDOW or self.softcap:
+                variant = sdpa._checked_variant(q, block.causal, block.window, self.softcap, None, None)
+            plan = sdpa._checked_plan(q, k, v, None, 0.0, block.causal, scale, True, variant)
+            self.found[mask] = resolve(plan.key), plan.scale
+        return self.found[mask]
+
+
+def _ring_forward(ring, steps, kernels, q, k, v):
+    """(out float32, lse) of this rank's queries over every rank's keys."""
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+    kv = (k, v)
+    for step, blocks in enumerate(steps):
+        if step + 1 < len(steps):
+            following, requests = _exchange(ring, kv, 1, -1, 0)
+        for b in blocks:
+            kernel, scale = kernels(b)
+            part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], kv[0][:, :, b.k_start:b.k_end],
+                                            kv[1][:, :, b.k_start:b.k_end], scale)
+            rows = slice(b.q_start, b.q_end)
+            merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
+                                              part.transpose(1, 2), part_lse)
+            out[:, :, rows] = merged.transpose(1, 2)
+            lse[:, :, rows] = merged_lse
+        if step + 1 < len(steps):
+            _wait(requests)
+            kv = tuple(following)
+    return out, lse
+
+
+def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
+    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank."""
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    kv = (k, v)
+    incoming = None  # (buffers, requests): the dk, dv the previous rank has summed for the keys this rank holds next
+    last = len(steps) - 1
+    for step, blocks in enumerate(steps):
+        if step < last:
+            following, requests = _exchange(ring, kv, 1, -1, 0)
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+        for b in blocks:
+            kernel, scale = kernels(b)
+            rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+            g = kernel.backward_saved(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
+                                      lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+            dq[:, :, rows] += g[0]
+            dk[:, :, keys] += g[1]
+            dv[:, :, keys] += g[2]
+        if incoming is not None:
+            _wait(incoming[1])
+            dk += incoming[0][0]
+            dv += incoming[0][1]
+        if step < last:
+            # these keys go to the next rank: their gradient follows them there
+            incoming = _exchange(ring, (dk, dv), 1, -1, 2)
+            _wait(requests)
+            kv = tuple(following)
+    if last == 0:
+        return dq, dk, dv
+    # the keys held now are those of rank - last: their gradient goes home, ours comes from rank + last
+    (dk, dv), requests = _exchange(ring, (dk, dv), -last, last, 4)
+    _wait(requests)
+    return dq, dk, dv
+
+
+class _ContextParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, steps, kernels):
+        out, lse = _ring_forward(ring, steps, kernels, q, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.steps, ctx.kernels = ring, steps, kernels
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                               causal: bool = False, scale: float | None = None, load_balance: bool = True,
+                               window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+                               return_lse: bool = False):
+    """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
+    shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
+    makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
+    (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
+
+    `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
+    sequence. Ring steps no rank needs are not run: under a sliding window shorter than a shard, contiguous shards
+    (`load_balance=False`) need only the previous rank's keys (two steps), while head-tail chunks put a chunk's
+    neighbour on the far side of the ring. Every rank must pass shards of one shape and the same arguments; a ValueError names the argument
+    that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective: every rank
+    of `group` must call it, and its backward, together.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise KernelInputError("context_parallel_attention needs torch.distributed initialised "
+                               "(torch.distributed.init_process_group)")
+    group = dist.group.WORLD if group is None else group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 2:
+        raise KernelInputError(f"group has {world} rank; context parallelism needs at least 2 "
+                               "(attngen.attention runs one rank's whole sequence)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise KernelInputError(f"{name} must be a 4-D tensor (batch, heads, seq, head_dim), this rank's shard")
+    if not q.shape[2] == k.shape[2] == v.shape[2]:
+        raise KernelInputError(f"q, k and v must hold one shard of the sequence: their lengths are {q.shape[2]}, "
+                               f"{k.shape[2]} and {v.shape[2]}")
+    if load_balance and q.shape[2] % 2:
+        raise KernelInputError(f"load_balance=True cuts each shard in two chunks: its length {q.shape[2]} must be "
+                               "even (or pass load_balance=False with shards from shard_sequence(load_balance=False))")
+    window = sdpa.checked_window(causal, window_size, "causal")
+    softcap = sdpa.checked_softcap(softcap, None)
+    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap)
+    steps = ring_schedule(world, q.shape[2], bool(causal), window, load_balance)[rank]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
+    return (out, lse) if return_lse else out
+
+
+def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap) -> None:
+    """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
+    names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
+             "window_size left", "window_size right", "softcap")
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
+                         dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
+                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap],
+                        dtype=torch.float64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()  # (one copy to the host, not one a value)
+    for i, name in enumerate(names):
+        values = table[:, i].tolist()
+        if len(set(values)) > 1:
+            argument = {"shard length": "q", "q heads": "q", "batch": "q", "head dim": "q", "dtype": "q",
+                        "k heads": "k"}.get(
+                name, name.split()[0])
+            raise KernelInputError(f"{argument}: the ranks disagree on the {name} ({values}); every rank must pass "
+                                   "shards of one shape and the same arguments")

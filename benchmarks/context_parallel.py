@@ -1,0 +1,254 @@
+"""Context parallelism: forward and backward of one long causal sequence on 1, 2 or 4 GPUs.
+
+    torchrun --nproc-per-node 1 benchmarks/context_parallel.py          # the one-GPU baselines first
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py
+    torchrun --nproc-per-node 4 benchmarks/context_parallel.py
+    python benchmarks/context_parallel.py --plot benchmarks/results/context_parallel_<gpu>.json   # (matplotlib)
+
+B=1, H=32, d=128, bf16, causal, N from --lengths (default 128k, 256k, 512k; a length that runs out of memory is
+recorded as such). Providers, each at the same shapes:
+  attngen         attngen.distributed.context_parallel_attention (on one GPU: attngen.attention)
+  torch_cudnn     torch's context_parallel with SDPA's cuDNN backend (on one GPU: SDPA cuDNN)
+  torch_flash     torch's context_parallel with SDPA's flash backend, torch's own kernels
+  torch_attngen   torch's context_parallel with SDPA's flash backend and attngen in the flash slot
+  attngen_window  attngen's, with a sliding window of --window keys (no torch provider runs one sharded)
+Each run appends its rows to benchmarks/results/context_parallel_<gpu>.json (replacing rows of the same provider,
+GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for forward and
+forward + backward. attngen's rows on several GPUs add the time of their kernels alone (`compute_*_ms`, the
+rank's ring blocks on its own keys) and `exposed_share`, the part of forward + backward beyond it. Times are
+medians over --reps of the slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by
+the FlashAttention convention (causal halved, backward 2.5x). A script, not a test: GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window")
+
+
+def flops(n: int, heads: int, d: int, window: int | None, backward: bool) -> float:
+    """FlashAttention's count of the whole sequence: 4 B H N^2 d, halved when causal; a window counts its keys."""
+    if window is None:
+        pairs = n * n / 2
+    else:  # query i sees min(i + 1, window) keys
+        w = min(window, n)
+        pairs = w * (w + 1) / 2 + (n - w) * w
+    forward = 4 * heads * pairs * d
+    return forward * 3.5 if backward else forward  # forward + backward: 1 + 2.5
+
+
+def timed(fn, reps: int, world: int) -> float:
+    """Median ms of fn() over reps (one warm-up call first), each the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if world > 1:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        ms = torch.tensor(start.elapsed_time(end), device="cuda")
+        if world > 1:
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        times.append(ms.item())
+    return statistics.median(times)
+
+
+def runner(provider: str, world: int, mesh, window: int):
+    """(a context manager to run under, f(q, k, v) -> out) of one provider; q, k, v are this rank's shard
+    (several GPUs) or the whole sequence (one)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attngen
+    from attngen.distributed import context_parallel_attention
+
+    if provider in ("attngen", "attngen_window"):
+        size = (window - 1, 0) if provider == "attngen_window" else (-1, -1)
+        if world == 1:
+            return contextlib.nullcontext(), lambda q, k, v: attngen.attention(q, k, v, is_causal=True,
+                                                                               window_size=size)
+        return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(q, k, v, causal=True,
+                                                                                    window_size=size)
+    backend = SDPBackend.CUDNN_ATTENTION if provider == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
+
+    @contextlib.contextmanager
+    def torch_sdpa():
+        if provider == "torch_attngen":
+            torch.nn.attention.activate_flash_attention_impl("attngen")
+        try:
+            with sdpa_kernel(backend):
+                yield
+        finally:
+            if provider == "torch_attngen":
+                torch.nn.attention.restore_flash_attention_impl()
+
+    return torch_sdpa(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: int, window: int, reps: int) -> dict:
+    """One row: forward and forward + backward times of `provider` at length n on `world` GPUs."""
+    import torch
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from attngen.distributed import shard_sequence
+
+    torch.manual_seed(0)
+    full = [torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    through_torch = provider.startswith("torch") and world > 1
+    if through_torch:
+        shards = full  # torch's context_parallel shards these in place, head-tail
+        cp = context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2])
+    else:
+        shards = [shard_sequence(t, world, rank).contiguous() for t in full] if world > 1 else full
+        cp = None
+    del full
+    context, fn = runner(provider, world, mesh, window)
+    with context, (cp if cp is not None else contextlib.nullcontext()):
+        q, k, v = (t.detach().requires_grad_() for t in shards)
+        do = torch.randn_like(q)
+        forward_ms = timed(lambda: fn(q, k, v), reps, world)
+        both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
+    size = window if provider == "attngen_window" else None
+    extra = {}
+    if provider == "attngen" and world > 1:
+        extra = exposed_communication(q, k, v, do, world, rank, reps)
+        extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
+    return {**extra, "provider": provider, "gpus": world, "n": n, "heads": heads, "head_dim": d, "window": size,
+            "forward_ms": forward_ms, "forward_backward_ms": both_ms,
+            "forward_tflops": flops(n, heads, d, size, False) / forward_ms / 1e9,
+            "forward_backward_tflops": flops(n, heads, d, size, True) / both_ms / 1e9}
+
+
+def exposed_communication(q, k, v, do, world: int, rank: int, reps: int) -> dict:
+    """The time of the kernels alone of this rank's causal ring schedule (its blocks run on its own keys: no
+    exchange, no merge), forward and forward + backward; what the ring takes beyond it is exposed communication
+    (and merging)."""
+    import torch
+
+    import attngen
+    from attngen.distributed import ring_schedule
+    from attngen.lang.builtin import NO_WINDOW
+
+    blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
+
+    def kernels():
+        for b in blocks:
+            rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+            out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal)
+            yield out, (q, k, v), do[:, :, rows]
+
+    def forward():
+        for _ in kernels():
+            pass
+
+    def both():
+        for out, inputs, grad in kernels():
+            torch.autograd.grad(out, inputs, grad)
+
+    return {"compute_forward_ms": timed(forward, reps, world), "compute_forward_backward_ms": timed(both, reps, world)}
+
+
+def with_speedups(rows: list[dict]) -> list[dict]:
+    """rows with `speedup` (forward + backward) and `forward_speedup` over the one-GPU row of their provider and
+    length (None where there is none)."""
+    base = {(r["provider"], r["n"]): r for r in rows if r["gpus"] == 1 and "forward_ms" in r}
+    for r in rows:
+        one = base.get((r["provider"], r["n"]))
+        ok = one is not None and "forward_ms" in r
+        r["speedup"] = one["forward_backward_ms"] / r["forward_backward_ms"] if ok else None
+        r["forward_speedup"] = one["forward_ms"] / r["forward_ms"] if ok else None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 524288])
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("-o", "--output", default=None)
+    parser.add_argument("--plot", metavar="JSON", help="draw the plot of a results file and exit")
+    args = parser.parse_args()
+    if args.plot:
+        return plot(Path(args.plot))
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from attngen.bench.prefill import gpu_slug
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    mesh = None
+    if world > 1:
+        dist.init_process_group("nccl")
+        mesh = init_device_mesh("cuda", (world,))
+    rows = []
+    for n in args.lengths:
+        for provider in args.providers:
+            try:
+                row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.reps)
+            except torch.OutOfMemoryError:
+                row = {"provider": provider, "gpus": world, "n": n, "error": "out of memory"}
+            except Exception as e:  # a provider this torch cannot run is a row, not the end of the run
+                row = {"provider": provider, "gpus": world, "n": n, "error": f"{type(e).__name__}: {e}"[:300]}
+            torch.cuda.empty_cache()
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        path = Path(args.output or ROOT / "benchmarks" / "results" /
+                    f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json")
+        old = json.loads(path.read_text())["rows"] if path.exists() else []
+        fresh = {(r["provider"], r["gpus"], r["n"]) for r in rows}
+        merged = [r for r in old if (r["provider"], r["gpus"], r["n"]) not in fresh] + rows
+        merged.sort(key=lambda r: (r["provider"], r["n"], r["gpus"]))
+        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "rows": with_speedups(merged)}, indent=1) + "\n")
+        print(f"wrote {path}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def plot(path: Path) -> None:
+    """TFLOP/s (forward + backward) against GPU count, a panel per length; written beside the JSON as .png."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in json.loads(path.read_text())["rows"] if "forward_ms" in r]
+    lengths = sorted({r["n"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        for provider in PROVIDERS:
+            mine = sorted((r["gpus"], r["forward_backward_tflops"]) for r in rows
+                          if r["n"] == n and r["provider"] == provider)
+            if mine:
+                ax.plot(*zip(*mine), marker="o", label=provider)
+        ax.set_title(f"causal, N={n // 1024}k, B=1 H=32 d=128 bf16")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("TFLOP/s, forward + backward")
+        ax.set_xticks(sorted({r["gpus"] for r in rows}))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+    print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

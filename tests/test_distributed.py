@@ -1,0 +1,318 @@
+"""attngen.distributed: the ring schedule against a brute-force mask, the shard/unshard round trip, and
+context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's interpreter, small sizes) against
+the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
+odd shards, windows and softcap, and its argument errors; the same on 2 GPUs over NCCL, marked gpu."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attngen.distributed import (Block, chunks_of, context_parallel_attention, pair_block, ring_schedule, shard_sequence,
+                                 unshard_sequence)
+from attngen.lang.builtin import NO_WINDOW
+from conftest import HAS_GPU
+
+
+def visible(n_total, causal, window):
+    """(N, N) bool: query p sees key p' (global positions)."""
+    pos = torch.arange(n_total)
+    rel = pos[None, :] - pos[:, None]
+    ok = torch.ones(n_total, n_total, dtype=torch.bool)
+    left, right = window
+    if left >= 0:
+        ok &= rel >= -left
+    if right >= 0:
+        ok &= rel <= right
+    if causal:
+        ok &= rel <= 0
+    return ok
+
+
+def local_positions(rank, world, n, load_balance):
+    """Global position of each of rank's n local rows."""
+    pos = torch.empty(n, dtype=torch.long)
+    for start, local, length in chunks_of(rank, world, n, load_balance):
+        pos[local:local + length] = torch.arange(start, start + length)
+    return pos
+
+
+def block_mask(block, nq, nk):
+    """(nq, nk) bool: what a block's kernel call covers, in local rows and keys."""
+    i = torch.arange(block.q_end - block.q_start)[:, None]
+    j = torch.arange(block.k_end - block.k_start)[None, :]
+    ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    left, right = block.window
+    if block.causal:
+        ok &= j <= i
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    full = torch.zeros(nq, nk, dtype=torch.bool)
+    full[block.q_start:block.q_end, block.k_start:block.k_end] = ok
+    return full
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ring_schedule_covers_the_mask_once(seed):
+    """Over every ring step, each rank's blocks cover exactly the (query, key) pairs the global mask keeps, each once,
+    and every row of a block sees at least one key of it (no empty rows reach a kernel)."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    load_balance = rng.random() < 0.6
+    n = rng.choice([2, 4, 6, 8]) if load_balance else rng.randint(1, 7)
+    causal = rng.random() < 0.6
+    left = rng.choice([-1, 0, 1, 2, 3, 5, 9])
+    right = 0 if causal else rng.choice([-1, 0, 1, 4])
+    window = (left, right) if rng.random() < 0.7 else NO_WINDOW
+    if causal and window[0] < 0:
+        window = NO_WINDOW
+    want = visible(world * n, causal, window)
+    schedule = ring_schedule(world, n, causal, window, load_balance)
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        for step, blocks in enumerate(schedule[rank]):
+            cols = local_positions((rank - step) % world, world, n, load_balance)
+            covered = torch.zeros(n, n, dtype=torch.int32)
+            for b in blocks:
+                mask = block_mask(b, n, n)
+                covered += mask.int()
+                assert mask[b.q_start:b.q_end, b.k_start:b.k_end].any(dim=1).all(), (b, window)
+            assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, blocks)
+        for step in range(len(schedule[rank]), world):  # steps cut off: nothing visible
+            cols = local_positions((rank - step) % world, world, n, load_balance)
+            assert not want[rows][:, cols].any()
+
+
+def test_causal_load_balance_steps_are_full_or_diagonal():
+    """Head-tail chunks give every rank the same work: its own shard, causal, in one call, then one unmasked block
+    per step."""
+    world, n = 4, 8
+    schedule = ring_schedule(world, n, True, NO_WINDOW, True)
+    work = [sum((b.q_end - b.q_start) * (b.k_end - b.k_start) / (2 if b.causal else 1) for s in steps for b in s)
+            for steps in schedule]
+    assert len(set(work)) == 1
+    for steps in schedule:
+        assert steps[0] == [Block(0, n, 0, n, True, NO_WINDOW)]
+        assert all(len(s) == 1 and not s[0].causal and s[0].window == NO_WINDOW for s in steps[1:])
+
+
+def test_contiguous_window_cuts_the_ring():
+    """Contiguous shards under a window shorter than a shard need only the previous rank's keys: two steps."""
+    assert all(len(steps) == 2 for steps in ring_schedule(4, 8, True, (5, 0), False))
+    assert all(len(steps) == 4 for steps in ring_schedule(4, 8, True, (5, 0), True))
+
+
+def test_shard_unshard_round_trip():
+    x = torch.arange(2 * 3 * 24 * 4).reshape(2, 3, 24, 4)
+    for world in (2, 3, 4):
+        for load_balance in (True, False):
+            shards = [shard_sequence(x, world, r, load_balance=load_balance) for r in range(world)]
+            assert torch.equal(unshard_sequence(shards, load_balance=load_balance), x)
+    first, last = shard_sequence(x, 3, 0)[:, :, :4], shard_sequence(x, 3, 0)[:, :, 4:]
+    assert torch.equal(first, x[:, :, :4]) and torch.equal(last, x[:, :, 20:])
+    with pytest.raises(ValueError, match="load_balance=True"):
+        shard_sequence(x[:, :, :10], 3, 0)
+
+
+def reference(q, k, v, causal, window, scale, softcap):
+    """(out, lse) of the whole sequence, in q, k and v's precision."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible(q.shape[2], causal, window).to(s.device), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
+
+
+# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap)
+CASES = {
+    2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
+        (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
+        (1, 2, 1, 6, True, False, NO_WINDOW, 0.0),
+        (1, 2, 2, 8, True, True, (5, 0), 0.0),         # sliding window across chunks
+        (1, 2, 2, 7, False, False, (2, 3), 5.0)],       # two-sided window, softcap
+    3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
+        (1, 2, 2, 4, True, True, (3, 0), 0.0),
+        (1, 2, 2, 4, True, False, (3, 0), 0.0)],       # the ring cut after step 1: dK/dV sent straight home
+}
+
+
+def _worker(rank, world, path, device, cases):
+    os.environ["TRITON_INTERPRET"] = "1" if device == "cpu" else os.environ.get("TRITON_INTERPRET", "0")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.FileStore(path, world),
+                            rank=rank, world_size=world)
+    try:
+        for case in cases:
+            _check_case(rank, world, device, *case)
+        _check_errors(rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap):
+    """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
+    the lengths (windows too) on GPUs, within 4 times the error of the same computation in bfloat16 in PyTorch."""
+    gpu = device == "cuda"
+    dtype, head_dim = (torch.bfloat16, 64) if gpu else (torch.float32, 16)
+    if gpu:
+        n, window = 32 * n, tuple(32 * w if w > 0 else w for w in window)
+    torch.manual_seed(1234)
+    q, do = (torch.randn(b, h, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
+    k, v = (torch.randn(b, h_kv, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
+    scale = 0.3
+    shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
+    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64)
+    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype) if gpu else None
+    mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
+                                          window_size=window, softcap=softcap, return_lse=True)
+    out.backward(shard(do))
+    got = (out, lse, *(t.grad for t in mine))
+    label = f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap}"
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
+
+
+def _compare(got, want, low, label):
+    """got against the float64 `want`: within 2e-4 (float32 in the interpreter), or within 4 times the error of
+    `low`, the same computation in PyTorch at got's precision, plus 1e-3."""
+    if low is None:
+        torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4, msg=lambda m: f"{label}: {m}")
+        return
+    err = (got.double() - want).abs().max().item()
+    bound = 4 * (low.double() - want).abs().max().item() + 1e-3
+    assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
+
+
+def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision):
+    """(out, lse, dq, dk, dv) of the whole sequence, computed in `precision`."""
+    full = [t.detach().to(precision).requires_grad_() for t in (q, k, v)]
+    out, lse = reference(*full, causal, window, scale, softcap)
+    out.backward(do.to(precision))
+    return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
+
+
+def _check_errors(rank, world, device):
+    q = torch.randn(1, 2, 4 + (rank == 1) * 2, 16, device=device)
+    with pytest.raises(ValueError, match="q: the ranks disagree on the shard length"):
+        context_parallel_attention(q, q, q, load_balance=False)
+    q = torch.randn(1, 2, 4, 16, device=device)
+    with pytest.raises(ValueError, match="q: the ranks disagree on the dtype"):
+        context_parallel_attention(*(q.to(torch.float16 if rank else torch.float32),) * 3)
+    with pytest.raises(ValueError, match="causal: the ranks disagree"):
+        context_parallel_attention(q, q, q, causal=rank == 0)
+    with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
+        context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
+    with pytest.raises(ValueError, match="window_size"):
+        context_parallel_attention(q, q, q, causal=True, window_size=(2, 3))
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    with pytest.raises(ValueError, match="group has 1 rank"):
+        context_parallel_attention(q, q, q, alone)
+
+
+def _spawn(world, device):
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(world, os.path.join(folder, "store"), device, CASES[world]), nprocs=world)
+
+
+# (where a GPU is, the nccl tests run these checks on it: the interpreter is for machines without one)
+CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="runs on GPUs over nccl instead")
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_over_gloo(world):
+    _spawn(world, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_context_parallel_over_nccl():
+    _spawn(2, "cuda")
+
+
+def test_needs_an_initialised_group():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="init_process_group"):
+        context_parallel_attention(q, q, q)
+
+
+def _torch_worker(rank, world, path, device):
+    """torch's own context_parallel with attngen in the flash slot: the ring's per-step
+    aten::_scaled_dot_product_flash_attention calls and their backward run attngen's kernels.
+
+    NOTE: on CPU tensors F.scaled_dot_product_attention picks aten::_scaled_dot_product_flash_attention_for_cpu,
+    which torch's context_parallel has no handler (and DTensor no sharding rule) for, so on the CPU the flash op is
+    called on DTensors directly (what SDPA's flash backend does on CUDA, where F.scaled_dot_product_attention runs).
+    """
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.set_device(rank)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.FileStore(path, world), rank=rank,
+                            world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attngen.integrations import torch_flash
+    mesh = init_device_mesh(device, (world,))
+    handle = torch_flash.activate("CUDA" if gpu else "CPU")
+    dtype, n, head_dim = (torch.bfloat16, 256, 64) if gpu else (torch.float32, 4, 16)
+    try:
+        for causal in (True, False):
+            _cp_options.enable_load_balance = causal  # (torch refuses to balance a non-causal mask)
+            torch.manual_seed(7)
+            q, k, v, do = (torch.randn(1, 2, n * world, head_dim, dtype=dtype, device=device) for _ in range(4))
+            want = _reference_with_grads(q, k, v, do, causal, NO_WINDOW, head_dim ** -0.5, 0.0, torch.float64)
+            low = _reference_with_grads(q, k, v, do, causal, NO_WINDOW, head_dim ** -0.5, 0.0, dtype)
+            before = torch_flash.calls.get("_scaled_dot_product_flash_attention_backward", 0)
+            buffers = [t.clone() for t in (q, k, v, do)]
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4):
+                mine = [t.detach().requires_grad_() for t in buffers[:3]]
+                if gpu:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = torch.nn.functional.scaled_dot_product_attention(*mine, is_causal=causal)
+                else:
+                    shards = [DTensor.from_local(t, mesh, [Shard(2)]) for t in mine]
+                    out = torch.ops.aten._scaled_dot_product_flash_attention(*shards, 0.0, causal)[0].to_local()
+                out.backward(buffers[3])
+                got = context_parallel_unshard(mesh, [out] + [t.grad for t in mine], [2] * 4)
+            assert torch_flash.calls["_scaled_dot_product_flash_attention_backward"] - before >= world
+            for mine_i, i, name in zip(got, (0, 2, 3, 4), ("out", "dq", "dk", "dv")):  # (torch returns no lse)
+                _compare(mine_i, want[i], low[i] if gpu else None, f"{name}, torch's context_parallel, causal={causal}")
+    finally:
+        handle.remove()
+        dist.destroy_process_group()
+
+
+def _torch_spawn(device):
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_torch_worker, args=(2, os.path.join(folder, "store"), device), nprocs=2)
+
+
+@CPU_ONLY
+def test_torch_context_parallel_runs_attngen_over_gloo():
+    _torch_spawn("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_torch_context_parallel_runs_attngen_over_nccl():
+    _torch_spawn("cuda")
