@@ -125,38 +125,47 @@ class _Planned(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, _d_lse=None):
         q, k, v, out, lse = ctx.saved_tensors
-        layouts = ctx.replays.backward
-        # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
-        layout = (tensor_signature(do), torch.are_deterministic_algorithms_enabled())
-        replay = layouts.get(layout, _NEW)
-        if replay is _NEW:
-            check_like(do, q, "do", output_shape(q, v))  # once per layout: the rest of the layout is the signature's
-        grads = gradient_tensors(q, k, v)
-        inputs = (q, k, v, out, lse, do) + grads
-        if not (replay and replay is not _NEW and replay(inputs)):
-            kernel = resolve(ctx.key)
-            q4, k4, v4, out4, do4, dq4, dk4, dv4 = ((t.unsqueeze(0) for t in inputs if t is not lse) if ctx.squeeze
-                                                    else (t for t in inputs if t is not lse))
-
-            def run():
-                kernel._backward(q4, k4, v4, out4, lse, do4, ctx.scale, None, (dq4, dk4, dv4))
-
-            if replay is _NEW:
-                # A layout's first backward runs as it is (its launches may compile, or take Triton's path
-                # to a binary FastJIT has not kept: a recording of them would fail); its second records
-                if len(layouts) >= Replays.KEPT:
-                    layouts.clear()
-                layouts[layout] = None
-                run()
-            elif wanted(replay):
-                layouts[layout] = record(run, inputs)[1] or False
-            else:
-                run()
+        grads = replayed_backward(ctx.replays, ctx.key, ctx.scale, ctx.squeeze, q, k, v, out, lse, do)
         need = ctx.needs_input_grad
         return (None, None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[5:]))
 
 
 _NEW = object()  # a layout `Replays.backward` has not seen
+
+
+def replayed_backward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, out, lse, do) -> tuple:
+    """(dq, dk, dv) of the kernel named by `key` for the output gradient `do`, where q, k, v and `scale` are a
+    signature's checked at an earlier call (3-D where `squeeze`) and `out` and `lse` what its forward returned:
+    `replays.backward`'s launches for this layout of `do` and `out` where it holds them, else the kernel's own
+    path, which a layout's second call records (its first runs as it is: its launches may compile, or take
+    Triton's path to a binary FastJIT has not kept, and a recording of them would fail). `do` is checked once
+    per layout: the rest of the layout is the signature's."""
+    layouts = replays.backward
+    # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
+    layout = (tensor_signature(do), tensor_signature(out), torch.are_deterministic_algorithms_enabled())
+    replay = layouts.get(layout, _NEW)
+    if replay is _NEW:
+        check_like(do, q, "do", output_shape(q, v))
+    grads = gradient_tensors(q, k, v)
+    inputs = (q, k, v, out, lse, do) + grads
+    if not (replay and replay is not _NEW and replay(inputs)):
+        kernel = resolve(key)
+        q4, k4, v4, out4, do4, dq4, dk4, dv4 = ((t.unsqueeze(0) for t in inputs if t is not lse) if squeeze
+                                                else (t for t in inputs if t is not lse))
+
+        def run():
+            kernel._backward(q4, k4, v4, out4, lse, do4, scale, None, (dq4, dk4, dv4))
+
+        if replay is _NEW:
+            if len(layouts) >= Replays.KEPT:
+                layouts.clear()
+            layouts[layout] = None
+            run()
+        elif wanted(replay):
+            layouts[layout] = record(run, inputs)[1] or False
+        else:
+            run()
+    return grads
 
 
 def planned_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, with_lse: bool = False):
