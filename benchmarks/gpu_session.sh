@@ -15,6 +15,8 @@
 #            and cuDNN's dense causal; one long prompt beside short ones; a mixed prefill+decode step in one
 #            paged call; SDPA through the flash-attention slot against attngen.attention; its --check first
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
+#   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
+#            default 131072 262144; the speed-ups need the one-GPU rows), and tests/test_distributed.py's NCCL tests
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
 set -uo pipefail
@@ -67,6 +69,15 @@ for stage in "$@"; do
       tail -12 "$OUT/bench_${stage}_check.txt"
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
+    cp)
+      GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
+      for n in 1 $GPUS; do
+        timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
+          --lengths ${CP_LENGTHS:-131072 262144} >> "$OUT/bench_cp.txt" 2>&1
+      done
+      cp benchmarks/results/context_parallel_*.json "$OUT/" 2>/dev/null
+      tail -20 "$OUT/bench_cp.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   stamp "done $stage (exit $?)"
