@@ -72,7 +72,7 @@ for stage in "$@"; do
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
-      for n in 1 $GPUS; do
+      for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
           --lengths ${CP_LENGTHS:-131072 262144} >> "$OUT/bench_cp.txt" 2>&1
       done
