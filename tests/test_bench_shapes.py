@@ -51,15 +51,22 @@ def test_tiny_shapes_keep_the_head_dims_mask_and_group():
 @pytest.mark.parametrize("name", ["gqa_28_4", "d192_128"])
 def test_check_runs_attngen_on_a_shape_in_the_interpreter(name):
     rows = shapes.bench_shapes(check=True, only=(name,), progress=lambda _: None)
-    assert [(r.provider, r.direction, r.params["shape"]) for r in rows] == [("attngen", "forward", name)]
-    assert rows[0].error is None, rows[0].error
+    assert [(r.provider, r.direction) for r in rows] == [("attngen", "forward"), ("attngen", "backward")]
+    assert [r.error for r in rows] == [None, None]
 
 
-def test_a_check_catches_another_mask():
+def test_a_check_catches_another_mask_and_a_wrong_gradient():
     shape = shapes.tiny(BY_NAME["d64_b16"])
     q, k, v = shapes._tensors(shape, "cpu", torch.Generator().manual_seed(0))
-    full = torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())
-    assert "relative error" in shapes._accuracy(full, shapes._reference(shape, q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    full = lambda q, k, v: sdpa(q, k, v)  # noqa: E731
+    assert "relative error" in shapes._checked(full, shape, q, k, v, "forward")
+    causal = lambda q, k, v: sdpa(q, k, v, is_causal=True)  # noqa: E731
+    assert shapes._checked(causal, shape, q, k, v, "forward") is None
+    assert shapes._checked(causal, shape, q, k, v, "backward") is None
+    twice_dq = lambda q, k, v: causal(q.detach() + 2 * (q - q.detach()), k, v)  # noqa: E731 - dq doubled, out the same
+    assert shapes._checked(twice_dq, shape, q, k, v, "forward") is None
+    assert shapes._checked(twice_dq, shape, q, k, v, "backward").startswith("dq: relative error")
 
 
 def test_providers_are_selected_by_name_and_one_that_cannot_run_a_shape_is_a_row_with_its_error(monkeypatch):
@@ -79,16 +86,34 @@ def test_providers_are_selected_by_name_and_one_that_cannot_run_a_shape_is_a_row
     assert rows[2].error == "RuntimeError: No available kernel." and rows[2].tflops is None
 
 
+def test_a_peer_that_refuses_gqa_runs_on_repeated_heads():
+    shape = shapes.tiny(BY_NAME["gqa_28_4"])
+    q, k, v = shapes._tensors(shape, "cpu", torch.Generator().manual_seed(0))
+
+    def no_gqa(q, k, v):
+        if q.shape[1] != k.shape[1]:
+            raise RuntimeError("No available kernel.")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    fn, note = shapes._as_taken(no_gqa, shape, q, k, v)
+    assert note == "expanded heads" and shapes._checked(fn, shape, q, k, v, "backward") is None
+    gqa = lambda q, k, v: shapes._reference(shape, q, k, v)  # noqa: E731
+    assert shapes._as_taken(gqa, shape, q, k, v) == (gqa, None)
+
+
 def test_rows_go_to_shapes_json_a_table_and_a_plot(tmp_path):
     rows = [Row("shapes", d, p, s.params(), ms=1.0, tflops=t) for s in shapes.SHAPES[:2] for d in ("forward", "backward")
             for p, t in (("attngen", 500.0), ("sdpa_cudnn", 400.0))]
     rows.append(Row("shapes", "forward", "sdpa_flash", BY_NAME["d192_128"].params(), error="RuntimeError: no kernel"))
+    rows.append(Row("shapes", "forward", "sdpa_cudnn", BY_NAME["gqa_28_4"].params(), ms=1.0, tflops=300.0,
+                    extra=dict(gqa="expanded heads")))
     text = shapes.table(rows)
     assert "d256" in text and "500.0" in text and "1.25" in text  # attngen over cuDNN
     assert "d192_128 forward sdpa_flash: RuntimeError: no kernel" in text and "192/128" in text
+    assert "notes:\n  gqa_28_4 forward sdpa_cudnn: expanded heads" in text
     path = write(rows, str(tmp_path), dict(device="NVIDIA H100 80GB HBM3"), stem="shapes_")
     assert os.path.basename(path) == "shapes_nvidia_h100_80gb_hbm3.json"
-    assert len(json.load(open(path))["rows"]) == 9
+    assert len(json.load(open(path))["rows"]) == 10
     pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "benchmarks", "plot.py"))
     plot = importlib.util.module_from_spec(spec)

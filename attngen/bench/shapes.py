@@ -14,11 +14,13 @@ cannot run a row (FA2 with two head dims) gives a row with its error. Every timi
 fresh random data. TFLOP/s count the kept scores by the FlashAttention convention generalised to two head dims
 (`analysis.cost.per_score`: 2 * (d_qk + d_v) a score forward, 2 * (3 d_qk + 2 d_v) backward; a causal square
 mask keeps N (N + 1) / 2). `--check` runs attngen on each row at a tiny size (in Triton's interpreter without a
-GPU), with the row's head dims and group, against float64 instead of timing.
+GPU), with the row's head dims and group, and compares its output and its gradients with float64's instead of
+timing. SDPA's backends that refuse GQA run on the K/V heads repeated (the copy timed too; `extra["gqa"]`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +87,26 @@ def providers(shape: Shape, device) -> dict:
     def sdpa(backend):
         def run(q, k, v):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=q.shape[1] != k.shape[1])
         return run
 
     return {"sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
             "flex": lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=gqa)}
+
+
+def _as_taken(fn, shape: Shape, q, k, v):
+    """(fn, None), or where fn refuses GQA (SDPA's backends may), fn on the K/V heads repeated to the query heads
+    and a note saying so: the copy is timed with it, the cost of running GQA through that backend."""
+    if shape.heads == shape.heads_kv:
+        return fn, None
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (SDPA warns before it refuses enable_gqa: the refusal is the note)
+            fn(q, k, v)
+        return fn, None
+    except Exception:  # noqa: BLE001 - a peer may refuse enable_gqa: repeat the heads
+        group = shape.heads // shape.heads_kv
+        return (lambda q, k, v: fn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))), "expanded heads"
 
 
 def _tensors(shape: Shape, device, generator):
@@ -103,14 +120,31 @@ def _tensors(shape: Shape, device, generator):
 def _reference(shape: Shape, q, k, v):
     import torch.nn.functional as F
 
-    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.heads != shape.heads_kv)
+
+
+def _checked(fn, shape: Shape, q, k, v, direction) -> str | None:
+    """A check's verdict: None when fn's output (forward) or its gradients for q, k and v under one random dO
+    (backward) are within CHECK_REL of float64's."""
+    wide = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref = _reference(shape, *wide)
+    if direction == "forward":
+        with torch.no_grad():
+            return _accuracy(fn(q, k, v), ref.detach())
+    do = torch.randn(ref.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(fn(q, k, v), (q, k, v), do.to(q.device, q.dtype))
+    for name, got, want in zip("qkv", grads, torch.autograd.grad(ref, wide, do)):
+        error = _accuracy(got, want)
+        if error:
+            return f"d{name}: {error}"
+    return None
 
 
 def bench_shapes(names=PROVIDERS, directions=("forward", "backward"), check=False, progress=print,
                  only=None) -> list[Row]:
-    """One Row per (shape, direction, provider): timed on a GPU, or with `check` attngen's forward compared
-    with float64 (`error` says why a check failed). `only`: the names of the shapes to run (default all)."""
+    """One Row per (shape, direction, provider): timed on a GPU, or with `check` attngen's output (forward) or
+    gradients (backward) compared with float64 (`error` says why a check failed). `only`: the names of the shapes
+    to run (default all)."""
     device = "cpu" if check and not torch.cuda.is_available() else "cuda"
     generator = torch.Generator()
     generator.seed()  # fresh random data each run
@@ -129,13 +163,12 @@ def bench_shapes(names=PROVIDERS, directions=("forward", "backward"), check=Fals
                 rows += [Row("shapes", d, p, shape.params(), error=_error(e)) for p in names if p != "attngen"
                          for d in directions]
         for name in (n for n in names if n in runs):
-            fn = runs[name]
-            for direction in directions[:1] if check else directions:
-                row = Row("shapes", direction, name, shape.params())
+            fn, note = (runs[name], None) if check or name == "attngen" else _as_taken(runs[name], shape, q, k, v)
+            for direction in directions:
+                row = Row("shapes", direction, name, shape.params(), extra={"gqa": note} if note else {})
                 try:
                     if check:
-                        with torch.no_grad():
-                            row.error = _accuracy(fn(q, k, v), _reference(shape, q, k, v))
+                        row.error = _checked(fn, shape, q, k, v, direction)
                     else:
                         row.ms = _timed(lambda: fn(q, k, v), (q, k, v), direction)
                         row.tflops = shape.flops(direction == "backward") / row.ms / 1e9
@@ -177,8 +210,9 @@ def table(rows: list[Row]) -> str:
             dims = f"{p['head_dim']}/{p['head_dim_v']}" if p["head_dim"] != p["head_dim_v"] else str(p["head_dim"])
             lines.append(f"{shape:>10} {p['batch']:>3} {p['heads']:>4} {p['heads_kv']:>4} {p['seqlen']:>5} {dims:>7} "
                          f"{'causal' if p['causal'] else 'none':>6} " + " ".join(cells) + f" {ratio}")
+    notes = [f"  {r.params['shape']} {r.direction} {r.provider}: {r.extra['gqa']}" for r in rows if "gqa" in r.extra]
     errors = [f"  {r.params['shape']} {r.direction} {r.provider}: {r.error}" for r in rows if r.error]
-    return "\n".join(lines + (["errors:"] + errors if errors else []))
+    return "\n".join(lines + (["notes:"] + notes if notes else []) + (["errors:"] + errors if errors else []))
 
 
 def main(out_dir="benchmarks/results", names=None, directions=("forward", "backward"), check=False) -> int:
