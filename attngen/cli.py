@@ -3,7 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
-    attngen bench [--suite prefill|decode|variants|all] ...   attngen against the peers on this GPU
+    attngen bench [--suite prefill|decode|variants|varlen|shapes|all] ...   attngen against the peers on this GPU
     attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
@@ -23,6 +23,7 @@ from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
                                  shared_bytes_backward)
 from .bench import prefill as bench
+from .bench import shapes as bench_shapes
 from .bench import variants as bench_variants
 from .bench import varlen as bench_varlen
 from .codegen import render
@@ -314,12 +315,13 @@ def cmd_bench(args) -> int:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
         return bench_variants.main(args.output, shape, directions, names, args.check)
-    if args.suite == "varlen":
-        names = _providers(args.providers, bench_varlen.PROVIDERS)
+    if args.suite in ("varlen", "shapes"):
+        suite = bench_varlen if args.suite == "varlen" else bench_shapes
+        names = _providers(args.providers, suite.PROVIDERS)
         if args.check:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
-        return bench_varlen.main(args.output, names, directions, args.check)
+        return suite.main(args.output, names, directions, args.check)
     suites = ("prefill", "decode") if args.suite == "all" else (args.suite,)
     providers = tuple(args.providers.split(",")) if args.providers else None
     unknown = set(providers or ()) - set(bench.PREFILL_PROVIDERS)
@@ -536,9 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "all"), default="all",
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "all"), default="all",
                    help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
-                        "varlen: packed variable-length batches and SDPA through the flash-attention slot")
+                        "varlen: packed variable-length batches and SDPA through the flash-attention slot; "
+                        "shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 odd lengths, 192/128) "
+                        "against cuDNN, FlexAttention and FA2")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")
@@ -546,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, metavar="B", help="variants: batch (default 1)")
     p.add_argument("--heads", type=int, default=None, metavar="H", help="variants: heads (default 16)")
     p.add_argument("--check", action="store_true",
-                   help="variants, varlen: run each row at a tiny size (in the interpreter without a GPU) and compare "
+                   help="variants, varlen, shapes: run each row at a tiny size (in the interpreter without a GPU) and compare "
                         "attngen and the peer with float64 instead of timing")
     p.add_argument("-o", "--output", default="benchmarks/results", metavar="DIR",
                    help="folder for <gpu>.json (rows are merged with what is there)")

@@ -7,6 +7,7 @@ the GPU machine, which need not have matplotlib. Writes, per GPU:
   <gpu>_prefill_forward.png, <gpu>_prefill_backward.png   TFLOP/s against N, a panel per (d, causal)
   <gpu>_decode.png                                         GB/s of K/V read against context length
   variants_<gpu>.png (from variants_<gpu>.json)             TFLOP/s on kept scores per variant and provider
+  shapes_<gpu>.png (from shapes_<gpu>.json)                 TFLOP/s on kept scores per head shape and provider
 """
 
 from __future__ import annotations
@@ -98,35 +99,48 @@ def plot_decode(rows, device, slug, out_dir):
 
 def plot_variants(rows, device, slug, out_dir):
     """TFLOP/s on kept scores per variant, a bar per provider, a panel per direction."""
-    import matplotlib.pyplot as plt
-
     sel = [r for r in rows if r["suite"] == "variants" and r.get("tflops")]
     if not sel:
         return []
+    first = sel[0]["params"]
+    return _bars(sel, "variant", f"variants, bf16, B={first['batch']} H={first['heads']} N={first['seqlen']} "
+                 f"d={first['head_dim']} -- {device}", slug, out_dir)
+
+
+def plot_shapes(rows, device, slug, out_dir):
+    """TFLOP/s on kept scores per head shape, a bar per provider, a panel per direction."""
+    sel = [r for r in rows if r["suite"] == "shapes" and r.get("tflops")]
+    if not sel:
+        return []
+    return _bars(sel, "shape", f"head shapes, bf16 -- {device}", slug, out_dir)
+
+
+def _bars(sel, key, title, slug, out_dir):
+    """Bars of the rows' TFLOP/s: a group per `params[key]`, a bar per provider, a panel per direction."""
+    import matplotlib.pyplot as plt
+
     directions = [d for d in ("forward", "backward") if any(r["direction"] == d for r in sel)]
-    variants = list(dict.fromkeys(r["params"]["variant"] for r in sel))
+    groups = list(dict.fromkeys(r["params"][key] for r in sel))
     names = [p for p in STYLE if any(r["provider"] == p for r in sel)]
     width = 0.8 / len(names)
     fig, axes = plt.subplots(1, len(directions), figsize=(6.5 * len(directions), 3.8), squeeze=False)
     for ax, direction in zip(axes[0], directions):
         for i, provider in enumerate(names):
             xs, ys = [], []
-            for j, variant in enumerate(variants):
-                r = next((r for r in sel if (r["direction"], r["provider"], r["params"]["variant"]) ==
-                          (direction, provider, variant)), None)
+            for j, group in enumerate(groups):
+                r = next((r for r in sel if (r["direction"], r["provider"], r["params"][key]) ==
+                          (direction, provider, group)), None)
                 if r:
                     xs.append(j + (i - (len(names) - 1) / 2) * width)
                     ys.append(r["tflops"])
             ax.bar(xs, ys, width, color=_style(provider)[0], label=provider)
-        ax.set_xticks(range(len(variants)))
-        ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
         ax.set_title(direction)
         ax.set_ylabel("TFLOP/s (kept scores)")
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize=8)
-    first = sel[0]["params"]
-    fig.suptitle(f"variants, bf16, B={first['batch']} H={first['heads']} N={first['seqlen']} d={first['head_dim']} "
-                 f"-- {device}")
+    fig.suptitle(title)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{slug}.png")
     fig.savefig(path, dpi=110)
@@ -140,7 +154,8 @@ def main(path, out_dir=None):
     out_dir = out_dir or os.path.dirname(path)
     slug = os.path.splitext(os.path.basename(path))[0]
     plots = (plot_prefill(data["rows"], data["device"], slug, out_dir) + plot_decode(data["rows"], data["device"], slug, out_dir)
-             + plot_variants(data["rows"], data["device"], slug, out_dir))
+             + plot_variants(data["rows"], data["device"], slug, out_dir)
+             + plot_shapes(data["rows"], data["device"], slug, out_dir))
     for p in plots:
         print(p)
 
