@@ -146,6 +146,23 @@ def write(rows: list[Row], out_dir: str, meta: dict, stem: str = "") -> str:
     return path
 
 
+def run_suite(stem: str, rows_of, table, out_dir: str, check: bool) -> int:
+    """A suite's run (variants, varlen, shapes): refused without a GPU unless `check`; the rows `rows_of()` makes,
+    printed by `table`; then the check's exit status (1 on any row's error), or the timed rows written to
+    `<out_dir>/<stem><gpu>.json`."""
+    import torch
+
+    if not check and not torch.cuda.is_available():
+        print("attngen bench: no CUDA GPU here; benchmarks need one (--check runs the rows in the interpreter)")
+        return 2
+    rows = rows_of()
+    print(table(rows))
+    if check:
+        return 1 if any(r.error for r in rows) else 0
+    print(f"wrote {write(rows, out_dir, meta(), stem=stem)}")
+    return 0
+
+
 def meta() -> dict:
     import torch
     import triton

@@ -28,7 +28,7 @@ import torch
 from ..analysis.cost import per_score
 from ..api.sdpa import attention
 from .common import Row, compiled_flex_attention
-from .prefill import _median_ms, meta, write
+from .prefill import _median_ms, run_suite
 from .varlen import _accuracy, _error, _timed, kept_scores
 
 PROVIDERS = ("attngen", "sdpa_cudnn", "flex", "sdpa_flash")
@@ -217,12 +217,4 @@ def table(rows: list[Row]) -> str:
 
 def main(out_dir="benchmarks/results", names=None, directions=("forward", "backward"), check=False) -> int:
     """Run the suite (or its check) and print the table; writes `<out_dir>/shapes_<gpu>.json` when timed."""
-    if not check and not torch.cuda.is_available():
-        print("attngen bench: no CUDA GPU here; benchmarks need one (--check runs the rows in the interpreter)")
-        return 2
-    rows = bench_shapes(names or PROVIDERS, directions, check)
-    print(table(rows))
-    if check:
-        return 1 if any(r.error for r in rows) else 0
-    print(f"wrote {write(rows, out_dir, meta(), stem='shapes_')}")
-    return 0
+    return run_suite("shapes_", lambda: bench_shapes(names or PROVIDERS, directions, check), table, out_dir, check)

@@ -23,7 +23,7 @@ from ..lang.spec import parse
 from ..runtime.kernel import load
 from ..testing.accuracy import spec_reference
 from .common import Row, compiled_flex_attention
-from .prefill import _median_ms, meta, write
+from .prefill import _median_ms, run_suite
 
 PROVIDERS = ("attngen", "flex", "sdpa_cudnn")
 SHAPE = dict(batch=1, heads=16, seqlen=16384, head_dim=128)
@@ -238,14 +238,5 @@ def table(rows: list[Row]) -> str:
 def main(out_dir="benchmarks/results", shape=None, directions=("forward", "backward"), names=None,
          check=False) -> int:
     """Run the suite (or its check) and print the table; writes `<out_dir>/variants_<gpu>.json` when timed."""
-    import torch
-
-    if not check and not torch.cuda.is_available():
-        print("attngen bench: no CUDA GPU here; benchmarks need one (--check runs the rows in the interpreter)")
-        return 2
-    rows = bench_variants(shape, directions, names or PROVIDERS, check)
-    print(table(rows))
-    if check:
-        return 1 if any(r.error for r in rows) else 0
-    print(f"wrote {write(rows, out_dir, meta(), stem='variants_')}")
-    return 0
+    return run_suite("variants_", lambda: bench_variants(shape, directions, names or PROVIDERS, check), table, out_dir,
+                     check)

@@ -30,7 +30,7 @@ from ..integrations import torch_flash
 from ..testing.packed import cu_seqlens, document_lengths
 from ..testing.reference import kvcache_attention, varlen_attention
 from .common import Row, compiled_flex_attention
-from .prefill import PREFILL_LENGTHS, _median_ms, meta, write
+from .prefill import PREFILL_LENGTHS, _median_ms, run_suite
 
 PROVIDERS = ("attngen", "flex", "varlen_attn", "sdpa_cudnn", "slot")
 FULL = dict(tokens=16384, documents=8, heads=16, head_dim=128, short=256, shorts=63, prompts=4, prompt=2048,
@@ -314,12 +314,4 @@ def table(rows: list[Row]) -> str:
 
 def main(out_dir="benchmarks/results", names=None, directions=("forward", "backward"), check=False) -> int:
     """Run the suite (or its check) and print the table; writes `<out_dir>/varlen_<gpu>.json` when timed."""
-    if not check and not torch.cuda.is_available():
-        print("attngen bench: no CUDA GPU here; benchmarks need one (--check runs the rows in the interpreter)")
-        return 2
-    rows = bench_varlen(names or PROVIDERS, directions, check)
-    print(table(rows))
-    if check:
-        return 1 if any(r.error for r in rows) else 0
-    print(f"wrote {write(rows, out_dir, meta(), stem='varlen_')}")
-    return 0
+    return run_suite("varlen_", lambda: bench_varlen(names or PROVIDERS, directions, check), table, out_dir, check)
