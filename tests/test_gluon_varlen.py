@@ -346,6 +346,8 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
             kernel = attngen.load(text)
             jobs.append((kernel.module.WS_BWD_SHAPE, {"path": str(kernel.path), "gluon_ws": "backward",
                                                      "ptx_to": str(tmp_path / f"{variant}_{d}_{layout}.ptx")}))
+    # and each consumer's own keys' dQ (DQ_LOCAL: d=64 without a mask from 1024 rows a sequence on average)
+    jobs.append((jobs[-2][0], dict(jobs[-2][1], dq_local=True, ptx_to=str(tmp_path / "dq_local.ptx"))))
     results = probe([job for _, job in jobs])
     for (shape, job), result in zip(jobs, results):
         assert "error" not in result, (job, result)
@@ -552,7 +554,10 @@ def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monke
     monkeypatch.setitem(kernel.module.WS_BWD_SHAPE, "min_scores", 0)  # the Gluon kernels at every size here
     monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)
     lens_q, lens_k, heads, kv_heads, tensors = _gpu_case(variant, lengths)
-    q, k, v, do, dq, dk, dv, cu_q, cu_k, rest = _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors)
+    # (the sinks' gradient sums over every row of q: rows outside every sequence would count, so none with sinks)
+    tail = 0 if "sinks" in tensors else 100
+    q, k, v, do, dq, dk, dv, cu_q, cu_k, rest = _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors,
+                                                              tail=tail)
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, tensors=tensors)
     if "sinks" in tensors:
         from attngen.testing.accuracy import spec_reference
