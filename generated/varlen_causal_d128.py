@@ -1207,6 +1207,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         _ws_zero_rows(k, n_k - row0, BN, HEAD_DIM)
         _ws_zero_rows(v, n_k - row0, BN, HEAD_DIM)
         fence_async_shared()  # the generic proxy's stores before wgmma reads the tiles
+        gl.thread_barrier()  # (every warp's rows, before any warp of the warpgroup issues a product over them)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes
         start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, 0, GROUP, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
                                             stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
