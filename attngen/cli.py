@@ -150,14 +150,22 @@ def _print_passes(program: ir.Program) -> None:
         if program.warp_specialized.forward is not None:
             print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "
                   "persistent grid: each program walks tiles t, t + programs, ...), TMA over the packed tensors, tiles "
-                  "ending past their sequence stored row-masked; the backward stays on the Triton kernels (the "
-                  "Gluon backward does not walk packed key tiles yet)")
+                  "ending past their sequence stored row-masked; " + _gluon_backward_line(program))
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
               "Triton kernels run")
+
+
+def _gluon_backward_line(program: ir.Program) -> str:
+    """What explain says of a varlen program's backward under warp-specialize."""
+    if program.warp_specialized.backward is None:
+        return "the backward stays on the Triton kernels"
+    return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
+            "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
+            "ending past the sequence stored row-masked)")
 
 
 def _no_gluon_reason(program: ir.Program) -> str:

@@ -13,7 +13,7 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
 "late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
-sequences; a varlen module's forward takes its packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
+sequences; a varlen module's forward and backward take their packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
 "tma_loads": count, "tma_stores": count, "global_stores": count}.
 """
 
@@ -87,6 +87,8 @@ def _compile_gluon_ws(module, job):
                      DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL, CONSUMERS=consumers)
         pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES",) if p in fn.arg_names)  # a variant's
+        # a varlen kernel's: dK and dV for its row-masked stores, the sequences' offsets and lengths
+        pointers += tuple(p for p in ("DK", "DV", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
         maxnreg = shape[short + "maxnreg"]
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
@@ -102,8 +104,9 @@ def _compile_gluon_ws(module, job):
         pointers = tuple(p for p in ("LSE", "SINKS", "ALIBI_SLOPES") if p in fn.arg_names)  # a variant's tensors
         # a varlen kernel's: the output for its row-masked stores, the sequences' offsets and lengths
         pointers += tuple(p for p in ("O", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
-    typed = {"CLAIM": "*i32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
-             "O": _PTR[str(module.DTYPE).removeprefix("torch.")]}
+    io = _PTR[str(module.DTYPE).removeprefix("torch.")]
+    typed = {"CLAIM": "*i32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32", "O": io, "DK": io,
+             "DV": io}
     sig = {arg: "constexpr" if arg in const else descs.get(arg, typed.get(arg, "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}

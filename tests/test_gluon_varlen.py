@@ -28,7 +28,7 @@ from attngen.passes import compile_program
 from attngen.policy import hopper
 from conftest import DEVICE, HAS_GPU, SPECS, spec_text
 from probe import probe
-from test_gluon_variants import generated_function, same_key_blocks
+from test_gluon_variants import generated_function, same_key_blocks, triton_blocks
 from test_varlen import _check_forward, _offsets
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -44,8 +44,8 @@ SPECS_VARLEN = {
 }
 
 
-def _text(name, variant, head_dim=128, dtype="bf16"):
-    extra = dict(SPECS_VARLEN[variant])
+def _text(name, variant, head_dim=128, dtype="bf16", **more):
+    extra = dict(SPECS_VARLEN[variant], **more)
     mask = extra.pop("mask")
     return spec_text(name, head_dim, dtype, mask, layout="varlen", **extra)
 
@@ -69,11 +69,28 @@ def test_varlen_forwards_get_the_gluon_kernel(variant):
     assert "launch_attn_fwd_ws(q, k, v, out, lse," in source.split("def forward_varlen(")[1]
 
 
-def test_shipped_training_spec_keeps_its_backward_on_triton():
-    spec, program = _program(open(os.path.join(SPECS, "varlen_causal_d128.attn")).read())
-    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
+@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
+def test_varlen_backwards_get_the_gluon_kernel(variant):
+    spec, program = _program(_text(f"gvlb_{variant}", variant, direction="forward+backward"))
+    masked = SPECS_VARLEN[variant]["mask"] != "none"
+    decision = program.warp_specialized.backward
+    assert decision == hopper.backward_varlen(128, masked)
+    # no claimed (stored) dQ tiles, whose rows past a sequence are the next one's; one shape for every call
+    assert decision.dq_claim_keys == 0 and decision.short == decision.main and decision.short_keys == 0
     source = render(spec, program)
-    assert "attn_bwd_dkdv_ws" not in source and "def backward_varlen(" in source
+    assert "def _ws_bwd_key_tile(" in source and "def attn_bwd_dkdv_ws(" in source
+    backward = source.split("def backward_varlen(")[1]
+    assert "launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv," in backward
+    assert "ws_bwd_fused() and seqlens_k.shape[0] and ws_bwd_ready(" in backward
+    # rows past a sequence are the next one's: the masked blocks mask them by the IR's query bound
+    assert "(cols < n_q)[None, :]" in source.split("def _ws_bwd_consume(")[1]
+
+
+def test_a_varlen_backward_at_other_head_dims_keeps_the_triton_kernels():
+    spec, program = _program(spec_text("gvlb_d80", 80, "bf16", "causal", layout="varlen",
+                                       direction="forward+backward"))
+    assert program.warp_specialized.backward is None
+    assert "attn_bwd_dkdv_ws" not in render(spec, program)
 
 
 def test_paged_varlen_stays_on_triton_and_explain_says_why(capsys):
@@ -87,7 +104,7 @@ def test_paged_varlen_stays_on_triton_and_explain_says_why(capsys):
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
     text = capsys.readouterr().out
     assert "warp-specialize: on Hopper the forward runs the Gluon kernel" in text
-    assert "the backward stays on the Triton kernels" in text
+    assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in text
 
 
 class _Pointer:
@@ -110,16 +127,16 @@ class _Gl:
         return p.values[p.offset]
 
 
-def _sequence_tile(source):
-    """The generated `_ws_sequence_tile` as a Python function over lists (its int64 casts dropped)."""
+def _sequence_tile(source, name="_ws_sequence_tile"):
+    """The generated tile search `name` as a Python function over lists (its int64 casts dropped)."""
     tree = ast.parse(source.replace(".to(gl.int64)", ""))
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_ws_sequence_tile")
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     fn.decorator_list = []
     for a in fn.args.args:
         a.annotation = None
     scope = {"gl": _Gl}
-    exec(compile(ast.Module([fn], []), "_ws_sequence_tile", "exec"), scope)
-    return scope["_ws_sequence_tile"]
+    exec(compile(ast.Module([fn], []), name, "exec"), scope)
+    return scope[name]
 
 
 @pytest.mark.parametrize("mask", ["causal", "none"])
@@ -146,6 +163,54 @@ def test_the_tile_search_visits_every_sequence_tile_once(mask):
     if mask == "causal":  # a sequence's longest rows first: its tiles from the last row block back
         firsts = [s for b, h, s in seen if (b, h) == (7, 0)]
         assert firsts == sorted(firsts, reverse=True)
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_backward_key_tile_search_visits_every_sequence_key_tile_once(block_n):
+    """The Gluon backward's grid, cdiv(TOTAL_K, BLOCK_N) + B programs a K/V head, run through its `_ws_bwd_key_tile`
+    as Python: every (sequence, key tile of its seqused_k keys) exactly once, lengths 0 and 1 among them, and the
+    other programs past their sequence's keys (they return)."""
+    spec, program = _program(_text(f"gvlb_search_{block_n}", "causal", direction="forward+backward"))
+    search = _sequence_tile(render(spec, program), "_ws_bwd_key_tile")
+    lens_q = [0, 5, 128, 129, 0, 300, 1, 1000, 127, 3]
+    lens_k = [3, 0, 128, 200, 7, 300, 1, 900, 127, 64]
+    used = [n - 1 if n > 1 else n for n in lens_k]  # seqused_k shorter than the sequences
+    cu_q = [0] + list(itertools.accumulate(lens_q))
+    cu_k = [0] + list(itertools.accumulate(lens_k))
+    B = len(lens_q)
+    seen = []
+    for tile in range(-(-cu_k[-1] // block_n) + B):
+        b, start_n, q_start, n_q, k_start, n_k = search(tile, B, _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used),
+                                                        1, block_n)
+        assert (q_start, n_q, k_start, n_k) == (cu_q[b], lens_q[b], cu_k[b], used[b]) and start_n >= 0
+        if start_n < n_k:  # (the kernel returns otherwise)
+            seen.append((b, start_n))
+    expected = [(b, s) for b in range(B) for s in range(0, used[b], block_n)]
+    assert sorted(seen) == expected and len(seen) == len(set(seen))
+
+
+@pytest.mark.parametrize("variant", ["causal", "none", "softcap_window", "sinks"])
+def test_each_key_tile_visits_the_triton_varlen_kernels_query_blocks(variant):
+    """A sequence's key tile visits exactly the query blocks the Triton varlen dK/dV kernel's loops give it (its
+    `_ws_bwd_query_blocks` over the sequence's n_q and n_k), and the last partial query block is among the masked
+    ones (its rows past n_q are the next sequence's: only the masked blocks' query bound keeps them out)."""
+    spec, program = _program(_text(f"gvlb_qb_{variant}", variant, direction="forward+backward"))
+    query_blocks = generated_function(render(spec, program), "_ws_bwd_query_blocks")
+    kernel = program.kernel("attn_bwd_dkdv")
+    shape = program.warp_specialized.backward.main
+    block_m, block_n = shape.block_m, shape.block_n
+    for n_q in (1, 63, 257, 1000):
+        for n_k in (1, 100, 257, 1000, 1500):
+            for start_n in range(0, n_k, block_n):
+                lo, full_lo, full_hi, n = query_blocks(start_n, n_q, n_k, block_m, block_n)
+                values = {sym.start_n: start_n, sym.n_q: n_q, sym.n_k: n_k, sym.BLOCK_M: block_m,
+                          sym.BLOCK_N: block_n}
+                masked, full = triton_blocks(kernel, values, block_m, sym.start_m)
+                visited = set(range(lo, lo + n))
+                unmasked = visited & set(range(full_lo, full_hi))
+                where = (variant, n_q, n_k, start_n)
+                assert unmasked == full and visited - unmasked == masked, where
+                assert all((m + 1) * block_m <= n_q for m in unmasked), where
 
 
 @pytest.mark.parametrize("variant", ["causal", "none", "softcap_window", "sinks"])
@@ -188,6 +253,38 @@ def test_forward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     assert len(calls) == 1  # the Triton kernel ran
 
 
+def test_backward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
+    """Where ws_bwd_ready and ws_bwd_fused say the Gluon kernel runs, backward_varlen launches it with the packed
+    tensors, the sequences' offsets and lengths and the modifier's tensors, and returns the sinks' gradient from the
+    delta it gives back; config["attn_bwd_dkdv"]["warp_specialized"] = False, or deterministic algorithms, keep
+    the Triton kernels."""
+    module = attngen.load(_text("gvlb_launch", "alibi", 64, "fp16", sinks="true",
+                                direction="forward+backward")).module
+    q, k, v, o, do = (torch.randn(9, 2, 64, device=DEVICE).half() for _ in range(5))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([4, 5], dtype=torch.int32, device=DEVICE)
+    lse, delta = torch.randn(2, 9, device=DEVICE), torch.randn(2, 9, device=DEVICE)
+    slopes, sinks = torch.rand(2, device=DEVICE), torch.randn(2, device=DEVICE)
+    assert list(inspect.signature(module.launch_attn_bwd_ws).parameters) == [
+        "q", "k", "v", "out", "do", "lse", "dq", "dk", "dv", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+        "seqlens_k", "sm_scale"]
+    calls, ready = [], []
+    monkeypatch.setattr(module, "ws_bwd_ready", lambda *a: ready.append(a) or True)
+    monkeypatch.setattr(module, "ws_bwd_fused", lambda: True)
+    monkeypatch.setattr(module, "launch_attn_bwd_ws", lambda *a, **kw: (calls.append((a, kw)), delta)[1])
+    dq, dk, dv, dsinks = module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks)
+    ((args, kwargs),) = calls
+    assert args == (q, k, v, o, do, lse, dq, dk, dv) and ready[0][6] == 2
+    assert kwargs["cu_seqlens_q"] is cu and kwargs["cu_seqlens_k"] is cu and kwargs["seqlens_k"] is used
+    assert kwargs["alibi_slopes"].shape == (2, 2) and kwargs["sm_scale"] == 64 ** -0.5
+    assert torch.allclose(dsinks, -(torch.exp(sinks[:, None] - lse) * delta).sum(dim=1))
+    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks,
+                           config={"attn_bwd_dkdv": {"warp_specialized": False}})
+    monkeypatch.setattr(module, "ws_bwd_fused", lambda: False)
+    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks)
+    assert len(calls) == 1  # the Triton kernels ran
+
+
 def test_ws_ready_counts_the_average_sequence():
     """ws_ready's thresholds see the average keys a sequence and the scores of sequences that long; CPU tensors
     never take the Gluon kernel."""
@@ -211,6 +308,56 @@ def test_the_varlen_kernels_compile_for_sm90():
         # Q, K and V by TMA; the output by TMA where a tile holds only its sequence's rows, else row-masked stores
         assert result["tma_loads"] >= 3 and result["tma_stores"] >= 1 and result["global_stores"] > 0, result
         assert result["shared"] <= 232448, result
+
+
+def _ptxas_spills(ptx_path):
+    """Bytes a thread spills in attn_bwd_dkdv_ws (stores), from `ptxas -v` on the PTX for sm_90a."""
+    import subprocess
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_path, "-o", os.devnull], capture_output=True,
+                         text=True, check=True).stderr
+    return int(out.split("bytes spill stores")[0].rsplit(",", 1)[1])
+
+
+VARLEN_BWD_SPILLS = {"causal": 276, "gqa": 276, "softcap_window": 760, "alibi": 100, "sinks": 0, "none": 0}
+"""Bytes a thread of the varlen Gluon backward spills (ptxas -v, sm_90a), by SPECS_VARLEN entry, as measured when it was
+written; its dense form's (the same spec's variant kernel over rectangular batches) were 96, 96, 352, 72, 0, 0, and the
+plain dense causal d=128 kernel's 16. Most of the excess is the sequence's sizes and offsets (n_q, n_k, q_start,
+k_start), loaded from memory, so held in registers through the loop, where the dense kernel rematerialises its sizes
+from its arguments (with them taken from arguments instead, 140 bytes at causal d=128, before the varlen epilogue,
+K/V zeroing and the masked delta were added)."""
+
+
+def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(tmp_path):
+    """The Gluon varlen backward compiles for sm_90 (TMA loads and dQ reductions, row-masked dK and dV stores where
+    the dense kernel has none), and ptxas spills no more than VARLEN_BWD_SPILLS in it."""
+    cases = [("causal", 128, "bf16"), ("gqa", 128, "bf16"), ("softcap_window", 128, "bf16"), ("alibi", 64, "fp16"),
+             ("sinks", 64, "bf16"), ("none", 64, "fp16")]
+    jobs = []
+    for variant, d, dtype in cases:
+        for layout in ("varlen", "dense"):
+            text = _text(f"gvlb_sm90_{variant}_{d}", variant, d, dtype, direction="forward+backward")
+            if layout == "dense":  # the same spec over rectangular batches, a variant where varlen's is one
+                text = text.replace("    layout = varlen\n", "" if variant not in ("causal", "gqa", "none")
+                                    else "    sinks = true\n")
+            kernel = attngen.load(text)
+            jobs.append((kernel.module.WS_BWD_SHAPE, {"path": str(kernel.path), "gluon_ws": "backward",
+                                                     "ptx_to": str(tmp_path / f"{variant}_{d}_{layout}.ptx")}))
+    # and each consumer's own keys' dQ (DQ_LOCAL: d=64 without a mask from 1024 rows a sequence on average)
+    jobs.append((jobs[-2][0], dict(jobs[-2][1], dq_local=True, ptx_to=str(tmp_path / "dq_local.ptx"))))
+    results = probe([job for _, job in jobs])
+    for (shape, job), result in zip(jobs, results):
+        assert "error" not in result, (job, result)
+        assert result["warps"] == 4 * (1 + shape["consumers"]) and result["wgmma"] > 0, result
+        assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    for i, (variant, _, _) in enumerate(cases):
+        varlen, dense = results[2 * i], results[2 * i + 1]
+        assert varlen["global_stores"] > 0 and dense["global_stores"] == 0, (varlen, dense)
+        spills = [_ptxas_spills(jobs[2 * i + j][1]["ptx_to"]) for j in (0, 1)]
+        assert spills[0] <= VARLEN_BWD_SPILLS[variant], (variant, spills)
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------
@@ -256,15 +403,9 @@ LENGTHS = {  # (lens_q, lens_k): unequal, 0 and 1 among them, seq_q != seq_k bot
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
-@pytest.mark.parametrize("lengths", sorted(LENGTHS))
-@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_varlen_forward_against_float64(variant, head_dim, lengths, monkeypatch):
-    kernel = attngen.load(_text(f"gvl_gpu_{variant}_{head_dim}", variant, head_dim))
-    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)  # the Gluon kernel at every size here
-    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_keys", 1)
+def _gpu_case(variant, lengths):
+    """(lens_q, lens_k, heads, kv_heads, tensors) of a GPU test: LENGTHS[lengths], the variant's heads, and its
+    run-time tensors (ALiBi slopes per sequence and head, sinks per head)."""
     lens_q, lens_k = LENGTHS[lengths]
     lens_k = lens_k or lens_q
     heads = SPECS_VARLEN[variant].get("heads", 4)
@@ -275,6 +416,19 @@ def test_gluon_varlen_forward_against_float64(variant, head_dim, lengths, monkey
         tensors["alibi_slopes"] = torch.rand(len(lens_q), heads, generator=g, device="cuda") * 0.1
     if SPECS_VARLEN[variant].get("sinks"):
         tensors["sinks"] = torch.randn(heads, generator=g, device="cuda") * 2
+    return lens_q, lens_k, heads, kv_heads, tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_varlen_forward_against_float64(variant, head_dim, lengths, monkeypatch):
+    kernel = attngen.load(_text(f"gvl_gpu_{variant}_{head_dim}", variant, head_dim))
+    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)  # the Gluon kernel at every size here
+    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_keys", 1)
+    lens_q, lens_k, heads, kv_heads, tensors = _gpu_case(variant, lengths)
     q, k, v, out, lse, cu_q, cu_k = _run(kernel, lens_q, lens_k, heads, kv_heads, tensors)
     _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k, tensors=tensors)
 
@@ -325,3 +479,141 @@ def test_flash_attn_varlen_func_takes_the_gluon_kernel(monkeypatch):
     torch.cuda.synchronize()
     assert called, "flash_attn_varlen_func did not launch the Gluon varlen kernel"
     _check_forward(kernel, out, lse, q, k, v, cu, cu)
+
+
+def _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused=None, tail=100, seed=0):
+    """The Gluon varlen backward on packed q, k, v, do of these lengths followed by `tail` rows that belong to no
+    sequence (its K/V rows, and those past seqused_k, NaN), after the forward; dq, dk and dv are poisoned with NaN
+    first, and their tail rows hold a sentinel. Checks that the Gluon kernel ran; that dk and dv kept the sentinel in
+    their tail and past seqused_k (a key tile that ends past its sequence stores row-masked); that dq's tail, which no
+    sequence's rows reach but a tile's dQ reductions past its last sequence's rows do, got exactly 0 (dS is 0 past a
+    sequence: the row pass writes 0 there and the reductions add only zeros); that every row of every sequence was
+    written (finite). Returns (q, k, v, do, dq, dk, dv, cu_q, cu_k, grads[3:]) over the sequences' rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d, dt = kernel.spec.head_dim, kernel.spec.dtype.torch
+    make = lambda n, h: torch.randn((n, h, d), generator=g, device="cuda").to(dt)
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    q, k, v = make(total_q + tail, heads), make(total_k + tail, kv_heads), make(total_k + tail, kv_heads)
+    do = make(total_q + tail, heads)
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    used = seqused if seqused is not None else cu_k[1:] - cu_k[:-1]
+    unused = torch.zeros(total_k + tail, dtype=torch.bool, device="cuda")
+    unused[total_k:] = True
+    for b, n in enumerate(used.tolist()):
+        unused[int(cu_k[b]) + n:int(cu_k[b + 1])] = True
+    k[unused], v[unused] = float("nan"), float("nan")
+    module = kernel.module
+    out, lse = module.forward_varlen(q, k, v, cu_q, cu_k, used, **(tensors or {}))
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    dq[total_q:] = 7.0
+    dk[unused], dv[unused] = 7.0, 7.0
+    called = []
+    launch = module.launch_attn_bwd_ws
+    module.launch_attn_bwd_ws = lambda *a, **kw: (called.append(1), launch(*a, **kw))[1]
+    try:
+        grads = module.backward_varlen(q, k, v, out, lse, do, cu_q, cu_k, used, dq=dq, dk=dk, dv=dv,
+                                       **(tensors or {}))
+    finally:
+        module.launch_attn_bwd_ws = launch
+    torch.cuda.synchronize()
+    assert called, "the Gluon backward did not run"
+    assert (dk[unused] == 7.0).all() and (dv[unused] == 7.0).all(), "a key tile stored rows past its sequence"
+    assert (dq[total_q:] == 0.0).all(), "a query tile's dQ added non-zero past its sequence"
+    assert dq[:total_q].isfinite().all() and dk[~unused].isfinite().all() and dv[~unused].isfinite().all()
+    return q[:total_q], k, v, do[:total_q], dq[:total_q], dk, dv, cu_q, cu_k, grads[3:]
+
+
+def _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=None, tensors=None):
+    """Each sequence's dq, dk, dv (its first seqused_k keys) against float64 autograd of the sequence alone."""
+    from attngen.testing.accuracy import compare_grads
+
+    from test_varlen import _per_sequence, _sequence
+
+    for b in range(cu_q.shape[0] - 1):
+        n = int(used[b]) if used is not None else int(cu_k[b + 1] - cu_k[b])
+        if n == 0 or cu_q[b + 1] == cu_q[b]:
+            continue
+        qs, dos, dqs = (_sequence(t, cu_q, b) for t in (q, do, dq))
+        ks, vs, dks, dvs = (_sequence(t, cu_k, b)[:, :, :n] for t in (k, v, dk, dv))
+        seq_tensors = _per_sequence(tensors or {}, b)
+        got = (dqs, dks, dvs) + ((torch.zeros_like(seq_tensors["sinks"]),) if kernel.spec.variant.sinks else ())
+        for r in compare_grads(kernel.spec, qs, ks, vs, dos, got, tensors=seq_tensors)[:3]:
+            assert r.ok, f"sequence {b}: {r}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monkeypatch):
+    """dq, dk, dv per sequence against float64 at real sizes (unequal lengths, 0 and 1, seq_q != seq_k both ways, or
+    documents), causal and not, GQA, softcap with a window, ALiBi, sinks (their gradient against float64 autograd
+    of the per-sequence references, summed)."""
+    kernel = attngen.load(_text(f"gvlb_gpu_{variant}_{head_dim}", variant, head_dim, direction="forward+backward"))
+    monkeypatch.setitem(kernel.module.WS_BWD_SHAPE, "min_scores", 0)  # the Gluon kernels at every size here
+    monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)
+    lens_q, lens_k, heads, kv_heads, tensors = _gpu_case(variant, lengths)
+    # (the sinks' gradient sums over every row of q: rows outside every sequence would count, so none with sinks)
+    tail = 0 if "sinks" in tensors else 100
+    q, k, v, do, dq, dk, dv, cu_q, cu_k, rest = _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors,
+                                                              tail=tail)
+    _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, tensors=tensors)
+    if "sinks" in tensors:
+        from attngen.testing.accuracy import spec_reference
+
+        from test_varlen import _sequence
+
+        sinks = tensors["sinks"].double().requires_grad_()
+        total = 0
+        for b in range(len(lens_q)):
+            qs, ks, vs = (_sequence(t, cu, b) for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+            ref, _ = spec_reference(kernel.spec, qs, ks, vs, kernel.spec.softmax_scale, {"sinks": sinks})
+            total = total + (ref * _sequence(do, cu_q, b).double()).sum()
+        (expected,) = torch.autograd.grad(total, sinks)
+        torch.testing.assert_close(rest[0].double(), expected, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+def test_gluon_varlen_backward_seqused_k(monkeypatch):
+    """seqused_k shorter than the sequences' keys: the rows past it NaN in K and V (zeroed in shared memory: dQ and
+    dS must not see them) and their dk, dv rows left as they were."""
+    kernel = attngen.load(_text("gvlb_gpu_used", "gqa", direction="forward+backward"))
+    monkeypatch.setitem(kernel.module.WS_BWD_SHAPE, "min_scores", 0)
+    lens_q, lens_k = [300, 1, 0, 650, 64], [700, 1, 40, 650, 1000]
+    used = torch.tensor([500, 1, 0, 129, 1000], dtype=torch.int32, device="cuda")
+    q, k, v, do, dq, dk, dv, cu_q, cu_k, _ = _run_backward(kernel, lens_q, lens_k, 8, 2, seqused=used, seed=5)
+    _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+def test_flash_attn_varlen_funcs_backward_takes_the_gluon_kernel(monkeypatch):
+    """The drop-in's backward at the bench's problem (8 causal documents packed into 16k tokens, d=128, H=16)
+    launches the Gluon backward (its builtin kernel's `launch_attn_bwd_ws`, counted), and its gradients match
+    float64 per sequence."""
+    from attngen.api import varlen as api
+    from attngen.lang.builtin import NO_WINDOW
+    from attngen.runtime.registry import resolve
+
+    from test_varlen import _check_grads
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    cuts = sorted(torch.randperm(16383, generator=torch.Generator().manual_seed(13))[:7].add(1).tolist())
+    lens = [b - a for a, b in zip([0] + cuts, cuts + [16384])]
+    q, k, v = (torch.randn(16384, 16, 128, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    cu = _offsets(lens)
+    plan = api._checked_plan(q, k, v, cu, cu, max(lens), max(lens), 0.0, None, True, NO_WINDOW, 0.0, None, None,
+                             None, None)
+    kernel = resolve(plan.key)
+    called = []
+    launch = kernel.module.launch_attn_bwd_ws
+    monkeypatch.setattr(kernel.module, "launch_attn_bwd_ws", lambda *a, **kw: (called.append(1), launch(*a, **kw))[1])
+    out = attngen.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    do = torch.randn(out.shape, generator=g, device="cuda").to(out.dtype)
+    out.backward(do)
+    torch.cuda.synchronize()
+    assert called, "flash_attn_varlen_func's backward did not launch the Gluon varlen kernel"
+    _check_grads(kernel, q, k, v, cu, cu, do)

@@ -170,6 +170,20 @@ def test_a_tuned_varlen_backward_kernel_serves_the_backward_and_gradients_stay_r
         assert all(r.ok for r in results), results
 
 
+def test_a_varlen_backward_candidate_is_validated_on_the_triton_kernels_not_the_gluon_one(monkeypatch):
+    """A spec with the Gluon varlen backward (d=64, 16-bit): the tuner's validation runs asks backward_varlen for the
+    Triton dK/dV kernel it tunes (on a Hopper GPU the Gluon kernel would run instead)."""
+    kernel = attngen.load(spec_text("vl_bwd_gluon", 64, "fp16", "causal", layout="varlen",
+                                    direction="forward+backward"))
+    assert kernel.program.warp_specialized.backward is not None
+    configs = launched(kernel, monkeypatch, "backward_varlen")
+    for name in ("attn_bwd_dkdv", "attn_bwd_dq"):
+        part = tuning.tunable(kernel.part(name))
+        inputs = part.tuning_inputs(Packed(2, 2, 2, 32, 32), DEVICE, torch.Generator(device=DEVICE).manual_seed(0))
+        part.tuning_run(inputs, part.tuning_default(), poison=True)
+        assert configs[-1]["attn_bwd_dkdv"]["warp_specialized"] is False
+
+
 def test_a_tuned_paged_varlen_forward_serves_paged_calls(monkeypatch):
     kernel = varlen_kernel("vl_paged", direction="forward", kv_layout="paged(page_size = 16)")
     part = tuning.tunable(kernel)

@@ -361,8 +361,8 @@ def test_explain_shows_the_per_sequence_tiling():
     assert "LSE: hbm fp32[H, TOTAL_Q]" in text
     passes = applied_passes(program)
     assert "varlen" in passes and "warp-specialize" in passes and "tma" not in passes
-    # the forward has the Hopper Gluon kernel over the same tiles; the backward stays on the Triton kernels
-    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
+    # the forward and the backward have Hopper Gluon kernels over the same tiles
+    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is not None
 
 
 def test_varlen_pass_before_and_after():

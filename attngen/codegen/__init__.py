@@ -92,13 +92,16 @@ def render(spec: Spec, program: ir.Program) -> str:
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
         gluon_decode=program.warp_specialized.decode,
-        fwd_hooks=score_hooks(program.kernel("attn_fwd"), _forward_scope(program))
+        fwd_hooks=score_hooks(program.kernel("attn_fwd"), _gluon_scope(program))
         if program.warp_specialized.forward else None,
         # a varlen forward takes the variant path (key blocks and masks per sequence, rows that see no key)
         fwd_variant=bool(program.warp_specialized.forward) and (bool(spec.variant) or bool(program.attr("varlen"))),
-        bwd_variant=bool(program.warp_specialized.backward) and bool(spec.variant),
-        bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv")) if program.warp_specialized.backward else None,
-        dq_hooks=score_hooks(program.kernel("attn_bwd_dq")) if program.warp_specialized.backward else None,
+        # so does a varlen backward (query blocks and masks per sequence, rows past a sequence masked)
+        bwd_variant=bool(program.warp_specialized.backward) and (bool(spec.variant) or bool(program.attr("varlen"))),
+        bwd_hooks=score_hooks(program.kernel("attn_bwd_dkdv"), _gluon_scope(program))
+        if program.warp_specialized.backward else None,
+        dq_hooks=score_hooks(program.kernel("attn_bwd_dq"), _gluon_scope(program))
+        if program.warp_specialized.backward else None,
         decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k", "split"))
         if program.warp_specialized.decode else None,
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
@@ -113,8 +116,9 @@ def render(spec: Spec, program: ir.Program) -> str:
     return _ENV.get_template(TEMPLATE).render(**context)
 
 
-def _forward_scope(program: ir.Program) -> tuple[str, ...]:
-    """The IR values the Gluon forward holds under the IR's names: qk_scale, and a varlen tile's n_q and n_k."""
+def _gluon_scope(program: ir.Program) -> tuple[str, ...]:
+    """The IR values the Gluon forward and backward hold under the IR's names: qk_scale, and a varlen tile's
+    n_q and n_k."""
     return ("qk_scale", "n_q", "n_k") if program.attr("varlen") else ("qk_scale",)
 
 

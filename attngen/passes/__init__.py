@@ -14,7 +14,7 @@
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
     tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
-    warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward also as a Hopper Gluon kernel
+    warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward (and backward) also as Hopper Gluon kernels
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, one head dim 64/128) also as a Hopper Gluon kernel
 
 The passes marked with a condition are no-ops for specs that do not ask for them.

@@ -36,8 +36,15 @@ over the packed tensors (keys of the next sequence that a block reaches are mask
 rows zeroed in shared memory; a tile that ends past its sequence stores its output through registers,
 row-masked). Every varlen
 program takes the variant path of the template (key blocks and masks from the IR per sequence, rows that see
-no key written as 0 with a log-sum-exp of -inf), with `hopper.forward_varlen`'s shape. Their backward, and the
-paged varlen forward, stay on the Triton kernels (the backward's key tiles walk CU_SEQLENS_K; not written yet).
+no key written as 0 with a log-sum-exp of -inf), with `hopper.forward_varlen`'s shape. Their backward (head dim 64
+or 128, query loops one unmasked range) is the Gluon one too, with `hopper.backward_varlen`'s shape: a program per
+key tile of the Triton varlen dK/dV kernel's grid, cdiv(TOTAL_K, BLOCK_N) + B a K/V head, found by a binary search
+over CU_SEQLENS_K; it visits the query blocks the IR's loops give its sequence, masking rows past n_q with the IR's
+query bound (they are the next sequence's: their dS is 0, so dQ's reductions add zeros there), zeroes its K and V
+rows past n_k in shared memory (another sequence's keys or memory no one wrote; dQ = dS K reads them), and stores
+a warpgroup's dK and dV through registers, row-masked, where its keys end past the sequence. The row passes
+before and after are the dense kernel's over (1, H, TOTAL_Q) views. The paged varlen forward stays on the Triton
+kernel.
 
 Variant programs (issue 48: windows, prefixes, chunks, softcap, ALiBi, sinks; `variant_supported` says which) get the
 Gluon forward too: each query tile visits exactly the key blocks causal-skip's loops give it, masking those
@@ -158,10 +165,13 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
-    if program.attr("varlen"):  # the forward only: the backward's key tiles stay on the Triton kernels
-        return replace(program, warp_specialized=replace(program.warp_specialized,
-                                                         forward=hopper.forward_varlen(d, causal)))
     has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
+    if program.attr("varlen"):
+        backward = None
+        if has_backward and variant_backward_supported(program):
+            backward = hopper.backward_varlen(d, causal)
+        return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
+                                                         forward=hopper.forward_varlen(d, causal)))
     if is_variant(program):
         # A variant's tiles each visit the key blocks its mask leaves (its key tiles in the backward the query
         # blocks it leaves); they are taken as the causal mask's, in pairs, where their work grows like it.

@@ -269,6 +269,17 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     return replace(backward(head_dim, masked), dq_claim_keys=0)
 
 
+def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
+    """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
+    tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
+    added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
+    so a launch cannot pick the short shape by them). min_keys and min_scores are compared with the average keys a
+    sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
+    rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
+    variant = backward_variant(head_dim, causal)
+    return replace(variant, short=variant.main, short_keys=0)
+
+
 def decode() -> ir.GluonDecode:
     """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS)."""
     return DECODE

@@ -77,8 +77,6 @@ class BackwardTunable(Tunable):
         warmup.wait()
         if poison:
             launch = self._validation_launch(x, config)
-            if self.kernel.program.warp_specialized.backward is not None:  # the tuner validates the Triton dK/dV kernel
-                launch["attn_bwd_dkdv"]["warp_specialized"] = False
             module.backward(x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"], scale,
                             dq=x["dq"], dk=x["dk"], dv=x["dv"], config=launch)
             # The dK/dV kernel timed alone reads delta = rowsum(dO * O), as the dQ kernel writes it.
@@ -93,11 +91,14 @@ class BackwardTunable(Tunable):
 
     def _validation_launch(self, inputs: dict, config: dict) -> dict:
         """Poison the gradient buffers of `inputs` (NaN) and return the configs of a whole backward that runs this
-        part with `config` and the other part with its current config."""
+        part with `config` and the other part with its current config (the Triton kernels, not the Gluon one)."""
         for name in ("dq", "dk", "dv"):
             inputs[name].fill_(float("nan"))
         other = next(p for p in PARTS if p != self.name)
-        return {self.name: dict(config), other: self._current_config(other, inputs)}
+        launch = {self.name: dict(config), other: self._current_config(other, inputs)}
+        if self.kernel.program.warp_specialized.backward is not None:  # the tuner validates the Triton dK/dV kernel
+            launch["attn_bwd_dkdv"]["warp_specialized"] = False
+        return launch
 
     def _current_config(self, part: str, inputs: dict) -> dict:
         """The config a call of this shape would launch `part` with now (never tuning it)."""
