@@ -30,7 +30,7 @@ from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
-from .passes import PASS_NAMES, applied_passes, compile_program
+from .passes import PASS_NAMES, applied_passes, compile_program, warp_specialize_decode
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -153,6 +153,8 @@ def _print_passes(program: ir.Program) -> None:
                   "ending past their sequence stored row-masked; " + _gluon_backward_line(program))
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+    elif warp_specialize_decode.fp8_refusal(program):
+        print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "

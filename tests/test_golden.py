@@ -69,6 +69,8 @@ def test_generated_files_compile_for_sm90():
         # a variant's run-time tensors (ir/variants.tensor_buffers): ALiBi's slopes, the sinks, declared tensors
         variant_ptrs = {"ALIBI_SLOPES": "*fp32", "SINKS": "*fp32",
                         **{f"ARG_{t.name}": "*" + t.dtype.replace("int", "i") for t in spec.variant.tensors}}
+        if hasattr(module, "KV_DTYPE"):  # an FP8 cache (kv_dtype = fp8_e4m3) and its descale factors
+            variant_ptrs.update(K="*fp8e4nv", V="*fp8e4nv", K_DESCALE="*fp32", V_DESCALE="*fp32")
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")

@@ -20,6 +20,7 @@ from ..ir import variants
 from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
+from ..passes.lower import descales
 from ..policy import splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
@@ -83,6 +84,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants=constants,
         head_dim_v=spec.head_dim_v if spec.splits_head_dims else None,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
+        kv_torch_dtype=str(spec.kv_dtype.torch).removeprefix("torch.") if spec.kv_dtype else "",
         default_config=default_config(spec, target=Target.default()),  # the same source on every machine
         kernels=kernels,
         attrs=dict(program.attrs),
@@ -129,8 +131,11 @@ def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
     names = spec.variant.runtime_tensors()
     buffers = variants.tensor_buffers(spec.variant)
     taken = None if kernel is None else {p.name for p in kernel.params}
-    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI) for name, b in zip(names, buffers)
-            if taken is None or b.name in taken]
+    found = [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI, descale=False)
+             for name, b in zip(names, buffers) if taken is None or b.name in taken]
+    if spec.fp8_cache:  # an FP8 cache's factors: (B, H_KV), (H_KV,) or (1,), expanded to (B, H_KV)
+        found += [dict(arg=b.name.lower(), param=b.name.lower(), alibi=False, descale=True) for b in descales()]
+    return found
 
 
 def _split_heuristic_source() -> str:

@@ -67,10 +67,11 @@ class DType(enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"  # torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, finite (+-448)
 
     @property
     def bytes(self) -> int:
-        return 4 if self is DType.FP32 else 2
+        return {DType.FP32: 4, DType.FP8_E4M3: 1}.get(self, 2)
 
     @property
     def torch(self):
@@ -78,7 +79,8 @@ class DType(enum.Enum):
         if found is None:  # torch is imported on first use, not with the spec module
             import torch
 
-            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32})
+            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32,
+                                  DType.FP8_E4M3: torch.float8_e4m3fn})
             found = _TORCH_DTYPES[self]
         return found
 
@@ -134,6 +136,9 @@ class Spec:
     variant: Variant = Variant()
     # The head dim of V and O (`head_dim_v`); None in the constructor means head_dim, and __post_init__ fills it in.
     head_dim_v: int | None = None
+    # What the KV cache holds (`kv_dtype`): None means `dtype`; fp8_e4m3 (decoding specs) reads K and V as e4m3
+    # with run-time per-(sequence, K/V head) descale factors, q and the output staying in `dtype`.
+    kv_dtype: DType | None = None
     # Where each key was written, for error messages; not part of the kernel's identity.
     filename: str = field(default="<spec>", compare=False, repr=False)
     where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
@@ -157,6 +162,11 @@ class Spec:
     def splits_head_dims(self) -> bool:
         """Whether V and O have another head dim than Q and K (`head_dim_v` set to something else)."""
         return self.head_dim_v != self.head_dim
+
+    @property
+    def fp8_cache(self) -> bool:
+        """Whether K and V are an e4m3 cache read with descale factors (`kv_dtype = fp8_e4m3`)."""
+        return self.kv_dtype is DType.FP8_E4M3
 
     @property
     def softmax_scale(self) -> float:
@@ -258,6 +268,8 @@ class Spec:
             lines.append(f"    {key} = {text}")
             if key == "head_dim" and self.splits_head_dims:  # only when set: a plain spec's hash stays
                 lines.append(f"    head_dim_v = {self.head_dim_v}")
+            if key == "dtype" and self.kv_dtype is not None:  # likewise
+                lines.append(f"    kv_dtype = {self.kv_dtype.value}")
         # Written only when set, so that a plain spec's text (and hash) is what it always was.
         if self.varlen:
             lines.append(f"    layout = {self.layout.value}")
@@ -397,8 +409,9 @@ def _end(text: str) -> tuple[int, int]:
 
 # -- checking ----------------------------------------------------------------------------------
 
-_DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32}
-_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
+_DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32, "fp8_e4m3": DType.FP8_E4M3}
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+                  "float8_e4m3fn": "fp8_e4m3", "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _BOOLS = {"true": True, "false": False, "auto": None}
 
 
@@ -479,10 +492,10 @@ def _direction(v: Value) -> Direction:
     raise _err(v, f"unknown direction '{_shown(v)}'; expected forward or forward+backward")
 
 
-def _dtype(v: Value) -> DType:
+def _dtype(v: Value, key: str = "dtype") -> DType:
     if v.kind == "word" and v.text in _DTYPE_ALIASES:
-        raise _err(v, f"dtype '{v.text}' is spelled '{_DTYPE_ALIASES[v.text]}' here")
-    return _DTYPES[_word(v, "dtype", tuple(_DTYPES))]
+        raise _err(v, f"{key} '{v.text}' is spelled '{_DTYPE_ALIASES[v.text]}' here")
+    return _DTYPES[_word(v, key, tuple(_DTYPES))]
 
 
 def _bool(v: Value, key: str) -> bool | None:
@@ -498,6 +511,7 @@ _KEYS = {
     "head_dim": lambda v: _int(v, "head_dim", 16, 256),
     "head_dim_v": lambda v: _int(v, "head_dim_v", 16, MAX_HEAD_DIM_V),
     "dtype": _dtype,
+    "kv_dtype": lambda v: _dtype(v, "kv_dtype"),
     "heads": lambda v: _int(v, "heads", 1, 1024, any_=True),
     "kv_heads": lambda v: _int(v, "kv_heads", 1, 1024, any_=True),
     "group": lambda v: _int(v, "group", 1, 1024, any_=True),
@@ -562,7 +576,7 @@ def _check(header: Header, filename: str) -> Spec:
         (e.key, e.value.line, e.value.column) for e in header.entries if isinstance(e, Entry)
     ) + tuple((f"tensor {t.name}", t.line, t.column) for t in declared.values())
     spec = Spec(name=name, filename=filename, where=where, **values)
-    return _check_layout(_check_heads(_check_head_dim(spec)))
+    return _check_kv_dtype(_check_layout(_check_heads(_check_head_dim(spec))))
 
 
 def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[str, Any]:
@@ -634,6 +648,26 @@ def _check_layout(spec: Spec) -> Spec:
         if any(isinstance(d, str) and d not in ("B", "H") for d in t.dims):
             raise spec.error(f"tensor {t.name}", f"tensor '{t.name}' has a dimension other than B, H or a number; "
                              "a varlen kernel's sequences have no common length", UnsupportedError)
+    return spec
+
+
+def _check_kv_dtype(spec: Spec) -> Spec:
+    """An FP8 cache is for decoding kernels with 16-bit queries; `kv_dtype` equal to `dtype` is the default."""
+    if spec.dtype is DType.FP8_E4M3:
+        # NOTE: FP8 queries (the FP8 prefill forward) are not this check's to allow: an FP8 KV cache keeps them 16-bit.
+        raise spec.error("dtype", "dtype = fp8_e4m3 is not supported here; for an FP8 KV cache with 16-bit queries "
+                         "write dtype = bf16 (or fp16) and kv_dtype = fp8_e4m3", UnsupportedError)
+    if spec.kv_dtype is None or spec.kv_dtype is spec.dtype:
+        return spec.replace(kv_dtype=None)
+    if spec.kv_dtype is not DType.FP8_E4M3:
+        raise spec.error("kv_dtype", f"kv_dtype = {spec.kv_dtype.value} differs from dtype = {spec.dtype.value}; "
+                         "a cache of another dtype than the queries' is fp8_e4m3", UnsupportedError)
+    if spec.dtype not in (DType.BF16, DType.FP16):
+        raise spec.error("kv_dtype", f"kv_dtype = fp8_e4m3 takes 16-bit queries (dtype = bf16 or fp16), not "
+                         f"{spec.dtype.value}", UnsupportedError)
+    if not spec.decoding or spec.varlen:
+        raise spec.error("kv_dtype", "kv_dtype = fp8_e4m3 is for decoding over a KV cache: set split_kv "
+                         "(auto or a count) or kv_layout = paged(...), and layout = dense", UnsupportedError)
     return spec
 
 

@@ -16,6 +16,7 @@ from .. import ir
 from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Softmax, Space, Span, Store
+from .lower import descale_of, descaled
 
 NAME = "tiling"
 
@@ -69,7 +70,7 @@ def _match(kernel: ir.KernelIR):
         assert isinstance(s_assign, Assign) and s_assign.target.space is Space.HBM
         assert isinstance(softmax, Softmax) and softmax.scores == Ref(s_assign.target)
         assert isinstance(o_store, Store) and isinstance(lse_store, Store)
-        o_value = o_store.value
+        o_value, _ = descale_of(o_store.value)
         assert o_value.op is Op.DIV and o_value.args[0].op is Op.DOT
         assert o_value.args[0].args[0] == Ref(softmax.probs)
     except (AssertionError, ValueError, AttributeError, TypeError) as e:
@@ -102,8 +103,10 @@ def run(program: ir.Program) -> ir.Program:
     m = Buffer(softmax.rowmax.name, (sym.BLOCK_M,), DT.F32, Space.REG)
     l = Buffer(softmax.rowsum.name, (sym.BLOCK_M,), DT.F32, Space.REG)
     acc = Buffer("acc", (sym.BLOCK_M, value_span(program).size), DT.F32, Space.REG)
-    dot = o_store.value.args[0]
+    o_value, v_descale = descale_of(o_store.value)
+    dot = o_value.args[0]
     v_load = _retile(dot.args[1], spans)
+    out = Call(Op.DIV, (Ref(acc), Ref(l)))
 
     def key_loop(body, note):
         return Loop(sym.start_n, sym.ZERO, sym.N_K, sym.BLOCK_N, body, LoopKind.SERIAL, note, aligned=True)
@@ -118,7 +121,7 @@ def run(program: ir.Program) -> ir.Program:
         Assign(acc, Num(0.0)),
         key_loop((Assign(acc, Call(Op.DOT_ACC, (Load(softmax.probs, (rows, cols)), v_load, Ref(acc)), dot.dtype)),),
                  "every key block"),
-        Store(o_store.target, _retile_index(o_store.index, spans), Call(Op.DIV, (Ref(acc), Ref(l)))),
+        Store(o_store.target, _retile_index(o_store.index, spans), out if v_descale is None else descaled(out, v_descale)),
         Store(lse_store.target, _retile_index(lse_store.index, spans),
               ir.map_expr(lse_store.value, lambda e: Ref(m) if e == Ref(softmax.rowmax) else
                           Ref(l) if e == Ref(softmax.rowsum) else e)),

@@ -58,8 +58,17 @@ def applies(program: ir.Program) -> bool:
             and (plain(program) or (warp_specialize.is_variant(program)
                                     and warp_specialize.variant_supported(program, DECODE_SCALARS)))
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
+            and program.attr("kv_dtype") is None  # (`fp8_refusal` says why)
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS
             and program.attr("head_dim_v") is None)  # the Gluon template takes one head dim for K and V
+
+
+def fp8_refusal(program: ir.Program) -> str | None:
+    """Why an FP8 cache keeps the Triton kernel (None for a 16-bit one): `attngen explain` prints it."""
+    if program.attr("kv_dtype") is None:
+        return None
+    return (f"kv_dtype = {program.attr('kv_dtype')}: the Gluon template's TMA ring and wgmma operands are 16-bit; "
+            "the Triton kernel reads the e4m3 tiles and widens them in registers")
 
 
 def plain(program: ir.Program) -> bool:
