@@ -184,6 +184,12 @@ def test_append_kernel_compiles_for_sm90():
     from probe import probe
 
     pointers = {name: "*bf16" for name in ("K_SRC", "V_SRC", "K_POOL", "V_POOL")}
-    (result,) = probe([dict(module="attngen.api.paged", kernel="_append_kv", num_warps=4, num_stages=1,
-                            constexprs=dict(BLOCK_T=64, BLOCK_W=256), ptr_dtypes=dict(pointers, SLOTS="*i64"))])
-    assert "error" not in result, result
+    scales = {"K_SCALE": "*fp32", "V_SCALE": "*fp32"}
+    # a 16-bit pool, and an FP8 one that bf16 appends are quantised into
+    fp8 = dict(pointers, K_POOL="*fp8e4nv", V_POOL="*fp8e4nv")
+    results = probe([dict(module="attngen.api.paged", kernel="_append_kv", num_warps=4, num_stages=1,
+                          constexprs=dict(BLOCK_T=64, BLOCK_W=256, HEAD_DIM=128, QUANTIZE=quantize),
+                          ptr_dtypes=dict(pool, SLOTS="*i64", **scales))
+                     for pool, quantize in ((pointers, False), (fp8, True))])
+    for result in results:
+        assert "error" not in result, result

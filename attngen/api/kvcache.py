@@ -80,7 +80,7 @@ def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, pag
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
                            num_splits=0, return_softmax_lse=False, *, out=None, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, sinks=None):
+                           alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
 
     q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
@@ -98,26 +98,32 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     `softcap` C > 0 maps each scaled score s to C tanh(s / C) (0: off); `alibi_slopes` (H,) or (B, H)
     float32 subtracts slope * |q - k|; `sinks` (H,) float32, one learned logit per head, joins each
     row's softmax denominator (and the lse) with no value. softcap and alibi_slopes together are refused.
-    Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
-    do, but are not replayed (their tensors are arguments of the launch).
+    An FP8 cache (k_cache and v_cache in torch.float8_e4m3fn, q in bfloat16 or float16; FP8 queries are refused):
+    `k_descale`, `v_descale` (FA3's names) are float32 tensors of shape (B, H_KV) (per sequence and K/V head),
+    (H_KV,) (per head) or (1,) (per tensor), the true key being k_cache * k_descale (values likewise); None means
+    1.0 (vLLM's default scale: a cache written without scaling). K and V are read as e4m3 and widened in
+    registers; k_descale folds into the softmax scale and v_descale scales the normalised output, which is in
+    q's dtype. Descales with a 16-bit cache are refused.
+    Calls with alibi_slopes, sinks or an FP8 cache skip the checks from their signature's second call on, as
+    other calls do, but are not replayed (their tensors are arguments of the launch).
     Returns out (B, S_q, H, D_V), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
-                     window_size, softcap, alibi_slopes, sinks)
+                     window_size, softcap, alibi_slopes, sinks, k_descale, v_descale)
     plan = None if key is None else PLANS.get(key)
     planned = plan is not None
     if planned and out is not None:  # the layout is the key's; addresses are this call's
         check_disjoint(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if plan is None or on_other_gpu(q):
         plan = _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
-                             window_size, softcap, alibi_slopes, sinks)
+                             window_size, softcap, alibi_slopes, sinks, k_descale, v_descale)
         if plan is None:  # q is on another GPU: Triton launches on the current device, so make q's current
             with torch.cuda.device(q.device):
                 return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                               softmax_scale, num_splits, return_softmax_lse, out=out,
                                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                              sinks=sinks)
+                                              sinks=sinks, k_descale=k_descale, v_descale=v_descale)
         planned = False
         if key is not None:
             # A plan with run-time tensors keeps the checks' verdict on their layouts, not the tensors (a call
@@ -138,7 +144,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
 
-    tensors = dict(plan.tensors) if not planned else _call_tensors(alibi_slopes, sinks)
+    tensors = dict(plan.tensors) if not planned else _call_tensors(alibi_slopes, sinks, k_descale, v_descale, k_cache)
 
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
@@ -176,26 +182,73 @@ class _Plan(NamedTuple):
     capacity: int
     page_size: int | None
     replay: object = None  # a Replay of the launches (attngen/runtime/replay.py), False where they cannot be replayed
-    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks) in float32, as (keyword, tensor) pairs, of
-                         # the call that made the plan (PLANS keeps it without them, and without a replay)
+    tensors: tuple = ()  # the run-time tensors (alibi_slopes, sinks; an FP8 cache's k_descale, v_descale) in float32,
+                         # as (keyword, tensor) pairs, of the call that made the plan (PLANS keeps it without them,
+                         # and without a replay)
 
 
 # PLANS holds _signature(...) -> _Plan of calls that passed the checks. A decoding step repeats its layouts, so
 # from its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
 # v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
 # everything the checks read, so a call that would fail them never hits.
-def _call_tensors(alibi_slopes, sinks) -> dict:
+def _call_tensors(alibi_slopes, sinks, k_descale=None, v_descale=None, k_cache=None) -> dict:
     """A planned call's run-time tensors, in float32 (the layouts the plan's signature holds were checked)."""
     found = {}
     if alibi_slopes is not None:
         found["alibi_slopes"] = alibi_slopes.float().contiguous()
     if sinks is not None:
         found["sinks"] = sinks.float().contiguous()
+    if k_cache is not None and k_cache.dtype in FP8_CACHE:
+        found.update(_descales(k_descale, v_descale, k_cache.device))
     return found
 
 
+# The dtypes of an FP8 cache, by the spec's name for them (lang/spec.py's DType vocabulary).
+FP8_CACHE = {torch.float8_e4m3fn: "fp8_e4m3"}
+_UNIT_DESCALE: dict = {}  # device -> a (1,) float32 tensor of 1.0, never written
+
+
+def _descales(k_descale, v_descale, device) -> dict:
+    """The descale factors a launch over an FP8 cache takes (as checked by `_check_descales`), 1.0 where None: a
+    (1,) tensor made once per device, so that a decoding step launches no fill kernel of its own."""
+    if k_descale is None or v_descale is None:
+        unit = _UNIT_DESCALE.get(device)
+        if unit is None:
+            unit = torch.ones(1, dtype=torch.float32, device=device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                _UNIT_DESCALE[device] = unit
+        k_descale = unit if k_descale is None else k_descale
+        v_descale = unit if v_descale is None else v_descale
+    return {"k_descale": k_descale, "v_descale": v_descale}
+
+
+def _check_descales(q, k_cache, k_descale, v_descale) -> None:
+    """An FP8 cache's descale factors: float32 tensors of shape (B, H_KV), (H_KV,) or (1,) on q's device, or None
+    (1.0); with a 16-bit cache, none. A bad one is a TypeError (not a tensor) or ValueError naming it."""
+    fp8 = k_cache.dtype in FP8_CACHE
+    batch, kv_heads = q.shape[0], k_cache.shape[2]
+    shapes = ((batch, kv_heads), (kv_heads,), (1,))
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if not fp8:
+            raise KernelInputError(f"{name} is for an FP8 cache (torch.float8_e4m3fn); k_cache has dtype {k_cache.dtype}")
+        if t.dtype != torch.float32:
+            raise KernelInputError(f"{name} must be float32; got {t.dtype}")
+        if tuple(t.shape) not in shapes:
+            raise KernelInputError(f"{name} must have shape {shapes[0]} (per sequence and K/V head), {shapes[1]} (per "
+                                   f"K/V head) or (1,) (per tensor); got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
+        if torch.is_grad_enabled() and t.requires_grad:
+            raise KernelInputError(f"{name} requires grad, but attention_with_kvcache has no backward: call it under "
+                                   "torch.no_grad() or pass a detached tensor")
+
+
 def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, window_size,
-               softcap, alibi_slopes=None, sinks=None):
+               softcap, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """The key of `PLANS`: "kvcache" (this call path), every tensor's shape, strides, dtype, device, layout
     and requires_grad, grad mode, the other arguments' values, the tuning tables' generation and whether
     Triton interprets (all that the checks read but whether `out` shares memory with the inputs, and an int
@@ -222,7 +275,7 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
     if out is not None and type(out) is not torch.Tensor:
         return None
     extra = ()
-    for t in (alibi_slopes, sinks):  # their layouts, as the checks read them
+    for t in (alibi_slopes, sinks, k_descale, v_descale):  # their layouts, as the checks read them
         if t is not None and type(t) is not torch.Tensor:
             return None
         extra += (None if t is None else tensor_signature(t),)
@@ -232,7 +285,7 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
 
 
 def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """Every check of `attention_with_kvcache`'s arguments (a bad one raises before anything is launched),
     then the kernel, config and split count of the call, as a _Plan; None where q is on a GPU other than
     the current one (the caller then calls again under torch.cuda.device(q.device))."""
@@ -250,12 +303,19 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
             f"{' and '.join(needs)} {'requires' if len(needs) == 1 else 'require'} grad, but attention_with_kvcache "
             "has no backward (decoding is inference only): call it under torch.no_grad() or "
             "torch.inference_mode(), or pass detached tensors; for gradients use attngen.attention")
+    if q.dtype in FP8_CACHE:
+        raise KernelInputError(f"q has dtype {q.dtype}: FP8 queries are not supported by attention_with_kvcache; an "
+                               "FP8 cache takes bfloat16 or float16 q (the output is in q's dtype)")
     if q.dtype not in _DTYPES:
         raise KernelInputError(f"q has dtype {q.dtype}; supported are float16, bfloat16 and float32")
     batch, seqlen_q, heads, head_dim = q.shape
+    fp8 = k_cache.dtype in FP8_CACHE
+    if fp8 and q.dtype == torch.float32:
+        raise KernelInputError(f"k_cache has dtype {k_cache.dtype}: an FP8 cache takes bfloat16 or float16 q, not float32")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise KernelInputError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if t.dtype != (k_cache.dtype if fp8 else q.dtype):
+            raise KernelInputError(f"{name} has dtype {t.dtype} but {'k_cache' if fp8 else 'q'} has "
+                                   f"{k_cache.dtype if fp8 else q.dtype}")
         if t.device != q.device:
             raise KernelInputError(f"{name} is on {t.device} but q is on {q.device}")
     if k_cache.shape[-1] != head_dim:
@@ -293,6 +353,9 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 128:
         raise KernelInputError(f"num_splits must be an int from 0 (choose) to 128; got {num_splits!r}")
     window_size, softcap, tensors = _check_variant(q, window_size, softcap, alibi_slopes, sinks)
+    _check_descales(q, k_cache, k_descale, v_descale)
+    if fp8:
+        tensors.update(_descales(k_descale, v_descale, q.device))
     _check_indexing(q.transpose(1, 2), q, k_cache, v_cache, block_table, capacity, page_size)
     if out is not None:
         check_out(out, q, inputs={"q": q, "k_cache": k_cache, "v_cache": v_cache}, shape=out_shape)
@@ -305,7 +368,7 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
             check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size, window_size, softcap,
-                               alibi_slopes is not None, sinks is not None, head_dim_v))
+                               alibi_slopes is not None, sinks is not None, head_dim_v, FP8_CACHE.get(k_cache.dtype)))
     part, config = None, {}
     if q.numel():
         part = kernel.part("kvcache")

@@ -17,6 +17,19 @@ every sequence.
 Bookkeeping (which pages a sequence owns, reference counts, the free list) lives on the host, as
 in vLLM's block manager; token data never does: `append` writes every token of a call with one
 launch of a small Triton kernel (`_append_kv`), given the destination slot of each token.
+
+An FP8 pool (`dtype=torch.float8_e4m3fn`) halves the bytes a decoding step reads. Its scales are fixed at
+construction, as vLLM's `kv_cache_dtype="fp8"` fixes them when it loads a model: `k_scale` and `v_scale`
+(a float, or a float32 tensor of one per K/V head, or (1,)), 1.0 unless given (vLLM's default; a
+calibrated model brings its own). `append` takes 16- or 32-bit k and v and stores k / k_scale rounded to
+e4m3, saturated to +-448 (e4m3's largest finite value, so an outlier clips instead of becoming NaN), v
+likewise; FP8 k and v are taken as already scaled. Scales computed from the first append were not chosen:
+later tokens outside that range would all clip, and the result would depend on what came first.
+Attention reads the scales as its descale factors:
+
+    cache = PagedKVCache(4096, 16, 8, 128, dtype=torch.float8_e4m3fn, k_scale=0.05, v_scale=0.02)
+    out = attngen.attention_with_kvcache(q, cache.k_pages, cache.v_pages, lens, table,
+                                         k_descale=cache.k_scale, v_descale=cache.v_scale)
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import triton.language as tl
 
 from ..env import interpreting
 from ..errors import AttnGenError, KernelInputError
+from ..runtime import interpreter_fixes
 from ..runtime.arguments import on_other_gpu
 
 
@@ -37,10 +51,16 @@ class OutOfPages(AttnGenError, RuntimeError):
     """The pool has too few free pages for an append (nothing was changed)."""
 
 
+# e4m3's largest finite value: quantised values saturate there
+FP8_MAX = 448.0
+
+
 @triton.jit
-def _append_kv(K_SRC, V_SRC, K_POOL, V_POOL, SLOTS, n_tokens, width, stride_k_t, stride_v_t,
-               BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Copy token rows (width = kv_heads * head_dim elements) into their slots of the page pools."""
+def _append_kv(K_SRC, V_SRC, K_POOL, V_POOL, SLOTS, K_SCALE, V_SCALE, n_tokens, width, stride_k_t, stride_v_t,
+               BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZE: tl.constexpr):
+    """Copy token rows (width = kv_heads * head_dim elements) into their slots of the page pools; with QUANTIZE,
+    as x / scale of the row's K/V head (K_SCALE, V_SCALE: one float32 each) saturated to +-FP8_MAX, in the pools'
+    FP8 dtype."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = offs_t < n_tokens
     slot = tl.load(SLOTS + offs_t, mask=live, other=0)  # page * page_size + slot in page, int64
@@ -49,16 +69,42 @@ def _append_kv(K_SRC, V_SRC, K_POOL, V_POOL, SLOTS, n_tokens, width, stride_k_t,
         keep = live[:, None] & (offs_w[None, :] < width)
         row = offs_t[:, None].to(tl.int64)
         k = tl.load(K_SRC + row * stride_k_t + offs_w[None, :], mask=keep)
-        tl.store(K_POOL + slot[:, None] * width + offs_w[None, :], k, mask=keep)
         v = tl.load(V_SRC + row * stride_v_t + offs_w[None, :], mask=keep)
+        if QUANTIZE:
+            head = offs_w // HEAD_DIM
+            k_scale = tl.load(K_SCALE + head, mask=offs_w < width, other=1.0)
+            v_scale = tl.load(V_SCALE + head, mask=offs_w < width, other=1.0)
+            k = tl.clamp(k.to(tl.float32) / k_scale[None, :], -448.0, 448.0)  # (FP8_MAX).to(K_POOL.dtype.element_ty)
+            v = tl.clamp(v.to(tl.float32) / v_scale[None, :], -448.0, 448.0).to(V_POOL.dtype.element_ty)
+        tl.store(K_POOL + slot[:, None] * width + offs_w[None, :], k, mask=keep)
         tl.store(V_POOL + slot[:, None] * width + offs_w[None, :], v, mask=keep)
+
+
+def _scales(name: str, t, kv_heads: int, device) -> torch.Tensor:
+    """An FP8 pool's scale as (kv_heads,) float32 on its device: from a float (every head), None (1.0), or a
+    float32 tensor of shape (kv_heads,) or (1,)."""
+    if t is None:
+        t = 1.0
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        value = float(t)
+        if not (value > 0 and value < float("inf")):
+            raise KernelInputError(f"{name} must be a positive finite number; got {t!r}")
+        return torch.full((kv_heads,), value, dtype=torch.float32, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float or a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != torch.float32 or tuple(t.shape) not in ((kv_heads,), (1,)):
+        raise KernelInputError(f"{name} must be a float32 tensor of shape ({kv_heads},) or (1,); got "
+                               f"{tuple(t.shape)} {t.dtype}")
+    if not bool(((t > 0) & torch.isfinite(t)).all()):  # (host side: checked once, at construction)
+        raise KernelInputError(f"{name} must be positive and finite")
+    return t.detach().to(device).expand(kv_heads).contiguous()
 
 
 class PagedKVCache:
     """A pool of KV pages shared by many sequences, allocated on demand (see the module doc)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device="cuda"):
+                 dtype: torch.dtype = torch.float16, device="cuda", *, k_scale=None, v_scale=None):
         for name, value in (("num_pages", num_pages), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KernelInputError(f"{name} must be a positive int; got {value!r}")
@@ -69,6 +115,13 @@ class PagedKVCache:
         shape = (num_pages, page_size, kv_heads, head_dim)
         self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        # An FP8 pool's descale factors, one per K/V head (the true value is the stored one times it); None otherwise.
+        self.k_scale = self.v_scale = None
+        if dtype == torch.float8_e4m3fn:
+            self.k_scale, self.v_scale = (_scales(name, t, kv_heads, self.k_pages.device)
+                                          for name, t in (("k_scale", k_scale), ("v_scale", v_scale)))
+        elif k_scale is not None or v_scale is not None:
+            raise KernelInputError(f"k_scale and v_scale are for an FP8 pool (dtype=torch.float8_e4m3fn), not {dtype}")
         self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
         self._refs = [0] * num_pages        # sequences holding each page
         self._filled = [0] * num_pages      # slots of each page holding a token
@@ -143,8 +196,12 @@ class PagedKVCache:
                 raise KernelInputError(f"{name} must be (sequences, tokens, kv_heads, head_dim) = {expected}")
             if t.layout is not torch.strided:
                 raise KernelInputError(f"{name} is a {t.layout} tensor; append takes dense (strided) tensors")
-            if t.dtype != self.k_pages.dtype or t.device != self.k_pages.device:
-                raise KernelInputError(f"{name} must be {self.k_pages.dtype} on {self.k_pages.device}")
+            if t.device != self.k_pages.device or (t.dtype != self.k_pages.dtype and not self._quantizes(t)):
+                what = f"{self.k_pages.dtype} (or float16, bfloat16, float32, quantised)" if self.k_scale is not None \
+                    else self.k_pages.dtype
+                raise KernelInputError(f"{name} must be {what} on {self.k_pages.device}; got {t.dtype} on {t.device}")
+        if k.dtype != v.dtype:
+            raise KernelInputError(f"k and v must have one dtype; got {k.dtype} and {v.dtype}")
         tokens = k.shape[1]
         if tokens == 0 or not seq_ids:
             return
@@ -163,10 +220,19 @@ class PagedKVCache:
         # The interpreter pays per program, not per element: one program per call there.
         block_t = min(1024 if interpreting() else 64, triton.next_power_of_2(n))
         # Triton launches on the current device: the pool's, for this launch.
+        quantize = self._quantizes(k)
+        if quantize and interpreting():
+            interpreter_fixes.apply()  # the interpreter's own FP8 rounding is not the GPU's
+        scales = (self.k_scale, self.v_scale) if quantize else (slots, slots)  # (unread unless quantising)
         with torch.cuda.device(self.k_pages.device) if on_other_gpu(self.k_pages) else contextlib.nullcontext():
             _append_kv[(triton.cdiv(n, block_t),)](
-                k_rows, v_rows, self.k_pages, self.v_pages, slots, n, width, k_rows.stride(0), v_rows.stride(0),
-                BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)))
+                k_rows, v_rows, self.k_pages, self.v_pages, slots, *scales, n, width, k_rows.stride(0),
+                v_rows.stride(0), BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)),
+                HEAD_DIM=self.k_pages.shape[3], QUANTIZE=quantize)
+
+    def _quantizes(self, t: torch.Tensor) -> bool:
+        """Whether `append` quantises `t` into this pool: a 16- or 32-bit tensor into an FP8 one."""
+        return self.k_scale is not None and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
     def _pages_needed(self, seq: int, tokens: int) -> int:
         length, held = self._lengths[seq], len(self._pages[seq])
@@ -201,6 +267,7 @@ class PagedKVCache:
         return torch.tensor(pages, dtype=torch.int64)[positions // size] * size + positions % size
 
     # -- reading -------------------------------------------------------------------------------
+
     def block_table(self, seq_ids: Sequence[int], device=None) -> torch.Tensor:
         """(len(seq_ids), max pages) int32 block table for `attention_with_kvcache` (unused entries 0)."""
         rows = [self._pages[self._known(s)] for s in seq_ids]

@@ -121,19 +121,22 @@ def sdpa_key_spec(key: str) -> Spec:
 
 @lru_cache(maxsize=None)
 def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
-                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> Spec:
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None,
+                 kv_dtype: str | None = None) -> Spec:
     """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another)
     / mask / page size, and flash-attn's variant arguments as `sdpa_variant` reads them (the spec aligns them
     bottom-right, as it does the causal mask), written as spec text: e.g. `mask = causal & window(4096)`,
-    `score = softcap(30)`, `sinks = true`."""
+    `score = softcap(30)`, `sinks = true`; `kv_dtype` (e.g. "fp8_e4m3") where the cache's differs from q's."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
     mask, words = _bottom_right(variant, causal)
     # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
-    name = (f"kvcache_{dtype}_{_dims(head_dim, head_dim_v)}_{words}_"
+    cache = f"_{kv_dtype.split('_')[0]}kv" if kv_dtype else ""  # e.g. kvcache_bf16_fp8kv_d128_...
+    name = (f"kvcache_{dtype}{cache}_{_dims(head_dim, head_dim_v)}_{words}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
     lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + [
-        f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+        f"dtype = {dtype}"] + ([f"kv_dtype = {kv_dtype}"] if kv_dtype else []) + [
+        "split_kv = auto", f"kv_layout = {layout}"]
     return _flash_spec("attngen.attention_with_kvcache()", name, lines, variant)
 
 
