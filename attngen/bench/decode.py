@@ -24,13 +24,18 @@ zeros), triton.testing.do_bench medians:
   flex                   FlexAttention, compiled (static shapes, dynamo's recompile limit raised so
                          it never falls back to eager), enable_gqa=True, no mask: a full cache
   naive                  softmax(q k^T) v in PyTorch, the 4 query heads of a K/V head as one matmul
+  attngen fp8 contiguous / paged 16 (and [graph], [layers])
+                         the same calls on an FP8 (e4m3) cache of the same tokens (per-head k_descale,
+                         v_descale), bf16 queries and output (issue 52): checked against attngen on the
+                         dequantised bf16 cache; the note gives the speed-up over the bf16 row of the
+                         same name (tokens per second, batch / time), and paged's ratio to contiguous
   (every peer's output is checked against attngen contiguous before it is timed)
   ... [layers]           one decoding step of a model: L layers' attention back to back in one CUDA
                          graph, each layer on its own cache (L = 256 MB / one layer's K/V, 1 to 16,
                          so the caches do not fit in L2 together), time / L. A replay of one call
                          alone also counts the graph's launch latency (about 10 us on an H200,
                          common to every provider), which a model pays once per step, not per layer
-Bandwidth = K/V bytes of the cache, 2 * B * ctx * H_kv * d * 2, over the time. Every attngen
+Bandwidth = K/V bytes of the cache, 2 * B * ctx * H_kv * d * 2 (1 for an FP8 cache), over the time. Every attngen
 variant is checked against the contiguous one. Then one decode step (B=16, 8k, paged 16) is
 captured in a CUDA graph, replayed on new query data, and compared with an eager call.
 Writes OUT_DIR/decode_bench.json and prints a table last.
@@ -96,8 +101,8 @@ def bench_layers(calls) -> float:
     return bench(graph.replay) / len(calls)
 
 
-def gbps(batch: int, ctx: int, ms: float) -> float:
-    return 2 * batch * ctx * H_KV * D * DTYPE.itemsize / (ms * 1e-3) / 1e9
+def gbps(batch: int, ctx: int, ms: float, itemsize: int = DTYPE.itemsize) -> float:
+    return 2 * batch * ctx * H_KV * D * itemsize / (ms * 1e-3) / 1e9
 
 
 def paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor) -> torch.Tensor:
@@ -207,9 +212,9 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
     seqlens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     row = {"batch": batch, "context": ctx, "ms": {}, "GB/s": {}, "notes": {}}
 
-    def record(name, ms, note=None):
+    def record(name, ms, note=None, itemsize=DTYPE.itemsize):
         row["ms"][name] = ms
-        row["GB/s"][name] = None if ms is None else gbps(batch, ctx, ms)
+        row["GB/s"][name] = None if ms is None else gbps(batch, ctx, ms, itemsize)
         if note:
             row["notes"][name] = note
 
@@ -239,6 +244,7 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
         if err > 2e-2:
             raise SystemExit(f"paged {page} disagrees with contiguous at B={batch} ctx={ctx}: {err}")
         kp = vp = None  # (freed; rebound, not deleted: the timed lambdas name them)
+    fp8_rows(q, k, v, full, gen, record, row["ms"])
     for name, make in PEERS.items():
         ms, note = peer(make, q, k, v, ref)
         record(name, ms, note)
@@ -260,6 +266,39 @@ def one_shape(batch: int, ctx: int, gen: torch.Generator) -> dict:
     q = k = v = caches = None
     torch.cuda.empty_cache()
     return row
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_rows(q, k, v, full: int, gen: torch.Generator, record, times: dict) -> None:
+    """The FP8-cache rows (issue 52): the bf16 cache quantised per K/V head (k / k_descale in e4m3, scales from
+    each head's absolute maximum as a calibration would set them), contiguous and in shuffled 16-token pages, timed
+    eagerly, as a CUDA-graph replay and as layers; each checked against attngen on the dequantised cache, and
+    noted with its speed-up over the bf16 row of the same name in `times` (tokens per second = batch / time)."""
+    batch, ctx = k.shape[0], k.shape[1]
+    k_descale, v_descale = (t.abs().amax(dim=(0, 1, 3)).float() / 448.0 for t in (k, v))
+    k8 = (k.float() / k_descale[:, None]).to(FP8)
+    v8 = (v.float() / v_descale[:, None]).to(FP8)
+    want = attention_with_kvcache(q, (k8.float() * k_descale[:, None]).to(DTYPE),
+                                  (v8.float() * v_descale[:, None]).to(DTYPE), full)
+    scales = dict(k_descale=k_descale, v_descale=v_descale)
+    perm = torch.randperm(batch * ctx // 16, device="cuda", generator=gen)
+    table = perm.view(batch, ctx // 16).to(torch.int32)
+    kp, vp = paged_copy(k8, 16, perm), paged_copy(v8, 16, perm)
+    calls = {"contiguous": lambda: attention_with_kvcache(q, k8, v8, full, **scales),
+             "paged 16": lambda: attention_with_kvcache(q, kp, vp, full, table, **scales)}
+    for layout, call in calls.items():
+        err = (call().float() - want.float()).abs().max().item()
+        if err > 2e-2:
+            raise SystemExit(f"fp8 {layout} disagrees with the dequantised cache at B={batch} ctx={ctx}: {err}")
+        for suffix, timer in (("", bench), (" [graph]", bench_graph)):
+            bf16 = f"attngen {layout}{suffix}"
+            ms = timer(call)
+            note = f"x{times[bf16] / ms:.2f} bf16's tokens/s" if times.get(bf16) else ""
+            if layout == "paged 16" and times.get(f"attngen fp8 contiguous{suffix}"):
+                note += f"; x{times[f'attngen fp8 contiguous{suffix}'] / ms:.2f} of fp8 contiguous"
+            record(f"attngen fp8 {layout}{suffix}", ms, note, itemsize=FP8.itemsize)
 
 
 def graph_check(gen: torch.Generator) -> dict:
