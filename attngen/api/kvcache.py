@@ -39,6 +39,7 @@ from .. import env
 from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
+from ..lang.spec import DType
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
@@ -204,7 +205,7 @@ def _call_tensors(alibi_slopes, sinks, k_descale=None, v_descale=None, k_cache=N
 
 
 # The dtypes of an FP8 cache, by the spec's name for them (lang/spec.py's DType vocabulary).
-FP8_CACHE = {torch.float8_e4m3fn: "fp8_e4m3"}
+FP8_CACHE = {DType.FP8_E4M3.torch: DType.FP8_E4M3.value}
 _UNIT_DESCALE: dict = {}  # device -> a (1,) float32 tensor of 1.0, never written
 
 
