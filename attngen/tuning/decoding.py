@@ -16,6 +16,8 @@ how its launch config differs from the prefill forward's). Tuning it (`KVCacheTu
     so no split has to even out long and short sequences) take.
   * a spec with the Gluon decode kernel searches `warp_specialized`: 1 runs the Gluon kernel (fixed tiles: one
     candidate per split count, `tuning_canonical`), 0 the Triton kernel.
+  * an FP8 cache (`kv_dtype = fp8_e4m3`) is filled with e4m3 values and read with descale factors of 1.0, so
+    that the float64 check sees the values the kernel reads; its GB/s count one byte an element.
 
 Speeds are reported in GB/s of K/V read (`tuning_bytes`), as decoding is memory bound, and timed as
 CUDA-graph replays (`tuning_graph`): at batch 1 a step takes tens of microseconds, less than the
@@ -60,8 +62,10 @@ class KVCacheTunable(Tunable):
         spec = self.spec
         d, d_v, dtype = spec.head_dim, spec.head_dim_v, spec.dtype.torch
 
-        def randn(*size):
+        def randn(*size, dtype=dtype):
             return torch.randn(size, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+        kv = self._kv_dtype()
 
         batch, capacity = shape.batch, shape.n_k
         lens = torch.tensor(sequence_lengths(batch, capacity), dtype=torch.int32, device=device)
@@ -73,10 +77,13 @@ class KVCacheTunable(Tunable):
             pool = batch * per_seq + per_seq  # spare pages: the pool is not exactly the table
             order = torch.randperm(pool, generator=generator, device=device)[: batch * per_seq]
             table = order.to(torch.int32).view(batch, per_seq)
-            k, v = randn(pool, page, shape.kv_heads, d), randn(pool, page, shape.kv_heads, d_v)
+            k, v = randn(pool, page, shape.kv_heads, d, dtype=kv.torch), randn(pool, page, shape.kv_heads, d_v, dtype=kv.torch)
         else:
-            k, v = randn(batch, capacity, shape.kv_heads, d), randn(batch, capacity, shape.kv_heads, d_v)
-        return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape,
+            k = randn(batch, capacity, shape.kv_heads, d, dtype=kv.torch)
+            v = randn(batch, capacity, shape.kv_heads, d_v, dtype=kv.torch)
+        # an FP8 cache's descale factors: 1.0, one per tensor
+        tensors = {name: torch.ones(1, device=device) for name in ("k_descale", "v_descale")} if spec.fp8_cache else {}
+        return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape, "tensors": tensors,
                 "out": q.new_empty((batch, shape.n_q, shape.heads, d_v)), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
                                                                 dtype=torch.float32)}
 
@@ -97,7 +104,7 @@ class KVCacheTunable(Tunable):
         if self.part.has_gluon():  # the Gluon kernel only where the candidate asks for it
             config["warp_specialized"] = bool(config.get("warp_specialized", 0))
         return self.part.launch(x["q"].transpose(1, 2), k4, v4, x["lens"], x["table"], self.spec.softmax_scale,
-                                x["out"].transpose(1, 2), x["lse"], config)
+                                x["out"].transpose(1, 2), x["lse"], config, tensors=x["tensors"])
 
     def tuning_check(self, inputs: dict, outputs, sequences: int = 2):
         """The first `sequences` sequences against float64 (each gathered from its pages): the worst."""
@@ -122,4 +129,8 @@ class KVCacheTunable(Tunable):
         if self.part.rows(shape) > 16:
             return None
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
-        return shape.kv_heads * keys * (self.spec.head_dim + self.spec.head_dim_v) * self.spec.dtype.bytes
+        return shape.kv_heads * keys * (self.spec.head_dim + self.spec.head_dim_v) * self._kv_dtype().bytes
+
+    def _kv_dtype(self):
+        """The cache's dtype (the spec's `kv_dtype`, else its `dtype`)."""
+        return self.spec.kv_dtype or self.spec.dtype
