@@ -315,3 +315,22 @@ def test_paged_fp8_kernel_compiles_for_sm90():
                                         "O_PART": "*fp32", "LSE_PART": "*fp32", "SEQLENS": "*i32",
                                         "BLOCK_TABLE": "*i32"})])
     assert "error" not in result, result
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_fp8_calls_read_their_own_descales(monkeypatch):
+    """From a signature's third call on its launches are replayed (attngen/runtime/replay.py): each call's descales
+    (new tensors, new values) must reach the kernel as its caches do; the unplanned path gives the same bits."""
+    from conftest import empty_plans
+
+    gen = torch.Generator().manual_seed(9)
+    batch, heads, kv_heads, d, n = 4, 32, 8, 128, 1024
+    q = torch.randn(batch, 1, heads, d, generator=gen).to(torch.bfloat16).cuda()
+    k, v = _fp8((batch, n, kv_heads, d), gen).cuda(), _fp8((batch, n, kv_heads, d), gen).cuda()
+    scales = [(_descale((batch, kv_heads), gen).cuda(), _descale((batch, kv_heads), gen).cuda()) for _ in range(4)]
+    got = [attngen.attention_with_kvcache(q, k, v, n, k_descale=kd, v_descale=vd) for kd, vd in scales]
+    with monkeypatch.context() as m:
+        empty_plans(m)
+        want = [attngen.attention_with_kvcache(q, k, v, n, k_descale=kd, v_descale=vd) for kd, vd in scales]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[2], got[3])

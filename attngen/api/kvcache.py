@@ -105,8 +105,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     1.0 (vLLM's default scale: a cache written without scaling). K and V are read as e4m3 and widened in
     registers; k_descale folds into the softmax scale and v_descale scales the normalised output, which is in
     q's dtype. Descales with a 16-bit cache are refused.
-    Calls with alibi_slopes, sinks or an FP8 cache skip the checks from their signature's second call on, as
-    other calls do, but are not replayed (their tensors are arguments of the launch).
+    Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
+    do, but are not replayed (their tensors are arguments of the launch); calls over an FP8 cache are, with
+    their descales' addresses.
     Returns out (B, S_q, H, D_V), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
@@ -128,8 +129,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         planned = False
         if key is not None:
             # A plan with run-time tensors keeps the checks' verdict on their layouts, not the tensors (a call
-            # brings its own), and is never replayed: the recorded launches would hold the first call's.
-            PLANS.keep(key, plan._replace(tensors=(), replay=False) if plan.tensors else plan)
+            # brings its own). Calls with alibi_slopes or sinks are never replayed (the launch reads float32 copies
+            # made per call, which a recording would hold); an FP8 cache's descales are the call's own tensors,
+            # which a replay takes as inputs like the caches.
+            replayable = all(name in ("k_descale", "v_descale") for name, _ in plan.tensors)
+            PLANS.keep(key, plan._replace(tensors=(), replay=None if replayable else False) if plan.tensors else plan)
     if plan.uniform:
         if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
             _check_uniform_length(cache_seqlens, plan.capacity)
@@ -141,11 +145,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
     if plan.part is None:  # q is empty
         return (out, lse) if return_softmax_lse else out
-    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse)
+    descales = _descales(k_descale, v_descale, q.device) if k_cache.dtype in FP8_CACHE else {}
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *descales.values())
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
 
-    tensors = dict(plan.tensors) if not planned else _call_tensors(alibi_slopes, sinks, k_descale, v_descale, k_cache)
+    tensors = dict(plan.tensors) if not planned else dict(_call_tensors(alibi_slopes, sinks), **descales)
 
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
@@ -192,34 +197,33 @@ class _Plan(NamedTuple):
 # from its second call on it skips ~60 lines of checks and the kernel's and config's lookups (benchmarks/NOTES.md
 # v33), and from its third the generated module's Python too (the plan's replay, v34); the signature holds
 # everything the checks read, so a call that would fail them never hits.
-def _call_tensors(alibi_slopes, sinks, k_descale=None, v_descale=None, k_cache=None) -> dict:
+def _call_tensors(alibi_slopes, sinks) -> dict:
     """A planned call's run-time tensors, in float32 (the layouts the plan's signature holds were checked)."""
     found = {}
     if alibi_slopes is not None:
         found["alibi_slopes"] = alibi_slopes.float().contiguous()
     if sinks is not None:
         found["sinks"] = sinks.float().contiguous()
-    if k_cache is not None and k_cache.dtype in FP8_CACHE:
-        found.update(_descales(k_descale, v_descale, k_cache.device))
     return found
 
 
 # The dtypes of an FP8 cache, by the spec's name for them (lang/spec.py's DType vocabulary).
 FP8_CACHE = {DType.FP8_E4M3.torch: DType.FP8_E4M3.value}
-_UNIT_DESCALE: dict = {}  # device -> a (1,) float32 tensor of 1.0, never written
+_UNIT_DESCALE: dict = {}  # device -> two (1,) float32 tensors of 1.0 (K's, V's), never written
 
 
 def _descales(k_descale, v_descale, device) -> dict:
-    """The descale factors a launch over an FP8 cache takes (as checked by `_check_descales`), 1.0 where None: a
-    (1,) tensor made once per device, so that a decoding step launches no fill kernel of its own."""
+    """The descale factors a launch over an FP8 cache takes (as checked by `_check_descales`), 1.0 where None: (1,)
+    tensors made once per device, so that a decoding step launches no fill kernel of its own, and two of them,
+    one for K and one for V, so that a replay (attngen/runtime/replay.py) tells their addresses apart."""
     if k_descale is None or v_descale is None:
-        unit = _UNIT_DESCALE.get(device)
-        if unit is None:
-            unit = torch.ones(1, dtype=torch.float32, device=device)
+        units = _UNIT_DESCALE.get(device)
+        if units is None:
+            units = tuple(torch.ones(1, dtype=torch.float32, device=device) for _ in range(2))
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                _UNIT_DESCALE[device] = unit
-        k_descale = unit if k_descale is None else k_descale
-        v_descale = unit if v_descale is None else v_descale
+                _UNIT_DESCALE[device] = units
+        k_descale = units[0] if k_descale is None else k_descale
+        v_descale = units[1] if v_descale is None else v_descale
     return {"k_descale": k_descale, "v_descale": v_descale}
 
 
