@@ -283,7 +283,7 @@ def fp8_rows(q, k, v, full: int, gen: torch.Generator, record, times: dict) -> N
     want = attention_with_kvcache(q, (k8.float() * k_descale[:, None]).to(DTYPE),
                                   (v8.float() * v_descale[:, None]).to(DTYPE), full)
     scales = dict(k_descale=k_descale, v_descale=v_descale)
-    perm = torch.randperm(batch * ctx // 16, device="cuda", generator=gen)
+    perm = torch.randperm(batch * ctx // 16, device=k.device, generator=gen)
     table = perm.view(batch, ctx // 16).to(torch.int32)
     kp, vp = paged_copy(k8, 16, perm), paged_copy(v8, 16, perm)
     calls = {"contiguous": lambda: attention_with_kvcache(q, k8, v8, full, **scales),
