@@ -252,7 +252,7 @@ def test_kv_dtype_spec_key():
     assert same.kv_dtype is None and "kv_dtype" not in same.canonical()  # the default: the plain spec's hash
     for extra, words in ((dict(kv_dtype="fp8_e4m3"), "is for decoding"),
                          (dict(kv_dtype="fp16", split_kv="auto"), "differs from dtype"),
-                         (dict(kv_dtype="fp8", split_kv="auto"), "spelled 'fp8_e4m3'")):
+                         (dict(kv_dtype="float8_e4m3fn", split_kv="auto"), "spelled 'fp8_e4m3'")):
         with pytest.raises(SpecError, match=words):
             parse(spec_text(dtype="bf16", head_dim=64, **extra))
     with pytest.raises(SpecError, match="kv_dtype = fp8_e4m3 takes 16-bit queries"):

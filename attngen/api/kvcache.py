@@ -39,7 +39,7 @@ from .. import env
 from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
-from ..lang.spec import DType
+from ..lang.spec import FP8_DESCALES, DType
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
@@ -132,7 +132,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
             # brings its own). Calls with alibi_slopes or sinks are never replayed (the launch reads float32 copies
             # made per call, which a recording would hold); an FP8 cache's descales are the call's own tensors,
             # which a replay takes as inputs like the caches.
-            replayable = all(name in ("k_descale", "v_descale") for name, _ in plan.tensors)
+            replayable = all(name in FP8_DESCALES for name, _ in plan.tensors)
             PLANS.keep(key, plan._replace(tensors=(), replay=None if replayable else False) if plan.tensors else plan)
     if plan.uniform:
         if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
@@ -224,7 +224,7 @@ def _descales(k_descale, v_descale, device) -> dict:
                 _UNIT_DESCALE[device] = units
         k_descale = units[0] if k_descale is None else k_descale
         v_descale = units[1] if v_descale is None else v_descale
-    return {"k_descale": k_descale, "v_descale": v_descale}
+    return dict(zip(FP8_DESCALES, (k_descale, v_descale)))
 
 
 def _check_descales(q, k_cache, k_descale, v_descale) -> None:
@@ -233,7 +233,7 @@ def _check_descales(q, k_cache, k_descale, v_descale) -> None:
     fp8 = k_cache.dtype in FP8_CACHE
     batch, kv_heads = q.shape[0], k_cache.shape[2]
     shapes = ((batch, kv_heads), (kv_heads,), (1,))
-    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+    for name, t in zip(FP8_DESCALES, (k_descale, v_descale)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):

@@ -86,6 +86,9 @@ class DType(enum.Enum):
 
 
 _TORCH_DTYPES: dict = {}
+# The run-time keywords of an FP8 cache's descale factors (FA3's names): float32, one per (sequence, K/V head),
+# per K/V head or per tensor; the true key is the cache's value times k_descale, the true value v's times v_descale.
+FP8_DESCALES = ("k_descale", "v_descale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,11 @@ class Spec:
     def fp8_cache(self) -> bool:
         """Whether K and V are an e4m3 cache read with descale factors (`kv_dtype = fp8_e4m3`)."""
         return self.kv_dtype is DType.FP8_E4M3
+
+    @property
+    def runtime_tensors(self) -> tuple[str, ...]:
+        """The keyword tensors a kernel of this spec takes, in order: its variant's, then an FP8 cache's descales."""
+        return self.variant.runtime_tensors() + (FP8_DESCALES if self.fp8_cache else ())
 
     @property
     def softmax_scale(self) -> float:
@@ -411,7 +419,7 @@ def _end(text: str) -> tuple[int, int]:
 
 _DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32, "fp8_e4m3": DType.FP8_E4M3}
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
-                  "float8_e4m3fn": "fp8_e4m3", "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3"}
+                  "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _BOOLS = {"true": True, "false": False, "auto": None}
 
 

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from ..errors import KernelInputError
-from ..lang.spec import MAX_HEAD_DIM_V, MIN_SCALE, Spec
+from ..lang.spec import FP8_DESCALES, MAX_HEAD_DIM_V, MIN_SCALE, Spec
 from ..env import interpreting
 
 INT32_MAX = 2**31 - 1
@@ -160,14 +160,15 @@ def value_head_dim(v, head_dim: int, name: str = "value") -> int | None:
 
 
 def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("q", "k", "v")) -> None:
-    """q (B, H, N_Q, D), k (B, H_KV, N_K, D) and v (B, H_KV, N_K, D_V), matching the spec's dtype, head dims
-    (D_V its head_dim_v) and heads."""
+    """q (B, H, N_Q, D), k (B, H_KV, N_K, D) and v (B, H_KV, N_K, D_V), matching the spec's dtype (k and v its
+    kv_dtype where it sets one), head dims (D_V its head_dim_v) and heads."""
     layout = "(batch, heads, seq, head_dim)"
     qn, kn, vn = names
     for i, (name, t) in enumerate(zip(names, (q, k, v))):
         check_tensor(name, t, 4, layout)
-        if t.dtype != spec.dtype.torch:
-            raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes {spec.dtype.torch}")
+        want = (spec.kv_dtype or spec.dtype).torch if i else spec.dtype.torch
+        if t.dtype != want:
+            raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes {want}")
         check_head_dim(spec, name, t, value=i == 2)
         check_indexing(name, t)
         _runtime_device_ok(name, t)
@@ -331,7 +332,8 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 _TENSOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32}
 
 
-def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int | None = None) -> tuple:
+def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int | None = None,
+                          kv_heads: int | None = None) -> tuple:
     """The run-time tensors of a variant spec (declared tensors, ALiBi's slopes, the sinks) from a call's
     keywords, in `Variant.runtime_tensors` order, each checked against q (B, H, N_Q, D): a missing or unknown
     keyword is a TypeError naming it, a wrong shape, dtype or device a KernelInputError.
@@ -340,9 +342,10 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int |
     gradient comes back in theirs); a declared tensor is exactly its declared shape (B and H read from q)
     and dtype. attngen computes gradients for the sinks only: a slope or declared tensor that requires
     grad while grad mode is on is refused, not treated as a constant (its gradient would silently be
-    missing). `batch`: the number of sequences where q's first dimension is not it (packed varlen q)."""
+    missing). `batch`: the number of sequences where q's first dimension is not it (packed varlen q). An FP8
+    cache's k_descale and v_descale are float32 (B, H_KV), (H_KV,) or (1,), `kv_heads` the cache's H_KV."""
     variant = spec.variant
-    names = variant.runtime_tensors()
+    names = spec.runtime_tensors
     unknown = sorted(set(given) - set(names))
     if unknown:
         takes = ", ".join(f"{n}=" for n in names) or "no tensor keywords"
@@ -361,6 +364,8 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int |
             dtypes = [_TENSOR_DTYPES[decl.dtype]]
         elif name == "sinks":
             shapes, dtypes = [(heads,)], [torch.float32, spec.dtype.torch]
+        elif name in FP8_DESCALES:
+            shapes, dtypes = [(batch, kv_heads), (kv_heads,), (1,)], [torch.float32]
         else:  # ALiBi's slopes
             shapes, dtypes = [(heads,), (batch, heads)], [torch.float32]
         if tuple(t.shape) not in shapes:

@@ -149,7 +149,7 @@ class Kernel:
         self._parts: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
         # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks), in order.
-        self.tensor_names = spec.variant.runtime_tensors()
+        self.tensor_names = spec.runtime_tensors
 
     @property
     def name(self) -> str:
@@ -254,7 +254,7 @@ class Kernel:
                 if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
                     return autograd.planned_forward(plan.training, plan.key, plan.scale, False, q, k, v, return_lse)
         check_attention_inputs(self.spec, q, k, v)
-        extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
+        extra = check_runtime_tensors(self.spec, q, tensors, kv_heads=k.shape[1]) if tensors or self.tensor_names else ()
         sm_scale = check_scale(scale, self.spec)
         grad = autograd.needs_grad(q, k, v, *extra)
         check_recording(self.spec, grad, torch.compiler.is_compiling(), out, config)
@@ -327,7 +327,7 @@ class Kernel:
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
-        extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
+        extra = check_runtime_tensors(self.spec, q, tensors, kv_heads=k.shape[1]) if tensors or self.tensor_names else ()
         check_like(out, q, "out", output_shape(q, v))
         check_like(do, q, "do", output_shape(q, v))  # read only: an expanded gradient (from out.sum()) is fine
         if not (isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] and lse.dtype == torch.float32):

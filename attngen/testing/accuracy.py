@@ -17,7 +17,7 @@ import torch
 from . import reference
 from .packed import packed_inputs
 from ..lang import variants as v
-from ..lang.spec import DType, Mask, Spec
+from ..lang.spec import FP8_DESCALES, DType, Mask, Spec
 from ..env import interpreting
 
 FUDGE = 3.0
@@ -117,14 +117,23 @@ def default_cases(spec: Spec, small: bool = False) -> list:
 
 
 def random_inputs(spec: Spec, case: Case, device, generator=None):
-    dt = spec.dtype.torch
+    """Standard normal q, k, v of the case's shapes, in the spec's dtype (k and v in its kv_dtype where it sets one)."""
+    dt, kv_dt = spec.dtype.torch, (spec.kv_dtype or spec.dtype).torch
     shape_q = (case.batch, case.heads, case.n_q, spec.head_dim)
     shape_k = (case.batch, case.kv_heads, case.n_k, spec.head_dim)
     shape_v = shape_k[:-1] + (spec.head_dim_v,)
     q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
-    k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
-    v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(dt)
+    k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(kv_dt)
+    v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(kv_dt)
     return q, k, v
+
+
+def dequantized(spec: Spec, k, v, tensors: dict):
+    """k and v (B, H_KV, N, D) as the kernel reads them: an FP8 cache's values times their descale factors (in
+    float64); others unchanged."""
+    if not spec.fp8_cache:
+        return k, v
+    return tuple(t.double() * tensors[name].double()[:, :, None, None] for t, name in zip((k, v), FP8_DESCALES))
 
 
 def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
@@ -147,6 +156,9 @@ def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
         tensors[v.ALIBI_TENSOR] = 0.1 * (1 - torch.rand(case.heads, generator=generator, device=device))
     if variant.sinks:
         tensors[v.SINKS_TENSOR] = normal(case.heads)
+    if spec.fp8_cache:  # descale factors in [0.5, 1.5): every (sequence, K/V head) its own
+        for name in FP8_DESCALES:
+            tensors[name] = 0.5 + torch.rand(case.batch, case.kv_heads, generator=generator, device=device)
     return tensors
 
 
@@ -248,6 +260,8 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
     tensors = runtime_tensors(spec, case, device, generator)
     out = q.new_full(q.shape[:-1] + v.shape[-1:], float("nan"))
     out, lse = kernel(q, k, v, out=out, return_lse=True, **tensors)
+    k, v = dequantized(spec, k, v, tensors)
+    tensors = {name: t for name, t in tensors.items() if name not in FP8_DESCALES}
     result = compare(spec, case, out, lse, q, k, v, tensors=tensors)
     if spec.backward:
         do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)

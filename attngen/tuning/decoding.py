@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lang.spec import FP8_DESCALES
 from ..runtime.keys import Shape
 from ..testing.accuracy import Case, compare
 from ..testing.reference import gather_cache
@@ -82,7 +83,7 @@ class KVCacheTunable(Tunable):
             k = randn(batch, capacity, shape.kv_heads, d, dtype=kv.torch)
             v = randn(batch, capacity, shape.kv_heads, d_v, dtype=kv.torch)
         # an FP8 cache's descale factors: 1.0, one per tensor
-        tensors = {name: torch.ones(1, device=device) for name in ("k_descale", "v_descale")} if spec.fp8_cache else {}
+        tensors = {name: torch.ones(1, device=device) for name in FP8_DESCALES} if spec.fp8_cache else {}
         return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape, "tensors": tensors,
                 "out": q.new_empty((batch, shape.n_q, shape.heads, d_v)), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
                                                                 dtype=torch.float32)}
