@@ -159,6 +159,17 @@ def test_fp8_arguments_are_refused_before_any_launch():
         assert torch.isnan(out).all(), "nothing was launched"
 
 
+def test_debug_mode_checks_descale_values(monkeypatch):
+    """ATTNGEN_CHECK_KVCACHE=1 reads the descales back: a negative one would break the running max (it multiplies
+    the softmax scale, which the kernels take as positive)."""
+    monkeypatch.setenv("ATTNGEN_CHECK_KVCACHE", "1")
+    q = torch.randn(1, 1, 2, 32, device=DEVICE).to(torch.bfloat16)
+    k = torch.zeros(1, 16, 2, 32, device=DEVICE).to(FP8)
+    with pytest.raises(KernelInputError, match="k_descale must be positive and finite"):
+        attngen.attention_with_kvcache(q, k, k, 16, k_descale=torch.tensor([1.0, -1.0], device=DEVICE))
+    attngen.attention_with_kvcache(q, k, k, 16, k_descale=torch.tensor([1.0, 2.0], device=DEVICE))
+
+
 # -- the paged pool ----------------------------------------------------------------------------------------
 
 

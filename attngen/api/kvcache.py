@@ -79,6 +79,14 @@ def _check_values(cache_seqlens, block_table, capacity: int, num_pages: int, pag
                 raise KernelInputError(f"block_table[{b}] names pages outside the pool of {num_pages}: {used.tolist()}")
 
 
+def _check_descale_values(k_descale, v_descale) -> None:
+    """Debug mode (ATTNGEN_CHECK_KVCACHE=1): descales are positive and finite (k_descale scales the softmax scale,
+    whose positivity the kernels' running max relies on)."""
+    for name, t in zip(FP8_DESCALES, (k_descale, v_descale)):
+        if t is not None and not bool(((t > 0) & torch.isfinite(t)).all()):
+            raise KernelInputError(f"{name} must be positive and finite; got {t.cpu().tolist()}")
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
                            num_splits=0, return_softmax_lse=False, *, out=None, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
@@ -102,7 +110,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     An FP8 cache (k_cache and v_cache in torch.float8_e4m3fn, q in bfloat16 or float16; FP8 queries are refused):
     `k_descale`, `v_descale` (FA3's names) are float32 tensors of shape (B, H_KV) (per sequence and K/V head),
     (H_KV,) (per head) or (1,) (per tensor), the true key being k_cache * k_descale (values likewise); None means
-    1.0 (vLLM's default scale: a cache written without scaling). K and V are read as e4m3 and widened in
+    1.0 (vLLM's default scale: a cache written without scaling). Descales must be positive and finite (checked
+    with ATTNGEN_CHECK_KVCACHE=1: it reads them back). K and V are read as e4m3 and widened in
     registers; k_descale folds into the softmax scale and v_descale scales the normalised output, which is in
     q's dtype. Descales with a 16-bit cache are refused.
     Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
@@ -140,6 +149,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         cache_seqlens = _equal_lengths(plan.batch, cache_seqlens, q.device)
     if env.check_kvcache():
         _check_values(cache_seqlens, block_table, plan.capacity, k_cache.shape[0], plan.page_size or 1)
+        _check_descale_values(k_descale, v_descale)
     if out is None:
         out = new_output(q, v_cache)
     lse = torch.empty((plan.batch, plan.heads, plan.seqlen_q), device=q.device, dtype=torch.float32)
