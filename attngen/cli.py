@@ -31,6 +31,7 @@ from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program
+from .policy import hopper
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -162,6 +163,9 @@ def _print_passes(program: ir.Program) -> None:
 def _gluon_backward_line(program: ir.Program) -> str:
     """What explain says of a varlen program's backward under warp-specialize."""
     if program.warp_specialized.backward is None:
+        if program.attr("backward", False) and not hopper.VARLEN_BACKWARD:
+            return ("the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off: the Gluon "
+                    "varlen backward stopped with an illegal instruction on its first GPU run)")
         return "the backward stays on the Triton kernels"
     return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
             "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "

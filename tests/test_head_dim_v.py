@@ -301,23 +301,23 @@ def test_flash_attn_varlen_func_takes_v_of_another_head_dim():
 
 def test_loaded_kernels_name_v_and_out_when_the_last_dim_is_wrong():
     kernel = attngen.load(spec_text(head_dim=48, head_dim_v=32, dtype="fp32", direction="forward+backward"))
-    q, k = torch.randn(1, 2, 5, 48), torch.randn(1, 2, 7, 48)
+    q, k = torch.randn(1, 2, 5, 48, device=DEVICE), torch.randn(1, 2, 7, 48, device=DEVICE)
     with pytest.raises(ValueError, match=r"^v has head_dim 48; kernel 't' takes head_dim_v 32"):
-        kernel(q, k, torch.randn(1, 2, 7, 48))
-    v = torch.randn(1, 2, 7, 32)
+        kernel(q, k, torch.randn(1, 2, 7, 48, device=DEVICE))
+    v = torch.randn(1, 2, 7, 32, device=DEVICE)
     with pytest.raises(ValueError, match=r"^out must be \(1, 2, 5, 32\)"):
-        kernel(q, k, v, out=torch.empty(1, 2, 5, 48))
+        kernel(q, k, v, out=torch.empty(1, 2, 5, 48, device=DEVICE))
     with pytest.raises(ValueError, match=r"^k and v must have the same shape but for the head dim"):
-        kernel(q, k, torch.randn(1, 2, 8, 32))
+        kernel(q, k, torch.randn(1, 2, 8, 32, device=DEVICE))
     out, lse = kernel(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match=r"^do must be \(1, 2, 5, 32\)"):
-        kernel.backward(q, k, v, out, lse, torch.randn(1, 2, 5, 48))
+        kernel.backward(q, k, v, out, lse, torch.randn(1, 2, 5, 48, device=DEVICE))
     with pytest.raises(ValueError, match=r"^value has head dim 40, which is not supported"):
-        attngen.attention(q, k, torch.randn(1, 2, 7, 40))
+        attngen.attention(q, k, torch.randn(1, 2, 7, 40, device=DEVICE))
     with pytest.raises(ValueError, match=r"^v_cache has head dim 520"):
-        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 7, 2, 520), 7)
+        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 7, 2, 520, device=DEVICE), 7)
     with pytest.raises(ValueError, match=r"^k_cache and v_cache must have the same shape but for the head dim"):
-        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 6, 2, 32), 6)
+        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 6, 2, 32, device=DEVICE), 6)
 
 
 # -- DeepSeek-V3's shipped spec -------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def run(program: ir.Program) -> ir.Program:
     has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if program.attr("varlen"):
         backward = None
-        if has_backward and variant_backward_supported(program):
+        if has_backward and hopper.VARLEN_BACKWARD and variant_backward_supported(program):
             backward = hopper.backward_varlen(d, causal)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
                                                          forward=hopper.forward_varlen(d, causal)))

@@ -269,6 +269,12 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     return replace(backward(head_dim, masked), dq_claim_keys=0)
 
 
+VARLEN_BACKWARD = False
+"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`). Off: on its first GPU run (H200,
+2026-11-28) every varlen Gluon backward launch stopped with "an illegal instruction was encountered", so the Triton
+varlen backward runs until that is found (benchmarks/NOTES.md, varlen)."""
+
+
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
