@@ -1150,11 +1150,11 @@ def _ws_bwd_query_blocks(start_n, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                   stride_delta_h, stride_delta_n, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """Step t's query block: its first row, and its rows' lse (log2 units; +inf where P must be 0: rows
-    past N_Q, rows that saw no key) and delta."""
-    h = hkv * GROUP + t // n_m
+    """Step t's query block (of the program's query heads from h0): its first row, and its rows' lse (log2 units;
+    +inf where P must be 0: rows past N_Q, rows that saw no key) and delta."""
+    h = h0 + t // n_m
     start_m = m_start + (t % n_m) * BLOCK_M
     cols = start_m + gl.arange(0, BLOCK_M, layout=layout)
     lse = gl.load(LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + cols * stride_lse_n,
@@ -1167,12 +1167,13 @@ def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b,
 
 @gluon.jit
 def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                     DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
+                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr,
+                    WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -1192,7 +1193,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_COLS, 16])
         zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
-    n_iters = GROUP * n_m
+    n_iters = n_h * n_m
     _, full_lo, full_hi, _ = _ws_bwd_query_blocks(start_n, n_q, n_k, BLOCK_M, BN * CONSUMERS)
     if DQ_CLAIM:  # the first warpgroup to claim a dQ tile stores it, the others add into it once it is there
         my_id = 1 + ((b * gl.num_programs(1) + hkv) * gl.num_programs(0) + gl.program_id(0)) * CONSUMERS + WG
@@ -1209,7 +1210,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         fence_async_shared()  # the generic proxy's stores before wgmma reads the tiles
         gl.thread_barrier()  # (every warp's rows, before any warp of the warpgroup issues a product over them)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes
-        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, 0, GROUP, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
+        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, 0, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
                                             stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
     if AHEAD:  # step t + 1's S^T is issued before step t waits for its dK and dV products
         if n_iters > 0:
@@ -1221,7 +1222,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         if ROWS_SMEM:  # lse and delta came with Q and dO (below, after the wait)
             start_m = m_start + (t % n_m) * BLOCK_M
         elif not PREFETCH:
-            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, t, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
                                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
         m_row = start_m  # (PREFETCH replaces start_m with the next step's before this step's dQ leaves)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -1244,7 +1245,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                 _ws_bwd_announce(claim_ptr, my_id)
                 owned = my_id < 0
             # this step's tile claimed now, the answer read at the step's end
-            tile = ((b * gl.num_programs(1) + hkv) * GROUP + t // n_m) * n_mb + m_row // BLOCK_M
+            # (b * H + h: the launch claims only unsplit groups, so num_programs(1) is H_KV)
+            tile = (b * gl.num_programs(1) * GROUP + h0 + t // n_m) * n_mb + m_row // BLOCK_M
             claim_ptr = CLAIM + tile * CONSUMERS + WG
             claim = _ws_bwd_claim(claim_ptr, my_id)
         if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
@@ -1276,7 +1278,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             mbarrier.arrive(ds_bar.index(j), count=1)
         if PREFETCH:
             nxt = gl.minimum(t + 1, n_iters - 1)
-            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, nxt, GROUP, n_q, m_start, n_m, stride_lse_b,
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, nxt, n_q, m_start, n_m, stride_lse_b,
                                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
                                                 BLOCK_M, col_s)
         if AHEAD:  # the last step repeats its own S^T (its buffer is still held): one wasted product per program
@@ -1303,7 +1305,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            dq_coord = [0, hkv * GROUP + t // n_m, q_start + m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
+            dq_coord = [0, h0 + t // n_m, q_start + m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
             if DQ_CLAIM:
                 found = _ws_bwd_lane0(claim)
                 if (found == 0) | (found == my_id):  # this warpgroup's claim won (one warp's swap, the others see it)
@@ -1353,51 +1355,53 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
 
 @gluon.jit
 def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                      hkv, start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
                       PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
-                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 0)
 
 
 @gluon.jit
 def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                      hkv, start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
                       PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
-                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                   do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n,
-                   GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
-                   stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                   start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
     mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [0, hkv, k_start + start_n + c * BN, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [0, hkv, k_start + start_n + c * BN, 0], kv_bar, v_smem.index(c))
-    for t in range(GROUP * n_m):
+    for t in range(n_h * n_m):
         s = t % STAGES
-        h = hkv * GROUP + t // n_m
+        h = h0 + t // n_m
         start_m = m_start + (t % n_m) * BLOCK_M
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
         if ROWS_SMEM:
@@ -1457,6 +1461,10 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                                               stride_seqlens_k_0, BLOCK_N)
     if start_n >= n_k:  # past the sequence's last tile
         return
+    h0 = hkv * GROUP  # (every query head of the group: a packed grid's groups are not split)
+    n_h = GROUP
+    DK_PART = DK
+    PARTIAL: gl.constexpr = False
     LSE += q_start.to(gl.int64) * stride_lse_n
     DELTA += q_start.to(gl.int64) * stride_delta_n
     offset = 0  # (the masks are the IR's predicates over positions)
@@ -1491,35 +1499,35 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                                 b, hkv, start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q,
-                                 stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0,
-                                 q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN,
-                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                                 CAUSAL, CONSUMERS)),
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                 stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                                 stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                                 DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
             (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                                 b, hkv, start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q,
-                                 stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0,
-                                 q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN,
-                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                                 CAUSAL, CONSUMERS)),
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                 stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                                 stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                                 DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
             (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                              q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                              b, hkv, start_n, GROUP, n_q, n_k, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                              stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q,
-                              stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0,
-                              q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN,
-                              HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                              CAUSAL, CONSUMERS)),
+                              DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                              ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                              stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                              CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                              stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                              stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                              DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
         ], [4, 1], [240, 24])
     else:  # (a count the module was not rendered with would launch no partition at all)
         gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
