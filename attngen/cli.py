@@ -33,6 +33,7 @@ from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program
 from .policy import hopper
 from .policy.configs import backward_config, default_config
+from .policy.hopper import group_split
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
 from .runtime.cache import write_atomic
@@ -244,6 +245,7 @@ def cmd_explain(args) -> int:
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
     if spec.variant:
         _explain_variant(spec, sizes)
+    _explain_group_split(last, sizes)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
@@ -264,6 +266,27 @@ def cmd_explain(args) -> int:
             if problem:
                 print(f"  does not fit: {problem}")
     return EXIT_OK
+
+
+def _explain_group_split(program: ir.Program, sizes: dict) -> None:
+    """How the Gluon backward's dense launch at these sizes shares each GQA group's query heads over programs
+    (hopper.group_split on an sm_90 with 132 multiprocessors)."""
+    gluon = program.warp_specialized.backward
+    if gluon is None or program.attr("varlen"):
+        return
+    shape = gluon.short if sizes["N_K"] <= gluon.short_keys else gluon.main
+    programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_K"] // shape.block_n)
+    split = group_split(programs, sizes["GROUP"], 132, gluon.max_group_split)
+    print("=== Gluon backward grid (sm_90, 132 multiprocessors) ===")
+    line = (f"  {programs} dK/dV programs (B x H_KV x {shape.block_n}-key tiles) for groups of {sizes['GROUP']} "
+            f"query heads: ")
+    if split == 1:
+        print(line + "each program walks its whole group")
+    else:
+        heads = [sizes["GROUP"] * (p + 1) // split - sizes["GROUP"] * p // split for p in range(split)]
+        print(line + f"each group split over {split} programs ({programs * split} in all; heads "
+              f"{', '.join(map(str, heads))}), their float32 dK and dV summed after (not under deterministic "
+              "algorithms)")
 
 
 def _explain_variant(spec, sizes) -> None:

@@ -11,7 +11,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
-"late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
+"late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
+Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
 sequences; a varlen module's forward and backward take their packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
 "tma_loads": count, "tma_stores": count, "global_stores": count}.
@@ -84,9 +85,15 @@ def _compile_gluon_ws(module, job):
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
-                     DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
+                     DQ_CLAIM=dq_atomic and not dq_local and not job.get("partial", False)
+                     and job.get("dq_claim", shape["dq_claim_keys"] > 0),
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL, CONSUMERS=consumers)
-        pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES",) if p in fn.arg_names)  # a variant's
+        if "PARTIAL" in fn.arg_names:  # a dense kernel: "partial", its group's query heads split over programs
+            const["PARTIAL"] = job.get("partial", False)
+            if not const["PARTIAL"]:
+                const["SPLIT"] = 1  # (an unsplit launch passes 1, which Triton specialises as a constant)
+        # a variant's ALIBI_SLOPES; a dense kernel's DK_PART (the split groups' float32 partial sums)
+        pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES", "DK_PART") if p in fn.arg_names)
         # a varlen kernel's: dK and dV for its row-masked stores, the sequences' offsets and lengths
         pointers += tuple(p for p in ("DK", "DV", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
         maxnreg = shape[short + "maxnreg"]

@@ -88,7 +88,7 @@ def test_generated_files_compile_for_sm90():
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
                                          "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
-                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32",
+                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32", "PARTS": "*fp32",
                                          "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
                                          **variant_ptrs}))
             names.append(f"{spec.name}.{kernel}")

@@ -9,6 +9,7 @@ the mask, the log-sum-exp, the backward's values) into their hook points.
 
 from __future__ import annotations
 
+import inspect
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ..ir import variants
 from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
-from ..policy import splits
+from ..policy import hopper, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
 from .emit import KernelEmitter
@@ -91,6 +92,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
+        # the run-time rule for splitting a GQA group's query heads (attngen/policy/hopper.py), pasted in
+        group_split=inspect.getsource(hopper.group_split).rstrip() if program.warp_specialized.backward else "",
         gluon_decode=program.warp_specialized.decode,
         fwd_hooks=score_hooks(program.kernel("attn_fwd"), _gluon_scope(program))
         if program.warp_specialized.forward else None,

@@ -463,6 +463,7 @@ class GluonBackward:
     min_keys: int
     short_keys: int
     min_scores: int
+    max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time."""
@@ -474,7 +475,8 @@ class GluonBackward:
                 "min_keys": self.min_keys, "min_scores": self.min_scores, "ROW_BLOCK": self.row_block,
                 "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
-                "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg}
+                "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
+                "max_group_split": self.max_group_split}
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,6 +313,8 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("backward: the short shape changes the query block")
         if b.row_block < 1 or b.main.block_m % b.row_block:
             fail(f"backward: row passes of {b.row_block} rows do not divide BLOCK_M {b.main.block_m}")
+        if b.max_group_split < 1:
+            fail(f"backward: max_group_split {b.max_group_split} (1: groups never split)")
         if b.late_rows not in (0, 1, 2) or b.dq_local_rows < 0 or b.dq_claim_keys < 0:
             fail(f"backward: late_rows {b.late_rows}, dq_local_rows {b.dq_local_rows}, dq_claim_keys {b.dq_claim_keys}")
         regs_ok("backward loader", b.loader_regs)

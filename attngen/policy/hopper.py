@@ -192,6 +192,34 @@ dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v3
 causal N=512 -11% / +10% (184 -> 202 TFLOP/s, cuDNN 171), 1024 -9% / +5%, 2048 -7% / +1%, 4096 -5% / -2%, 8192
 -2% / -4%, 16384 +2% / -6%; without a mask -2% / +2% at 512 and -1% to +15% / -3 to -8% from 1024: not taken."""
 
+BWD_MAX_GROUP_SPLIT = 8
+"""At most how many programs share the query heads of one GQA group in the Gluon backward (1: never split). The
+dK/dV grid has one program per (batch, K/V head, key tile), each walking every query head of its group: at B=1 with
+4 K/V heads and 2049 keys that is 68 programs on the H200's 132 multiprocessors, the backward at 0.49 of cuDNN
+(issue 51, d=128 GQA 28/4 causal). `group_split` picks the count per launch from the grid and the
+multiprocessors; each part's program adds its heads' dK and dV in float32 and a pass after sums the parts in
+order. Only the one-kernel backward (DQ_ATOMIC) is split: the dK/dV-only kernel of deterministic algorithms spills
+more with the float32 stores from registers (d=128 without a mask: 104 -> 272 bytes, ptxas; with dQ: 68 -> 0).
+Not measured yet: the cap only bounds the float32 workspace (parts x the dK and dV bytes x 2)."""
+
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
 BWD_ROW_ELEMENTS = 4096
 """Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
 accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
@@ -258,7 +286,8 @@ def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
                             late_rows=BWD_LATE_ROWS[key], split=BWD_SPLIT[head_dim],
                             dq_local_rows=BWD_DQ_LOCAL_ROWS[key], dq_claim_keys=BWD_DQ_CLAIM_KEYS[key],
                             row_block=BWD_ROW_ELEMENTS // head_dim, min_keys=BWD_MIN_KEYS[causal],
-                            short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES)
+                            short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES,
+                            max_group_split=BWD_MAX_GROUP_SPLIT)
 
 
 def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
@@ -279,11 +308,12 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
-    so a launch cannot pick the short shape by them). min_keys and min_scores are compared with the average keys a
+    so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles).
+    min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
-    return replace(variant, short=variant.main, short_keys=0)
+    return replace(variant, short=variant.main, short_keys=0, max_group_split=1)
 
 
 def decode() -> ir.GluonDecode:
