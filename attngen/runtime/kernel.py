@@ -148,8 +148,9 @@ class Kernel:
         self._program = program
         self._parts: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
-        # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks), in order.
-        self.tensor_names = spec.variant.runtime_tensors()
+        # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks, an FP8 spec's
+        # descales), in order.
+        self.tensor_names = spec.runtime_tensors()
 
     @property
     def name(self) -> str:
@@ -254,7 +255,7 @@ class Kernel:
                 if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
                     return autograd.planned_forward(plan.training, plan.key, plan.scale, False, q, k, v, return_lse)
         check_attention_inputs(self.spec, q, k, v)
-        extra = check_runtime_tensors(self.spec, q, tensors) if tensors or self.tensor_names else ()
+        extra = check_runtime_tensors(self.spec, q, tensors, kv_heads=k.shape[1]) if tensors or self.tensor_names else ()
         sm_scale = check_scale(scale, self.spec)
         grad = autograd.needs_grad(q, k, v, *extra)
         check_recording(self.spec, grad, torch.compiler.is_compiling(), out, config)
@@ -291,10 +292,11 @@ class Kernel:
             # lookup, the launch and the stream it runs on).
             with torch.cuda.device(q.device):
                 return self.forward(q, k, v, scale, out=out, config=config, lse=lse, tensors=tensors)
+        dtype = self.spec.dtype.output.torch
         if out is not None:
-            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v))
+            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v), dtype=dtype)
         else:
-            out = new_output(q, v)
+            out = new_output(q, v, dtype)
         if out.stride() != q.stride():  # else q's checks cover out (empty_like(q) differs when q is expanded)
             check_indexing("out", out)
             if self.spec.packs_gqa:
