@@ -326,6 +326,9 @@ class Kernel:
         `grads`, if given, are the three tensors to write dq, dk and dv into (shaped like q, k, v).
         `tensors`: the run-time tensors the forward took, by keyword.
         """
+        if self.spec.dtype.fp8:
+            raise KernelInputError(f"kernel '{self.spec.name}' takes FP8 inputs and is forward-only: the backward "
+                                   "stays 16-bit")
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)
