@@ -3,7 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
-    attngen bench [--suite prefill|decode|variants|varlen|shapes|all] ...   attngen against the peers on this GPU
+    attngen bench [--suite prefill|decode|variants|varlen|shapes|fp8|all] ...   attngen against the peers on this GPU
     attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
@@ -23,6 +23,7 @@ from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
                                  shared_bytes_backward)
 from .bench import prefill as bench
+from .bench import fp8 as bench_fp8
 from .bench import shapes as bench_shapes
 from .bench import variants as bench_variants
 from .bench import varlen as bench_varlen
@@ -323,6 +324,11 @@ def cmd_bench(args) -> int:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
         return bench_variants.main(args.output, shape, directions, names, args.check)
+    if args.suite == "fp8":
+        names = _providers(args.providers, bench_fp8.PROVIDERS)
+        if args.check:
+            _use_interpreter_without_gpu()
+        return bench_fp8.main(args.output, names, ints(args.lengths, "lengths"), args.check)
     if args.suite in ("varlen", "shapes"):
         suite = bench_varlen if args.suite == "varlen" else bench_shapes
         names = _providers(args.providers, suite.PROVIDERS)
@@ -546,11 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "all"), default="all",
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "fp8", "all"), default="all",
                    help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
                         "varlen: packed variable-length batches and SDPA through the flash-attention slot; "
                         "shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 odd lengths, 192/128) "
-                        "against cuDNN, FlexAttention and FA2")
+                        "against cuDNN, FlexAttention and FA2; fp8: the FP8 forward against attngen's bf16 "
+                        "forward and cuDNN at d=128, with each one's error against float64")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")
