@@ -241,6 +241,8 @@ def cmd_explain(args) -> int:
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
     if spec.variant:
         _explain_variant(spec, sizes)
+    if spec.dtype.fp8:
+        _explain_fp8(last)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
@@ -261,6 +263,24 @@ def cmd_explain(args) -> int:
             if problem:
                 print(f"  does not fit: {problem}")
     return EXIT_OK
+
+
+def _explain_fp8(program: ir.Program) -> None:
+    """Where the forward of an FP8 spec rounds to e4m3 and applies its descales, read from the final IR."""
+    print("=== fp8: where values are quantised and descaled (pass descale) ===")
+    kernel = program.kernel("attn_fwd")
+    inputs = [f"{b.name} ({b.dtype.value})" for b in kernel.params if b.dtype is ir.DT.F8E4M3]
+    print(f"  e4m3 inputs: {', '.join(inputs)}; the products accumulate in fp32")
+    casts = set()
+    for st in ir.walk_stmts(kernel.body):
+        for e in (e for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)):
+            if isinstance(e, ir.Call) and e.op is ir.Op.CAST and e.dtype is ir.DT.F8E4M3:
+                casts.add(ir.format_expr(e))
+        if isinstance(st, ir.Assign) and st.target.name in ("qk_scale", "v_descale"):
+            print(f"  {st.target.name} = {ir.format_expr(st.value)}")
+        if isinstance(st, ir.Store) and st.target.name == "O":
+            print(f"  out ({st.target.dtype.value}) = {ir.format_expr(st.value)}")
+    print(f"  rounded to e4m3 for P V: {', '.join(sorted(casts))} (p in [0, 1] after the running max, unscaled)")
 
 
 def _explain_variant(spec, sizes) -> None:

@@ -115,6 +115,12 @@ def test_explain_shows_the_descales(capsys):
     assert main(["explain", "--pass", "descale", f"{SPECS}/fp8_causal_d128.attn"]) == 0
     out = capsys.readouterr().out
     assert "load K_DESCALE" in out and "cast<fp8_e4m3>(p)" in out and "(acc * v_descale) / l_safe" in out
+    assert main(["explain", f"{SPECS}/fp8_causal_d128.attn"]) == 0
+    summary = capsys.readouterr().out.split("=== fp8: where values are quantised and descaled (pass descale) ===")[1]
+    assert "e4m3 inputs: Q (fp8_e4m3), K (fp8_e4m3), V (fp8_e4m3)" in summary
+    assert "out (bf16) = (acc * v_descale) / l_safe" in summary and "cast<fp8_e4m3>(p)" in summary
+    assert main(["explain", f"{SPECS}/fwd_causal_d128.attn"]) == 0
+    assert "=== fp8" not in capsys.readouterr().out
 
 
 # -- quantize_fp8 ---------------------------------------------------------------------------------
