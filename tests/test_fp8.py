@@ -316,3 +316,15 @@ def test_gpu_fp8_real_sizes_against_float64_beside_bf16(causal, outliers):
     bf16_err = (bf16[:1].double() - exact).abs().max().item()
     print(f"causal={causal} outliers={outliers}: fp8 {err:.3e}, PyTorch fp8-emulated {low_err:.3e}, bf16 {bf16_err:.3e}")
     assert err <= 3 * low_err + 1.5e-2
+
+
+def test_the_tuner_times_v_keys_contiguous_and_validates_against_the_dequantised_inputs():
+    from attngen.runtime.keys import Shape
+    from attngen.tuning.tunables import ForwardTunable
+
+    tunable = ForwardTunable(attngen.load(f"{SPECS}/fp8_causal_d128.attn"))
+    inputs = tunable.tuning_inputs(Shape(1, 2, 2, 40, 40), DEVICE, torch.Generator(device=DEVICE).manual_seed(0))
+    assert inputs["v"].stride(-2) == 1 and set(inputs["tensors"]) == {"q_descale", "k_descale", "v_descale"}
+    out, lse = tunable.tuning_run(inputs, dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1), poison=True)
+    assert out.dtype == torch.bfloat16 and tunable.tuning_check(inputs, (out, lse)).ok
+    assert not tunable.tuning_check(inputs, (out * 1.1, lse)).ok
