@@ -75,6 +75,21 @@ def test_fp8_is_the_prefill_forward(extra, key):
     assert "fp8_e4m3" in e.value.message and text.splitlines()[e.value.line - 1].strip().startswith(key)
 
 
+def test_fp8_products_reduce_over_at_least_32():
+    with pytest.raises(UnsupportedError, match="head_dim >= 32"):
+        parse(spec_text("k", 16, "fp8_e4m3", direction="forward"))
+    with pytest.raises(SpecError, match="FP8 tensor-core products reduce over at least 32"):
+        attngen.load(fp8_spec(block_n=16))
+    from attngen.analysis.resources import infeasible
+
+    spec = parse(fp8_spec())
+    assert infeasible(spec, dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2)) is not None
+    assert infeasible(spec, dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)) is None
+    q = torch.zeros(1, 1, 8, 16, dtype=FP8)
+    with pytest.raises(KernelInputError, match="head dim >= 32"):
+        attngen.attention(q, q, q)
+
+
 def test_fp8_dtype_spelling():
     with pytest.raises(SpecError, match="spelled 'fp8_e4m3'"):
         parse(spec_text("k", 64, "float8_e4m3fn"))

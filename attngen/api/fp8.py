@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import KernelInputError
+from ..lang.spec import FP8_MIN_REDUCTION
 from ..runtime.arguments import unit_descale
 
 FP8 = torch.float8_e4m3fn
@@ -75,6 +76,9 @@ def checked_descales(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if query.dim() != 4 or key.dim() != 4:
         raise KernelInputError(f"FP8 query, key and value must be (batch, heads, seq, head_dim); got shape "
                                f"{tuple(query.shape)}")
+    if query.shape[-1] < FP8_MIN_REDUCTION:
+        raise KernelInputError(f"FP8 attention needs head dim >= {FP8_MIN_REDUCTION} (FP8 tensor-core products reduce "
+                               f"over at least {FP8_MIN_REDUCTION}); query has {query.shape[-1]}")
     shapes = ((1,), (key.shape[0], key.shape[1]))
     out = []
     for name in ("q_descale", "k_descale", "v_descale"):

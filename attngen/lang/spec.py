@@ -123,6 +123,9 @@ AUTO = None  # a tile value left to the autotuner / heuristics
 # The run-time descale factors of an FP8 spec, FA3's names and convention: float32, (1,) for the whole tensor
 # or (batch, kv_heads) per head, and a stored value x stands for x * descale.
 DESCALES = ("q_descale", "k_descale", "v_descale")
+# The least an FP8 tensor-core product reduces over (Triton's tl.dot on float8 operands: K >= 32), so an FP8 spec's
+# padded head dim (Q K^T) and its key blocks (P V) are at least this.
+FP8_MIN_REDUCTION = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -673,6 +676,9 @@ def _check_fp8(spec: Spec) -> Spec:
     if spec.varlen:
         raise spec.error("layout", "dtype = fp8_e4m3 takes (batch, heads, seq, head_dim) tensors; layout = varlen "
                          "is 16-bit", UnsupportedError)
+    if spec.head_dim_padded < FP8_MIN_REDUCTION:
+        raise spec.error("head_dim", f"dtype = fp8_e4m3 needs head_dim >= {FP8_MIN_REDUCTION}: FP8 tensor-core "
+                         f"products reduce over at least {FP8_MIN_REDUCTION}", UnsupportedError)
     return spec
 
 
