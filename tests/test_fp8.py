@@ -343,3 +343,16 @@ def test_the_tuner_times_v_keys_contiguous_and_validates_against_the_dequantised
     out, lse = tunable.tuning_run(inputs, dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1), poison=True)
     assert out.dtype == torch.bfloat16 and tunable.tuning_check(inputs, (out, lse)).ok
     assert not tunable.tuning_check(inputs, (out * 1.1, lse)).ok
+
+
+def test_fp8_attention_under_torch_compile_matches_eager():
+    """The custom op's fake gives the bf16 output the kernel writes, so the graph compiles whole."""
+    _, (q8, qd), (k8, kd), (v8, vd) = quantized(heads=2, kv_heads=2)
+    fn = lambda *a: attngen.attention(a[0], a[1], a[2], is_causal=True, q_descale=a[3], k_descale=a[4], v_descale=a[5])
+    eager = fn(q8, k8, v8, qd, kd, vd)
+    compiled = torch.compile(fn, fullgraph=True)(q8, k8, v8, qd, kd, vd)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
+    from attngen.runtime.ops import _forward_fake
+
+    out, lse = _forward_fake("sdpa:fp8_e4m3:64:causal", q8.to("meta"), k8.to("meta"), v8.to("meta"), 0.125, [])
+    assert out.dtype == torch.bfloat16 and out.shape == q8.shape and lse.dtype == torch.float32

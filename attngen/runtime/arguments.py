@@ -250,8 +250,11 @@ def output_shape(q: torch.Tensor, v: torch.Tensor) -> torch.Size:
 
 
 def new_output(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised output for q over v, in `dtype` (q's if None): laid out like q where v's head dim and the
-    dtype are q's, else contiguous."""
+    """An uninitialised output for q over v, in `dtype` (if None q's, but bfloat16 for float8_e4m3fn q: the FP8
+    kernels' output, lang.spec's `DType.output`): laid out like q where v's head dim and the dtype are q's, else
+    contiguous."""
+    if dtype is None and q.dtype == torch.float8_e4m3fn:
+        dtype = torch.bfloat16
     if (dtype is None or dtype == q.dtype) and v.shape[-1] == q.shape[-1]:
         return torch.empty_like(q)
     return q.new_empty(output_shape(q, v), dtype=dtype)
