@@ -23,6 +23,8 @@ inputs), CHECK_REL for bf16.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..analysis.cost import evaluate, fa_flops
@@ -79,6 +81,30 @@ def _runs(causal: bool, q, k, v) -> tuple:
     return runs, (q8, qd), (k8, kd), (v8, vd)
 
 
+@contextlib.contextmanager
+def _fa3():
+    """FA3 as torch's flash-attention implementation (it runs torch's FP8 SDPA) inside the block, the one active
+    before (attngen's, or none) back after it; outside the timed calls: activating registers torch's ops."""
+    from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl, restore_flash_attention_impl
+
+    def back(before):
+        if before is None:
+            restore_flash_attention_impl(_raise_warn=False)
+        else:
+            activate_flash_attention_impl(before)
+
+    before = current_flash_attention_impl()
+    try:
+        activate_flash_attention_impl("FA3")  # (it drops the active impl first, also when FA3 is not installed)
+    except Exception:
+        back(before)
+        raise
+    try:
+        yield
+    finally:
+        back(before)
+
+
 def _errors(out, q, k, v, causal) -> tuple[float, float]:
     """(max |out - ref|, ||out - ref|| / ||ref||) over batch 0, heads 0-1, against float64 of q, k, v."""
     mask = Mask.CAUSAL_TOP_LEFT if causal else Mask.NONE
@@ -120,7 +146,7 @@ def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> 
             fn = runs[name]
             row = Row("fp8", "forward", name, dict(params, dtype="fp8_e4m3" if name in FP8_PROVIDERS else "bf16"))
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _fa3() if name == "torch_fp8" else contextlib.nullcontext():
                     out = fn()
                 if check:
                     row.error = _check(name, out, q, k, v, quantized, causal)
@@ -128,7 +154,8 @@ def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> 
                     err, rel = _errors(out, q, k, v, causal)
                     row.extra.update(err=err, rel=rel)
                     out = None
-                    row.ms = _timed(fn, (), "forward")
+                    with _fa3() if name == "torch_fp8" else contextlib.nullcontext():
+                        row.ms = _timed(fn, (), "forward")
                     flops = evaluate(fa_flops(causal, False), dict(B=batch, H=heads, N_Q=size, N_K=size, HEAD_DIM=d))
                     row.tflops = flops / row.ms / 1e9
             except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
