@@ -303,6 +303,16 @@ def test_shipped_fp8_spec_validates_and_its_check_can_fail():
     assert not compare(kernel.spec, case, out, lse, q8, k8, v8, tensors=wrong).ok
 
 
+@pytest.mark.parametrize("text", [
+    "mask = causal & window(24)\n score = softcap(20)\n sinks = true\n head_dim = 64\n heads = 4\n kv_heads = 2",
+    "mask = causal(bottom_right)\n score = alibi\n head_dim = 80",
+])
+def test_fp8_variant_specs_validate(text):
+    kernel = attngen.load(f"kernel v {{\n direction = forward\n dtype = fp8_e4m3\n {text}\n}}\n")
+    for result in validate(kernel, [Case(1, kernel.spec.heads or 2, kernel.spec.kv_heads or 2, 77, 130)], device=DEVICE):
+        assert result.ok, result
+
+
 # -- real sizes (GPU) -----------------------------------------------------------------------------
 
 

@@ -226,8 +226,9 @@ class Kernel:
         specs only).
 
         `tensors`: the spec's run-time tensors by keyword (`tensor_names`: its declared tensors,
-        `alibi_slopes` (H,) or (B, H) float32, `sinks` (H,)), checked by `arguments.check_runtime_tensors`;
-        a variant's sinks get a gradient, its other tensors are constants.
+        `alibi_slopes` (H,) or (B, H) float32, `sinks` (H,); an FP8 spec's `q_descale`, `k_descale`, `v_descale`,
+        float32 (1,) or (B, H_KV), 1 where not given), checked by `arguments.check_runtime_tensors`;
+        a variant's sinks get a gradient, its other tensors are constants. An FP8 spec's output is bfloat16.
 
         A call without `config=` whose signature repeats an earlier call's (its plan in `PLANS`, the one cache
         of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
