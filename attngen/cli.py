@@ -3,7 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
-    attngen bench [--suite prefill|decode|variants|varlen|shapes|all] ...   attngen against the peers on this GPU
+    attngen bench [--suite prefill|decode|variants|varlen|shapes|fp8|all] ...   attngen against the peers on this GPU
     attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
@@ -23,6 +23,7 @@ from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
                                  shared_bytes_backward)
 from .bench import prefill as bench
+from .bench import fp8 as bench_fp8
 from .bench import shapes as bench_shapes
 from .bench import variants as bench_variants
 from .bench import varlen as bench_varlen
@@ -246,6 +247,8 @@ def cmd_explain(args) -> int:
     if spec.variant:
         _explain_variant(spec, sizes)
     _explain_group_split(last, sizes)
+    if spec.dtype.fp8:
+        _explain_fp8(last)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
     smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
@@ -287,6 +290,24 @@ def _explain_group_split(program: ir.Program, sizes: dict) -> None:
         print(line + f"each group split over {split} programs ({programs * split} in all; heads "
               f"{', '.join(map(str, heads))}), their float32 dK and dV summed after (not under deterministic "
               "algorithms)")
+
+
+def _explain_fp8(program: ir.Program) -> None:
+    """Where the forward of an FP8 spec rounds to e4m3 and applies its descales, read from the final IR."""
+    print("=== fp8: where values are quantised and descaled (pass descale) ===")
+    kernel = program.kernel("attn_fwd")
+    inputs = [f"{b.name} ({b.dtype.value})" for b in kernel.params if b.dtype is ir.DT.F8E4M3]
+    print(f"  e4m3 inputs: {', '.join(inputs)}; the products accumulate in fp32")
+    casts = set()
+    for st in ir.walk_stmts(kernel.body):
+        for e in (e for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)):
+            if isinstance(e, ir.Call) and e.op is ir.Op.CAST and e.dtype is ir.DT.F8E4M3:
+                casts.add(ir.format_expr(e))
+        if isinstance(st, ir.Assign) and st.target.name in ("qk_scale", "v_descale"):
+            print(f"  {st.target.name} = {ir.format_expr(st.value)}")
+        if isinstance(st, ir.Store) and st.target.name == "O":
+            print(f"  out ({st.target.dtype.value}) = {ir.format_expr(st.value)}")
+    print(f"  rounded to e4m3 for P V: {', '.join(sorted(casts))} (p in [0, 1] after the running max, unscaled)")
 
 
 def _explain_variant(spec, sizes) -> None:
@@ -350,6 +371,11 @@ def cmd_bench(args) -> int:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
         return bench_variants.main(args.output, shape, directions, names, args.check)
+    if args.suite == "fp8":
+        names = _providers(args.providers, bench_fp8.PROVIDERS)
+        if args.check:
+            _use_interpreter_without_gpu()
+        return bench_fp8.main(args.output, names, ints(args.lengths, "lengths"), args.check)
     if args.suite in ("varlen", "shapes"):
         suite = bench_varlen if args.suite == "varlen" else bench_shapes
         names = _providers(args.providers, suite.PROVIDERS)
@@ -573,11 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "all"), default="all",
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "fp8", "all"), default="all",
                    help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
                         "varlen: packed variable-length batches and SDPA through the flash-attention slot; "
                         "shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 odd lengths, 192/128) "
-                        "against cuDNN, FlexAttention and FA2")
+                        "against cuDNN, FlexAttention and FA2; fp8: the FP8 forward against attngen's bf16 "
+                        "forward and cuDNN at d=128, with each one's error against float64")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")

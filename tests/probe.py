@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "float8_e4m3fn": "*fp8e4nv"}
 
 
 def _compile_gluon_ws(module, job):

@@ -69,6 +69,8 @@ def test_generated_files_compile_for_sm90():
         # a variant's run-time tensors (ir/variants.tensor_buffers): ALiBi's slopes, the sinks, declared tensors
         variant_ptrs = {"ALIBI_SLOPES": "*fp32", "SINKS": "*fp32",
                         **{f"ARG_{t.name}": "*" + t.dtype.replace("int", "i") for t in spec.variant.tensors}}
+        if spec.dtype.fp8:  # an FP8 spec's descales, and its bf16 output
+            variant_ptrs.update(Q_DESCALE="*fp32", K_DESCALE="*fp32", V_DESCALE="*fp32", O="*bf16")
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")

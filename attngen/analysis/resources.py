@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ir import sym
+from ..lang.spec import FP8_MIN_REDUCTION
 
 STAGES = sym.size("NUM_STAGES")
 WARPS = sym.size("NUM_WARPS")
@@ -154,6 +155,9 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
     target = target or Target.current()
     dp, dvp, elem = spec.head_dim_padded, spec.head_dim_v_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
+    if spec.dtype.fp8 and bn < FP8_MIN_REDUCTION:
+        return (f"block_n={bn} is the reduction of P V, and FP8 tensor-core products reduce over at least "
+                f"{FP8_MIN_REDUCTION}")
     smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged, head_dim_v_padded=dvp)
     dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
     if smem > target.shared_limit:

@@ -21,6 +21,7 @@ from ..ir import variants
 from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
+from ..passes.lower import descale_buffers
 from ..policy import hopper, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
@@ -84,6 +85,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants=constants,
         head_dim_v=spec.head_dim_v if spec.splits_head_dims else None,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
+        out_dtype=str(spec.dtype.output.torch).removeprefix("torch.") if spec.dtype.fp8 else None,
         default_config=default_config(spec, target=Target.default()),  # the same source on every machine
         kernels=kernels,
         attrs=dict(program.attrs),
@@ -126,14 +128,16 @@ def _gluon_scope(program: ir.Program) -> tuple[str, ...]:
 
 
 def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
-    """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks): the
-    keyword, the launchers' parameter name, and whether a (heads,) tensor is expanded to (batch, heads);
-    with `kernel`, only those it takes (the backward kernels read the score modifier's tensors, not the sinks)."""
-    names = spec.variant.runtime_tensors()
-    buffers = variants.tensor_buffers(spec.variant)
+    """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks, an FP8
+    spec's descales): the keyword, the launchers' parameter name, whether a (heads,) tensor is expanded to
+    (batch, heads) (`alibi`) and whether a (1,) one is expanded to (batch, kv_heads) (`descale`); with `kernel`,
+    only those it takes (the backward kernels read the score modifier's tensors, not the sinks)."""
+    names = spec.runtime_tensors()
+    descales = descale_buffers(spec)
+    buffers = variants.tensor_buffers(spec.variant) + descales
     taken = None if kernel is None else {p.name for p in kernel.params}
-    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI) for name, b in zip(names, buffers)
-            if taken is None or b.name in taken]
+    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI, descale=b in descales)
+            for name, b in zip(names, buffers) if taken is None or b.name in taken]
 
 
 def _split_heuristic_source() -> str:

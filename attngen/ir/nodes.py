@@ -45,14 +45,16 @@ class DT(enum.Enum):
     BF16 = "bf16"
     F32 = "fp32"
     I32 = "int32"
+    F8E4M3 = "fp8_e4m3"  # float8 e4m3 (finite, max 448): Triton's float8e4nv, torch's float8_e4m3fn
 
     @property
     def bytes(self) -> int:
-        return 2 if self in (DT.F16, DT.BF16) else 4
+        return {DT.F16: 2, DT.BF16: 2, DT.F8E4M3: 1}.get(self, 4)
 
     @property
     def triton(self) -> str:
-        return {DT.F16: "tl.float16", DT.BF16: "tl.bfloat16", DT.F32: "tl.float32", DT.I32: "tl.int32"}[self]
+        return {DT.F16: "tl.float16", DT.BF16: "tl.bfloat16", DT.F32: "tl.float32", DT.I32: "tl.int32",
+                DT.F8E4M3: "tl.float8e4nv"}[self]
 
 
 @dataclass(frozen=True, slots=True)

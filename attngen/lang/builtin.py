@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from .spec import Mask, Spec, parse
+from .spec import DType, Mask, Spec, parse
 from .variants import Alibi, And, BinOp, Causal, Compare, Const, Softcap, Var, Variant, Window
 
 NO_WINDOW = (-1, -1)
@@ -26,7 +26,9 @@ def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Varian
         words = " ".join(_variant_words(variant))
         name = f"sdpa_{dtype}_{dims}_" + re.sub(r"\W+", "_", words if variant.mask is not None
                                                 else f"{'causal' if causal else 'full'} {words}").strip("_")
-    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
+    # FP8 inputs have a forward only (the spec refuses a backward for them)
+    direction = "forward" if dtype == DType.FP8_E4M3.value else "forward+backward"
+    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = {direction}\n"
             f"    mask = {mask}\n    head_dim = {head_dim}\n{_dim_v_line(head_dim_v)}    dtype = {dtype}\n}}\n")
     spec = parse(text, f"<attention {name}>")
     if not variant:

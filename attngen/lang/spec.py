@@ -67,10 +67,22 @@ class DType(enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    # q, k and v in float8 e4m3 (torch.float8_e4m3fn) with float32 descale factors; the output is bf16.
+    FP8_E4M3 = "fp8_e4m3"
 
     @property
     def bytes(self) -> int:
-        return 4 if self is DType.FP32 else 2
+        return {DType.FP32: 4, DType.FP8_E4M3: 1}.get(self, 2)
+
+    @property
+    def fp8(self) -> bool:
+        return self is DType.FP8_E4M3
+
+    @property
+    def output(self) -> "DType":
+        """The dtype of the output: the inputs' own, but bf16 for FP8 inputs (e4m3 would lose the
+        output's precision for nothing: it is written once)."""
+        return DType.BF16 if self.fp8 else self
 
     @property
     def torch(self):
@@ -78,7 +90,8 @@ class DType(enum.Enum):
         if found is None:  # torch is imported on first use, not with the spec module
             import torch
 
-            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32})
+            _TORCH_DTYPES.update({DType.FP16: torch.float16, DType.BF16: torch.bfloat16, DType.FP32: torch.float32,
+                                  DType.FP8_E4M3: torch.float8_e4m3fn})
             found = _TORCH_DTYPES[self]
         return found
 
@@ -106,6 +119,13 @@ class Layout(enum.Enum):
 
 
 AUTO = None  # a tile value left to the autotuner / heuristics
+
+# The run-time descale factors of an FP8 spec, FA3's names and convention: float32, (1,) for the whole tensor
+# or (batch, kv_heads) per head, and a stored value x stands for x * descale.
+DESCALES = ("q_descale", "k_descale", "v_descale")
+# The least an FP8 tensor-core product reduces over (Triton's tl.dot on float8 operands: K >= 32), so an FP8 spec's
+# padded head dim (Q K^T) and its key blocks (P V) are at least this.
+FP8_MIN_REDUCTION = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +226,10 @@ class Spec:
         # NOTE: packed rows address (head, position) of a (batch, heads, seq) tensor; a varlen tensor is
         # (tokens, heads): no packing there yet.
         return (self.is_split or self.kv_layout.paged) and not self.varlen
+
+    def runtime_tensors(self) -> tuple[str, ...]:
+        """The keyword tensors a kernel of this spec takes, in order: the variant's, then an FP8 spec's descales."""
+        return self.variant.runtime_tensors() + (DESCALES if self.dtype.fp8 else ())
 
     @property
     def tunables(self) -> tuple[str, ...]:
@@ -397,8 +421,9 @@ def _end(text: str) -> tuple[int, int]:
 
 # -- checking ----------------------------------------------------------------------------------
 
-_DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32}
-_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
+_DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32, "fp8_e4m3": DType.FP8_E4M3}
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+                  "float8_e4m3fn": "fp8_e4m3", "fp8e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _BOOLS = {"true": True, "false": False, "auto": None}
 
 
@@ -562,7 +587,7 @@ def _check(header: Header, filename: str) -> Spec:
         (e.key, e.value.line, e.value.column) for e in header.entries if isinstance(e, Entry)
     ) + tuple((f"tensor {t.name}", t.line, t.column) for t in declared.values())
     spec = Spec(name=name, filename=filename, where=where, **values)
-    return _check_layout(_check_heads(_check_head_dim(spec)))
+    return _check_fp8(_check_layout(_check_heads(_check_head_dim(spec))))
 
 
 def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[str, Any]:
@@ -634,6 +659,26 @@ def _check_layout(spec: Spec) -> Spec:
         if any(isinstance(d, str) and d not in ("B", "H") for d in t.dims):
             raise spec.error(f"tensor {t.name}", f"tensor '{t.name}' has a dimension other than B, H or a number; "
                              "a varlen kernel's sequences have no common length", UnsupportedError)
+    return spec
+
+
+def _check_fp8(spec: Spec) -> Spec:
+    """What FP8 inputs are for: the prefill forward, dense (batch, heads, seq, head_dim) tensors."""
+    if not spec.dtype.fp8:
+        return spec
+    if spec.backward:
+        raise spec.error("direction", "dtype = fp8_e4m3 is forward-only: the backward stays 16-bit (train in bf16 "
+                         "or fp16, and quantise for inference); write direction = forward")
+    if spec.decoding:
+        key = "kv_layout" if spec.kv_layout.paged else "split_kv"
+        raise spec.error(key, "dtype = fp8_e4m3 is the prefill forward (q, k and v in FP8); it reads no KV cache",
+                         UnsupportedError)
+    if spec.varlen:
+        raise spec.error("layout", "dtype = fp8_e4m3 takes (batch, heads, seq, head_dim) tensors; layout = varlen "
+                         "is 16-bit", UnsupportedError)
+    if spec.head_dim_padded < FP8_MIN_REDUCTION:
+        raise spec.error("head_dim", f"dtype = fp8_e4m3 needs head_dim >= {FP8_MIN_REDUCTION}: FP8 tensor-core "
+                         f"products reduce over at least {FP8_MIN_REDUCTION}", UnsupportedError)
     return spec
 
 

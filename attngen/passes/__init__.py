@@ -6,6 +6,8 @@
     recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
+    descale         (FP8 inputs) q_descale * k_descale joins the softmax scale, v_descale scales the output;
+                    P is quantised to e4m3 as it is for P V
     kv-lengths      (decoding) per-sequence key counts n_k = SEQLENS[b] replace N_K
     varlen          (packed variable-length sequences) programs over all sequences' tiles, each finding its
                     sequence by a binary search over the cu_seqlens; per-sequence n_q, n_k; packed rows
@@ -28,10 +30,10 @@ from typing import Callable
 from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
-from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
+from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
                tiling, tma, varlen, warp_specialize, warp_specialize_decode)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip, paged,
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip, paged,
             tma, warp_specialize, warp_specialize_decode)
 """The passes after `lower`, in order."""
 

@@ -11,15 +11,29 @@ from __future__ import annotations
 from .. import ir
 from ..ir import sym, variants
 from ..ir import DT, Buffer, Call, Load, Masked, Op, Pointwise, Pred, PredKind, Ref, Role, Space, Span, Stat, Sym
-from ..lang.spec import Mask, Spec
+from ..lang.spec import DESCALES, Mask, Spec
 
 NAME = "lower"
 
-_DT = {"fp16": DT.F16, "bf16": DT.BF16, "fp32": DT.F32}
+_DT = {"fp16": DT.F16, "bf16": DT.BF16, "fp32": DT.F32, "fp8_e4m3": DT.F8E4M3}
 
 
 def io_dtype(spec: Spec) -> DT:
+    """The dtype of Q, K and V (and of P where it meets V)."""
     return _DT[spec.dtype.value]
+
+
+def out_dtype(spec: Spec) -> DT:
+    """The dtype of O: the inputs', but bf16 for FP8 inputs."""
+    return _DT[spec.dtype.output.value]
+
+
+def descale_buffers(spec: Spec) -> tuple[Buffer, ...]:
+    """An FP8 spec's descale factors (Q_DESCALE, K_DESCALE, V_DESCALE), one float32 per (batch, K/V head); a
+    per-tensor (1,) factor is expanded to that shape by the launcher. None for other specs."""
+    if not spec.dtype.fp8:
+        return ()
+    return tuple(Buffer(name.upper(), (sym.B, sym.H_KV), DT.F32, Space.HBM, Role.INPUT) for name in DESCALES)
 
 
 def alignment(spec: Spec):
@@ -51,7 +65,7 @@ def run(spec: Spec) -> ir.Program:
     q_buf = Buffer("Q", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.INPUT)
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
     v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), dt, Space.HBM, Role.INPUT)
-    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), dt, Space.HBM, Role.OUTPUT)
+    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), out_dtype(spec), Space.HBM, Role.OUTPUT)
     lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     p_buf = Buffer("P", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
@@ -105,7 +119,7 @@ def run(spec: Spec) -> ir.Program:
     ) + ((ir.SymbolDecl(sym.HEAD_DIM_V, ir.SymKind.CONSTEXPR, "head dim of V and O"),) if spec.splits_head_dims else ()) + (
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra, symbols, (grid,),
+    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra + descale_buffers(spec), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, dims_v, kv_head)) if spec.backward else (kernel,)
     attrs = dict(

@@ -82,14 +82,12 @@ def run(program: ir.Program) -> ir.Program:
     grid_b, grid_h, s_assign, softmax, o_store, lse_store = _match(kernel)
     spans = tile_spans(program)
     rows, cols, dims = spans["offs_m"], spans["offs_n"], spans["offs_d"]
-    io = o_store.target.dtype
-
     # The query tile: loaded once per program, reused for every key block.
     scores = _retile(s_assign.value, spans)
     q_loads = [e for e in ir.walk_expr(scores) if isinstance(e, Load) and e.buffer.name == "Q"]
     if len(q_loads) != 1:
         raise InternalError("tiling expects exactly one load of Q in the scores")
-    q_tile = Buffer("q", (sym.BLOCK_M, dims.size), io, Space.REG)
+    q_tile = Buffer("q", (sym.BLOCK_M, dims.size), q_loads[0].buffer.dtype, Space.REG)
     scores = ir.map_expr(scores, lambda e: Ref(q_tile) if e == q_loads[0] else e)
     key_bound = Pred(PredKind.KEY_BOUND, sym.N_K)
     if isinstance(scores, Masked):
