@@ -123,6 +123,8 @@ def random_inputs(spec: Spec, case: Case, device, generator=None):
     shape_v = shape_k[:-1] + (spec.head_dim_v,)
     q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
     k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
+    if spec.v_from_k:  # `v = k[:N]` (MLA): the values are a view of the keys' first columns
+        return q, k, k[..., :spec.head_dim_v]
     v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(dt)
     return q, k, v
 
