@@ -297,3 +297,30 @@ def test_gpu_mla_decode_at_real_sizes(heads):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+# -- the bench rows --------------------------------------------------------------------------------------------
+
+
+def test_bench_rows_are_issue_51_s_mla_decode_and_count_the_cache_once():
+    from attngen.bench import mla
+
+    assert {(r.batch, r.heads, r.seqlen) for r in mla.ROWS} == {(64, 16, 8192), (64, 128, 8192)}
+    row = mla.ROWS[1]
+    assert row.bytes() == 64 * 8192 * 576 * 2  # K and V are one read of the latent cache
+    assert row.flops() == 64 * 128 * 8192 * 2 * (576 + 512)
+
+
+def test_bench_check_runs_attngen_on_the_mla_rows_in_the_interpreter(monkeypatch):
+    from attngen.bench import mla, shapes
+
+    rows = mla.bench_mla(check=True, progress=lambda _: None)
+    assert [(r.provider, r.direction, r.error) for r in rows] == [("attngen", "decode", None)]
+    text = mla.table(rows)
+    assert "MLA decode" in text and "not FlashMLA" in text and "mla_tiny" in text
+    assert "sdpa" in shapes.PROVIDERS  # the MLA rows' peer can be asked for by name
+    # the check fails a wrong result: scores at twice the scale
+    original = mla.attention_with_kvcache
+    monkeypatch.setattr(mla, "attention_with_kvcache", lambda q, *a, **k: original(q * 2, *a, **k))
+    (bad,) = mla.bench_mla(check=True, progress=lambda _: None)
+    assert bad.error is not None and "relative error" in bad.error
