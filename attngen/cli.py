@@ -128,7 +128,8 @@ def _parse_shape(text: str | None, spec) -> dict:
                 sizes[key] = int(value)
             else:
                 raise SpecError(f"--shape: unknown size '{key}'; expected B, H, H_KV, N, N_Q or N_K", "<command line>")
-    sizes.setdefault("H_KV", spec.kv_heads or sizes["H"] // (spec.group or 1))
+    # MLA (v = k[:N]): every query head reads the one latent head
+    sizes.setdefault("H_KV", spec.kv_heads or (1 if spec.v_from_k else sizes["H"] // (spec.group or 1)))
     if sizes["H_KV"] < 1 or sizes["H"] % sizes["H_KV"]:
         raise SpecError(f"--shape: H={sizes['H']} is not a multiple of H_KV={sizes['H_KV']}", "<command line>")
     sizes["GROUP"] = sizes["H"] // sizes["H_KV"]

@@ -96,6 +96,8 @@ def default_cases(spec: Spec, small: bool = False) -> list:
     packed batches of such sequences (`PackedCase`)."""
     heads = spec.heads or 2 * (spec.group or 1)
     kv = spec.kv_heads or heads // (spec.group or 1)
+    if spec.v_from_k and spec.heads is None:  # MLA: DeepSeek's fewest query heads over one latent head
+        heads, kv = 16, 1
     long = 200 if small else 1000
     if spec.varlen:
         return [
