@@ -255,8 +255,9 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
         if t is not None and type(t) is not torch.Tensor:
             return None
         extra += (None if t is None else tensor_signature(t),)
-    # Whether v_cache is k_cache's prefix (MLA: the latent kernel) is a fact of their addresses, not their layouts.
-    latent = is_prefix_view(v_cache, k_cache)
+    # Whether v_cache is k_cache's prefix (MLA: the latent kernel) is a fact of their addresses, not only their
+    # layouts (which the signature holds): whether they start at one address completes it.
+    latent = v_cache.data_ptr() == k_cache.data_ptr()
     return ("kvcache", *extra, tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), latent, lens, table,
             None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, window_size, softcap,
             torch.is_grad_enabled(), tables.generation(), interpreting())
