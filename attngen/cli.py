@@ -21,7 +21,7 @@ from pathlib import Path
 from . import ir
 from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
-                                 shared_bytes_backward)
+                                 shared_bytes_backward, tile_widths)
 from .bench import prefill as bench
 from .bench import fp8 as bench_fp8
 from .bench import shapes as bench_shapes
@@ -131,7 +131,8 @@ def _parse_shape(text: str | None, spec) -> dict:
                 sizes[key] = int(value)
             else:
                 raise SpecError(f"--shape: unknown size '{key}'; expected B, H, H_KV, N, N_Q or N_K", "<command line>")
-    sizes.setdefault("H_KV", spec.kv_heads or sizes["H"] // (spec.group or 1))
+    # MLA (v = k[:N]): every query head reads the one latent head
+    sizes.setdefault("H_KV", spec.kv_heads or (1 if spec.v_from_k else sizes["H"] // (spec.group or 1)))
     if sizes["H_KV"] < 1 or sizes["H"] % sizes["H_KV"]:
         raise SpecError(f"--shape: H={sizes['H']} is not a multiple of H_KV={sizes['H_KV']}", "<command line>")
     sizes["GROUP"] = sizes["H"] // sizes["H_KV"]
@@ -160,6 +161,13 @@ def _print_passes(program: ir.Program) -> None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
               "Triton kernels run")
+    if program.attr("v_from_k"):  # MLA: what the latent cache's read and the packed heads come to
+        d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
+        print(f"latent-kv: V is K's first {d_v} columns: each key tile is read once, as kv = K[:, :{d_v}] (Q K^T's "
+              f"first part and the P V operand) and k_rope = K[:, {d_v}:{d}] (Q K^T's rest); no V tensor")
+        if program.attr("pack_gqa"):
+            print("pack-gqa: the GROUP query heads of a K/V head fill one program's rows (GROUP x N_Q rows, BLOCK_M "
+                  "at a time), so each tile read serves all of them")
 
 
 def _gluon_backward_line(program: ir.Program) -> str:
@@ -251,8 +259,9 @@ def cmd_explain(args) -> int:
         _explain_fp8(last)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
-    smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
-                        config["num_stages"], target, head_dim_v_padded=spec.head_dim_v_padded)
+    widths = tile_widths(spec)
+    smem = shared_bytes(widths[0], spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
+                        config["num_stages"], target, head_dim_v_padded=widths[1])
     print(f"  shared memory {smem:,} of {target.shared_limit:,} bytes; "
           f">= {registers(spec.head_dim_v_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
           "fp32 registers per thread")

@@ -76,7 +76,7 @@ def test_generated_files_compile_for_sm90():
             warps, stages = config.pop("num_warps"), config.pop("num_stages")
             args = getattr(module, kernel).arg_names
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
-            for name in ("HEAD_DIM_V", "HEAD_DIM_V_PADDED"):  # a spec whose V has another head dim (head_dim_v)
+            for name in ("HEAD_DIM_V", "HEAD_DIM_V_PADDED", "HEAD_DIM_ROPE_PADDED"):  # V of another head dim; K past V (v = k[:N])
                 if hasattr(module, name):
                     values[name] = getattr(module, name)
             if hasattr(module, "COMBINE_BLOCK_S"):  # the combine kernel's splits per step

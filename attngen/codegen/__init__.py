@@ -70,6 +70,9 @@ def render(spec: Spec, program: ir.Program) -> str:
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     if spec.splits_head_dims:
         constants.update(HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PADDED=spec.head_dim_v_padded)
+    if spec.v_from_k:
+        rope = spec.head_dim - spec.head_dim_v
+        constants["HEAD_DIM_ROPE_PADDED"] = 1 << (rope - 1).bit_length()
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
     if program.attr("max_block_n") is not None:  # the runtime reads it without rebuilding the program
@@ -84,6 +87,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         passes=list(applied_passes(program)),
         constants=constants,
         head_dim_v=spec.head_dim_v if spec.splits_head_dims else None,
+        v_from_k=spec.v_from_k,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
         out_dtype=str(spec.dtype.output.torch).removeprefix("torch.") if spec.dtype.fp8 else None,
         default_config=default_config(spec, target=Target.default()),  # the same source on every machine

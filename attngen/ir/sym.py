@@ -179,6 +179,8 @@ HEAD_DIM = size("HEAD_DIM")
 HEAD_DIM_PADDED = size("HEAD_DIM_PADDED")
 HEAD_DIM_V = size("HEAD_DIM_V")                # V's and O's head dim, where a spec sets another (head_dim_v)
 HEAD_DIM_V_PADDED = size("HEAD_DIM_V_PADDED")
+# K's columns after V's prefix where `v = k[:N]` (MLA: the rotary part), rounded up to a power of two
+HEAD_DIM_ROPE_PADDED = size("HEAD_DIM_ROPE_PADDED")
 BLOCK_M = size("BLOCK_M")
 BLOCK_N = size("BLOCK_N")
 # Grid and loop variables.

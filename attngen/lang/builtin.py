@@ -123,19 +123,20 @@ def sdpa_key_spec(key: str) -> Spec:
 
 @lru_cache(maxsize=None)
 def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
-                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None) -> Spec:
-    """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another)
-    / mask / page size, and flash-attn's variant arguments as `sdpa_variant` reads them (the spec aligns them
-    bottom-right, as it does the causal mask), written as spec text: e.g. `mask = causal & window(4096)`,
-    `score = softcap(30)`, `sinks = true`."""
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None,
+                 v_from_k: bool = False) -> Spec:
+    """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another;
+    `v_from_k`: V is the cache's first head_dim_v columns, MLA's latent cache) / mask / page size, and flash-attn's
+    variant arguments as `sdpa_variant` reads them (the spec aligns them bottom-right, as it does the causal mask),
+    written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
     mask, words = _bottom_right(variant, causal)
     # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
-    name = (f"kvcache_{dtype}_{_dims(head_dim, head_dim_v)}_{words}_"
+    name = (f"kvcache_{dtype}_{_dims(head_dim, head_dim_v)}{'_latent' if v_from_k else ''}_{words}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + [
-        f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + (
+        [f"v = k[:{head_dim_v}]"] if v_from_k else []) + [f"dtype = {dtype}", "split_kv = auto", f"kv_layout = {layout}"]
     return _flash_spec("attngen.attention_with_kvcache()", name, lines, variant)
 
 

@@ -41,6 +41,9 @@ MAX_TOKENS = 2000
 MAX_NESTING = 8
 # The largest head dim of V (`head_dim_v`): MLA's latent values are 512 wide.
 MAX_HEAD_DIM_V = 512
+# The largest head dim of Q and K: 256, or MLA's 576 (512 latent + 64 rotary) where V is K's prefix (`v = k[:N]`).
+MAX_HEAD_DIM = 256
+MAX_HEAD_DIM_LATENT = 576
 # The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
 # non-zero fp32 number (see checks.check_scale).
 MIN_SCALE = 1e-30
@@ -154,6 +157,8 @@ class Spec:
     variant: Variant = Variant()
     # The head dim of V and O (`head_dim_v`); None in the constructor means head_dim, and __post_init__ fills it in.
     head_dim_v: int | None = None
+    # V is K's first head_dim_v columns (`v = k[:N]`, MLA's absorbed latent cache): one cache, read once for both.
+    v_from_k: bool = False
     # Where each key was written, for error messages; not part of the kernel's identity.
     filename: str = field(default="<spec>", compare=False, repr=False)
     where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
@@ -282,6 +287,8 @@ class Spec:
             lines.append(f"    {key} = {text}")
             if key == "head_dim" and self.splits_head_dims:  # only when set: a plain spec's hash stays
                 lines.append(f"    head_dim_v = {self.head_dim_v}")
+            if key == "head_dim" and self.v_from_k:
+                lines.append(f"    v = k[:{self.head_dim_v}]")
         # Written only when set, so that a plain spec's text (and hash) is what it always was.
         if self.varlen:
             lines.append(f"    layout = {self.layout.value}")
@@ -518,9 +525,27 @@ def _layout(v: Value) -> Layout:
     return Layout(_word(v, "layout", tuple(x.value for x in Layout)))
 
 
+def _v_prefix(v: Value) -> int:
+    """`v = k[:N]`: V is the first N columns of K (MLA's latent cache). Returns N."""
+    usage = "v = k[:N] (V is the first N columns of K, as MLA's latent cache holds it)"
+    if v.kind != "index" or v.text != "k" or len(v.args) != 1 or v.args[0][1].kind != "slice":
+        raise _err(v, f"v takes a prefix of k: {usage}; got '{_shown(v)}'")
+    bounds = dict(v.args[0][1].args)
+    start = bounds.get("start")
+    if start is not None and not (start.kind == "number" and re.fullmatch(r"\+?0+", start.text)):
+        raise _err(start, f"v must be a prefix of k (its columns from 0): {usage}; got '{_shown(v)}'")
+    if "stop" not in bounds:
+        raise _err(v, f"v = k[:] is all of k; write the prefix's width: {usage}")
+    width = _int(bounds["stop"], "v's width", 16, MAX_HEAD_DIM_V)
+    if width % 16:
+        below = width // 16 * 16
+        raise _err(bounds["stop"], f"v's width {width} is not a multiple of 16; use {max(below, 16)} or {below + 16}")
+    return width
+
+
 _KEYS = {
     "direction": _direction,
-    "head_dim": lambda v: _int(v, "head_dim", 16, 256),
+    "head_dim": lambda v: _int(v, "head_dim", 16, MAX_HEAD_DIM_LATENT),
     "head_dim_v": lambda v: _int(v, "head_dim_v", 16, MAX_HEAD_DIM_V),
     "dtype": _dtype,
     "heads": lambda v: _int(v, "heads", 1, 1024, any_=True),
@@ -535,6 +560,7 @@ _KEYS = {
     "kv_layout": _kv_layout,
     "pack_gqa": lambda v: _bool(v, "pack_gqa"),
     "layout": _layout,
+    "v": _v_prefix,
 }
 # Read after the tensor declarations, which a mask or score may use wherever they stand in the spec.
 _VARIANT_KEYS = ("mask", "score", "sinks")
@@ -576,6 +602,12 @@ def _check(header: Header, filename: str) -> Spec:
         if entry.key in _KEYS:
             values[entry.key] = _KEYS[entry.key](entry.value)
     values.update(_variant(seen, declared))
+    if "v" in values:
+        width = values.pop("v")
+        if values.get("head_dim_v", width) != width:
+            raise _err(seen["v"].value, f"v = k[:{width}] is {width} wide but head_dim_v = {values['head_dim_v']} "
+                       f"(line {seen['head_dim_v'].line}); they must agree")
+        values.update(head_dim_v=width, v_from_k=True)
     if values.get("layout") is Layout.VARLEN and "mask" in seen:
         v = seen["mask"].value
         if v.kind == "word" and v.text == "causal":  # unaligned: per sequence, bottom-right
@@ -616,6 +648,22 @@ def _check_head_dim(spec: Spec) -> Spec:
         if value % 16:
             below = value // 16 * 16
             raise spec.error(key, f"{key} = {value} is not a multiple of 16; use {max(below, 16)} or {below + 16}")
+    if spec.head_dim > MAX_HEAD_DIM and not spec.v_from_k:
+        raise spec.error("head_dim", f"head_dim = {spec.head_dim} is out of range; expected 16 to {MAX_HEAD_DIM} (up to "
+                         f"{MAX_HEAD_DIM_LATENT} where v = k[:N], MLA's latent cache)")
+    return _check_v_from_k(spec) if spec.v_from_k else spec
+
+
+def _check_v_from_k(spec: Spec) -> Spec:
+    """What a V read from K's prefix (`v = k[:N]`, MLA decode) needs."""
+    if spec.head_dim_v >= spec.head_dim:
+        raise spec.error("v", f"v = k[:{spec.head_dim_v}] needs head_dim > {spec.head_dim_v}: q.k runs over the prefix "
+                         f"and the columns after it (MLA: 512 latent + 64 rotary); head_dim is {spec.head_dim}")
+    if spec.backward:
+        raise spec.error("v", "v = k[:N] is for decoding a latent cache; it has no backward", UnsupportedError)
+    if spec.varlen or not spec.decoding:
+        raise spec.error("v", "v = k[:N] is for decoding a KV cache: set split_kv or kv_layout = paged (layout = "
+                         "varlen is not supported)", UnsupportedError)
     return spec
 
 

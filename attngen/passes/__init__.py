@@ -15,6 +15,7 @@
     split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
+    latent-kv       (v = k[:N], MLA) one read of each K tile: V's columns feed both products, the rest only Q K^T
     tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
     warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward (and backward) also as Hopper Gluon kernels
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, one head dim 64/128) also as a Hopper Gluon kernel
@@ -30,11 +31,11 @@ from typing import Callable
 from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
-from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
-               tiling, tma, varlen, warp_specialize, warp_specialize_decode)
+from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, latent_kv, lower, online_softmax, pack_gqa, paged,
+               recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip, paged,
-            tma, warp_specialize, warp_specialize_decode)
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip,
+            paged, latent_kv, tma, warp_specialize, warp_specialize_decode)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

@@ -64,7 +64,8 @@ def run(spec: Spec) -> ir.Program:
     d, dv = sym.HEAD_DIM, value_dims(spec).size
     q_buf = Buffer("Q", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.INPUT)
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), dt, Space.HBM, Role.INPUT)
-    v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), dt, Space.HBM, Role.INPUT)
+    # `v = k[:N]` (MLA): no V tensor; the values are K's first HEAD_DIM_V columns.
+    v_buf = k_buf if spec.v_from_k else Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), dt, Space.HBM, Role.INPUT)
     o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), out_dtype(spec), Space.HBM, Role.OUTPUT)
     lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
@@ -119,7 +120,8 @@ def run(spec: Spec) -> ir.Program:
     ) + ((ir.SymbolDecl(sym.HEAD_DIM_V, ir.SymKind.CONSTEXPR, "head dim of V and O"),) if spec.splits_head_dims else ()) + (
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra + descale_buffers(spec), symbols, (grid,),
+    operands = (q_buf, k_buf) if spec.v_from_k else (q_buf, k_buf, v_buf)
+    kernel = ir.KernelIR("attn_fwd", operands + (o_buf, lse_buf) + extra + descale_buffers(spec), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, dims_v, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
@@ -128,6 +130,8 @@ def run(spec: Spec) -> ir.Program:
     )
     if spec.splits_head_dims:  # absent for a plain spec, so that its IR text is what it always was
         attrs.update(head_dim_v=spec.head_dim_v, head_dim_v_padded=spec.head_dim_v_padded)
+    if spec.v_from_k:
+        attrs["v_from_k"] = True
     # What the decoding passes act on; absent (so the IR text is unchanged) for a plain forward.
     if spec.is_split:
         attrs["split_kv"] = spec.split_kv or "auto"

@@ -47,7 +47,8 @@ def run(program: ir.Program) -> ir.Program:
     for p in kernel.params:
         if p.name in ("K", "V"):
             pools[p.name] = replace(p, shape=(sym.NUM_PAGES, sym.PAGE_SIZE, sym.H_KV, p.shape[-1]))
-    if len(pools) != 2:
+    # `v = k[:N]` (MLA): the values are K's columns, so K is the one pool.
+    if len(pools) != (1 if program.attr("v_from_k") else 2):
         raise InternalError(f"{NAME}: kernel {kernel.name} has no K and V to page")
 
     def page(buffer: Buffer, index):

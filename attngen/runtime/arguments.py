@@ -178,6 +178,8 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
                                f"and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise KernelInputError(f"{qn} has batch {q.shape[0]} but {kn} and {vn} have batch {k.shape[0]}")
+    if spec.v_from_k:
+        check_prefix_view(vn, v, kn, k)
     check_heads(spec, q.shape[1], k.shape[1], qn, kn, vn)
     check_grid(q.shape[0], q.shape[1], qn)
     if spec.packs_gqa:
@@ -187,6 +189,21 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
             # batch x heads x queries: attngen/policy/splits.py), far from these limits.
             check_split_launch(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[3], spec.split_kv, qn, kn,
                                "split_kv")
+
+
+def is_prefix_view(v, k) -> bool:
+    """Whether `v` is `k[..., :D_V]`: the same memory, shape and strides but for a shorter last dim (MLA's values
+    as a view of its latent cache)."""
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim()
+            and v.shape[:-1] == k.shape[:-1] and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride())
+
+
+def check_prefix_view(v_name: str, v, k_name: str, k) -> None:
+    """For a `v = k[:N]` kernel, which reads V from K's memory: v must be that view, not another tensor."""
+    if not is_prefix_view(v, k):
+        raise KernelInputError(f"{v_name} must be a view of {k_name}'s first columns ({k_name}[..., :{v.shape[-1]}]): "
+                               f"the kernel reads the values from {k_name} (its spec says v = k[:N]); got a tensor "
+                               "of its own memory or strides")
 
 
 def check_heads(spec: Spec, heads: int, kv_heads: int, q_name: str, k_name: str, v_name: str = "v") -> None:

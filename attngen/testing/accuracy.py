@@ -102,6 +102,8 @@ def default_cases(spec: Spec, small: bool = False) -> list:
     packed batches of such sequences (`PackedCase`)."""
     heads = spec.heads or 2 * (spec.group or 1)
     kv = spec.kv_heads or heads // (spec.group or 1)
+    if spec.v_from_k and spec.heads is None:  # MLA: DeepSeek's fewest query heads over one latent head
+        heads, kv = 16, 1
     long = 200 if small else 1000
     if spec.varlen:
         return [
@@ -131,6 +133,8 @@ def random_inputs(spec: Spec, case: Case, device, generator=None):
     shape_v = shape_k[:-1] + (spec.head_dim_v,)
     q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
     k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(dt)
+    if spec.v_from_k:  # `v = k[:N]` (MLA): the values are a view of the keys' first columns
+        return q, k, k[..., :spec.head_dim_v]
     v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(dt)
     return q, k, v
 

@@ -76,6 +76,8 @@ class KVCacheTunable(Tunable):
             k, v = randn(pool, page, shape.kv_heads, d), randn(pool, page, shape.kv_heads, d_v)
         else:
             k, v = randn(batch, capacity, shape.kv_heads, d), randn(batch, capacity, shape.kv_heads, d_v)
+        if spec.v_from_k:  # MLA: the values are the cache's first columns (a view), read with the keys
+            v = k[..., :d_v]
         return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape,
                 "out": q.new_empty((batch, shape.n_q, shape.heads, d_v)), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
                                                                 dtype=torch.float32)}
@@ -122,4 +124,5 @@ class KVCacheTunable(Tunable):
         if self.part.rows(shape) > 16:
             return None
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
-        return shape.kv_heads * keys * (self.spec.head_dim + self.spec.head_dim_v) * self.spec.dtype.bytes
+        width = self.spec.head_dim + (0 if self.spec.v_from_k else self.spec.head_dim_v)  # MLA: one read of the cache
+        return shape.kv_heads * keys * width * self.spec.dtype.bytes
