@@ -31,6 +31,7 @@ from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program
+from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -147,6 +148,13 @@ def _print_passes(program: ir.Program) -> None:
               "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
               "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
               "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N)")
+        if program.attr("mixed"):
+            print("mixed:   a sequence of at most SHORT_Q queries (a decode) is skipped by those tiles and runs as a "
+                  "narrow work item instead: attn_fwd_short, one program per (sequence, split, head), a BLOCK_M = "
+                  "SHORT_Q row tile over split `split` of NUM_SPLITS slices of its keys, partial O and LSE to a "
+                  "workspace, merged by attn_combine_short (one program per (sequence, head)); the host picks "
+                  "SHORT_Q and NUM_SPLITS from the batch, heads, max_seqlen_q/k and the SMs "
+                  f"(attngen/policy/mixed.py, {mixed_policy.DEFAULT})")
         if program.warp_specialized.forward is not None:
             print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "
                   "persistent grid: each program walks tiles t, t + programs, ...), TMA over the packed tensors, tiles "

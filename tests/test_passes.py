@@ -25,7 +25,7 @@ def stages(text):
 
 def test_pipeline_order_is_visible():
     assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "fold-scale", "kv-lengths",
-                          "varlen", "pack-gqa", "split-kv", "causal-skip", "paged", "tma", "warp-specialize",
+                          "varlen", "pack-gqa", "split-kv", "mixed", "causal-skip", "paged", "tma", "warp-specialize",
                           "warp-specialize-decode")
 
 

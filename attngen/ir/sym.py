@@ -210,6 +210,10 @@ tile = index("tile")              # a program's tile among all sequences' tiles
 q_start = index("q_start")        # this sequence's first query row
 k_start = index("k_start")        # this sequence's first key row
 n_q = index("n_q")                # this sequence's query count
+# Mixed prefill+decode steps (pass mixed): short sequences as narrow work items beside the wide tiles.
+SHORT_Q = size("SHORT_Q")         # a sequence of at most this many queries is a narrow work item (0: none is)
+n_q_all = index("n_q_all")        # a sequence's query count, before the narrow kernel drops the long ones
+n_k_all = index("n_k_all")        # its key count, likewise
 
 
 # Masks and score modifiers (ir/variants.py): the element a predicate or pointwise function is evaluated at.
