@@ -136,6 +136,10 @@ def _parse_shape(text: str | None, spec) -> dict:
     return sizes
 
 
+MIXED_NARROW = ("attn_fwd_short", "attn_combine_short")
+"""A mixed program's narrow kernels: no work where the sequences are priced longer than SHORT_Q."""
+
+
 def _print_passes(program: ir.Program) -> None:
     """Which passes acted on the program and which were no-ops; for a varlen program, how programs find their
     sequence and tile."""
@@ -212,7 +216,10 @@ def cmd_explain(args) -> int:
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
     if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load, as the launch picks it
         sizes["BLOCK_S"] = min(last.attr("combine_block_s"), 1 << (max(1, sizes["NUM_SPLITS"]) - 1).bit_length())
-    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
+    if last.attr("mixed"):  # every sequence of N_Q queries: the wide tiles take them all (no narrow work item)
+        sizes.setdefault("SHORT_Q", 0)
+    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd")
+                            and not (last.attr("mixed") and sizes["SHORT_Q"] == 0 and k.name in MIXED_NARROW))
     directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:
         directions.append(("backward", ("attn_bwd",), ("attn_bwd_dq", "attn_bwd_dkdv"),

@@ -146,3 +146,41 @@ def test_sinks_join_one_split_and_alibi_is_per_sequence(monkeypatch, score, name
     tensors = {name: torch.rand(shape, generator=g, device=DEVICE) for name, shape in names.items()}
     out, lse, (q, k, v, cu_q, cu_k) = _step(kernel, 2, 2, seed=11, **tensors)
     _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k, tensors=tensors)
+
+
+def test_explain_shows_the_narrow_items_and_the_policy(capsys):
+    import os
+
+    from attngen.cli import main
+    from conftest import SPECS
+
+    assert main(["explain", os.path.join(SPECS, "varlen_paged_d128.attn")]) == 0
+    text = capsys.readouterr().out
+    assert "applied: lower, tiling, online-softmax, exp2, fold-scale, varlen, mixed, causal-skip, paged" in text
+    line = next(s for s in text.splitlines() if s.startswith("mixed:"))
+    assert "attn_fwd_short" in line and "attn_combine_short" in line and str(mixed.DEFAULT) in line
+    assert "kernel attn_fwd_short:" in text and "kernel attn_combine_short:" in text
+
+
+@pytest.mark.gpu
+def test_gpu_issue_step_runs_the_narrow_items(monkeypatch):
+    """At the issue's sizes on a GPU (4 prompts of 2,048 beside 60 decodes over 1k..32k shuffled 64-token pages,
+    d=128, bf16; the shipped spec's 32 query heads over 8 K/V heads), under the default policy: the narrow
+    kernels run, and every sequence matches float64."""
+    import os
+
+    import attngen
+    from conftest import SPECS
+
+    kernel = attngen.load(os.path.join(SPECS, "varlen_paged_d128.attn"))
+    g = torch.Generator(device=DEVICE).manual_seed(49)
+    lens_q = [2048] * 4 + [1] * 60
+    lens_k = [2048] * 4 + torch.randint(1024, 32769, (60,), generator=g, device=DEVICE).tolist()
+    q, k, v, cu_q, cu_k = _packed(kernel, lens_q, lens_k, 32, 8, g)
+    pool_k, pool_v, table = _pages(k, v, cu_k, 64, g)
+    counts = _launches(kernel, monkeypatch)
+    out, lse = kernel(q, pool_k, pool_v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2048,
+                      max_seqlen_k=max(lens_k), block_table=table, out=torch.full_like(q, float("nan")),
+                      return_lse=True)
+    assert counts == {"launch_attn_fwd": 1, "launch_attn_fwd_short": 1, "launch_attn_combine_short": 1}
+    _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k)

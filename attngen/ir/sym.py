@@ -145,6 +145,8 @@ def value(expr, values: dict) -> Fraction:
             result = walk(e.base) ** int(e.exp)
         elif isinstance(e, sympy.Sum):
             result = _sum_value(e, values, walk)
+        elif isinstance(e, sympy.Piecewise):  # (a mixed step's narrow-or-wide bounds)
+            result = next(walk(v) for v, cond in e.args if _holds(cond, walk))
         elif e.func in _EXACT:
             result = Fraction(_EXACT[e.func](*(walk(a) for a in e.args)))
         else:
@@ -153,6 +155,23 @@ def value(expr, values: dict) -> Fraction:
         return result
 
     return walk(sympy.sympify(expr))
+
+
+_RELATIONS = {"<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+              ">=": lambda a, b: a >= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+
+
+def _holds(cond, walk) -> bool:
+    """Whether a Piecewise condition (comparisons joined by And / Or) holds, its operands valued by `walk`."""
+    if cond is sympy.true or cond is sympy.false:
+        return bool(cond)
+    if isinstance(cond, sympy.And):
+        return all(_holds(c, walk) for c in cond.args)
+    if isinstance(cond, sympy.Or):
+        return any(_holds(c, walk) for c in cond.args)
+    if isinstance(cond, sympy.core.relational.Relational):
+        return _RELATIONS[cond.rel_op](walk(cond.lhs), walk(cond.rhs))
+    raise ValueError(f"no exact value for the condition {cond}")
 
 
 def _sum_value(e, values: dict, walk) -> Fraction:
