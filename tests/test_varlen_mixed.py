@@ -184,3 +184,19 @@ def test_gpu_issue_step_runs_the_narrow_items(monkeypatch):
                       return_lse=True)
     assert counts == {"launch_attn_fwd": 1, "launch_attn_fwd_short": 1, "launch_attn_combine_short": 1}
     _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("body, heads, kv_heads, dtype, head_dim", [
+    # pages of one token (a gather per key row), a window on both sides (splits past it see no key)
+    ("mask = window(3, 5)\n kv_layout = paged(page_size = 1)", 2, 2, "fp32", 32),
+    # fp16, soft-capped scores, 4 query heads over one K/V head, pages of 8
+    ("mask = causal & window(6)\n score = softcap(2)\n kv_layout = paged(page_size = 8)", 4, 1, "fp16", 64),
+])
+def test_narrow_items_over_other_pages_and_scores(monkeypatch, body, heads, kv_heads, dtype, head_dim):
+    monkeypatch.setattr(mixed, "DEFAULT", FORCED)
+    kernel = _kernel(f"{body}\n heads = {heads}\n kv_heads = {kv_heads}", f"vl_mixed_{dtype}_{head_dim}",
+                     head_dim=head_dim, dtype=dtype)
+    counts = _launches(kernel, monkeypatch)
+    out, lse, (q, k, v, cu_q, cu_k) = _step(kernel, heads, kv_heads, seed=head_dim)
+    assert counts["launch_attn_fwd_short"] == 1
+    _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k)
