@@ -237,9 +237,9 @@ def attn_fwd_short(
 ):
     """one program per (short sequence, split, head): a narrow tile of BLOCK_M queries over one slice of the sequence's keys, partial outputs"""
     # -- which tile this program computes --
-    h = tl.program_id(2)
-    split = tl.program_id(1)
-    b = tl.program_id(0)
+    split = tl.program_id(2)
+    b = tl.program_id(1)
+    h = tl.program_id(0)
     # -- base pointers of this program's rows --
     cu_seqlens_q_base = CU_SEQLENS_Q + b.to(tl.int64) * stride_cu_seqlens_q_b
     cu_seqlens_q_base2 = CU_SEQLENS_Q + (1 + b).to(tl.int64) * stride_cu_seqlens_q_b
@@ -310,7 +310,7 @@ def launch_attn_fwd_short(q, k, v, o_part, lse_part, cu_seqlens_q, seqlens_k, bl
     GROUP = (H // H_KV)
     TOTAL_Q = q.shape[0]
     NUM_SPLITS = o_part.shape[1]
-    grid = (B, NUM_SPLITS, H)
+    grid = (H, B, NUM_SPLITS)
     attn_fwd_short[grid](
         q, k, v, o_part, lse_part, cu_seqlens_q, seqlens_k, block_table,
         *q.stride(),

@@ -126,7 +126,8 @@ def test_mixed_pass_before_and_after():
     assert "attn_fwd_short" not in before and "return if start_m >= n_q    #" in before
     assert "return if start_m >= Piecewise((0, SHORT_Q >= n_q), (n_q, True))" in after
     narrow = after.split("kernel attn_fwd_short")[1].split("kernel attn_combine_short")[0]
-    assert "grid h in [0, H):\n    grid split in [0, NUM_SPLITS):" in narrow and "grid b in [0, B):" in narrow
+    assert "grid split in [0, NUM_SPLITS):" in narrow and "\n    grid b in [0, B):" in narrow
+    assert "\n      grid h in [0, H):" in narrow  # innermost: a GQA group's heads run side by side
     assert "n_q: reg int32[] = Piecewise((n_q_all, (BLOCK_M >= n_q_all) & (n_q_all > 0)), (0, True))" in narrow
     assert "load Q[q_start + (:BLOCK_M (<n_q)), h, :HEAD_DIM]" in narrow
     assert "for start_n in [split_start, split_stop) step BLOCK_N" in narrow

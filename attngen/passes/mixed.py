@@ -99,11 +99,13 @@ def _narrow_kernel(wide: ir.KernelIR, locate: SequenceTile, body: tuple, o_part:
         return buffer, index
 
     body = map_indices(body, partial)
-    nest = Loop(sym.h, sym.ZERO, sym.H, sym.ONE, (
-        Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.ONE, (
-            Loop(sym.b, sym.ZERO, sym.B, sym.ONE, _short_facts(locate) + body, LoopKind.GRID, "sequences"),
-        ), LoopKind.GRID, "key/value splits"),
-    ), LoopKind.GRID)
+    # NOTE: heads innermost (the launch's first axis, the fastest-moving): the query heads of a GQA group run side
+    # by side and read the same K/V tiles, from L2 after the first
+    nest = Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.ONE, (
+        Loop(sym.b, sym.ZERO, sym.B, sym.ONE, (
+            Loop(sym.h, sym.ZERO, sym.H, sym.ONE, _short_facts(locate) + body, LoopKind.GRID, "query heads"),
+        ), LoopKind.GRID, "sequences"),
+    ), LoopKind.GRID, "key/value splits")
     params = tuple({"O": o_part, "LSE": lse_part}.get(p.name, p) for p in wide.params)
     symbols = tuple(d for d in wide.symbols if d.symbol != sym.SHORT_Q) + (
         ir.SymbolDecl(sym.NUM_SPLITS, ir.SymKind.SIZE, "key/value splits", specialize=False),)
