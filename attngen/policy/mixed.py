@@ -17,10 +17,10 @@ class MixedPolicy:
     """The thresholds of `schedule`.
 
     short_q: the narrow tile's rows, and the most queries a sequence may have to take one: 16 is the narrowest tile
-        `tl.dot` takes, and it covers a decode and a speculative-decoding step of a few tokens; a sequence of 17 or
-        more queries fills a wide tile well enough (vLLM's unified kernel draws its line at the same place).
+        `tl.dot` takes (vLLM's unified Triton kernel tiles its queries by 16 rows too), and it covers a decode and a
+        speculative-decoding step of a few tokens; 17 queries or more fill an eighth of a wide tile or more.
     min_keys: below this longest cache (max_seqlen_k) the narrow kernels are not launched: a short sequence over
-        fewer keys costs the wide tile less than two extra launches (~5 us each) would.
+        fewer keys costs the wide tile less than two extra launches (a few microseconds each) would.
     split_keys: the longest sequence's keys are cut into slices of at most this many, so that its programs are no
         tail: a slice of 2,048 keys (1 MiB of K and V a head at d=128, bf16) is ~0.3 us of an H200's bandwidth
         spread over its SMs, far less than a step that holds such caches.
