@@ -154,10 +154,11 @@ def _print_passes(program: ir.Program) -> None:
               "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N)")
         if program.attr("mixed"):
             print("mixed:   a sequence of at most SHORT_Q queries (a decode) is skipped by those tiles and runs as a "
-                  "narrow work item instead: attn_fwd_short, one program per (sequence, split, head), a BLOCK_M = "
-                  "SHORT_Q row tile over split `split` of NUM_SPLITS slices of its keys, partial O and LSE to a "
-                  "workspace, merged by attn_combine_short (one program per (sequence, head)); the host picks "
-                  "SHORT_Q and NUM_SPLITS from the batch, heads, max_seqlen_q/k and the SMs "
+                  "narrow work item instead: attn_fwd_short, one program per (sequence, split, K/V head), a tile of "
+                  "BLOCK_M (query, head of the GQA group) rows over split `split` of NUM_SPLITS slices of its keys, "
+                  "partial O and LSE to a workspace, merged by attn_combine_short (one program per (sequence, K/V "
+                  "head)); the host picks BLOCK_M (SHORT_Q = BLOCK_M // GROUP) and NUM_SPLITS from the batch, heads, "
+                  "max_seqlen_q/k and the SMs "
                   f"(attngen/policy/mixed.py, {mixed_policy.DEFAULT})")
         if program.warp_specialized.forward is not None:
             print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "

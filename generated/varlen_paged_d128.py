@@ -235,31 +235,31 @@ def attn_fwd_short(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """one program per (short sequence, split, head): a narrow tile of BLOCK_M queries over one slice of the sequence's keys, partial outputs"""
+    """one program per (short sequence, split, K/V head): a narrow tile of BLOCK_M (query, group head) rows over one slice of the sequence's keys, partial outputs"""
     # -- which tile this program computes --
     split = tl.program_id(2)
     b = tl.program_id(1)
-    h = tl.program_id(0)
+    h_kv = tl.program_id(0)
     # -- base pointers of this program's rows --
     cu_seqlens_q_base = CU_SEQLENS_Q + b.to(tl.int64) * stride_cu_seqlens_q_b
     cu_seqlens_q_base2 = CU_SEQLENS_Q + (1 + b).to(tl.int64) * stride_cu_seqlens_q_b
     seqlens_k_base = SEQLENS_K + b.to(tl.int64) * stride_seqlens_k_b
-    q_base = Q + h.to(tl.int64) * stride_q_h
-    k_base = K + (h // GROUP).to(tl.int64) * stride_k_h
-    v_base = V + (h // GROUP).to(tl.int64) * stride_v_h
-    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + split.to(tl.int64) * stride_o_part_split + h.to(tl.int64) * stride_o_part_h
-    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + split.to(tl.int64) * stride_lse_part_split + h.to(tl.int64) * stride_lse_part_h
+    q_base = Q + (h_kv*GROUP).to(tl.int64) * stride_q_h
+    k_base = K + h_kv.to(tl.int64) * stride_k_h
+    v_base = V + h_kv.to(tl.int64) * stride_v_h
+    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + split.to(tl.int64) * stride_o_part_split + h_kv.to(tl.int64) * stride_o_part_h
+    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + split.to(tl.int64) * stride_lse_part_split + h_kv.to(tl.int64) * stride_lse_part_h
     block_table_base = BLOCK_TABLE + b.to(tl.int64) * stride_block_table_b
     q_start = tl.load(cu_seqlens_q_base)
     cu_seqlens_q = tl.load(cu_seqlens_q_base2)
     n_q_all = cu_seqlens_q - q_start
     n_k_all = tl.load(seqlens_k_base)
-    n_q = tl.where(((BLOCK_M >= n_q_all) & (n_q_all > 0)), n_q_all, 0)
-    n_k = tl.where(((BLOCK_M >= n_q_all) & (n_q_all > 0)), n_k_all, 0)
+    n_q = tl.where(((n_q_all > 0) & (BLOCK_M >= n_q_all*GROUP)), n_q_all, 0)
+    n_k = tl.where(((n_q_all > 0) & (BLOCK_M >= n_q_all*GROUP)), n_k_all, 0)
     qk_scale = sm_scale * 1.4426950408889634
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_base + tl.cast(q_start, tl.int64) * stride_q_n + offs_m[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < n_q), other=0.0)
+    q = tl.load(q_base + tl.cast(q_start, tl.int64) * stride_q_n + (offs_m % GROUP)[:, None] * stride_q_h + (offs_m // GROUP)[:, None] * stride_q_n + offs_d[None, :] * stride_q_d, mask=(offs_m[:, None] < n_q*GROUP), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -281,12 +281,12 @@ def attn_fwd_short(
         v = tl.load(v_base + page_n * stride_v_page + (offs_n % 64)[:, None] * stride_v_slot + offs_d[None, :] * stride_v_d)
         acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         m_i = m_new
-    for start_n in range(tl.maximum(split_start, tl.minimum(tl.minimum(split_stop, split_start + BLOCK_N*(tl.maximum(0, n_k - split_start) // BLOCK_N)), split_start + BLOCK_N*(tl.maximum(0, 1 + n_k - n_q - split_start) // BLOCK_N))), tl.minimum(tl.minimum(n_k, split_stop), n_k + BLOCK_M - n_q), BLOCK_N):  # diagonal blocks: masked
+    for start_n in range(tl.maximum(split_start, tl.minimum(tl.minimum(split_stop, split_start + BLOCK_N*(tl.maximum(0, n_k - split_start) // BLOCK_N)), split_start + BLOCK_N*(tl.maximum(0, 1 + n_k - n_q - split_start) // BLOCK_N))), tl.minimum(tl.minimum(n_k, split_stop), 1 + n_k - n_q + (tl.minimum(-1 + BLOCK_M, -1 + n_q*GROUP) // GROUP)), BLOCK_N):  # diagonal blocks: masked
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         page_n = tl.load(block_table_base + (start_n // 64) * stride_block_table_page).to(tl.int64)
         k = tl.load(k_base + page_n * stride_k_page + (offs_n % 64)[:, None] * stride_k_slot + offs_d[None, :] * stride_k_d, mask=(offs_n[:, None] < n_k), other=0.0)
-        keep = (offs_n[None, :] <= offs_m[:, None] + (n_k - n_q)) & (offs_n[None, :] < n_k)
+        keep = (offs_n[None, :] <= (offs_m // GROUP)[:, None] + (n_k - n_q)) & (offs_n[None, :] < n_k)
         s = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -298,8 +298,8 @@ def attn_fwd_short(
         m_i = m_new
     # -- epilogue: normalise; rows that saw no key give 0 and a log-sum-exp of -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(o_part_base + offs_m[:, None] * stride_o_part_dim3 + offs_d[None, :] * stride_o_part_d, acc / l_safe[:, None], mask=(offs_m[:, None] < n_q))
-    tl.store(lse_part_base + offs_m * stride_lse_part_dim3, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=(offs_m < n_q))
+    tl.store(o_part_base + offs_m[:, None] * stride_o_part_dim3 + offs_d[None, :] * stride_o_part_d, acc / l_safe[:, None], mask=(offs_m[:, None] < n_q*GROUP))
+    tl.store(lse_part_base + offs_m * stride_lse_part_dim3, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, mask=(offs_m < n_q*GROUP))
 
 
 def launch_attn_fwd_short(q, k, v, o_part, lse_part, cu_seqlens_q, seqlens_k, block_table, sm_scale, *, BLOCK_M, BLOCK_N, num_warps, num_stages):
@@ -310,7 +310,7 @@ def launch_attn_fwd_short(q, k, v, o_part, lse_part, cu_seqlens_q, seqlens_k, bl
     GROUP = (H // H_KV)
     TOTAL_Q = q.shape[0]
     NUM_SPLITS = o_part.shape[1]
-    grid = (H, B, NUM_SPLITS)
+    grid = (H_KV, B, NUM_SPLITS)
     attn_fwd_short[grid](
         q, k, v, o_part, lse_part, cu_seqlens_q, seqlens_k, block_table,
         *q.stride(),
@@ -356,58 +356,62 @@ def attn_combine_short(
     stride_cu_seqlens_q_b,
     B,
     H,
+    H_KV,
+    GROUP,
     NUM_SPLITS,
     TOTAL_Q,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """merge a short sequence's splits by log-sum-exp, one program per (sequence, head)"""
+    """merge a short sequence's splits by log-sum-exp, one program per (sequence, K/V head)"""
     # -- which tile this program computes --
-    h = tl.program_id(1)
+    h_kv = tl.program_id(1)
     b = tl.program_id(0)
     # -- base pointers of this program's rows --
     cu_seqlens_q_base = CU_SEQLENS_Q + b.to(tl.int64) * stride_cu_seqlens_q_b
     cu_seqlens_q_base2 = CU_SEQLENS_Q + (1 + b).to(tl.int64) * stride_cu_seqlens_q_b
-    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + h.to(tl.int64) * stride_lse_part_h
-    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + h.to(tl.int64) * stride_o_part_h
-    o_base = O + h.to(tl.int64) * stride_o_h
-    lse_base = LSE + h.to(tl.int64) * stride_lse_h
+    lse_part_base = LSE_PART + b.to(tl.int64) * stride_lse_part_b + h_kv.to(tl.int64) * stride_lse_part_h
+    o_part_base = O_PART + b.to(tl.int64) * stride_o_part_b + h_kv.to(tl.int64) * stride_o_part_h
+    o_base = O + (h_kv*GROUP).to(tl.int64) * stride_o_h
+    lse_base = LSE + (h_kv*GROUP).to(tl.int64) * stride_lse_h
     q_start = tl.load(cu_seqlens_q_base)
     cu_seqlens_q = tl.load(cu_seqlens_q_base2)
     n_q_all = cu_seqlens_q - q_start
-    n_q = tl.where(((BLOCK_M >= n_q_all) & (n_q_all > 0)), n_q_all, 0)
+    n_q = tl.where(((n_q_all > 0) & (BLOCK_M >= n_q_all*GROUP)), n_q_all, 0)
     # -- merge the splits one at a time: running max, rescaled sum and accumulator --
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for split in range(0, NUM_SPLITS, 1):  # key/value splits
         offs_m = tl.arange(0, BLOCK_M)
-        lse_s = tl.load(lse_part_base + tl.cast(split, tl.int64) * stride_lse_part_split + offs_m * stride_lse_part_dim3, mask=(offs_m < n_q), other=float("-inf"))
+        lse_s = tl.load(lse_part_base + tl.cast(split, tl.int64) * stride_lse_part_split + offs_m * stride_lse_part_dim3, mask=(offs_m < n_q*GROUP), other=float("-inf"))
         m_new = tl.maximum(m_run, lse_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_run - m_use)
         weight = tl.exp(lse_s - m_use)
         l_run = l_run * alpha + weight
         offs_d = tl.arange(0, HEAD_DIM)
-        o_part = tl.load(o_part_base + tl.cast(split, tl.int64) * stride_o_part_split + offs_m[:, None] * stride_o_part_dim3 + offs_d[None, :] * stride_o_part_d, mask=(offs_m[:, None] < n_q), other=0.0)
+        o_part = tl.load(o_part_base + tl.cast(split, tl.int64) * stride_o_part_split + offs_m[:, None] * stride_o_part_dim3 + offs_d[None, :] * stride_o_part_d, mask=(offs_m[:, None] < n_q*GROUP), other=0.0)
         acc = acc * alpha[:, None] + weight[:, None] * o_part
         m_run = m_new
     # -- a row no split saw a key of gives 0 and a log-sum-exp of -inf --
     l_safe = tl.where(l_run == 0.0, 1.0, l_run)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(o_base + tl.cast(q_start, tl.int64) * stride_o_n + offs_m[:, None] * stride_o_n + offs_d[None, :] * stride_o_d, (acc / l_safe[:, None]).to(tl.bfloat16), mask=(offs_m[:, None] < n_q))
-    tl.store(lse_base + tl.cast(q_start, tl.int64) * stride_lse_n + offs_m * stride_lse_n, m_run + tl.log(l_safe), mask=(offs_m < n_q))
+    tl.store(o_base + tl.cast(q_start, tl.int64) * stride_o_n + (offs_m % GROUP)[:, None] * stride_o_h + (offs_m // GROUP)[:, None] * stride_o_n + offs_d[None, :] * stride_o_d, (acc / l_safe[:, None]).to(tl.bfloat16), mask=(offs_m[:, None] < n_q*GROUP))
+    tl.store(lse_base + tl.cast(q_start, tl.int64) * stride_lse_n + (offs_m % GROUP) * stride_lse_h + (offs_m // GROUP) * stride_lse_n, m_run + tl.log(l_safe), mask=(offs_m < n_q*GROUP))
 
 
 def launch_attn_combine_short(o_part, lse_part, o, lse, cu_seqlens_q, *, BLOCK_M, num_warps, num_stages):
     """Launch `attn_combine_short` on tensors o_part, lse_part, o, lse, cu_seqlens_q."""
     B = o_part.shape[0]
-    H = o_part.shape[2]
+    H = o.shape[1]
+    H_KV = o_part.shape[2]
+    GROUP = (H // H_KV)
     NUM_SPLITS = o_part.shape[1]
     TOTAL_Q = o.shape[0]
-    grid = (B, H)
+    grid = (B, H_KV)
     attn_combine_short[grid](
         o_part, lse_part, o, lse, cu_seqlens_q,
         *o_part.stride(),
@@ -415,7 +419,7 @@ def launch_attn_combine_short(o_part, lse_part, o, lse, cu_seqlens_q, *, BLOCK_M
         *o.stride(),
         *lse.stride(),
         *cu_seqlens_q.stride(),
-        B, H, NUM_SPLITS, TOTAL_Q,
+        B, H, H_KV, GROUP, NUM_SPLITS, TOTAL_Q,
         HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PADDED=HEAD_DIM_PADDED,
         BLOCK_M=BLOCK_M,
@@ -428,7 +432,7 @@ def launch_attn_combine_short(o_part, lse_part, o, lse, cu_seqlens_q, *, BLOCK_M
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table=None, sm_scale=None, out=None, lse=None,
-                   config=None, short_q=0, num_splits=1, max_seqlen_q=None):
+                   config=None, narrow_m=0, num_splits=1, max_seqlen_q=None):
     """Attention of packed variable-length sequences; returns (out, lse).
 
     q (TOTAL_Q, H, D): sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1.
@@ -439,9 +443,10 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table=N
     sequence (its last query at its last key). out is like q; lse the natural-log log-sum-exp (H, TOTAL_Q)
     in float32, -inf (and out 0) for rows that see no key. Programs run over the tiles of all sequences,
     cdiv(TOTAL_Q, BLOCK_M) + B of them per head; nothing is read back from the GPU.
-    short_q > 0 (a power of two, at least 16): sequences of at most short_q queries (decodes) run as narrow tiles of
-    short_q rows, each sequence's keys split num_splits ways, merged by a second kernel; the wide tiles skip them.
-    max_seqlen_q, where given and at most short_q, skips the wide kernel's launch.
+    narrow_m > 0 (a power of two, at least 16 and the GQA group): a sequence whose queries times the group fit in
+    narrow_m rows (a decode) runs as narrow tiles of narrow_m (query, group head) rows, one per K/V head, its keys
+    split num_splits ways, merged by a second kernel; the wide tiles skip it. max_seqlen_q, where given and short
+    enough, skips the wide kernel's launch.
     """
     if sm_scale is None:
         sm_scale = HEAD_DIM ** -0.5
@@ -454,14 +459,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table=N
     config = dict(DEFAULT_CONFIG, **(config or {}))
     # Pages are looked up once per key tile: a tile must not cross a page.
     config["BLOCK_N"] = min(config["BLOCK_N"], MAX_BLOCK_N)
-    if short_q:
-        B, H = seqlens_k.shape[0], q.shape[1]
-        o_part = torch.empty((B, num_splits, H, short_q, out.shape[2]), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((B, num_splits, H, short_q), device=q.device, dtype=torch.float32)
+    B, H_KV = seqlens_k.shape[0], k.shape[2]
+    short_q = narrow_m // (q.shape[1] // H_KV)  # the most queries of a sequence the narrow tiles take
+    if narrow_m:
+        o_part = torch.empty((B, num_splits, H_KV, narrow_m, out.shape[2]), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((B, num_splits, H_KV, narrow_m), device=q.device, dtype=torch.float32)
         launch_attn_fwd_short(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, cu_seqlens_q=cu_seqlens_q, seqlens_k=seqlens_k, block_table=block_table,
-                              sm_scale=sm_scale, BLOCK_M=short_q, BLOCK_N=config["BLOCK_N"], **NARROW_CONFIG)
+                              sm_scale=sm_scale, BLOCK_M=narrow_m, BLOCK_N=config["BLOCK_N"], **NARROW_CONFIG)
         launch_attn_combine_short(o_part=o_part, lse_part=lse_part, o=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                                  BLOCK_M=short_q, num_warps=4, num_stages=1)
+                                  BLOCK_M=narrow_m, num_warps=4, num_stages=1)
         if max_seqlen_q is not None and max_seqlen_q <= short_q:
             return out, lse
     launch_attn_fwd(q=q, k=k, v=v, o=out, lse=lse, cu_seqlens_q=cu_seqlens_q, seqlens_k=seqlens_k, block_table=block_table,

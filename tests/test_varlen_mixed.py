@@ -15,7 +15,7 @@ from conftest import DEVICE
 from test_varlen import _check_forward, _kernel, _packed, _pages
 
 # Every short sequence narrow, its keys cut into slices of 16 (one BLOCK_N = 16 block): up to 5 splits here.
-FORCED = MixedPolicy(short_q=16, min_keys=0, split_keys=16, min_waves=0, max_splits=8)
+FORCED = MixedPolicy(narrow_m=16, min_keys=0, split_keys=16, min_waves=0, max_splits=8)
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 # decodes (1), a speculative step (2), a chunked prefill just past the threshold (17), an empty sequence, odd keys
 LENS_Q = [1, 17, 2, 0, 1, 5]
@@ -69,7 +69,7 @@ def test_narrow_split_items_match_float64_per_sequence(monkeypatch, mask, heads,
 def test_wide_tiles_skip_the_short_sequences_and_the_narrow_items_write_only_them(monkeypatch):
     monkeypatch.setattr(mixed, "DEFAULT", FORCED)
     kernel = _kernel("mask = causal\n kv_layout = paged(page_size = 16)", "vl_mixed_split")
-    short = [b for b, n in enumerate(LENS_Q) if 0 < n <= FORCED.short_q]
+    short = [b for b, n in enumerate(LENS_Q) if 0 < n <= FORCED.narrow_m]  # (no GQA: one head a row)
     for skip in ("launch_attn_fwd", "launch_attn_fwd_short"):
         with monkeypatch.context() as m:
             _launches(kernel, m, skip=(skip, "launch_attn_combine_short") if skip != "launch_attn_fwd" else (skip,))
@@ -101,13 +101,16 @@ def test_the_default_policy_leaves_short_caches_to_the_wide_kernel(monkeypatch):
 
 def test_policy_decides_from_host_values():
     # issue 49's step on an H200: 64 sequences, 16 heads, caches up to 32k keys, 132 SMs
-    assert mixed.schedule(64, 16, 2048, 32768, 132, 64) == MixedSchedule(16, 16)
+    assert mixed.schedule(64, 16, 16, 2048, 32768, 132, 64) == MixedSchedule(16, 16)
     # a lone decode over 32k keys: split further to fill two waves of the SMs
-    assert mixed.schedule(1, 16, 1, 32768, 132, 64) == MixedSchedule(16, 17)
+    assert mixed.schedule(1, 16, 16, 1, 32768, 132, 64) == MixedSchedule(16, 17)
+    # GQA: a tile holds the group's rows; a group of 32 heads needs 32 rows
+    assert mixed.schedule(64, 32, 8, 2048, 32768, 132, 64) == MixedSchedule(16, 16)
+    assert mixed.schedule(64, 64, 2, 1, 32768, 132, 64).narrow_m == 32
     # short caches: the wide kernel alone; no split past the key blocks
-    assert mixed.schedule(64, 16, 1, 200, 132, 64) == mixed.OFF
-    assert mixed.schedule(1, 1, 1, 300, 132, 64).num_splits == 5
-    assert mixed.schedule(0, 16, 0, 0, 132, 64) == mixed.OFF
+    assert mixed.schedule(64, 16, 16, 1, 200, 132, 64) == mixed.OFF
+    assert mixed.schedule(1, 1, 1, 1, 300, 132, 64).num_splits == 5
+    assert mixed.schedule(0, 16, 16, 0, 0, 132, 64) == mixed.OFF
 
 
 def test_mixed_pass_before_and_after():
@@ -127,25 +130,32 @@ def test_mixed_pass_before_and_after():
     assert "return if start_m >= Piecewise((0, SHORT_Q >= n_q), (n_q, True))" in after
     narrow = after.split("kernel attn_fwd_short")[1].split("kernel attn_combine_short")[0]
     assert "grid split in [0, NUM_SPLITS):" in narrow and "\n    grid b in [0, B):" in narrow
-    assert "\n      grid h in [0, H):" in narrow  # innermost: a GQA group's heads run side by side
-    assert "n_q: reg int32[] = Piecewise((n_q_all, (BLOCK_M >= n_q_all) & (n_q_all > 0)), (0, True))" in narrow
-    assert "load Q[q_start + (:BLOCK_M (<n_q)), h, :HEAD_DIM]" in narrow
+    assert "\n      grid h_kv in [0, H_KV):" in narrow
+    assert "n_q: reg int32[] = Piecewise((n_q_all, (n_q_all > 0) & (BLOCK_M >= GROUP*n_q_all)), (0, True))" in narrow
+    # the rows are (query, head of the GQA group) pairs
+    assert "load Q[packed(GROUP*h_kv, :BLOCK_M (<GROUP*n_q), group=GROUP, first=q_start, rows first), :HEAD_DIM]" \
+        in narrow
+    assert "query = row // GROUP" in narrow
     assert "for start_n in [split_start, split_stop) step BLOCK_N" in narrow
-    assert "store O_PART[b, split, h, :BLOCK_M (<n_q), :HEAD_DIM]" in narrow
+    assert "store O_PART[b, split, h_kv, :BLOCK_M (<GROUP*n_q), :HEAD_DIM]" in narrow
     merge = after.split("kernel attn_combine_short")[1]
     assert "for split in [0, NUM_SPLITS):" in merge
-    assert "store O[q_start + (:BLOCK_M (<n_q)), h, :HEAD_DIM] = acc / l_safe" in merge
+    assert ("store O[packed(GROUP*h_kv, :BLOCK_M (<GROUP*n_q), group=GROUP, first=q_start, rows first), :HEAD_DIM] "
+            "= acc / l_safe") in merge
     contiguous = compile_program(parse("kernel w {\n layout = varlen\n head_dim = 64\n dtype = bf16\n}"))
     assert [k.name for k in contiguous.kernels] == ["attn_fwd"] and not contiguous.attr("mixed")
 
 
-@pytest.mark.parametrize("score, names", [("sinks = true", {"sinks": (2,)}), ("score = alibi", {"alibi_slopes": (6, 2)})])
+@pytest.mark.parametrize("score, names", [("sinks = true", {"sinks": (4,)}),
+                                          ("score = alibi", {"alibi_slopes": (6, 4)})])
 def test_sinks_join_one_split_and_alibi_is_per_sequence(monkeypatch, score, names):
+    """Per query head, under GQA packing: each row's own sink (in one split only) and ALiBi slope."""
     monkeypatch.setattr(mixed, "DEFAULT", FORCED)
-    kernel = _kernel(f"mask = causal\n {score}\n kv_layout = paged(page_size = 16)", "vl_mixed_" + score.split()[0])
+    kernel = _kernel(f"mask = causal\n {score}\n heads = 4\n kv_heads = 2\n kv_layout = paged(page_size = 16)",
+                     "vl_mixed_" + score.split()[0])
     g = torch.Generator(device=DEVICE).manual_seed(11)
     tensors = {name: torch.rand(shape, generator=g, device=DEVICE) for name, shape in names.items()}
-    out, lse, (q, k, v, cu_q, cu_k) = _step(kernel, 2, 2, seed=11, **tensors)
+    out, lse, (q, k, v, cu_q, cu_k) = _step(kernel, 4, 2, seed=11, **tensors)
     _check_forward(kernel, out, lse, q, k, v, cu_q, cu_k, tensors=tensors)
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 class MixedPolicy:
     """The thresholds of `schedule`.
 
-    short_q: the narrow tile's rows, and the most queries a sequence may have to take one: 16 is the narrowest tile
-        `tl.dot` takes (vLLM's unified Triton kernel tiles its queries by 16 rows too), and it covers a decode and a
-        speculative-decoding step of a few tokens; 17 queries or more fill an eighth of a wide tile or more.
+    narrow_m: the narrow tile's rows, (query, head of the GQA group) pairs, at least: a sequence whose queries times
+        the group fit takes one. 16 is the narrowest tile `tl.dot` takes (vLLM's unified Triton kernel packs its
+        tiles of 16 rows the same way); it covers a decode, and without GQA a speculative step of up to 16 tokens; a
+        group of more than 16 heads gets a tile of its size (a power of two).
     min_keys: below this longest cache (max_seqlen_k) the narrow kernels are not launched: a short sequence over
         fewer keys costs the wide tile less than two extra launches (a few microseconds each) would.
     split_keys: the longest sequence's keys are cut into slices of at most this many, so that its programs are no
@@ -28,7 +29,7 @@ class MixedPolicy:
     max_splits: the most splits (the merge reads every split of a row).
     """
 
-    short_q: int = 16
+    narrow_m: int = 16
     min_keys: int = 256
     split_keys: int = 2048
     min_waves: int = 2
@@ -37,10 +38,11 @@ class MixedPolicy:
 
 @dataclass(frozen=True, slots=True)
 class MixedSchedule:
-    """What a paged varlen call launches: `short_q` > 0, the narrow kernels for sequences of at most that many
-    queries (and the wide kernel skips them); 0, the wide kernel alone. `num_splits`: key splits a narrow item."""
+    """What a paged varlen call launches: `narrow_m` > 0, the narrow kernels with tiles of that many (query, group
+    head) rows, for the sequences whose rows fit (the wide kernel skips them); 0, the wide kernel alone.
+    `num_splits`: key splits a narrow item."""
 
-    short_q: int
+    narrow_m: int
     num_splits: int
 
 
@@ -53,15 +55,16 @@ NARROW_LAUNCH = {"num_warps": 4, "num_stages": 2}
 OFF = MixedSchedule(0, 1)
 
 
-def schedule(batch: int, heads: int, max_seqlen_q: int, max_seqlen_k: int, sms: int, block_n: int,
+def schedule(batch: int, heads: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, sms: int, block_n: int,
              policy: MixedPolicy | None = None) -> MixedSchedule:
-    """The schedule of a paged varlen call of `batch` sequences and `heads` query heads, from host values only
-    (`policy`: DEFAULT where None)."""
+    """The schedule of a paged varlen call of `batch` sequences, `heads` query heads over `kv_heads` K/V heads,
+    from host values only (`policy`: DEFAULT where None)."""
     policy = policy or DEFAULT
     if batch == 0 or max_seqlen_q == 0 or max_seqlen_k < policy.min_keys:
         return OFF
+    narrow_m = max(policy.narrow_m, 1 << (heads // kv_heads - 1).bit_length())
     key_blocks = -(-max_seqlen_k // block_n)
     splits = -(-max_seqlen_k // policy.split_keys)
     # Few sequences: split further until the programs fill the SMs (a lone decode over 32k keys, 16 heads).
-    splits = max(splits, -(-policy.min_waves * sms // (batch * heads)))
-    return MixedSchedule(policy.short_q, max(1, min(splits, policy.max_splits, key_blocks)))
+    splits = max(splits, -(-policy.min_waves * sms // (batch * kv_heads)))
+    return MixedSchedule(narrow_m, max(1, min(splits, policy.max_splits, key_blocks)))

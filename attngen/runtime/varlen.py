@@ -136,9 +136,9 @@ def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table,
     # NOTE: the module's constants, not kernel.program: a module loaded from the disk cache would rebuild its
     # program (~0.5 s) at its first call. NARROW_CONFIG is in the modules the mixed pass gave narrow kernels.
     if max_seqlens is not None and getattr(kernel.module, "NARROW_CONFIG", None) is not None:
-        plan = mixed.schedule(seqlens_k.shape[0], q.shape[1], *max_seqlens, multiprocessors(q.device),
+        plan = mixed.schedule(seqlens_k.shape[0], q.shape[1], k.shape[-2], *max_seqlens, multiprocessors(q.device),
                               min(launch["BLOCK_N"], getattr(kernel.module, "MAX_BLOCK_N", launch["BLOCK_N"])))
-        steps = dict(short_q=plan.short_q, num_splits=plan.num_splits, max_seqlen_q=max_seqlens[0])
+        steps = dict(narrow_m=plan.narrow_m, num_splits=plan.num_splits, max_seqlen_q=max_seqlens[0])
     warmup.wait()
     kernel.module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out=out, lse=lse,
                                  config=launch, **kernel._keywords(tensors), **steps)
