@@ -33,6 +33,7 @@ from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program
 from .policy import hopper
+from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
 from .policy.hopper import group_split
 from .policy.splits import choose_num_splits
@@ -139,6 +140,10 @@ def _parse_shape(text: str | None, spec) -> dict:
     return sizes
 
 
+MIXED_NARROW = ("attn_fwd_short", "attn_combine_short")
+"""A mixed program's narrow kernels: no work where the sequences are priced longer than SHORT_Q."""
+
+
 def _print_passes(program: ir.Program) -> None:
     """Which passes acted on the program and which were no-ops; for a varlen program, how programs find their
     sequence and tile."""
@@ -151,6 +156,14 @@ def _print_passes(program: ir.Program) -> None:
               "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
               "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
               "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N)")
+        if program.attr("mixed"):
+            print("mixed:   a sequence of at most SHORT_Q queries (a decode) is skipped by those tiles and runs as a "
+                  "narrow work item instead: attn_fwd_short, one program per (sequence, split, K/V head), a tile of "
+                  "BLOCK_M (query, head of the GQA group) rows over split `split` of NUM_SPLITS slices of its keys, "
+                  "partial O and LSE to a workspace, merged by attn_combine_short (one program per (sequence, K/V "
+                  "head)); the host picks BLOCK_M (SHORT_Q = BLOCK_M // GROUP) and NUM_SPLITS from the batch, heads, "
+                  "max_seqlen_q/k and the SMs "
+                  f"(attngen/policy/mixed.py, {mixed_policy.DEFAULT})")
         if program.warp_specialized.forward is not None:
             print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "
                   "persistent grid: each program walks tiles t, t + programs, ...), TMA over the packed tensors, tiles "
@@ -218,7 +231,10 @@ def cmd_explain(args) -> int:
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
     if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load, as the launch picks it
         sizes["BLOCK_S"] = min(last.attr("combine_block_s"), 1 << (max(1, sizes["NUM_SPLITS"]) - 1).bit_length())
-    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
+    if last.attr("mixed"):  # every sequence of N_Q queries: the wide tiles take them all (no narrow work item)
+        sizes.setdefault("SHORT_Q", 0)
+    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd")
+                            and not (last.attr("mixed") and sizes["SHORT_Q"] == 0 and k.name in MIXED_NARROW))
     directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:
         directions.append(("backward", ("attn_bwd",), ("attn_bwd_dq", "attn_bwd_dkdv"),

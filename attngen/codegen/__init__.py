@@ -22,7 +22,7 @@ from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
 from ..passes.lower import descale_buffers
-from ..policy import hopper, splits
+from ..policy import hopper, mixed, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
 from .emit import KernelEmitter
@@ -79,6 +79,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants["MAX_BLOCK_N"] = program.attr("max_block_n")
     if program.attr("combine_block_s") is not None:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
+    if program.attr("mixed"):
+        constants["NARROW_CONFIG"] = dict(mixed.NARROW_LAUNCH)
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,

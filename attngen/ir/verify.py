@@ -68,6 +68,7 @@ class _Checker:
                 self.span_ok(i.span, scope)
                 self.symbols_ok(i.head, scope, f"packed head of {buffer.name}")
                 self.symbols_ok(i.group, scope, f"packed group of {buffer.name}")
+                self.symbols_ok(i.first, scope, f"first row of {buffer.name}")
             else:
                 self.symbols_ok(i, scope, f"index of {buffer.name}")
 
