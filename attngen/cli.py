@@ -174,7 +174,10 @@ def _no_gluon_reason(program: ir.Program) -> str:
         return "head_dim_v differs from head_dim: the Gluon forward takes one head dim for Q, K and V"
     if program.attr("page_size") is not None:
         return "paged K/V: the Gluon forward reads contiguous packed K/V by TMA"
-    return "its spec is outside the Gluon forward's: 16-bit, head dim 64 or 128, auto tiles, supported masks"
+    if program.attr("head_dim") != program.attr("head_dim_padded"):
+        return (f"head dim {program.attr('head_dim')}: the Gluon kernels run it {program.attr('head_dim_padded')} "
+                "columns wide, and a packed tile's row-masked stores would write into the next head's columns")
+    return "its spec is outside the Gluon forward's: 16-bit, head dim 64, 128 or 256, auto tiles, supported masks"
 
 
 def cmd_explain(args) -> int:

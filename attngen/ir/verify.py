@@ -249,7 +249,9 @@ def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> No
 _QK_BUFFERS = ("Q", "K", "DQ", "DK")
 _VO_BUFFERS = ("V", "O", "DO", "DV", "O_PART")
 
-_GLUON_HEAD_DIMS = (64, 128)  # the head dims the Gluon templates' layouts and register budgets are written for
+# the head dims the Gluon templates' layouts and register budgets are written for, and their tiles' width (register
+# tiles have power-of-two shapes: d=96 runs 128 columns wide, not in the varlen kernels' row-masked stores)
+_GLUON_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
 
 
 def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
@@ -277,9 +279,11 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             if getattr(k, name) < 0:
                 fail(f"{what}: {name} {getattr(k, name)} is negative")
 
-    if ws and not (program.attr("head_dim") == program.attr("head_dim_padded") in _GLUON_HEAD_DIMS):
-        fail(f"kernels for head dim {program.attr('head_dim')} (padded {program.attr('head_dim_padded')}); "
-             f"the templates take {_GLUON_HEAD_DIMS}")
+    d, padded = program.attr("head_dim"), program.attr("head_dim_padded")
+    if ws and _GLUON_HEAD_DIMS.get(d) != padded:
+        fail(f"kernels for head dim {d} (padded {padded}); the templates take {_GLUON_HEAD_DIMS} (head dim: width)")
+    if ws and program.attr("varlen") and d != padded:
+        fail(f"varlen kernels for head dim {d} at {padded} columns: their row-masked stores are {d} wide")
     if ws and program.attr("head_dim_v") is not None:
         fail(f"kernels for head_dim_v {program.attr('head_dim_v')} beside head_dim {program.attr('head_dim')}: the "
              "templates take one head dim for Q, K and V")

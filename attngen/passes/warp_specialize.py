@@ -24,8 +24,9 @@ stride), at least one query, MIN_KEYS keys and MIN_SCORES scores. Everything els
 Triton kernel, which the tuner keeps tuning.
 
 Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
-16-bit inputs, a head dim of 64 or 128 and the tile keys left `auto` (a spec that fixes its tiles by
-hand gets exactly those, in the Triton kernel). A causal program reads only the key blocks its rows see
+16-bit inputs, a head dim in hopper.HEAD_DIMS (64, 96, 128, 256; d=96 runs 128 columns wide, `hopper.TILE_DIM`,
+and not varlen: its row-masked stores would write past the head) and the tile keys left `auto` (a spec that fixes
+its tiles by hand gets exactly those, in the Triton kernel). A causal program reads only the key blocks its rows see
 and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
@@ -53,7 +54,8 @@ outside the unmasked range with the IR's predicates, its scores modified and its
 loops after causal-skip are one unmasked range (`variant_backward_supported`): each key tile visits the query blocks
 those loops give it, masking, modifying the scores and multiplying dS by the modifier's derivative as the IR says.
 
-Specs with a backward (head dim 64 or 128) also get the backward in Gluon (`Program.warp_specialized.backward`,
+Specs with a backward (head dim 64, 96 or 128: at d=256 a consumer's dK and dV alone would take 256 registers a
+thread, `hopper.BWD_HEAD_DIMS`) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
 dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
@@ -91,7 +93,11 @@ def applies(program: ir.Program) -> bool:
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and (not is_variant(program) or variant_supported(program, _varlen_scalars(program)))
             and (not program.attr("varlen") or _one_unmasked_range(program.kernel("attn_fwd"), sym.start_n))
-            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS
+            and program.attr("head_dim") in hopper.HEAD_DIMS
+            and program.attr("head_dim_padded") == hopper.tile_dim(program.attr("head_dim"))
+            # a tile wider than the head dim (d=96) would run over a packed row's next head in the varlen
+            # kernels' row-masked stores
+            and not (program.attr("varlen") and program.attr("head_dim") != program.attr("head_dim_padded"))
             and program.attr("head_dim_v") is None)  # the Gluon templates take one head dim for Q, K and V
 
 
