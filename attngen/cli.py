@@ -31,6 +31,7 @@ from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program
+from .policy import hopper
 from .policy.configs import backward_config, default_config
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
@@ -153,10 +154,16 @@ def _print_passes(program: ir.Program) -> None:
                   "ending past their sequence stored row-masked; " + _gluon_backward_line(program))
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+    elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
+        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
+              f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
+              f"output {program.attr('head_dim_v')} (head_dim_v); the backward stays on the Triton kernels (the Gluon "
+              "backward takes one head dim for Q, K and V)")
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
-              f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
-              "Triton kernels run")
+              f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "
+              f"{', '.join(map(str, hopper.SPLIT_FORWARD))} and the other templates one head dim for Q, K and V); "
+              "the Triton kernels run")
 
 
 def _gluon_backward_line(program: ir.Program) -> str:

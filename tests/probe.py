@@ -99,6 +99,11 @@ def _compile_gluon_ws(module, job):
         q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
         kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if block_n == shape["SHORT_BLOCK_N"] else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
+        if hasattr(module, "_WS_V_LAYOUT"):  # V and the output narrower than Q and K (head_dim_v)
+            dv = module.HEAD_DIM_V
+            tv = torch.empty(2, 4, 256, dv, dtype=module.DTYPE)
+            descs.update(v_desc=desc(block_n, module._WS_V_LAYOUT, dv, tv),
+                         o_desc=desc(shape["BLOCK_M"] // shape["consumers"], module._WS_O_LAYOUT, dv, tv))
         const = dict(BLOCK_M=shape[short + "BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])

@@ -1,4 +1,5 @@
-"""The Hopper Gluon kernels at head dims other than 64 and 128 (issue 51): d=256 (Gemma) and d=96 (Phi).
+"""The Hopper Gluon kernels at head dims other than 64 and 128 (issue 51): d=256 (Gemma), d=96 (Phi) and the forward
+at q.k 192 with v 128 (DeepSeek's prefill, `head_dim_v`).
 
 On the CPU: which kernel each head dim's specs take and why (the pass's decision and the shapes from
 attngen/policy/hopper.py), and that the Gluon kernels compile for sm_90 within shared memory (Triton's own
@@ -72,6 +73,26 @@ def test_other_head_dims_stay_on_the_triton_kernels(head_dim):
     assert not warp_specialize.applies(program) and program.warp_specialized.forward is None
 
 
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_deepseek_192_128_takes_the_gluon_forward_and_the_triton_backward(mask):
+    """q.k over 192 (tiles 256 wide), v over 128: the forward at SPLIT_FORWARD's shape on a persistent grid; the
+    backward's template takes one head dim, so it stays on the Triton kernels; a pair not in the table, or varlen,
+    takes no Gluon kernel."""
+    text = spec_text(f"hd192_{mask}", 192, "bf16", mask, head_dim_v=128, direction="forward+backward")
+    program = compile_program(parse(text))
+    assert warp_specialize.applies(program)
+    forward = program.warp_specialized.forward
+    assert forward.main == forward.short == hopper.SPLIT_FORWARD[(192, 128)] and forward.persistent
+    assert program.warp_specialized.backward is None
+    module = attngen.load(text).module
+    assert module.HEAD_DIM_PADDED == 256 and module.HEAD_DIM_V == 128
+    assert module._WS_V_LAYOUT == module.gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], module.gl.bfloat16)
+    for keys in (dict(head_dim=192, head_dim_v=64), dict(head_dim=128, head_dim_v=64),
+                 dict(head_dim=192, head_dim_v=128, layout="varlen")):
+        other = compile_program(parse(spec_text("hd_other", dtype="bf16", mask=mask, **keys)))
+        assert not warp_specialize.applies(other) and other.warp_specialized.forward is None, keys
+
+
 def test_d256_variants_and_varlen_take_the_gluon_forward():
     window = compile_program(parse(spec_text("hd256_win", 256, "bf16", "causal & window(512)", score="softcap(30)")))
     varlen = compile_program(parse(spec_text("hd256_vl", 256, "bf16", "causal", layout="varlen")))
@@ -89,7 +110,9 @@ def test_the_forward_compiles_for_sm90():
              spec_text("hd256c_win", 256, "bf16", "causal & window(512)", score="softcap(30)"),
              spec_text("hd256c_vl", 256, "bf16", "causal", layout="varlen"),
              spec_text("hd96c_none", 96, "bf16", "none"), spec_text("hd96c_causal", 96, "fp16", "causal(bottom_right)"),
-             spec_text("hd96c_win", 96, "bf16", "causal & window(512)", score="softcap(30)")]
+             spec_text("hd96c_win", 96, "bf16", "causal & window(512)", score="softcap(30)"),
+             spec_text("hd192c_causal", 192, "bf16", "causal", head_dim_v=128),
+             spec_text("hd192c_win", 192, "fp16", "causal & window(512)", score="softcap(30)", head_dim_v=128)]
     jobs = _forward_jobs(texts)
     for (shape, job), result in zip(jobs, probe([job for _, job in jobs])):
         assert "error" not in result, (job, result)
@@ -185,6 +208,39 @@ def test_training_against_float64(mask, head_dim, case, monkeypatch):
     k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, head_dim, device="cuda").bfloat16() for _ in range(2))
     out, lse = _poisoned_run(kernel, q, k, v)
     assert compare(kernel.spec, case, out, lse, q, k, v).ok
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    kernel.backward(q, k, v, out, lse, do, grads=grads)
+    results = compare_grads(kernel.spec, q, k, v, do, grads)
+    assert all(r.ok for r in results), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("case", CASES + [Case(2, 16, 16, 4096, 4096)])
+def test_deepseek_192_128_forward_against_float64(mask, case, monkeypatch):
+    """The Gluon forward with V and the output 128 wide beside Q and K of 192, the output poisoned first; with the
+    spec's backward (the Triton kernels) at the same sizes."""
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"hd192f{heads}_{mask[:6]}{len(mask)}", 192, "bf16", mask, head_dim_v=128,
+                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
+    m = kernel.module
+    monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
+    q, k = (torch.randn(case.batch, h, n, 192, device="cuda").bfloat16()
+            for h, n in ((case.heads, case.n_q), (case.kv_heads, case.n_k)))
+    v = torch.randn(case.batch, case.kv_heads, case.n_k, 128, device="cuda").bfloat16()
+    gluon = mask != "causal(bottom_right)" or case.n_k >= case.n_q
+    out = torch.full((case.batch, case.heads, case.n_q, 128), float("nan"), device="cuda").bfloat16()
+    assert m.ws_ready(q, k, v, out) is gluon
+    called = []
+    launch = m.launch_attn_fwd_ws
+    monkeypatch.setattr(m, "launch_attn_fwd_ws", lambda *a: (called.append(1), launch(*a)))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    m.forward(q, k, v, kernel.spec.softmax_scale, out=out, lse=lse)
+    assert bool(called) is gluon
+    result = compare(kernel.spec, case, out, lse, q, k, v)
+    assert result.ok, result
+    do = torch.randn_like(out)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     kernel.backward(q, k, v, out, lse, do, grads=grads)
     results = compare_grads(kernel.spec, q, k, v, do, grads)

@@ -15,17 +15,29 @@ from .. import ir
 
 HEAD_DIMS = (64, 96, 128, 256)
 
-TILE_DIM = {96: 128}
-"""Head dims the Gluon kernels run at a wider tile, and that width: their register tiles have power-of-two shapes
-(Gluon's distributed tensors, as Triton's), so d=96 runs 128 columns wide, TMA reading zeros past the tensors' 96
+TILE_DIM = {96: 128, 192: 256}
+"""Head dims the Gluon kernels run at a wider tile, and that width: their register tiles and TMA blocks have
+power-of-two shapes (Triton 3.6's Gluon checks both), so d=96 runs 128 columns wide, TMA reading zeros past the tensors' 96
 columns and clipping the stores there (its bytes are d=96's, its products d=128's), and takes d=128's shapes and
 thresholds, which are those of the same registers and shared memory. FA3's 96-column tiles would split each
-product into a 64- and a 32-column one over column slices of the swizzled tiles; not tried. Not measured."""
+product into a 64- and a 32-column one over column slices of the swizzled tiles, and each TMA copy in two; not
+tried. Not measured. d=192 (DeepSeek's q.k, SPLIT_FORWARD) runs 256 columns wide."""
 
 
 def tile_dim(head_dim: int) -> int:
-    """The width of the Gluon kernels' tiles for a head dim in HEAD_DIMS (TILE_DIM)."""
+    """The width of the Gluon kernels' Q and K tiles for a head dim in HEAD_DIMS or SPLIT_FORWARD (TILE_DIM)."""
     return TILE_DIM.get(head_dim, head_dim)
+
+
+SPLIT_FORWARD = {(192, 128): ir.GluonShape(block_m=128, block_n=64, stages=2, consumers=2, consumer_regs=240,
+                                           maxnreg=168)}
+"""The Gluon forward's shape by (head dim, head_dim_v) for specs whose V and output are narrower than Q and K
+(DeepSeek's prefill: q.k over 192, v over 128; the backward stays on the Triton kernels, whose templates take one
+head dim). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
+the first half of its warpgroup's Q buffer. 64-key blocks: 2 stages of K (32 KB a stage) and V (16 KB) beside two
+Q buffers of 64 KB fill 224 KB, so the persistent grid fits (128-key blocks would not, even with one Q buffer); a
+consumer's [64, 128] accumulator and [64, 64] scores are d=128's registers at half its keys. Thresholds: d=256's.
+Not measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,18 +258,22 @@ KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 re
 were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
 
 
-def forward(head_dim: int, causal: bool) -> ir.GluonForward:
-    """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS (those of its tiles' width)."""
+def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS (those of its tiles' width), or with
+    head_dim_v for a pair in SPLIT_FORWARD."""
+    split = None if head_dim_v is None else SPLIT_FORWARD[(head_dim, head_dim_v)]
     head_dim = tile_dim(head_dim)
     key, f = (head_dim, causal), FORWARD_FLAGS
-    return ir.GluonForward(main=FORWARD_MAIN[head_dim], short=FORWARD_SHORT[key], loader_regs=f.loader_regs,
+    main, short = (FORWARD_MAIN[head_dim], FORWARD_SHORT[key]) if split is None else (split, split)
+    fits = PERSISTENT_FITS[head_dim] if split is None else True
+    return ir.GluonForward(main=main, short=short, loader_regs=f.loader_regs,
                            overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
-                           persistent=f.persistent and PERSISTENT_FITS[head_dim], balance=BALANCE[key], pair=causal,
+                           persistent=f.persistent and fits, balance=BALANCE[key], pair=causal,
                            min_keys=MIN_KEYS[key],
                            short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
 
 
-def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
+def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
     few), an unmasked one (softcap, sinks) the column without a mask. BALANCE is off: its dealing plans around
@@ -266,7 +282,7 @@ def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
     causal mask), so they are taken as the causal mask's are, longest first and in pairs; taken in order,
     the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
     the plain causal kernel's 676, NOTES.md v44)."""
-    return replace(forward(head_dim, masked), balance=False, pair=pair)
+    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair)
 
 
 def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
