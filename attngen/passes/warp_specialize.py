@@ -27,8 +27,8 @@ Applies to forward specs (prefill, with or without a backward), with or without 
 16-bit inputs, a head dim in hopper.HEAD_DIMS (64, 96, 128, 256; d=96 runs 128 columns wide, `hopper.TILE_DIM`,
 and not varlen: its row-masked stores would write past the head), or a (head dim, head_dim_v) pair in
 hopper.SPLIT_FORWARD (DeepSeek's 192 / 128: the forward, Q and K tiles 256 wide, V and the output 128), and the
-tile keys left `auto` (a spec that fixes its tiles by hand gets exactly those, in the Triton kernel). A causal program reads only the key blocks its rows see
-and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
+tile keys left `auto` (a spec that fixes its tiles by hand gets exactly those, in the Triton kernel). A causal
+program reads only the key blocks its rows see and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
 Packed variable-length programs (`layout = varlen`, not paged) get the Gluon forward over all sequences' tiles:

@@ -17,9 +17,9 @@ HEAD_DIMS = (64, 96, 128, 256)
 
 TILE_DIM = {96: 128, 192: 256}
 """Head dims the Gluon kernels run at a wider tile, and that width: their register tiles and TMA blocks have
-power-of-two shapes (Triton 3.6's Gluon checks both), so d=96 runs 128 columns wide, TMA reading zeros past the tensors' 96
-columns and clipping the stores there (its bytes are d=96's, its products d=128's), and takes d=128's shapes and
-thresholds, which are those of the same registers and shared memory. FA3's 96-column tiles would split each
+power-of-two shapes (Triton 3.6's Gluon checks both), so d=96 runs 128 columns wide, TMA reading zeros past the
+tensors' 96 columns and clipping the stores there (its bytes are d=96's, its products d=128's), and takes d=128's
+shapes and thresholds, which are those of the same registers and shared memory. FA3's 96-column tiles would split each
 product into a 64- and a 32-column one over column slices of the swizzled tiles, and each TMA copy in two; not
 tried. Not measured. d=192 (DeepSeek's q.k, SPLIT_FORWARD) runs 256 columns wide."""
 
