@@ -170,10 +170,16 @@ def _print_passes(program: ir.Program) -> None:
                   "ending past their sequence stored row-masked; " + _gluon_backward_line(program))
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+    elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
+        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
+              f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
+              f"output {program.attr('head_dim_v')} (head_dim_v); the backward stays on the Triton kernels (the Gluon "
+              "backward takes one head dim for Q, K and V)")
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
-              f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
-              "Triton kernels run")
+              f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "
+              f"{', '.join(map(str, hopper.SPLIT_FORWARD))} and the other templates one head dim for Q, K and V); "
+              "the Triton kernels run")
     if program.attr("v_from_k"):  # MLA: what the latent cache's read and the packed heads come to
         d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
         print(f"latent-kv: V is K's first {d_v} columns: each key tile is read once, as kv = K[:, :{d_v}] (Q K^T's "
@@ -201,7 +207,10 @@ def _no_gluon_reason(program: ir.Program) -> str:
         return "head_dim_v differs from head_dim: the Gluon forward takes one head dim for Q, K and V"
     if program.attr("page_size") is not None:
         return "paged K/V: the Gluon forward reads contiguous packed K/V by TMA"
-    return "its spec is outside the Gluon forward's: 16-bit, head dim 64 or 128, auto tiles, supported masks"
+    if program.attr("head_dim") != program.attr("head_dim_padded"):
+        return (f"head dim {program.attr('head_dim')}: the Gluon kernels run it {program.attr('head_dim_padded')} "
+                "columns wide, and a packed tile's row-masked stores would write into the next head's columns")
+    return "its spec is outside the Gluon forward's: 16-bit, head dim 64, 128 or 256, auto tiles, supported masks"
 
 
 def cmd_explain(args) -> int:

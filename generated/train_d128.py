@@ -1446,7 +1446,8 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
         # NOTE: the kernel without dQ (deterministic algorithms) is not split: its float32 stores from registers
         # spill (d=128 without a mask: 104 -> 272 bytes, ptxas), where the one with dQ spills none
         split = ws_bwd_group_split(B, H_KV, H // H_KV, N_K, q.device) if dq_acc is not None else 1
-    parts = None if split == 1 else torch.empty((2, B, H_KV * split, N_K, HEAD_DIM), device=q.device, dtype=torch.float32)
+    parts = None if split == 1 else torch.empty((2, B, H_KV * split, N_K, HEAD_DIM), device=q.device,
+                                                dtype=torch.float32)  # (as wide as the kernel's tiles)
     short = ws_bwd_shape(N_K)
     block_n, consumers = WS_BWD_SHAPE[short + "BLOCK_N"], WS_BWD_SHAPE[short + "consumers"]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
@@ -1474,8 +1475,8 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     )
     if parts is not None:
         attn_bwd_dkdv_sum_ws[(cdiv(N_K, WS_BWD_SHAPE["ROW_BLOCK"]), H_KV, B)](
-            parts, dk, dv, *dk.stride(), *dv.stride(), split, N_K, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM,
-            num_warps=4)
+            parts, dk, dv, *dk.stride(), *dv.stride(), split, N_K, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+            HEAD_DIM=HEAD_DIM, num_warps=4)
 
 
 # -- how many programs share a GQA group's query heads: from shapes and the multiprocessor count only

@@ -36,8 +36,9 @@ def _compile_gluon_ws(module, job):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    d = module.HEAD_DIM
-    t = torch.empty(2, 4, 256, d, dtype=module.DTYPE)  # descriptors carry their block type; CPU memory will do
+    d = module.HEAD_DIM_PADDED  # the tiles' width: a head dim of 96 runs 128 columns wide over 96-column tensors
+    # descriptors carry their block type; CPU memory will do
+    t = torch.empty(2, 4, 256, module.HEAD_DIM, dtype=module.DTYPE)
 
     def desc(rows, layout, cols=d, base=t):
         made = module.GluonTensorDescriptor(base, list(base.shape), list(base.stride()), [1, 1, rows, cols], layout)
@@ -76,7 +77,8 @@ def _compile_gluon_ws(module, job):
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
         cols = d if dq_local else d // consumers
-        dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, torch.empty(t.shape, dtype=torch.float32))
+        acc = torch.empty(2, 4, 256, d, dtype=torch.float32)  # the float32 accumulator is the tiles' width
+        dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, acc)
               if dq_atomic else kv)
         rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
@@ -104,6 +106,11 @@ def _compile_gluon_ws(module, job):
         q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
         kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if block_n == shape["SHORT_BLOCK_N"] else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
+        if hasattr(module, "_WS_V_LAYOUT"):  # V and the output narrower than Q and K (head_dim_v)
+            dv = module.HEAD_DIM_V
+            tv = torch.empty(2, 4, 256, dv, dtype=module.DTYPE)
+            descs.update(v_desc=desc(block_n, module._WS_V_LAYOUT, dv, tv),
+                         o_desc=desc(shape["BLOCK_M"] // shape["consumers"], module._WS_O_LAYOUT, dv, tv))
         const = dict(BLOCK_M=shape[short + "BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])

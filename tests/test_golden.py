@@ -86,6 +86,8 @@ def test_generated_files_compile_for_sm90():
                 shape = module.WS_BWD_SHAPE
                 values.update(BLOCK=shape["ROW_BLOCK"], BLOCK_M=shape["BLOCK_M"],
                               CLAIMS=shape["consumers"] if shape["dq_claim_keys"] else 0)
+                if "D" in args:  # a head dim the Gluon tiles pad (d=96): the rows' tiles that wide over D columns
+                    values.update(HEAD_DIM=module.HEAD_DIM_PADDED, D=module.HEAD_DIM)
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",

@@ -118,6 +118,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
+        # register tiles have power-of-two shapes: a Gluon kernel runs d=96 at its padded width (warp-specialize)
+        ws_dim="HEAD_DIM" if spec.head_dim == spec.head_dim_padded else "HEAD_DIM_PADDED",
         tensors=_runtime_tensors(spec),
         bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if backward else [],
         sinks=spec.variant.sinks,
