@@ -395,9 +395,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
     balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
     instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
-    and every ring step moves a whole shard). Every rank must pass shards of one shape and the same arguments; a ValueError names the argument
-    that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective: every rank
-    of `group` must call it, and its backward, together.
+    and every ring step moves a whole shard). Every rank must pass shards of one shape and the same arguments; a
+    ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
+    `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError("context_parallel_attention needs torch.distributed initialised "
