@@ -154,13 +154,13 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
 class Halo(NamedTuple):
     """One rank's exchange under a window its neighbours' rows cover (contiguous shards): it receives the last `left`
     key rows of the previous rank and the first `right` of the next, sends its last `to_next` rows to the next rank
-    and its first `to_prev` to the previous, and runs `own` on its keys, `before` and `after` on the received rows
-    (positions local to each)."""
+    and its first `to_prev` to the previous, and runs `own` on its keys (every row: a query sees its own position),
+    `before` and `after` on the received rows (positions local to each)."""
     left: int
     right: int
     to_next: int
     to_prev: int
-    own: list[Block]
+    own: Block
     before: list[Block]
     after: list[Block]
 
@@ -180,7 +180,7 @@ def halo_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
         before = [pair_block(mine, (rank * n - left_in, 0, left_in), -left, right)] if left_in else []
         after = [pair_block(mine, ((rank + 1) * n, 0, right_in), -left, right)] if right_in else []
         halos.append(Halo(left_in, right_in, left if rank < world - 1 else 0, right if rank > 0 else 0,
-                          [pair_block(mine, mine, -left, right)], [b for b in before if b], [b for b in after if b]))
+                          pair_block(mine, mine, -left, right), [b for b in before if b], [b for b in after if b]))
     return halos
 
 
@@ -246,12 +246,18 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
     lse[:, :, rows] = merged_lse
 
 
-def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
-    """Add block b's gradients to the float32 dq (of q's rows) and dk, dv (of k and v's rows)."""
+def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
+    """(dq, dk, dv) of block b's rows and keys, in their dtype."""
     kernel, scale = kernels(b)
     rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
-    g = kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                              lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+    return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                 lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+
+
+def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
+    """Add block b's gradients to the float32 dq (of q's rows) and dk, dv (of k and v's rows)."""
+    g = _block_grads(kernels, b, q, k, v, out, lse, do)
+    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
     dq[:, :, rows] += g[0]
     dk[:, :, keys] += g[1]
     dv[:, :, keys] += g[2]
@@ -304,18 +310,20 @@ def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
 
 
 def _halo_forward(ring, halo: Halo, kernels, q, k, v):
-    """(out float32, lse, the received (k, v) rows before the shard or None, those after or None): the exchange is
-    posted before the shard's own block runs."""
+    """(out, lse, the received (k, v) rows before the shard or None, those after or None): the exchange is posted
+    before the shard's own block runs.
+
+    NOTE: out stays in q's dtype: the own block covers every row and writes it, and only the rows a neighbour's
+    keys reach merge (in float32, rounded once, as the ring's float32 accumulator would be), which spares the full
+    float32 copy of the shard the ring needs."""
     n = k.shape[2]
     sends = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
     sends += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
     receives = [(-1, t[:, :, :halo.left], i) for i, t in enumerate((k, v)) if halo.left]
     receives += [(1, t[:, :, :halo.right], 2 + i) for i, t in enumerate((k, v)) if halo.right]
     buffers, requests = _post(ring, sends, receives)
-    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
-    for b in halo.own:
-        _forward_block(kernels, b, q, k, v, out, lse)
+    kernel, scale = kernels(halo.own)
+    out, lse = kernel.forward(q, k, v, scale)
     _wait(requests)
     before = tuple(buffers[:2]) if halo.left else None
     after = tuple(buffers[-2:]) if halo.right else None
@@ -326,24 +334,26 @@ def _halo_forward(ring, halo: Halo, kernels, q, k, v):
 
 
 def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, do):
-    """(dq, dk, dv) float32: the received rows' dK/dV go back to their ranks while the shard's own block runs."""
+    """(dq, dk, dv) in q, k and v's dtype: the received rows' dK/dV go back to their ranks while the shard's own
+    block runs (each is one kernel's output, so its dtype loses nothing on the way)."""
     n = k.shape[2]
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    sends = []
+    sends, dq_parts = [], []
     for rows, blocks, offset, tag in ((before, halo.before, -1, 0), (after, halo.after, 1, 2)):
         if rows is None:
             continue
-        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        grads = [torch.zeros_like(t) for t in rows]
         for b in blocks:
-            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
+            g = _block_grads(kernels, b, q, *rows, out, lse, do)
+            dq_parts.append((slice(b.q_start, b.q_end), g[0]))
+            grads[0][:, :, b.k_start:b.k_end] += g[1]
+            grads[1][:, :, b.k_start:b.k_end] += g[2]
         sends += [(offset, g, tag + i) for i, g in enumerate(grads)]
-    receives = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((dk, dv)) if halo.to_next]
-    receives += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((dk, dv)) if halo.to_prev]
+    receives = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
+    receives += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
     buffers, requests = _post(ring, sends, receives)
-    for b in halo.own:
-        _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    dq, dk, dv = _block_grads(kernels, halo.own, q, k, v, out, lse, do)
+    for rows, part in dq_parts:
+        dq[:, :, rows] += part
     _wait(requests)
     if halo.to_next:
         dk[:, :, n - halo.to_next:] += buffers[0]

@@ -217,7 +217,7 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
 
     if provider == "attngen_window":
         halo = halo_schedule(world, q.shape[2], True, (window - 1, 0), False)[rank]
-        blocks = halo.own + halo.before + halo.after
+        blocks = [halo.own, *halo.before, *halo.after]
     else:
         blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
 

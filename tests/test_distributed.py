@@ -108,7 +108,8 @@ def test_halo_schedule_covers_the_mask_once(seed):
         rows = slice(rank * n, (rank + 1) * n)
         start, stop = rank * n - halo.left, (rank + 1) * n + halo.right
         covered = torch.zeros(n, stop - start, dtype=torch.int32)
-        for blocks, offset, length in ((halo.before, 0, halo.left), (halo.own, halo.left, n),
+        assert halo.own[:4] == (0, n, 0, n)  # the own block writes every row
+        for blocks, offset, length in ((halo.before, 0, halo.left), ([halo.own], halo.left, n),
                                        (halo.after, halo.left + n, halo.right)):
             for b in blocks:
                 covered[:, offset:offset + length] += block_mask(b, n, length).int()
@@ -266,7 +267,7 @@ def _check_halo_bytes(rank, world, device):
         out.sum().backward()
     finally:
         cp._post = post
-    rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32
+    rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32 as the inputs
     assert sent == [rows if rank < world - 1 else 0, rows if rank > 0 else 0], (rank, sent)
 
 
