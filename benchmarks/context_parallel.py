@@ -19,14 +19,14 @@ recorded as such). Providers, each at the same shapes:
   flex_softcap    the same with --softcap as a score_mod, head-tail shards
                   (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
                   not the version; elsewhere they are error rows)
-Each run appends its rows to benchmarks/results/context_parallel_<gpu>.json (replacing rows of the same provider,
-GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for forward and
-forward + backward. attngen's rows on several GPUs add the time of their kernels alone (`compute_*_ms`, the
-rank's blocks on its own keys) and `exposed_share`, the part of forward + backward beyond it; the window and
-softcap rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count and length over theirs
-(the issue's target: >= 1.3). Times are
-medians over --reps of the slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by
-the FlashAttention convention (causal halved, backward 2.5x). A script, not a test: GPU only.
+Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as they finish (replacing rows of the
+same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
+forward and forward + backward. attngen's and attngen_window's rows on several GPUs add the time of their kernels
+alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward + backward
+beyond it; the window and softcap rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count
+and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA
+events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved,
+backward 2.5x). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -283,7 +283,6 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl")
         mesh = init_device_mesh("cuda", (world,))
-    rows = []
     for n in args.lengths:
         for provider in args.providers:
             try:
@@ -294,21 +293,25 @@ def main() -> None:
             except Exception as e:  # a provider this torch cannot run is a row, not the end of the run
                 row = {"provider": provider, "gpus": world, "n": n, "error": f"{type(e).__name__}: {e}"[:300]}
             torch.cuda.empty_cache()
-            rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    if rank == 0:
-        path = Path(args.output or ROOT / "benchmarks" / "results" /
-                    f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json")
-        old = json.loads(path.read_text())["rows"] if path.exists() else []
-        fresh = {(r["provider"], r["gpus"], r["n"]) for r in rows}
-        merged = [r for r in old if (r["provider"], r["gpus"], r["n"]) not in fresh] + rows
-        merged.sort(key=lambda r: (r["provider"], r["n"], r["gpus"]))
-        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "rows": with_speedups(merged)}, indent=1) + "\n")
-        print(f"wrote {path}")
+                # (after every row: a run stopped by its time limit keeps the rows it finished)
+                save(Path(args.output or ROOT / "benchmarks" / "results" /
+                          f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json"), [row])
     if world > 1:
         dist.destroy_process_group()
+
+
+def save(path: Path, rows: list[dict]) -> None:
+    """Write `rows` into the results file at `path`, replacing its rows of the same provider, GPU count and length."""
+    import torch
+
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    fresh = {(r["provider"], r["gpus"], r["n"]) for r in rows}
+    merged = [r for r in old if (r["provider"], r["gpus"], r["n"]) not in fresh] + rows
+    merged.sort(key=lambda r: (r["provider"], r["n"], r["gpus"]))
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "rows": with_speedups(merged)}, indent=1) + "\n")
 
 
 def plot(path: Path) -> None:
