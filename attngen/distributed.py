@@ -197,9 +197,10 @@ class _Ring(NamedTuple):
 def _post(ring: _Ring, sends, receives):
     """Post a send of each (group rank offset, tensor, tag) of `sends` and a receive of a tensor like the tensor of
     each (offset, tensor, tag) of `receives`; returns (the receive buffers, the requests). Every message of a call
-    goes through here (the tests count the bytes sent by wrapping it)."""
+    goes through here (the tests count the bytes sent by wrapping it). The tensors sent must be contiguous and
+    kept alive by the caller until the requests are waited on (an asynchronous send reads them until then)."""
     buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for _, t, _ in receives]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), ring.peer(o), ring.group, tag) for o, t, tag in sends]
+    ops = [dist.P2POp(dist.isend, t, ring.peer(o), ring.group, tag) for o, t, tag in sends]
     ops += [dist.P2POp(dist.irecv, b, ring.peer(o), ring.group, tag) for (o, _, tag), b in zip(receives, buffers)]
     return buffers, (dist.batch_isend_irecv(ops) if ops else [])
 
@@ -317,8 +318,8 @@ def _halo_forward(ring, halo: Halo, kernels, q, k, v):
     keys reach merge (in float32, rounded once, as the ring's float32 accumulator would be), which spares the full
     float32 copy of the shard the ring needs."""
     n = k.shape[2]
-    sends = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
-    sends += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
+    sends = [(1, t[:, :, n - halo.to_next:].contiguous(), i) for i, t in enumerate((k, v)) if halo.to_next]
+    sends += [(-1, t[:, :, :halo.to_prev].contiguous(), 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
     receives = [(-1, t[:, :, :halo.left], i) for i, t in enumerate((k, v)) if halo.left]
     receives += [(1, t[:, :, :halo.right], 2 + i) for i, t in enumerate((k, v)) if halo.right]
     buffers, requests = _post(ring, sends, receives)
