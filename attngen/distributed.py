@@ -236,7 +236,8 @@ class _Kernels:
 
 
 def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
-    """Merge block b's partial (out, lse) into the float32 `out` and `lse` of this rank's queries."""
+    """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
+    and `lse` of this rank's queries."""
     kernel, scale = kernels(b)
     part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
                                     v[:, :, b.k_start:b.k_end], scale)
