@@ -21,7 +21,8 @@
 #            --check first
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
-#            default 131072 262144; the speed-ups need the one-GPU rows), and tests/test_distributed.py's NCCL tests
+#            default 131072 262144; $CP_PROVIDERS, default all; the speed-ups need the one-GPU rows), and
+#            tests/test_distributed.py's NCCL tests
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
 set -uo pipefail
@@ -79,7 +80,7 @@ for stage in "$@"; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
       for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
-          --lengths ${CP_LENGTHS:-131072 262144} >> "$OUT/bench_cp.txt" 2>&1
+          --lengths ${CP_LENGTHS:-131072 262144} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} >> "$OUT/bench_cp.txt" 2>&1
       done
       cp benchmarks/results/context_parallel_*.json "$OUT/" 2>/dev/null
       tail -20 "$OUT/bench_cp.txt" ;;
