@@ -3,7 +3,7 @@
     attngen compile SPEC... [-o DIR]       write DIR/<name>.py for each spec (default DIR: generated/)
     attngen check SPEC... [--seed N]       validate against float64 on random inputs; exit 1 on failure
     attngen explain SPEC [--pass NAME] [--shape ...]   the IR after each pass, costs, resources
-    attngen bench [--suite prefill|decode|variants|varlen|shapes|all] ...   attngen against the peers on this GPU
+    attngen bench [--suite prefill|decode|variants|varlen|shapes|fp8|all] ...   attngen against the peers on this GPU
     attngen tune SPEC... [--kind ...] [--seqlens N...] [--batch B...] [--heads H...]   search tiles for this GPU
 
 A spec error prints `FILE:LINE:COL: error: MESSAGE` and exits 2; a failed check (or a tuning where
@@ -21,8 +21,9 @@ from pathlib import Path
 from . import ir
 from .analysis import cost, masks
 from .analysis.resources import (Target, check_spec_tiles, infeasible, infeasible_backward, registers, shared_bytes,
-                                 shared_bytes_backward)
+                                 shared_bytes_backward, tile_widths)
 from .bench import prefill as bench
+from .bench import fp8 as bench_fp8
 from .bench import shapes as bench_shapes
 from .bench import variants as bench_variants
 from .bench import varlen as bench_varlen
@@ -31,7 +32,10 @@ from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
 from .passes import PASS_NAMES, applied_passes, compile_program, warp_specialize_decode
+from .policy import hopper
+from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
+from .policy.hopper import group_split
 from .policy.splits import choose_num_splits
 from .policy.tma import reads_through_descriptors
 from .runtime.cache import write_atomic
@@ -128,11 +132,16 @@ def _parse_shape(text: str | None, spec) -> dict:
                 sizes[key] = int(value)
             else:
                 raise SpecError(f"--shape: unknown size '{key}'; expected B, H, H_KV, N, N_Q or N_K", "<command line>")
-    sizes.setdefault("H_KV", spec.kv_heads or sizes["H"] // (spec.group or 1))
+    # MLA (v = k[:N]): every query head reads the one latent head
+    sizes.setdefault("H_KV", spec.kv_heads or (1 if spec.v_from_k else sizes["H"] // (spec.group or 1)))
     if sizes["H_KV"] < 1 or sizes["H"] % sizes["H_KV"]:
         raise SpecError(f"--shape: H={sizes['H']} is not a multiple of H_KV={sizes['H_KV']}", "<command line>")
     sizes["GROUP"] = sizes["H"] // sizes["H_KV"]
     return sizes
+
+
+MIXED_NARROW = ("attn_fwd_short", "attn_combine_short")
+"""A mixed program's narrow kernels: no work where the sequences are priced longer than SHORT_Q."""
 
 
 def _print_passes(program: ir.Program) -> None:
@@ -147,6 +156,14 @@ def _print_passes(program: ir.Program) -> None:
               "`tile` runs the last sequence b with CU_SEQLENS_Q[b] // BLOCK_M + b <= tile, from query "
               "(tile - CU_SEQLENS_Q[b] // BLOCK_M - b) * BLOCK_M of it, and returns past the sequence's last tile "
               "(dK/dV: key tiles, CU_SEQLENS_K and BLOCK_N)")
+        if program.attr("mixed"):
+            print("mixed:   a sequence of at most SHORT_Q queries (a decode) is skipped by those tiles and runs as a "
+                  "narrow work item instead: attn_fwd_short, one program per (sequence, split, K/V head), a tile of "
+                  "BLOCK_M (query, head of the GQA group) rows over split `split` of NUM_SPLITS slices of its keys, "
+                  "partial O and LSE to a workspace, merged by attn_combine_short (one program per (sequence, K/V "
+                  "head)); the host picks BLOCK_M (SHORT_Q = BLOCK_M // GROUP) and NUM_SPLITS from the batch, heads, "
+                  "max_seqlen_q/k and the SMs "
+                  f"(attngen/policy/mixed.py, {mixed_policy.DEFAULT})")
         if program.warp_specialized.forward is not None:
             print("         warp-specialize: on Hopper the forward runs the Gluon kernel over the same tiles (a "
                   "persistent grid: each program walks tiles t, t + programs, ...), TMA over the packed tensors, tiles "
@@ -155,15 +172,31 @@ def _print_passes(program: ir.Program) -> None:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
+    elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
+        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
+              f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
+              f"output {program.attr('head_dim_v')} (head_dim_v); the backward stays on the Triton kernels (the Gluon "
+              "backward takes one head dim for Q, K and V)")
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
-              f"head_dim = {program.attr('head_dim')}: the Gluon templates take one head dim for Q, K and V); the "
-              "Triton kernels run")
+              f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "
+              f"{', '.join(map(str, hopper.SPLIT_FORWARD))} and the other templates one head dim for Q, K and V); "
+              "the Triton kernels run")
+    if program.attr("v_from_k"):  # MLA: what the latent cache's read and the packed heads come to
+        d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
+        print(f"latent-kv: V is K's first {d_v} columns: each key tile is read once, as kv = K[:, :{d_v}] (Q K^T's "
+              f"first part and the P V operand) and k_rope = K[:, {d_v}:{d}] (Q K^T's rest); no V tensor")
+        if program.attr("pack_gqa"):
+            print("pack-gqa: the GROUP query heads of a K/V head fill one program's rows (GROUP x N_Q rows, BLOCK_M "
+                  "at a time), so each tile read serves all of them")
 
 
 def _gluon_backward_line(program: ir.Program) -> str:
     """What explain says of a varlen program's backward under warp-specialize."""
     if program.warp_specialized.backward is None:
+        if program.attr("backward", False) and not hopper.VARLEN_BACKWARD:
+            return ("the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off: the Gluon "
+                    "varlen backward stopped with an illegal instruction on its first GPU run)")
         return "the backward stays on the Triton kernels"
     return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
             "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
@@ -176,7 +209,10 @@ def _no_gluon_reason(program: ir.Program) -> str:
         return "head_dim_v differs from head_dim: the Gluon forward takes one head dim for Q, K and V"
     if program.attr("page_size") is not None:
         return "paged K/V: the Gluon forward reads contiguous packed K/V by TMA"
-    return "its spec is outside the Gluon forward's: 16-bit, head dim 64 or 128, auto tiles, supported masks"
+    if program.attr("head_dim") != program.attr("head_dim_padded"):
+        return (f"head dim {program.attr('head_dim')}: the Gluon kernels run it {program.attr('head_dim_padded')} "
+                "columns wide, and a packed tile's row-masked stores would write into the next head's columns")
+    return "its spec is outside the Gluon forward's: 16-bit, head dim 64, 128 or 256, auto tiles, supported masks"
 
 
 def cmd_explain(args) -> int:
@@ -206,7 +242,10 @@ def cmd_explain(args) -> int:
     first, last = stages[PASS_NAMES[0]], stages[PASS_NAMES[-1]]
     if last.attr("combine_block_s") is not None:  # the combine kernel's splits per load, as the launch picks it
         sizes["BLOCK_S"] = min(last.attr("combine_block_s"), 1 << (max(1, sizes["NUM_SPLITS"]) - 1).bit_length())
-    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd"))
+    if last.attr("mixed"):  # every sequence of N_Q queries: the wide tiles take them all (no narrow work item)
+        sizes.setdefault("SHORT_Q", 0)
+    forward_kernels = tuple(k.name for k in last.kernels if not k.name.startswith("attn_bwd")
+                            and not (last.attr("mixed") and sizes["SHORT_Q"] == 0 and k.name in MIXED_NARROW))
     directions = [("forward", ("attn_fwd",), forward_kernels, "standard three-pass algorithm")]
     if spec.backward:
         directions.append(("backward", ("attn_bwd",), ("attn_bwd_dq", "attn_bwd_dkdv"),
@@ -242,10 +281,14 @@ def cmd_explain(args) -> int:
         print(f"  {direction:8s} FlashAttention convention ({rule}): {fa / 1e9:.2f} GFLOP")
     if spec.variant:
         _explain_variant(spec, sizes)
+    _explain_group_split(last, sizes)
+    if spec.dtype.fp8:
+        _explain_fp8(last)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
-    smem = shared_bytes(spec.head_dim_padded, spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
-                        config["num_stages"], target, head_dim_v_padded=spec.head_dim_v_padded)
+    widths = tile_widths(spec)
+    smem = shared_bytes(widths[0], spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
+                        config["num_stages"], target, head_dim_v_padded=widths[1])
     print(f"  shared memory {smem:,} of {target.shared_limit:,} bytes; "
           f">= {registers(spec.head_dim_v_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
           "fp32 registers per thread")
@@ -262,6 +305,45 @@ def cmd_explain(args) -> int:
             if problem:
                 print(f"  does not fit: {problem}")
     return EXIT_OK
+
+
+def _explain_group_split(program: ir.Program, sizes: dict) -> None:
+    """How the Gluon backward's dense launch at these sizes shares each GQA group's query heads over programs
+    (hopper.group_split on an sm_90 with 132 multiprocessors)."""
+    gluon = program.warp_specialized.backward
+    if gluon is None or program.attr("varlen"):
+        return
+    shape = gluon.short if sizes["N_K"] <= gluon.short_keys else gluon.main
+    programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_K"] // shape.block_n)
+    split = group_split(programs, sizes["GROUP"], 132, gluon.max_group_split)
+    print("=== Gluon backward grid (sm_90, 132 multiprocessors) ===")
+    line = (f"  {programs} dK/dV programs (B x H_KV x {shape.block_n}-key tiles) for groups of {sizes['GROUP']} "
+            f"query heads: ")
+    if split == 1:
+        print(line + "each program walks its whole group")
+    else:
+        heads = [sizes["GROUP"] * (p + 1) // split - sizes["GROUP"] * p // split for p in range(split)]
+        print(line + f"each group split over {split} programs ({programs * split} in all; heads "
+              f"{', '.join(map(str, heads))}), their float32 dK and dV summed after (not under deterministic "
+              "algorithms)")
+
+
+def _explain_fp8(program: ir.Program) -> None:
+    """Where the forward of an FP8 spec rounds to e4m3 and applies its descales, read from the final IR."""
+    print("=== fp8: where values are quantised and descaled (pass descale) ===")
+    kernel = program.kernel("attn_fwd")
+    inputs = [f"{b.name} ({b.dtype.value})" for b in kernel.params if b.dtype is ir.DT.F8E4M3]
+    print(f"  e4m3 inputs: {', '.join(inputs)}; the products accumulate in fp32")
+    casts = set()
+    for st in ir.walk_stmts(kernel.body):
+        for e in (e for x in ir.stmt_exprs(st) for e in ir.walk_expr(x)):
+            if isinstance(e, ir.Call) and e.op is ir.Op.CAST and e.dtype is ir.DT.F8E4M3:
+                casts.add(ir.format_expr(e))
+        if isinstance(st, ir.Assign) and st.target.name in ("qk_scale", "v_descale"):
+            print(f"  {st.target.name} = {ir.format_expr(st.value)}")
+        if isinstance(st, ir.Store) and st.target.name == "O":
+            print(f"  out ({st.target.dtype.value}) = {ir.format_expr(st.value)}")
+    print(f"  rounded to e4m3 for P V: {', '.join(sorted(casts))} (p in [0, 1] after the running max, unscaled)")
 
 
 def _explain_variant(spec, sizes) -> None:
@@ -325,6 +407,11 @@ def cmd_bench(args) -> int:
             _use_interpreter_without_gpu()
         directions = ("forward", "backward") if args.direction == "both" else (args.direction,)
         return bench_variants.main(args.output, shape, directions, names, args.check)
+    if args.suite == "fp8":
+        names = _providers(args.providers, bench_fp8.PROVIDERS)
+        if args.check:
+            _use_interpreter_without_gpu()
+        return bench_fp8.main(args.output, names, ints(args.lengths, "lengths"), args.check)
     if args.suite in ("varlen", "shapes"):
         suite = bench_varlen if args.suite == "varlen" else bench_shapes
         names = _providers(args.providers, suite.PROVIDERS)
@@ -548,11 +635,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("bench", help="time attngen against SDPA backends, FlexAttention and naive attention (GPU)")
-    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "all"), default="all",
+    p.add_argument("--suite", choices=("prefill", "decode", "variants", "varlen", "shapes", "fp8", "all"), default="all",
                    help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
                         "varlen: packed variable-length batches and SDPA through the flash-attention slot; "
                         "shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 odd lengths, 192/128) "
-                        "against cuDNN, FlexAttention and FA2")
+                        "against cuDNN, FlexAttention and FA2; fp8: the FP8 forward against attngen's bf16 "
+                        "forward and cuDNN at d=128, with each one's error against float64")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")

@@ -12,6 +12,10 @@ chunks r and 2W-1-r (head-tail), so that a causal mask gives every rank the same
 empty, and empty ones are skipped, as are whole ring steps no rank needs (a sliding window). The backward
 recomputes each step from the global out and lse (`Kernel.backward_saved`), accumulates dQ locally and sends
 dK/dV around the ring behind their keys, back to the ranks that own them.
+
+A sliding window no wider than a shard over contiguous shards (`load_balance=False`) needs no ring: each rank
+receives only the key/value rows its window reaches beyond its shard (the previous rank's last `left`, the next
+rank's first `right`) while it runs its own block, and the backward sends those rows' dK/dV back (`Halo`).
 """
 
 from __future__ import annotations
@@ -147,6 +151,39 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
     return [steps[:needed] for steps in schedule]
 
 
+class Halo(NamedTuple):
+    """One rank's exchange under a window its neighbours' rows cover (contiguous shards): it receives the last `left`
+    key rows of the previous rank and the first `right` of the next, sends its last `to_next` rows to the next rank
+    and its first `to_prev` to the previous, and runs `own` on its keys (every row: a query sees its own position),
+    `before` and `after` on the received rows (positions local to each)."""
+    left: int
+    right: int
+    to_next: int
+    to_prev: int
+    own: Block
+    before: list[Block]
+    after: list[Block]
+
+
+def halo_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool):
+    """Every rank's Halo where contiguous shards (not `load_balance`) meet a window no wider than a shard on either
+    side (left and right in 0..n, right 0 when causal); None where the window needs the ring."""
+    left, right = window
+    right = 0 if causal else right
+    if load_balance or not (0 <= left <= n and 0 <= right <= n):
+        return None
+    halos = []
+    for rank in range(world):
+        mine = (rank * n, 0, n)
+        left_in = left if rank > 0 else 0
+        right_in = right if rank < world - 1 else 0
+        before = [pair_block(mine, (rank * n - left_in, 0, left_in), -left, right)] if left_in else []
+        after = [pair_block(mine, ((rank + 1) * n, 0, right_in), -left, right)] if right_in else []
+        halos.append(Halo(left_in, right_in, left if rank < world - 1 else 0, right if rank > 0 else 0,
+                          pair_block(mine, mine, -left, right), [b for b in before if b], [b for b in after if b]))
+    return halos
+
+
 class _Ring(NamedTuple):
     """This rank's place in the group: P2P peers as global ranks."""
     group: object
@@ -157,13 +194,22 @@ class _Ring(NamedTuple):
         return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
 
 
+def _post(ring: _Ring, sends, receives):
+    """Post a send of each (group rank offset, tensor, tag) of `sends` and a receive of a tensor like the tensor of
+    each (offset, tensor, tag) of `receives`; returns (the receive buffers, the requests). Every message of a call
+    goes through here (the tests count the bytes sent by wrapping it). The tensors sent must be contiguous and
+    kept alive by the caller until the requests are waited on (an asynchronous send reads them until then)."""
+    buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for _, t, _ in receives]
+    ops = [dist.P2POp(dist.isend, t, ring.peer(o), ring.group, tag) for o, t, tag in sends]
+    ops += [dist.P2POp(dist.irecv, b, ring.peer(o), ring.group, tag) for (o, _, tag), b in zip(receives, buffers)]
+    return buffers, (dist.batch_isend_irecv(ops) if ops else [])
+
+
 def _exchange(ring: _Ring, tensors, send_to: int, recv_from: int, tag: int):
     """Post the sends of `tensors` to group rank offset `send_to` and the receives of tensors like them from
     `recv_from`; returns (the receive buffers, the requests)."""
-    buffers = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, ring.peer(send_to), ring.group, tag + i) for i, t in enumerate(tensors)]
-    ops += [dist.P2POp(dist.irecv, b, ring.peer(recv_from), ring.group, tag + i) for i, b in enumerate(buffers)]
-    return buffers, dist.batch_isend_irecv(ops)
+    return _post(ring, [(send_to, t, tag + i) for i, t in enumerate(tensors)],
+                 [(recv_from, t, tag + i) for i, t in enumerate(tensors)])
 
 
 def _wait(requests) -> None:
@@ -189,6 +235,36 @@ class _Kernels:
         return self.found[mask]
 
 
+def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
+    """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
+    and `lse` of this rank's queries."""
+    kernel, scale = kernels(b)
+    part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
+                                    v[:, :, b.k_start:b.k_end], scale)
+    rows = slice(b.q_start, b.q_end)
+    merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
+                                      part.transpose(1, 2), part_lse)
+    out[:, :, rows] = merged.transpose(1, 2)
+    lse[:, :, rows] = merged_lse
+
+
+def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
+    """(dq, dk, dv) of block b's rows and keys, in their dtype."""
+    kernel, scale = kernels(b)
+    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+    return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                 lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+
+
+def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
+    """Add block b's gradients to the float32 dq (of q's rows) and dk, dv (of k and v's rows)."""
+    g = _block_grads(kernels, b, q, k, v, out, lse, do)
+    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+    dq[:, :, rows] += g[0]
+    dk[:, :, keys] += g[1]
+    dv[:, :, keys] += g[2]
+
+
 def _ring_forward(ring, steps, kernels, q, k, v):
     """(out float32, lse) of this rank's queries over every rank's keys."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -198,14 +274,7 @@ def _ring_forward(ring, steps, kernels, q, k, v):
         if step + 1 < len(steps):
             following, requests = _exchange(ring, kv, 1, -1, 0)
         for b in blocks:
-            kernel, scale = kernels(b)
-            part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], kv[0][:, :, b.k_start:b.k_end],
-                                            kv[1][:, :, b.k_start:b.k_end], scale)
-            rows = slice(b.q_start, b.q_end)
-            merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
-                                              part.transpose(1, 2), part_lse)
-            out[:, :, rows] = merged.transpose(1, 2)
-            lse[:, :, rows] = merged_lse
+            _forward_block(kernels, b, q, *kv, out, lse)
         if step + 1 < len(steps):
             _wait(requests)
             kv = tuple(following)
@@ -224,13 +293,7 @@ def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
         for b in blocks:
-            kernel, scale = kernels(b)
-            rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
-            g = kernel.backward_saved(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
-                                      lse[:, :, rows].contiguous(), do[:, :, rows], scale)
-            dq[:, :, rows] += g[0]
-            dk[:, :, keys] += g[1]
-            dv[:, :, keys] += g[2]
+            _backward_block(kernels, b, q, *kv, out, lse, do, dq, dk, dv)
         if incoming is not None:
             _wait(incoming[1])
             dk += incoming[0][0]
@@ -248,10 +311,71 @@ def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
     return dq, dk, dv
 
 
+def _halo_forward(ring, halo: Halo, kernels, q, k, v):
+    """(out, lse, the received (k, v) rows before the shard or None, those after or None): the exchange is posted
+    before the shard's own block runs.
+
+    NOTE: out stays in q's dtype: the own block covers every row and writes it, and only the rows a neighbour's
+    keys reach merge (in float32, rounded once, as the ring's float32 accumulator would be), which spares the full
+    float32 copy of the shard the ring needs."""
+    n = k.shape[2]
+    sends = [(1, t[:, :, n - halo.to_next:].contiguous(), i) for i, t in enumerate((k, v)) if halo.to_next]
+    sends += [(-1, t[:, :, :halo.to_prev].contiguous(), 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
+    receives = [(-1, t[:, :, :halo.left], i) for i, t in enumerate((k, v)) if halo.left]
+    receives += [(1, t[:, :, :halo.right], 2 + i) for i, t in enumerate((k, v)) if halo.right]
+    buffers, requests = _post(ring, sends, receives)
+    kernel, scale = kernels(halo.own)
+    out, lse = kernel.forward(q, k, v, scale)
+    _wait(requests)
+    before = tuple(buffers[:2]) if halo.left else None
+    after = tuple(buffers[-2:]) if halo.right else None
+    for rows, blocks in ((before, halo.before), (after, halo.after)):
+        for b in blocks:
+            _forward_block(kernels, b, q, *rows, out, lse)
+    return out, lse, before, after
+
+
+def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, do):
+    """(dq, dk, dv) in q, k and v's dtype: the received rows' dK/dV go back to their ranks while the shard's own
+    block runs (each is one kernel's output, so its dtype loses nothing on the way)."""
+    n = k.shape[2]
+    sends, dq_parts = [], []
+    for rows, blocks, offset, tag in ((before, halo.before, -1, 0), (after, halo.after, 1, 2)):
+        if rows is None:
+            continue
+        grads = [torch.zeros_like(t) for t in rows]
+        for b in blocks:
+            g = _block_grads(kernels, b, q, *rows, out, lse, do)
+            dq_parts.append((slice(b.q_start, b.q_end), g[0]))
+            grads[0][:, :, b.k_start:b.k_end] += g[1]
+            grads[1][:, :, b.k_start:b.k_end] += g[2]
+        sends += [(offset, g, tag + i) for i, g in enumerate(grads)]
+    receives = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
+    receives += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
+    buffers, requests = _post(ring, sends, receives)
+    dq, dk, dv = _block_grads(kernels, halo.own, q, k, v, out, lse, do)
+    for rows, part in dq_parts:
+        dq[:, :, rows] += part
+    _wait(requests)
+    if halo.to_next:
+        dk[:, :, n - halo.to_next:] += buffers[0]
+        dv[:, :, n - halo.to_next:] += buffers[1]
+    if halo.to_prev:
+        dk[:, :, :halo.to_prev] += buffers[-2]
+        dv[:, :, :halo.to_prev] += buffers[-1]
+    return dq, dk, dv
+
+
 class _ContextParallel(torch.autograd.Function):
+    """The ring (`steps` a list of ring steps) or the halo exchange (`steps` a Halo) as one differentiable call."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring, steps, kernels):
-        out, lse = _ring_forward(ring, steps, kernels, q, k, v)
+        ctx.halo_rows = None
+        if isinstance(steps, Halo):
+            out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
+        else:
+            out, lse = _ring_forward(ring, steps, kernels, q, k, v)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.steps, ctx.kernels = ring, steps, kernels
@@ -261,7 +385,11 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
+        if ctx.halo_rows is not None:
+            dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
+                                        do.contiguous())
+        else:
+            dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -275,11 +403,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
     `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
-    sequence. Ring steps no rank needs are not run: under a sliding window shorter than a shard, contiguous shards
-    (`load_balance=False`) need only the previous rank's keys (two steps), while head-tail chunks put a chunk's
-    neighbour on the far side of the ring. Every rank must pass shards of one shape and the same arguments; a ValueError names the argument
-    that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective: every rank
-    of `group` must call it, and its backward, together.
+    sequence. Ring steps no rank needs are not run. Pass `load_balance=False` (and shards made with it) for a
+    sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
+    balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
+    instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
+    and every ring step moves a whole shard). Every rank must pass shards of one shape and the same arguments; a
+    ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
+    `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError("context_parallel_attention needs torch.distributed initialised "
@@ -301,7 +431,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, None)
     _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap)
-    steps = ring_schedule(world, q.shape[2], bool(causal), window, load_balance)[rank]
+    halos = halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
+    steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance)[rank]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
     return (out, lse) if return_lse else out

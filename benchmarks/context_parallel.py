@@ -11,13 +11,22 @@ recorded as such). Providers, each at the same shapes:
   torch_cudnn     torch's context_parallel with SDPA's cuDNN backend (on one GPU: SDPA cuDNN)
   torch_flash     torch's context_parallel with SDPA's flash backend, torch's own kernels
   torch_attngen   torch's context_parallel with SDPA's flash backend and attngen in the flash slot
-  attngen_window  attngen's, with a sliding window of --window keys (no torch provider runs one sharded)
-Each run appends its rows to benchmarks/results/context_parallel_<gpu>.json (replacing rows of the same provider,
-GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for forward and
-forward + backward. attngen's rows on several GPUs add the time of their kernels alone (`compute_*_ms`, the
-rank's ring blocks on its own keys) and `exposed_share`, the part of forward + backward beyond it. Times are
-medians over --reps of the slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by
-the FlashAttention convention (causal halved, backward 2.5x). A script, not a test: GPU only.
+  attngen_window  attngen's, with a sliding window of --window keys on contiguous shards (load_balance=False: each
+                  rank receives only the window's rows of its neighbour, not whole shards around the ring)
+  attngen_softcap attngen's, with logits capped at --softcap (head-tail shards)
+  flex_window     FlexAttention (compiled) under torch's context_parallel (its FLEX plan: K and V all-gathered, the
+                  block mask sharded with them), the same window, contiguous shards (on one GPU: FlexAttention)
+  flex_softcap    the same with --softcap as a score_mod, head-tail shards
+                  (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
+                  not the version; elsewhere they are error rows)
+Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as they finish (replacing rows of the
+same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
+forward and forward + backward. attngen's and attngen_window's rows on several GPUs add the time of their kernels
+alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward + backward
+beyond it; the window and softcap rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count
+and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA
+events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved,
+backward 2.5x). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window")
+PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window", "flex_window",
+             "attngen_softcap", "flex_softcap")
+# attngen's rows that FlexAttention under context_parallel is the peer of
+FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap"}
 
 
 def flops(n: int, heads: int, d: int, window: int | None, backward: bool) -> float:
@@ -67,9 +79,9 @@ def timed(fn, reps: int, world: int) -> float:
     return statistics.median(times)
 
 
-def runner(provider: str, world: int, mesh, window: int):
-    """(a context manager to run under, f(q, k, v) -> out) of one provider; q, k, v are this rank's shard
-    (several GPUs) or the whole sequence (one)."""
+def runner(provider: str, world: int, window: int, softcap: float):
+    """(a context manager to run under, f(q, k, v) -> out) of one attngen or torch SDPA provider; q, k, v are this
+    rank's shard (several GPUs) or the whole sequence (one)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,13 +89,15 @@ def runner(provider: str, world: int, mesh, window: int):
     import attngen
     from attngen.distributed import context_parallel_attention
 
-    if provider in ("attngen", "attngen_window"):
+    if provider.startswith("attngen"):
         size = (window - 1, 0) if provider == "attngen_window" else (-1, -1)
+        cap = softcap if provider == "attngen_softcap" else 0.0
         if world == 1:
             return contextlib.nullcontext(), lambda q, k, v: attngen.attention(q, k, v, is_causal=True,
-                                                                               window_size=size)
-        return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(q, k, v, causal=True,
-                                                                                    window_size=size)
+                                                                               window_size=size, softcap=cap)
+        balance = provider != "attngen_window"
+        return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(
+            q, k, v, causal=True, window_size=size, softcap=cap, load_balance=balance)
     backend = SDPBackend.CUDNN_ATTENTION if provider == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
 
     @contextlib.contextmanager
@@ -100,7 +114,57 @@ def runner(provider: str, world: int, mesh, window: int):
     return torch_sdpa(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: int, window: int, reps: int) -> dict:
+def flex_context_parallel():
+    """torch's FlexAttention context parallelism: the module torch.distributed.tensor.experimental._attention, with
+    its FLEX plan, shard function and head-tail balancer; a RuntimeError naming what this torch lacks."""
+    import torch
+    from torch.distributed.tensor.experimental import _attention as cp
+
+    missing = [name for name in ("_ContextParallel", "_context_parallel_shard", "_HeadTailLoadBalancer")
+               if not hasattr(cp, name)]
+    if not missing and not hasattr(getattr(cp._ContextParallel, "AttentionType", None), "FLEX"):
+        missing = ["_ContextParallel.AttentionType.FLEX"]
+    if missing:
+        raise RuntimeError(f"torch {torch.__version__} has no FlexAttention context parallelism: "
+                           f"{', '.join(missing)} missing from torch.distributed.tensor.experimental._attention")
+    return cp
+
+
+def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: float):
+    """(this rank's q, k, v, f(q, k, v) -> out) of a FlexAttention provider: on several GPUs under torch's
+    context_parallel FLEX plan (a module whose pre-hook all-gathers K and V), the block mask sharded with q, k, v
+    (head-tail for the causal softcap, contiguous for the window, as attngen's rows)."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attngen.bench.common import compiled_flex_attention
+
+    flex = compiled_flex_attention()
+    n = full[0].shape[2]
+    if provider == "flex_window":
+        mask_mod, score_mod = (lambda b, h, i, j: (i >= j) & (i - j < window)), None
+    else:
+        mask_mod = lambda b, h, i, j: i >= j  # noqa: E731
+        score_mod = lambda score, b, h, i, j: softcap * torch.tanh(score / softcap)  # noqa: E731
+    mask = create_block_mask(mask_mod, 1, 1, n, n, device="cuda")
+    if world == 1:
+        return (*full, lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=mask))
+    cp = flex_context_parallel()
+
+    class Flex(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return flex(*args, **kwargs)
+
+    plan = cp._ContextParallel(seq_dim=2, attention_type=cp._ContextParallel.AttentionType.FLEX)
+    module = parallelize_module(Flex(), mesh, plan)
+    balancer = None if provider == "flex_window" else cp._HeadTailLoadBalancer(n, world, torch.device("cuda"))
+    *shards, shard_mask = cp._context_parallel_shard(mesh, [*full, mask], [2] * 4, load_balancer=balancer)
+    return (*shards, lambda q, k, v: module(q, k, v, score_mod=score_mod, block_mask=shard_mask))
+
+
+def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: int, window: int, softcap: float,
+            reps: int) -> dict:
     """One row: forward and forward + backward times of `provider` at length n on `world` GPUs."""
     import torch
     from torch.distributed.tensor.experimental import context_parallel
@@ -109,47 +173,59 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
 
     torch.manual_seed(0)
     full = [torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    through_torch = provider.startswith("torch") and world > 1
-    if through_torch:
-        shards = full  # torch's context_parallel shards these in place, head-tail
-        cp = context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2])
+    cp = None
+    context = contextlib.nullcontext()
+    if provider.startswith("flex"):
+        *shards, fn = flex_runner(provider, world, mesh, full, window, softcap)
     else:
-        shards = [shard_sequence(t, world, rank).contiguous() for t in full] if world > 1 else full
-        cp = None
+        context, fn = runner(provider, world, window, softcap)
+        if provider.startswith("torch") and world > 1:
+            shards = full  # torch's context_parallel shards these in place, head-tail
+            cp = context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2])
+        elif world > 1:
+            balance = provider != "attngen_window"
+            shards = [shard_sequence(t, world, rank, load_balance=balance).contiguous() for t in full]
+        else:
+            shards = full
     del full
-    context, fn = runner(provider, world, mesh, window)
     with context, (cp if cp is not None else contextlib.nullcontext()):
         q, k, v = (t.detach().requires_grad_() for t in shards)
         do = torch.randn_like(q)
         forward_ms = timed(lambda: fn(q, k, v), reps, world)
         both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
-    size = window if provider == "attngen_window" else None
+    size = window if provider.endswith("window") else None
     extra = {}
-    if provider == "attngen" and world > 1:
-        extra = exposed_communication(q, k, v, do, world, rank, reps)
+    if provider in ("attngen", "attngen_window") and world > 1:
+        extra = exposed_communication(q, k, v, do, world, rank, reps, provider, window)
         extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
     return {**extra, "provider": provider, "gpus": world, "n": n, "heads": heads, "head_dim": d, "window": size,
+            "softcap": softcap if provider.endswith("softcap") else None,
             "forward_ms": forward_ms, "forward_backward_ms": both_ms,
             "forward_tflops": flops(n, heads, d, size, False) / forward_ms / 1e9,
             "forward_backward_tflops": flops(n, heads, d, size, True) / both_ms / 1e9}
 
 
-def exposed_communication(q, k, v, do, world: int, rank: int, reps: int) -> dict:
-    """The time of the kernels alone of this rank's causal ring schedule (its blocks run on its own keys: no
-    exchange, no merge), forward and forward + backward; what the ring takes beyond it is exposed communication
-    (and merging)."""
+def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provider: str, window: int) -> dict:
+    """The time of the kernels alone of this rank's schedule (the causal ring's blocks, or the window's blocks on
+    its own keys and its neighbour's rows, all run on its own keys: no exchange, no merge), forward and forward +
+    backward; what the call takes beyond it is exposed communication (and merging)."""
     import torch
 
     import attngen
-    from attngen.distributed import ring_schedule
+    from attngen.distributed import halo_schedule, ring_schedule
     from attngen.lang.builtin import NO_WINDOW
 
-    blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
+    if provider == "attngen_window":
+        halo = halo_schedule(world, q.shape[2], True, (window - 1, 0), False)[rank]
+        blocks = [halo.own, *halo.before, *halo.after]
+    else:
+        blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
 
     def kernels():
         for b in blocks:
             rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
-            out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal)
+            out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal,
+                                    window_size=b.window)
             yield out, (q, k, v), do[:, :, rows]
 
     def forward():
@@ -165,13 +241,19 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int) -> dict
 
 def with_speedups(rows: list[dict]) -> list[dict]:
     """rows with `speedup` (forward + backward) and `forward_speedup` over the one-GPU row of their provider and
-    length (None where there is none)."""
+    length (None where there is none), and attngen's window and softcap rows with `vs_flex` where their
+    FlexAttention row at the same GPU count and length exists."""
     base = {(r["provider"], r["n"]): r for r in rows if r["gpus"] == 1 and "forward_ms" in r}
     for r in rows:
         one = base.get((r["provider"], r["n"]))
         ok = one is not None and "forward_ms" in r
         r["speedup"] = one["forward_backward_ms"] / r["forward_backward_ms"] if ok else None
         r["forward_speedup"] = one["forward_ms"] / r["forward_ms"] if ok else None
+    timed_rows = {(r["provider"], r["gpus"], r["n"]): r for r in rows if "forward_ms" in r}
+    for r in rows:
+        flex = timed_rows.get((FLEX_PEERS.get(r["provider"]), r["gpus"], r["n"]))
+        if flex is not None and "forward_ms" in r:
+            r["vs_flex"] = flex["forward_backward_ms"] / r["forward_backward_ms"]
     return rows
 
 
@@ -181,6 +263,7 @@ def main() -> None:
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--softcap", type=float, default=30.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--plot", metavar="JSON", help="draw the plot of a results file and exit")
@@ -200,31 +283,35 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl")
         mesh = init_device_mesh("cuda", (world,))
-    rows = []
     for n in args.lengths:
         for provider in args.providers:
             try:
-                row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.reps)
+                row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.softcap,
+                              args.reps)
             except torch.OutOfMemoryError:
                 row = {"provider": provider, "gpus": world, "n": n, "error": "out of memory"}
             except Exception as e:  # a provider this torch cannot run is a row, not the end of the run
                 row = {"provider": provider, "gpus": world, "n": n, "error": f"{type(e).__name__}: {e}"[:300]}
             torch.cuda.empty_cache()
-            rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    if rank == 0:
-        path = Path(args.output or ROOT / "benchmarks" / "results" /
-                    f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json")
-        old = json.loads(path.read_text())["rows"] if path.exists() else []
-        fresh = {(r["provider"], r["gpus"], r["n"]) for r in rows}
-        merged = [r for r in old if (r["provider"], r["gpus"], r["n"]) not in fresh] + rows
-        merged.sort(key=lambda r: (r["provider"], r["n"], r["gpus"]))
-        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "rows": with_speedups(merged)}, indent=1) + "\n")
-        print(f"wrote {path}")
+                # (after every row: a run stopped by its time limit keeps the rows it finished)
+                save(Path(args.output or ROOT / "benchmarks" / "results" /
+                          f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json"), [row])
     if world > 1:
         dist.destroy_process_group()
+
+
+def save(path: Path, rows: list[dict]) -> None:
+    """Write `rows` into the results file at `path`, replacing its rows of the same provider, GPU count and length."""
+    import torch
+
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    fresh = {(r["provider"], r["gpus"], r["n"]) for r in rows}
+    merged = [r for r in old if (r["provider"], r["gpus"], r["n"]) not in fresh] + rows
+    merged.sort(key=lambda r: (r["provider"], r["n"], r["gpus"]))
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "rows": with_speedups(merged)}, indent=1) + "\n")
 
 
 def plot(path: Path) -> None:

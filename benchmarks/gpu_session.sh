@@ -16,9 +16,13 @@
 #            paged call; SDPA through the flash-attention slot against attngen.attention; its --check first
 #   shapes   attngen bench --suite shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 at odd lengths,
 #            DeepSeek's 192/128) against cuDNN, FlexAttention and FA2, both directions; its --check first
+#   fp8      attngen bench --suite fp8: the FP8 forward against attngen's bf16 forward, cuDNN (bf16) and torch's
+#            FP8 SDPA (FA3, where installed), d=128 N 4096..16384, with each one's error against float64; its
+#            --check first
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
-#            default 131072 262144; the speed-ups need the one-GPU rows), and tests/test_distributed.py's NCCL tests
+#            default 131072 262144; $CP_PROVIDERS, default all; the speed-ups need the one-GPU rows), and
+#            tests/test_distributed.py's NCCL tests
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
 set -uo pipefail
@@ -65,7 +69,7 @@ for stage in "$@"; do
       mkdir -p "$OUT/bench"; cp "benchmarks/results/$SLUG.json" "$OUT/bench/" 2>/dev/null
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
-    variants|varlen|shapes)
+    variants|varlen|shapes|fp8)
       mkdir -p "$OUT/bench"; cp "benchmarks/results/${stage}_$SLUG.json" "$OUT/bench/" 2>/dev/null
       timeout 120 python3 -m attngen bench --suite "$stage" --check > "$OUT/bench_${stage}_check.txt" 2>&1
       tail -12 "$OUT/bench_${stage}_check.txt"
@@ -76,7 +80,7 @@ for stage in "$@"; do
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
       for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
-          --lengths ${CP_LENGTHS:-131072 262144} >> "$OUT/bench_cp.txt" 2>&1
+          --lengths ${CP_LENGTHS:-131072 262144} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} >> "$OUT/bench_cp.txt" 2>&1
       done
       cp benchmarks/results/context_parallel_*.json "$OUT/" 2>/dev/null
       tail -20 "$OUT/bench_cp.txt" ;;

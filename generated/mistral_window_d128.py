@@ -1055,11 +1055,11 @@ def _ws_bwd_query_blocks(start_n, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
                   stride_delta_h, stride_delta_n, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """Step t's query block: its first row, and its rows' lse (log2 units; +inf where P must be 0: rows
-    past N_Q, rows that saw no key) and delta."""
-    h = hkv * GROUP + t // n_m
+    """Step t's query block (of the program's query heads from h0): its first row, and its rows' lse (log2 units;
+    +inf where P must be 0: rows past N_Q, rows that saw no key) and delta."""
+    h = h0 + t // n_m
     start_m = m_start + (t % n_m) * BLOCK_M
     cols = start_m + gl.arange(0, BLOCK_M, layout=layout)
     lse = gl.load(LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + cols * stride_lse_n,
@@ -1072,12 +1072,13 @@ def _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b,
 
 @gluon.jit
 def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                     DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
+                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr,
+                    WG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -1097,7 +1098,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_COLS, 16])
         zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
-    n_iters = GROUP * n_m
+    n_iters = n_h * n_m
     _, full_lo, full_hi, _ = _ws_bwd_query_blocks(start_n, N_Q, N_K, BLOCK_M, BN * CONSUMERS)
     if DQ_CLAIM:  # the first warpgroup to claim a dQ tile stores it, the others add into it once it is there
         my_id = 1 + ((b * gl.num_programs(1) + hkv) * gl.num_programs(0) + gl.program_id(0)) * CONSUMERS + WG
@@ -1106,7 +1107,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         claim_ptr = CLAIM
     mbarrier.wait(kv_bar, 0)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes
-        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, 0, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
+        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, 0, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
                                             stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
     if AHEAD:  # step t + 1's S^T is issued before step t waits for its dK and dV products
         if n_iters > 0:
@@ -1118,7 +1119,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         if ROWS_SMEM:  # lse and delta came with Q and dO (below, after the wait)
             start_m = m_start + (t % n_m) * BLOCK_M
         elif not PREFETCH:
-            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, t, GROUP, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_lse_h,
                                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
         m_row = start_m  # (PREFETCH replaces start_m with the next step's before this step's dQ leaves)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -1141,7 +1142,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                 _ws_bwd_announce(claim_ptr, my_id)
                 owned = my_id < 0
             # this step's tile claimed now, the answer read at the step's end
-            tile = ((b * gl.num_programs(1) + hkv) * GROUP + t // n_m) * n_mb + m_row // BLOCK_M
+            # (b * H + h: the launch claims only unsplit groups, so num_programs(1) is H_KV)
+            tile = (b * gl.num_programs(1) * GROUP + h0 + t // n_m) * n_mb + m_row // BLOCK_M
             claim_ptr = CLAIM + tile * CONSUMERS + WG
             claim = _ws_bwd_claim(claim_ptr, my_id)
         if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
@@ -1169,7 +1171,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             mbarrier.arrive(ds_bar.index(j), count=1)
         if PREFETCH:
             nxt = gl.minimum(t + 1, n_iters - 1)
-            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, hkv, nxt, GROUP, N_Q, m_start, n_m, stride_lse_b,
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, nxt, N_Q, m_start, n_m, stride_lse_b,
                                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
                                                 BLOCK_M, col_s)
         if AHEAD:  # the last step repeats its own S^T (its buffer is still held): one wasted product per program
@@ -1196,7 +1198,7 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
             tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
             dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            dq_coord = [b, hkv * GROUP + t // n_m, m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
+            dq_coord = [b, h0 + t // n_m, m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
             if DQ_CLAIM:
                 found = _ws_bwd_lane0(claim)
                 if (found == 0) | (found == my_id):  # this warpgroup's claim won (one warp's swap, the others see it)
@@ -1219,67 +1221,83 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     if DQ_CLAIM:  # the last step's store
         if owned:
             _ws_bwd_announce(claim_ptr, my_id)
-    # dK and dV leave through this warpgroup's K and V buffers (its products are done; with DQ_ATOMIC
-    # the other warpgroups' dQ products read this K too, so K waits for all of them) and TMA stores
-    v.store(dv.to(dtype))
-    if DQ_ATOMIC:
-        mbarrier.arrive(done_bar, count=1)
-        mbarrier.wait(done_bar, 0)
-    k.store((dk * sm_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hkv, row0, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, hkv, row0, 0], v_smem.index(WG))
-    tma.store_wait(0)
+    if PARTIAL:
+        # the sums over this program's part of the group's query heads: out from registers in float32 into its
+        # slice of DK_PART (dK's parts, then dV's), which attn_bwd_dkdv_sum_ws adds up in order (K and V stay
+        # in shared memory for the other warpgroups' dQ products)
+        rows_o = gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        mask = (row0 + rows_o < N_K)[:, None] & (cols_o < HEAD_DIM)[None, :]
+        at = rows_o[:, None] * HEAD_DIM + cols_o[None, :]  # (from the warpgroup's first row: 32-bit offsets)
+        dk_part = DK_PART + ((b * gl.num_programs(1) + gl.program_id(1)).to(gl.int64) * N_K + row0) * HEAD_DIM
+        dv_part = dk_part + gl.num_programs(2).to(gl.int64) * gl.num_programs(1) * N_K * HEAD_DIM
+        gl.store(dv_part + at, dv, mask=mask)  # (dV first: its registers are free before dK is scaled)
+        gl.store(dk_part + at, dk * sm_scale, mask=mask)
+        tma.store_wait(0)  # (the last step's dQ reduction has read dq_smem)
+    else:
+        # dK and dV leave through this warpgroup's K and V buffers (its products are done; with DQ_ATOMIC
+        # the other warpgroups' dQ products read this K too, so K waits for all of them) and TMA stores
+        v.store(dv.to(dtype))
+        if DQ_ATOMIC:
+            mbarrier.arrive(done_bar, count=1)
+            mbarrier.wait(done_bar, 0)
+        k.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, hkv, row0, 0], k_smem.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [b, hkv, row0, 0], v_smem.index(WG))
+        tma.store_wait(0)
 
 
 
 @gluon.jit
 def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                      hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
                       PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
-                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
     """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 0)
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 0)
 
 
 @gluon.jit
 def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
-                      hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                      stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
                       PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
-                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
     """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
     _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
-                    start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n,
-                    stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
-                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, 1)
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, q_smem,
-                   do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv, start_n,
-                   GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
-                   stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                   start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
-                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
     mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [b, hkv, start_n + c * BN, 0], kv_bar, v_smem.index(c))
-    for t in range(GROUP * n_m):
+    for t in range(n_h * n_m):
         s = t % STAGES
-        h = hkv * GROUP + t // n_m
+        h = h0 + t // n_m
         start_m = m_start + (t % n_m) * BLOCK_M
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
         if ROWS_SMEM:
@@ -1294,21 +1312,27 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
-def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP,
-                     N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
-                     CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
-    """one program per (block of BLOCK_N keys, K/V head, batch): a TMA loader warp, CONSUMERS consumer
-    warpgroups of BLOCK_N / CONSUMERS keys each; with DQ_ATOMIC also adds the program's dS K into dq_desc's
-    float32 dQ accumulator (DQ_LOCAL: each consumer its own keys' partial sum, every column; dq_desc's block
-    is then HEAD_DIM wide)"""
+                     SPLIT, N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                     DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                     ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
+    """one program per (block of BLOCK_N keys, K/V head and part of its group, batch): a TMA loader warp,
+    CONSUMERS consumer warpgroups of BLOCK_N / CONSUMERS keys each; with DQ_ATOMIC also adds the program's dS K
+    into dq_desc's float32 dQ accumulator (DQ_LOCAL: each consumer its own keys' partial sum, every column;
+    dq_desc's block is then HEAD_DIM wide). SPLIT programs share a group's query heads, part p taking heads
+    GROUP * p // SPLIT to GROUP * (p + 1) // SPLIT; with PARTIAL (SPLIT > 1) each stores its float32 sums into
+    DK_PART (contiguous (2, B, H_KV * SPLIT, N_K, HEAD_DIM)) instead of dK and dV"""
     BN: gl.constexpr = BLOCK_N // CONSUMERS
     gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
     gl.static_assert(not DQ_CLAIM or (DQ_ATOMIC and not DQ_LOCAL), "DQ_CLAIM claims DQ_ATOMIC's tiles per warpgroup")
+    gl.static_assert(not (DQ_CLAIM and PARTIAL), "DQ_CLAIM numbers its tiles by the unsplit grid")
     start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
-    hkv = gl.program_id(1)
+    hkv = gl.program_id(1) // SPLIT
+    part = gl.program_id(1) % SPLIT
+    h0 = hkv * GROUP + GROUP * part // SPLIT  # the program's query heads: h0 ... h0 + n_h - 1
+    n_h = GROUP * (part + 1) // SPLIT - GROUP * part // SPLIT
     b = gl.program_id(2)
     offset = 0  # (a variant's masks are the IR's predicates over positions)
     lo, _, _, n_m = _ws_bwd_query_blocks(start_n, N_Q, N_K, BLOCK_M, BLOCK_N)
@@ -1342,29 +1366,29 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                                 b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
-                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                                 CAUSAL, CONSUMERS)),
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
             (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                                 b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
-                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                                 CAUSAL, CONSUMERS)),
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
             (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                              q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar,
-                              b, hkv, start_n, GROUP, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
-                              stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
-                              HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
-                              CAUSAL, CONSUMERS)),
+                              DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                              ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                              stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                              BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                              ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
         ], [4, 1], [240, 24])
     else:  # (a count the module was not rendered with would launch no partition at all)
         gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 8}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
@@ -1400,16 +1424,25 @@ def ws_bwd_shape(n_k):
     return "SHORT_" if n_k <= WS_BWD_SHAPE["short_keys"] else ""
 
 
-def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None, claims=None):
+def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None, claims=None,
+                            split=None):
     """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
     (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
     also adds dS K into it (DQ_ATOMIC; dQ is then sm_scale * dq_acc); with `rows` too (`attn_bwd_prep_ws`'s
     lse and delta rows) and WS_BWD_SHAPE["ROWS_SMEM"], it reads lse and delta from there by TMA. With
     `claims` too (int32, zeroed, a word per consumer of each (batch, head, block of BLOCK_M queries); not with
     DQ_LOCAL) dq_acc need be zeroed only in the query blocks that no program sees: the first warpgroup to
-    reach each tile stores it (DQ_CLAIM)."""
+    reach each tile stores it (DQ_CLAIM). `split` programs share each group's query heads (None: with dq_acc
+    `ws_bwd_group_split`'s count, else 1; not with `claims`); with more than one, each adds its part's dK and dV
+    into a float32 workspace that attn_bwd_dkdv_sum_ws sums into dk and dv."""
     B, H, N_Q, _ = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
+    if split is None:
+        # NOTE: the kernel without dQ (deterministic algorithms) is not split: its float32 stores from registers
+        # spill (d=128 without a mask: 104 -> 272 bytes, ptxas), where the one with dQ spills none
+        split = ws_bwd_group_split(B, H_KV, H // H_KV, N_K, q.device) if dq_acc is not None else 1
+    parts = None if split == 1 else torch.empty((2, B, H_KV * split, N_K, HEAD_DIM), device=q.device,
+                                                dtype=torch.float32)  # (as wide as the kernel's tiles)
     short = ws_bwd_shape(N_K)
     block_n, consumers = WS_BWD_SHAPE[short + "BLOCK_N"], WS_BWD_SHAPE[short + "consumers"]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
@@ -1424,17 +1457,73 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
         dq = _gluon_desc(dq_acc, [1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], _WS_BWD_DQ_LAYOUTS[cols])
     rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
     rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
-    attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV, B)](
+    attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV * split, B)](
         _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
-        rows_desc, lse, delta, lse if claims is None else claims, *lse.stride(), *delta.stride(), H // H_KV, N_Q, N_K,
-        sm_scale,
+        rows_desc, lse, delta, lse if claims is None else claims, lse if parts is None else parts, *lse.stride(),
+        *delta.stride(), H // H_KV, split, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
         STAGES=WS_BWD_SHAPE[short + "STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
         DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"],
         DQ_CLAIM=claims is not None, ROWS_SMEM=rows_smem,
-        CAUSAL=WS_CAUSAL, CONSUMERS=consumers, num_warps=4,
+        CAUSAL=WS_CAUSAL, CONSUMERS=consumers, PARTIAL=parts is not None, num_warps=4,
         maxnreg=WS_BWD_SHAPE[short + "maxnreg"],
     )
+    if parts is not None:
+        attn_bwd_dkdv_sum_ws[(cdiv(N_K, WS_BWD_SHAPE["ROW_BLOCK"]), H_KV, B)](
+            parts, dk, dv, *dk.stride(), *dv.stride(), split, N_K, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+            HEAD_DIM=HEAD_DIM, num_warps=4)
+
+
+# -- how many programs share a GQA group's query heads: from shapes and the multiprocessor count only
+# (attngen/policy/hopper.py) --
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+def ws_bwd_group_split(B, H_KV, GROUP, N_K, device):
+    """How many programs share each GQA group's query heads in a backward launch on `device` (`group_split` over
+    the dK/dV grid's programs at the call's shape, its multiprocessors and WS_BWD_SHAPE["max_group_split"])."""
+    programs = B * H_KV * cdiv(N_K, WS_BWD_SHAPE[ws_bwd_shape(N_K) + "BLOCK_N"])
+    return group_split(programs, GROUP, _ws_device(device)[1], WS_BWD_SHAPE["max_group_split"])
+
+
+@triton.jit(do_not_specialize=["stride_dk_b", "stride_dk_h", "stride_dv_b", "stride_dv_h", "N_K"])
+def attn_bwd_dkdv_sum_ws(PARTS, DK, DV, stride_dk_b, stride_dk_h, stride_dk_n, stride_dk_d, stride_dv_b, stride_dv_h,
+                         stride_dv_n, stride_dv_d, SPLIT, N_K, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV (in their dtype) of BLOCK keys of one (batch, K/V head): the sums, part by part in order (the
+    same bits every run), of the SPLIT float32 partial sums in PARTS (contiguous (2, B, H_KV * SPLIT, N_K,
+    HEAD_DIM): dK's parts, then dV's)"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hkv = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_K)[:, None]
+    dv_parts = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * SPLIT * N_K * HEAD_DIM
+    first = (b * tl.num_programs(1) + hkv) * SPLIT  # the (batch, K/V head)'s first part
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for p in range(SPLIT):
+        at = ((first + p) * N_K + rows[:, None]) * HEAD_DIM + cols[None, :]
+        dk += tl.load(PARTS + at, mask=mask)
+        dv += tl.load(PARTS + dv_parts + at, mask=mask)
+    tl.store(DK + b * stride_dk_b + hkv * stride_dk_h + rows[:, None] * stride_dk_n + cols[None, :] * stride_dk_d,
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * stride_dv_b + hkv * stride_dv_h + rows[:, None] * stride_dv_n + cols[None, :] * stride_dv_d,
+             dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
@@ -1514,7 +1603,8 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
     grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, B)  # (ROW_BLOCK divides BLOCK_M)
     claims, zero_rows = None, 0
     consumers = WS_BWD_SHAPE[ws_bwd_shape(k.shape[2]) + "consumers"]
-    if ws_bwd_dq_claim(B, k.shape[1], N_Q, k.shape[2]):
+    split = ws_bwd_group_split(B, k.shape[1], H // k.shape[1], k.shape[2], q.device)
+    if split == 1 and ws_bwd_dq_claim(B, k.shape[1], N_Q, k.shape[2]):  # (claims number the unsplit grid's tiles)
         claims = torch.empty((B, H, n_pad // WS_BWD_SHAPE["BLOCK_M"], consumers), device=q.device, dtype=torch.int32)
     attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, lse if claims is None else claims, *out.stride(), *do.stride(),
                            *lse.stride(), H, N_Q, n_pad, zero_rows, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM,
@@ -1523,7 +1613,8 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
     # The pointer path (no ROWS_SMEM) reads the forward's lse and the rows' delta; with ROWS_SMEM the kernel
     # reads both from `rows` by TMA and the delta argument is a placeholder (no view made: host time).
     delta = lse if WS_BWD_SHAPE["ROWS_SMEM"] else rows[:, :, 1, :N_Q]
-    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows, claims=claims)
+    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows, claims=claims,
+                            split=split)
     attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
                          HEAD_DIM=HEAD_DIM, num_warps=4)
 

@@ -11,7 +11,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
-"late_rows" / "dq_claim" to set those constexprs; "decode": its Gluon split-KV kernel, `attn_fwd_wsd`, for
+"late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
+Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
 sequences; a varlen module's forward and backward take their packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
 "tma_loads": count, "tma_stores": count, "global_stores": count}.
@@ -24,7 +25,7 @@ import os
 import subprocess
 import sys
 
-_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "float8_e4m3fn": "*fp8e4nv"}
 
 
 def _compile_gluon_ws(module, job):
@@ -35,8 +36,9 @@ def _compile_gluon_ws(module, job):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    d = module.HEAD_DIM
-    t = torch.empty(2, 4, 256, d, dtype=module.DTYPE)  # descriptors carry their block type; CPU memory will do
+    d = module.HEAD_DIM_PADDED  # the tiles' width: a head dim of 96 runs 128 columns wide over 96-column tensors
+    # descriptors carry their block type; CPU memory will do
+    t = torch.empty(2, 4, 256, module.HEAD_DIM, dtype=module.DTYPE)
 
     def desc(rows, layout, cols=d, base=t):
         made = module.GluonTensorDescriptor(base, list(base.shape), list(base.stride()), [1, 1, rows, cols], layout)
@@ -75,7 +77,8 @@ def _compile_gluon_ws(module, job):
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
         cols = d if dq_local else d // consumers
-        dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, torch.empty(t.shape, dtype=torch.float32))
+        acc = torch.empty(2, 4, 256, d, dtype=torch.float32)  # the float32 accumulator is the tiles' width
+        dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, acc)
               if dq_atomic else kv)
         rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
@@ -84,9 +87,15 @@ def _compile_gluon_ws(module, job):
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
-                     DQ_CLAIM=dq_atomic and not dq_local and job.get("dq_claim", shape["dq_claim_keys"] > 0),
+                     DQ_CLAIM=dq_atomic and not dq_local and not job.get("partial", False)
+                     and job.get("dq_claim", shape["dq_claim_keys"] > 0),
                      ROWS_SMEM=rows_smem, CAUSAL=module.WS_CAUSAL, CONSUMERS=consumers)
-        pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES",) if p in fn.arg_names)  # a variant's
+        if "PARTIAL" in fn.arg_names:  # a dense kernel: "partial", its group's query heads split over programs
+            const["PARTIAL"] = job.get("partial", False)
+            if not const["PARTIAL"]:
+                const["SPLIT"] = 1  # (an unsplit launch passes 1, which Triton specialises as a constant)
+        # a variant's ALIBI_SLOPES; a dense kernel's DK_PART (the split groups' float32 partial sums)
+        pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES", "DK_PART") if p in fn.arg_names)
         # a varlen kernel's: dK and dV for its row-masked stores, the sequences' offsets and lengths
         pointers += tuple(p for p in ("DK", "DV", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
         maxnreg = shape[short + "maxnreg"]
@@ -97,6 +106,11 @@ def _compile_gluon_ws(module, job):
         q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
         kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if block_n == shape["SHORT_BLOCK_N"] else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
+        if hasattr(module, "_WS_V_LAYOUT"):  # V and the output narrower than Q and K (head_dim_v)
+            dv = module.HEAD_DIM_V
+            tv = torch.empty(2, 4, 256, dv, dtype=module.DTYPE)
+            descs.update(v_desc=desc(block_n, module._WS_V_LAYOUT, dv, tv),
+                         o_desc=desc(shape["BLOCK_M"] // shape["consumers"], module._WS_O_LAYOUT, dv, tv))
         const = dict(BLOCK_M=shape[short + "BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])

@@ -1,7 +1,8 @@
 """attngen.distributed: the ring schedule against a brute-force mask, the shard/unshard round trip, and
 context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's interpreter, small sizes) against
 the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
-odd shards, windows and softcap, and its argument errors; the same on 2 GPUs over NCCL, marked gpu."""
+odd shards, windows and softcap, and its argument errors; the halo exchange of a window no wider than a shard
+(its schedule, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (Block, chunks_of, context_parallel_attention, pair_block, ring_schedule, shard_sequence,
-                                 unshard_sequence)
+from attngen.distributed import (Block, chunks_of, context_parallel_attention, halo_schedule, pair_block, ring_schedule,
+                                 shard_sequence, unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
@@ -92,6 +93,42 @@ def test_ring_schedule_covers_the_mask_once(seed):
             assert not want[rows][:, cols].any()
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_halo_schedule_covers_the_mask_once(seed):
+    """Under a window no wider than a contiguous shard, each rank's blocks on its own keys, the previous rank's last
+    `left` rows and the next rank's first `right` cover exactly the pairs the global mask keeps, each once; the rows
+    a rank sends are those its neighbour receives."""
+    rng = random.Random(seed)
+    world, n = rng.choice([2, 3, 4]), rng.randint(1, 7)
+    causal = rng.random() < 0.5
+    window = (rng.randint(0, n), 0 if causal else rng.randint(0, n))
+    halos = halo_schedule(world, n, causal, window, False)
+    want = visible(world * n, causal, window)
+    for rank, halo in enumerate(halos):
+        rows = slice(rank * n, (rank + 1) * n)
+        start, stop = rank * n - halo.left, (rank + 1) * n + halo.right
+        covered = torch.zeros(n, stop - start, dtype=torch.int32)
+        assert halo.own[:4] == (0, n, 0, n)  # the own block writes every row
+        for blocks, offset, length in ((halo.before, 0, halo.left), ([halo.own], halo.left, n),
+                                       (halo.after, halo.left + n, halo.right)):
+            for b in blocks:
+                covered[:, offset:offset + length] += block_mask(b, n, length).int()
+        assert torch.equal(covered, want[rows, start:stop].int()), (rank, halo)
+        outside = want[rows].clone()
+        outside[:, start:stop] = False
+        assert not outside.any()
+        if rank + 1 < world:
+            assert halo.to_next == halos[rank + 1].left and halos[rank + 1].to_prev == halo.right
+
+
+def test_halo_schedule_only_for_short_windows_on_contiguous_shards():
+    assert halo_schedule(2, 8, True, (8, 0), False) is not None
+    assert halo_schedule(2, 8, True, (9, 0), False) is None  # the ring: two ranks back
+    assert halo_schedule(2, 8, True, (3, 0), True) is None  # head-tail chunks
+    assert halo_schedule(2, 8, False, (3, -1), False) is None
+    assert halo_schedule(2, 8, True, NO_WINDOW, False) is None
+
+
 def test_causal_load_balance_steps_are_full_or_diagonal():
     """Head-tail chunks give every rank the same work: its own shard, causal, in one call, then one unmasked block
     per step."""
@@ -141,10 +178,14 @@ CASES = {
         (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
         (1, 2, 1, 6, True, False, NO_WINDOW, 0.0),
         (1, 2, 2, 8, True, True, (5, 0), 0.0),         # sliding window across chunks
-        (1, 2, 2, 7, False, False, (2, 3), 5.0)],       # two-sided window, softcap
+        (1, 2, 2, 7, False, False, (2, 3), 5.0),        # two-sided window, softcap: the halo exchange
+        (1, 2, 1, 5, True, False, (3, 0), 0.0),         # the halo exchange, GQA, odd shards
+        (1, 2, 2, 4, True, False, (6, 0), 0.0)],        # a window longer than a shard: the ring
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
-        (1, 2, 2, 4, True, False, (3, 0), 0.0)],       # the ring cut after step 1: dK/dV sent straight home
+        (1, 2, 2, 5, True, False, (5, 0), 0.0),        # the halo exchange: the whole previous shard
+        (1, 2, 2, 3, False, False, (2, 3), 0.0),       # the halo exchange, both neighbours
+        (1, 2, 2, 3, True, False, (4, 0), 0.0)],       # the ring cut after step 2
 }
 
 
@@ -157,7 +198,9 @@ def _worker(rank, world, path, device, cases):
     try:
         for case in cases:
             _check_case(rank, world, device, *case)
+        _check_halo_bytes(rank, world, device)
         _check_errors(rank, world, device)
+        dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
         dist.destroy_process_group()
 
@@ -203,6 +246,30 @@ def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision
     out, lse = reference(*full, causal, window, scale, softcap)
     out.backward(do.to(precision))
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
+
+
+def _check_halo_bytes(rank, world, device):
+    """Under a window shorter than a contiguous shard, the forward sends each rank's last `left` key and value rows
+    to the next rank and the backward sends their dK, dV (float32) back: one message batch each way, counted through
+    a wrapper of attngen.distributed._post (the one place messages are posted)."""
+    import attngen.distributed as cp
+
+    b, h_kv, n, d, left = 1, 2, 6, 16, 2
+    sent = []
+
+    def counting(ring, sends, receives):
+        sent.append(sum(t.numel() * t.element_size() for _, t, _ in sends))
+        return post(ring, sends, receives)
+
+    post, cp._post = cp._post, counting
+    try:
+        q, k, v = (torch.randn(b, h_kv, n, d, device=device, requires_grad=True) for _ in range(3))
+        out = context_parallel_attention(q, k, v, causal=True, load_balance=False, window_size=(left, 0))
+        out.sum().backward()
+    finally:
+        cp._post = post
+    rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32 as the inputs
+    assert sent == [rows if rank < world - 1 else 0, rows if rank > 0 else 0], (rank, sent)
 
 
 def _check_errors(rank, world, device):
@@ -297,6 +364,7 @@ def _torch_worker(rank, world, path, device):
             assert torch_flash.calls["_scaled_dot_product_flash_attention_backward"] - before >= world
             for mine_i, i, name in zip(got, (0, 2, 3, 4), ("out", "dq", "dk", "dv")):  # (torch returns no lse)
                 _compare(mine_i, want[i], low[i] if gpu else None, f"{name}, torch's context_parallel, causal={causal}")
+        dist.barrier()  # (no rank tears its process group down while another still talks to it: gloo aborted once)
     finally:
         handle.remove()
         dist.destroy_process_group()

@@ -148,6 +148,7 @@ def test_fp8_arguments_are_refused_before_any_launch():
         (dict(k_descale=0.5), TypeError, "k_descale must be a torch.Tensor"),
         (dict(k_cache=k.to(torch.bfloat16), v_cache=v.to(torch.bfloat16), k_descale=good), KernelInputError,
          "k_descale is for an FP8 cache"),
+        (dict(v_cache=k[..., :16]), KernelInputError, "an FP8 latent cache is not supported"),
     ]
     for change, error, words in cases:
         args = dict(q=q, k_cache=k, v_cache=v, k_descale=good, v_descale=good)
@@ -245,6 +246,8 @@ def test_paged_fp8_scales_are_checked():
         _pool(1.0, 0.0)
     with pytest.raises(KernelInputError, match="for an FP8 pool"):
         PagedKVCache(4, 8, 2, 32, dtype=torch.bfloat16, device=DEVICE, k_scale=1.0)
+    with pytest.raises(KernelInputError, match="an FP8 latent pool"):
+        PagedKVCache(4, 8, 1, 32, dtype=FP8, device=DEVICE, head_dim_v=16)
     cache = _pool(None, None)
     assert cache.k_scale.tolist() == [1.0, 1.0]  # vLLM's default
     seq = cache.new_sequence()
@@ -268,8 +271,14 @@ def test_kv_dtype_spec_key():
             parse(spec_text(dtype="bf16", head_dim=64, **extra))
     with pytest.raises(SpecError, match="kv_dtype = fp8_e4m3 takes 16-bit queries"):
         parse(spec_text(dtype="fp32", head_dim=64, kv_dtype="fp8_e4m3", split_kv="auto"))
-    with pytest.raises(SpecError, match="dtype = fp8_e4m3 is not supported here"):
-        parse(spec_text(dtype="fp8_e4m3", head_dim=64, split_kv="auto"))
+    # FP8 queries are the FP8 prefill's (dtype = fp8_e4m3), which reads no KV cache; kv_dtype then adds nothing
+    with pytest.raises(SpecError, match="it reads no KV cache"):
+        parse(spec_text(dtype="fp8_e4m3", head_dim=64, kv_dtype="fp8_e4m3", split_kv="auto"))
+    prefill = parse(spec_text(dtype="fp8_e4m3", head_dim=64, kv_dtype="fp8_e4m3"))
+    assert prefill.kv_dtype is None and prefill.runtime_tensors() == ("q_descale", "k_descale", "v_descale")
+    assert spec.runtime_tensors() == ("k_descale", "v_descale")
+    with pytest.raises(SpecError, match="an FP8 latent cache"):
+        parse(spec_text(dtype="bf16", head_dim=576, v="k[:512]", kv_dtype="fp8_e4m3", split_kv="auto"))
 
 
 def test_explain_says_why_the_gluon_decode_is_not_used(capsys):

@@ -133,6 +133,8 @@ _CANONICAL_LINE = re.compile(r"#     (%s) = [A-Za-z0-9_.+\-()=]+" % "|".join(
 # spaces, the sinks flag, tensor declarations.
 _VARIANT_LINE = re.compile(r"#     ((mask|score) = [A-Za-z0-9_.+\-*/%%()<>=!&|\[\], ]+|sinks = true"
                            r"|tensor [A-Za-z_][A-Za-z0-9_]*\[[A-Z0-9, ]+\]: (%s))" % "|".join(variants.TENSOR_DTYPES))
+# `v = k[:N]` (MLA: V is K's first N columns): a number is all it carries.
+_V_PREFIX_LINE = re.compile(r"#     v = k\[:[0-9]+\]")
 
 
 def _tokens(source: str) -> list[tuple[int, str]]:
@@ -238,7 +240,8 @@ def assert_only_expected_tokens(source: str, spec: Spec) -> None:
         elif kind in (tokenize.STRING, tokenize.COMMENT):
             assert _PLAIN.fullmatch(text), f"unexpected characters in {text!r}"
             if kind == tokenize.COMMENT and text.startswith("#     "):
-                assert _CANONICAL_LINE.fullmatch(text) or _VARIANT_LINE.fullmatch(text), f"unexpected comment {text!r}"
+                assert (_CANONICAL_LINE.fullmatch(text) or _VARIANT_LINE.fullmatch(text)
+                        or _V_PREFIX_LINE.fullmatch(text)), f"unexpected comment {text!r}"
 
 
 # Attempts to break out of an identifier, a number, a string or the template.

@@ -78,7 +78,7 @@ def test_explain_prints_the_decision(capsys):
         "gluon backward: 64x128 tiles, 2 stages, 2 consumers x 240 regs (maxnreg 168), loader 24 regs",
         "  short (<= 2048 keys): 64x64 tiles, 3 stages, 1 consumers x 232 regs (maxnreg 128)",
         "  runs from 1 keys and 33554432 scores; dq_atomic, rows_smem, prefetch, late_rows=0, dq_local_rows=0, "
-        "dq_claim_keys=0, row_block=64",
+        "dq_claim_keys=0, row_block=64, max_group_split=8",
     ]
     assert main(["explain", os.path.join(SPECS, "decode_paged16_d128.attn")]) == 0
     out = capsys.readouterr().out

@@ -55,7 +55,21 @@ def _program(text):
     return spec, compile_program(spec)
 
 
+@pytest.fixture
+def gluon_varlen_backward(monkeypatch):
+    """The Gluon varlen backward switched on (policy/hopper.py VARLEN_BACKWARD, off by default until its illegal
+    instruction on the GPU is found) for the tests of that kernel. (Not for the others: a kernel compiled meanwhile
+    under a spec name the API shares would keep it.)"""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+
+
 # -- on the CPU ------------------------------------------------------------------------------------------
+
+
+def test_by_default_a_varlen_backward_takes_the_triton_kernels(monkeypatch):
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", False)
+    _, program = _program(_text("gvlb_default_causal", "causal", direction="forward+backward"))
+    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
 
 
 @pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
@@ -69,6 +83,7 @@ def test_varlen_forwards_get_the_gluon_kernel(variant):
     assert "launch_attn_fwd_ws(q, k, v, out, lse," in source.split("def forward_varlen(")[1]
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
 def test_varlen_backwards_get_the_gluon_kernel(variant):
     spec, program = _program(_text(f"gvlb_{variant}", variant, direction="forward+backward"))
@@ -86,6 +101,7 @@ def test_varlen_backwards_get_the_gluon_kernel(variant):
     assert "(cols < n_q)[None, :]" in source.split("def _ws_bwd_consume(")[1]
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 def test_a_varlen_backward_at_other_head_dims_keeps_the_triton_kernels():
     spec, program = _program(spec_text("gvlb_d80", 80, "bf16", "causal", layout="varlen",
                                        direction="forward+backward"))
@@ -104,7 +120,15 @@ def test_paged_varlen_stays_on_triton_and_explain_says_why(capsys):
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
     text = capsys.readouterr().out
     assert "warp-specialize: on Hopper the forward runs the Gluon kernel" in text
-    assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in text
+    assert "the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off" in text
+
+
+@pytest.mark.usefixtures("gluon_varlen_backward")
+def test_explain_says_the_backward_runs_the_gluon_kernel(capsys):
+    from attngen.cli import main
+
+    main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
+    assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in capsys.readouterr().out
 
 
 class _Pointer:
@@ -165,6 +189,7 @@ def test_the_tile_search_visits_every_sequence_tile_once(mask):
         assert firsts == sorted(firsts, reverse=True)
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_the_backward_key_tile_search_visits_every_sequence_key_tile_once(block_n):
     """The Gluon backward's grid, cdiv(TOTAL_K, BLOCK_N) + B programs a K/V head, run through its `_ws_bwd_key_tile`
@@ -189,6 +214,7 @@ def test_the_backward_key_tile_search_visits_every_sequence_key_tile_once(block_
     assert sorted(seen) == expected and len(seen) == len(set(seen))
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.parametrize("variant", ["causal", "none", "softcap_window", "sinks"])
 def test_each_key_tile_visits_the_triton_varlen_kernels_query_blocks(variant):
     """A sequence's key tile visits exactly the query blocks the Triton varlen dK/dV kernel's loops give it (its
@@ -253,6 +279,7 @@ def test_forward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     assert len(calls) == 1  # the Triton kernel ran
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 def test_backward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     """Where ws_bwd_ready and ws_bwd_fused say the Gluon kernel runs, backward_varlen launches it with the packed
     tensors, the sequences' offsets and lengths and the modifier's tensors, and returns the sinks' gradient from the
@@ -294,6 +321,7 @@ def test_ws_ready_counts_the_average_sequence():
     assert module.WS_SHAPE["min_scores"] > 0 and module.WS_CAUSAL is False
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 def test_the_varlen_kernels_compile_for_sm90():
     cases = [("causal", 128, "bf16", True), ("causal", 128, "bf16", False), ("gqa", 128, "bf16", True),
              ("softcap_window", 128, "bf16", True), ("alibi", 64, "fp16", True), ("sinks", 64, "bf16", True),
@@ -331,6 +359,7 @@ from its arguments (with them taken from arguments instead, 140 bytes at causal 
 K/V zeroing and the masked delta were added)."""
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(tmp_path):
     """The Gluon varlen backward compiles for sm_90 (TMA loads and dQ reductions, row-masked dK and dV stores where
     the dense kernel has none), and ptxas spills no more than VARLEN_BWD_SPILLS in it."""
@@ -541,6 +570,7 @@ def _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=None, tens
             assert r.ok, f"sequence {b}: {r}"
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
@@ -574,6 +604,7 @@ def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monke
         torch.testing.assert_close(rest[0].double(), expected, atol=5e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_gluon_varlen_backward_seqused_k(monkeypatch):
@@ -587,6 +618,7 @@ def test_gluon_varlen_backward_seqused_k(monkeypatch):
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
 
 
+@pytest.mark.usefixtures("gluon_varlen_backward")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_flash_attn_varlen_funcs_backward_takes_the_gluon_kernel(monkeypatch):

@@ -69,14 +69,16 @@ def test_generated_files_compile_for_sm90():
         # a variant's run-time tensors (ir/variants.tensor_buffers): ALiBi's slopes, the sinks, declared tensors
         variant_ptrs = {"ALIBI_SLOPES": "*fp32", "SINKS": "*fp32",
                         **{f"ARG_{t.name}": "*" + t.dtype.replace("int", "i") for t in spec.variant.tensors}}
-        if hasattr(module, "KV_DTYPE"):  # an FP8 cache (kv_dtype = fp8_e4m3) and its descale factors
+        if spec.fp8_cache:  # an FP8 cache (kv_dtype = fp8_e4m3) and its descale factors
             variant_ptrs.update(K="*fp8e4nv", V="*fp8e4nv", K_DESCALE="*fp32", V_DESCALE="*fp32")
+        if spec.dtype.fp8:  # an FP8 spec's descales, and its bf16 output
+            variant_ptrs.update(Q_DESCALE="*fp32", K_DESCALE="*fp32", V_DESCALE="*fp32", O="*bf16")
         for kernel in kernels:
             config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")
             args = getattr(module, kernel).arg_names
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
-            for name in ("HEAD_DIM_V", "HEAD_DIM_V_PADDED"):  # a spec whose V has another head dim (head_dim_v)
+            for name in ("HEAD_DIM_V", "HEAD_DIM_V_PADDED", "HEAD_DIM_ROPE_PADDED"):  # V of another head dim; K past V (v = k[:N])
                 if hasattr(module, name):
                     values[name] = getattr(module, name)
             if hasattr(module, "COMBINE_BLOCK_S"):  # the combine kernel's splits per step
@@ -86,11 +88,13 @@ def test_generated_files_compile_for_sm90():
                 shape = module.WS_BWD_SHAPE
                 values.update(BLOCK=shape["ROW_BLOCK"], BLOCK_M=shape["BLOCK_M"],
                               CLAIMS=shape["consumers"] if shape["dq_claim_keys"] else 0)
+                if "D" in args:  # a head dim the Gluon tiles pad (d=96): the rows' tiles that wide over D columns
+                    values.update(HEAD_DIM=module.HEAD_DIM_PADDED, D=module.HEAD_DIM)
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
                                          "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
-                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32",
+                                         "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32", "PARTS": "*fp32",
                                          "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
                                          **variant_ptrs}))
             names.append(f"{spec.name}.{kernel}")

@@ -111,8 +111,15 @@ def test_verify_holds_each_buffer_to_its_head_dim():
         verify(split.with_attrs(head_dim_v=None), "test")
     with pytest.raises(InternalError, match="attn_fwd: V is HEAD_DIM wide; its head dim is HEAD_DIM_V"):
         verify(plain.with_attrs(head_dim_v=128), "test")
-    with pytest.raises(InternalError, match="head_dim_v 64 beside head_dim 128: the templates take one head dim"):
+    with pytest.raises(InternalError, match=r"kernels for head dim 128 \(padded 128, head_dim_v 64\); the templates"):
         verify(replace(split, warp_specialized=plain.warp_specialized), "test")
+    # DeepSeek's pair has the Gluon forward, not its backward (that template takes one head dim)
+    deepseek = compile_program(_spec(head_dim=192, head_dim_v=128, dtype="bf16", mask="causal",
+                                     direction="forward+backward"))
+    verify(deepseek, "test")
+    with_backward = replace(deepseek.warp_specialized, backward=plain.warp_specialized.backward)
+    with pytest.raises(InternalError, match="backward or decode kernels for head_dim_v 128 beside head_dim 192"):
+        verify(replace(deepseek, warp_specialized=with_backward), "test")
 
 
 def test_a_plain_spec_has_no_second_head_dim_anywhere():
@@ -141,11 +148,16 @@ def test_tma_reads_q_and_do_at_their_own_widths():
     assert "tma" not in applied_passes(padded_v)  # dO's loads are masked along its padded head dim
 
 
-def test_explain_says_why_no_gluon_kernel_runs(capsys):
+def test_explain_says_which_gluon_kernels_run(capsys, tmp_path):
     assert main(["explain", os.path.join(SPECS, "deepseek_192_128.attn")]) == 0
     out = capsys.readouterr().out
-    assert "no Hopper Gluon kernels (head_dim_v = 128 differs from head_dim = 192" in out
+    assert ("the forward runs the Gluon kernel, Q and K tiles 256 columns wide (head_dim = 192), V and the output 128 "
+            "(head_dim_v); the backward stays on the Triton kernels") in out
     assert "head_dim 192, head_dim_v 128, bf16" in out and "2*(d + d_v) per kept score, /2 causal" in out
+    other = tmp_path / "other.attn"
+    other.write_text(spec_text("other", head_dim=128, head_dim_v=64, dtype="bf16"))
+    assert main(["explain", str(other)]) == 0
+    assert "no Hopper Gluon kernels (head_dim_v = 64 differs from head_dim = 128" in capsys.readouterr().out
 
 
 # -- resources and cost ---------------------------------------------------------------------------------------
@@ -301,23 +313,23 @@ def test_flash_attn_varlen_func_takes_v_of_another_head_dim():
 
 def test_loaded_kernels_name_v_and_out_when_the_last_dim_is_wrong():
     kernel = attngen.load(spec_text(head_dim=48, head_dim_v=32, dtype="fp32", direction="forward+backward"))
-    q, k = torch.randn(1, 2, 5, 48), torch.randn(1, 2, 7, 48)
+    q, k = torch.randn(1, 2, 5, 48, device=DEVICE), torch.randn(1, 2, 7, 48, device=DEVICE)
     with pytest.raises(ValueError, match=r"^v has head_dim 48; kernel 't' takes head_dim_v 32"):
-        kernel(q, k, torch.randn(1, 2, 7, 48))
-    v = torch.randn(1, 2, 7, 32)
+        kernel(q, k, torch.randn(1, 2, 7, 48, device=DEVICE))
+    v = torch.randn(1, 2, 7, 32, device=DEVICE)
     with pytest.raises(ValueError, match=r"^out must be \(1, 2, 5, 32\)"):
-        kernel(q, k, v, out=torch.empty(1, 2, 5, 48))
+        kernel(q, k, v, out=torch.empty(1, 2, 5, 48, device=DEVICE))
     with pytest.raises(ValueError, match=r"^k and v must have the same shape but for the head dim"):
-        kernel(q, k, torch.randn(1, 2, 8, 32))
+        kernel(q, k, torch.randn(1, 2, 8, 32, device=DEVICE))
     out, lse = kernel(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match=r"^do must be \(1, 2, 5, 32\)"):
-        kernel.backward(q, k, v, out, lse, torch.randn(1, 2, 5, 48))
+        kernel.backward(q, k, v, out, lse, torch.randn(1, 2, 5, 48, device=DEVICE))
     with pytest.raises(ValueError, match=r"^value has head dim 40, which is not supported"):
-        attngen.attention(q, k, torch.randn(1, 2, 7, 40))
+        attngen.attention(q, k, torch.randn(1, 2, 7, 40, device=DEVICE))
     with pytest.raises(ValueError, match=r"^v_cache has head dim 520"):
-        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 7, 2, 520), 7)
+        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 7, 2, 520, device=DEVICE), 7)
     with pytest.raises(ValueError, match=r"^k_cache and v_cache must have the same shape but for the head dim"):
-        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 6, 2, 32), 6)
+        attngen.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 6, 2, 32, device=DEVICE), 6)
 
 
 # -- DeepSeek-V3's shipped spec -------------------------------------------------------------------------------

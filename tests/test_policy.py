@@ -29,7 +29,8 @@ FORWARD = {
 }
 
 BWD = dict(block_m=64, block_n=128, consumers=2, consumer_regs=240, maxnreg=168)
-BWD_COMMON = dict(loader_regs=24, ahead=False, dq_atomic=True, rows_smem=True, min_keys=1, min_scores=1 << 25)
+BWD_COMMON = dict(loader_regs=24, ahead=False, dq_atomic=True, rows_smem=True, min_keys=1, min_scores=1 << 25,
+                  max_group_split=8)
 BACKWARD = {
     (64, False): ir.GluonBackward(main=S(stages=3, **BWD), short=S(stages=3, **BWD), prefetch=False, late_rows=0,
                                   split=False, dq_local_rows=1024, dq_claim_keys=0, row_block=64, short_keys=0,

@@ -304,18 +304,24 @@ def test_user_cache_overrides_the_shipped_table_bucket_by_bucket(tmp_path, monke
     assert config == a and source.endswith("(nearest tuned bucket BH=2 N_Q=1024 N_K=1024)")
 
 
+UNTUNED_HEAD_DIM_SPECS = {"gemma_d256_train", "phi_d96_train"}
+"""Issue 51's head-dim specs, shipped before a GPU run tuned them (attngen/tuned/README.md): drop a name once its
+kernels are in every table."""
+
+
 def test_shipped_tables_are_real_gpu_tables_of_the_shipped_specs():
     """Tables in attngen/tuned/ parse without a warning, name a GPU, hold every kernel of every plain spec
     in specs/ and nothing but kernels of specs/ (forward, backward, decode; a changed spec leaves a stale
     problem: re-tune, or drop it), and only entries that fit their kernel on that GPU. The variant specs
-    (issue 48), the varlen specs (issue 49), the specs whose V has another head dim (head_dim_v, issue 51) and
-    the FP8-cache spec (kv_dtype, issue 52) are not tuned on a GPU yet: their kernels run the policy's tiles
-    (attngen/tuned/README.md)."""
+    (issue 48), the varlen specs (issue 49), the specs whose V has another head dim (head_dim_v, issue 51) and the
+    FP8 specs (issue 52: dtype or kv_dtype fp8_e4m3) are not tuned on a GPU yet: their kernels run the policy's
+    tiles (attngen/tuned/README.md)."""
     specs = list(map(load_file, shipped_specs()))
     parts = {problem_key(part.tuning_problem()): part for spec in specs for part in tuning.tunables(attngen.load(spec))}
     required = {key for key, part in parts.items()
                 if not part.spec.variant and not part.spec.varlen and not part.spec.splits_head_dims
-                and not part.spec.fp8_cache}
+                and not part.spec.dtype.fp8 and not part.spec.fp8_cache
+                and part.spec.name not in UNTUNED_HEAD_DIM_SPECS}
     for table in SHIPPED_TABLES:
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)

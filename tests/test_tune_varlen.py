@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attngen
+from attngen.policy import hopper
 from attngen import cli, tuning
 from attngen.cli import main
 from attngen.runtime import tables as store
@@ -173,6 +174,7 @@ def test_a_tuned_varlen_backward_kernel_serves_the_backward_and_gradients_stay_r
 def test_a_varlen_backward_candidate_is_validated_on_the_triton_kernels_not_the_gluon_one(monkeypatch):
     """A spec with the Gluon varlen backward (d=64, 16-bit): the tuner's validation runs asks backward_varlen for the
     Triton dK/dV kernel it tunes (on a Hopper GPU the Gluon kernel would run instead)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)  # (off by default; this spec name is this test's own)
     kernel = attngen.load(spec_text("vl_bwd_gluon", 64, "fp16", "causal", layout="varlen",
                                     direction="forward+backward"))
     assert kernel.program.warp_specialized.backward is not None

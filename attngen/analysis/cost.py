@@ -126,7 +126,8 @@ def program_cost(program: ir.Program, kernels=None) -> Cost:
     for kernel in program.kernels:
         if kernels is None or kernel.name in kernels:
             total += _body_cost(kernel.body)
-    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.HEAD_DIM_V_PADDED: sym.HEAD_DIM_V, **_PER_SEQUENCE}
+    real_width = {sym.HEAD_DIM_PADDED: sym.HEAD_DIM, sym.HEAD_DIM_V_PADDED: sym.HEAD_DIM_V,
+                  sym.HEAD_DIM_ROPE_PADDED: sym.HEAD_DIM - sym.HEAD_DIM_V, **_PER_SEQUENCE}
     return Cost(_renamed(total.flops, real_width), _renamed(total.bytes, real_width))
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ir import sym
+from ..lang.spec import FP8_MIN_REDUCTION
 
 STAGES = sym.size("NUM_STAGES")
 WARPS = sym.size("NUM_WARPS")
@@ -149,11 +150,26 @@ def registers(head_dim_v_padded: int, block_m: int, block_n: int, num_warps: int
                                     WARPS: num_warps}))
 
 
+def tile_widths(spec) -> tuple[int, int]:
+    """The padded widths the shared-memory formulas take for a spec's Q and K tiles and its V tiles. Where V is
+    K's prefix (`v = k[:N]`, passes/latent_kv.py) Q and K are read as V's columns plus the rest, each padded on
+    its own (576 for MLA's 512 + 64, where one tile would pad to 1024), and a stage holds that one K tile: the
+    formulas' K + V pair, both that width, halved."""
+    if not spec.v_from_k:
+        return spec.head_dim_padded, spec.head_dim_v_padded
+    rest = spec.head_dim - spec.head_dim_v
+    width = spec.head_dim_v_padded + (1 << (rest - 1).bit_length())
+    return width, width
+
+
 def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
     """Why `config` cannot run `spec` on `target` (with the numbers), or None if it fits."""
     target = target or Target.current()
-    dp, dvp, elem = spec.head_dim_padded, spec.head_dim_v_padded, spec.dtype.bytes
+    (dp, dvp), acc, elem = tile_widths(spec), spec.head_dim_v_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
+    if spec.dtype.fp8 and bn < FP8_MIN_REDUCTION:
+        return (f"block_n={bn} is the reduction of P V, and FP8 tensor-core products reduce over at least "
+                f"{FP8_MIN_REDUCTION}")
     smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged, head_dim_v_padded=dvp)
     dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
     if smem > target.shared_limit:
@@ -161,9 +177,9 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
         return (f"needs {smem:,} bytes of shared memory but sm_{target.capability[0]}{target.capability[1]} "
                 f"allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, {dims} padded, "
                 f"{elem}-byte elements, num_stages={stages}, {path} path)")
-    regs = registers(dvp, bm, bn, warps)
+    regs = registers(acc, bm, bn, warps)
     if regs > MAX_REGISTERS:
-        return (f"keeps at least {regs:.0f} fp32 registers per thread live (block_m={bm} x head_dim{'_v' if dvp != dp else ''} {dvp} "
+        return (f"keeps at least {regs:.0f} fp32 registers per thread live (block_m={bm} x head_dim{'_v' if acc != dp else ''} {acc} "
                 f"accumulator + block_m x block_n={bn} scores over {32 * warps} threads); a thread has "
                 f"{MAX_REGISTERS}")
     return None

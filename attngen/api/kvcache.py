@@ -39,11 +39,12 @@ from .. import env
 from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
-from ..lang.spec import FP8_DESCALES, DType
+from ..lang.spec import FP8_DESCALES, MAX_HEAD_DIM, MAX_HEAD_DIM_LATENT, MAX_HEAD_DIM_V, DType
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
-                                 new_output, on_other_gpu, output_shape, tensor_signature, value_head_dim)
+                                 is_prefix_view, new_output, on_other_gpu, output_shape, tensor_signature,
+                                 value_head_dim)
 from ..runtime.kernel import load
 from ..runtime.keys import Shape
 from ..runtime.plans import PLANS
@@ -89,7 +90,7 @@ def _check_descale_values(k_descale, v_descale) -> None:
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=True, softmax_scale=None,
                            num_splits=0, return_softmax_lse=False, *, out=None, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
+                           alibi_slopes=None, sinks=None, head_dim_v=None, k_descale=None, v_descale=None):
     """softmax(q k^T * scale) v over the first cache_seqlens[b] keys of each sequence's cache.
 
     q (B, S_q, H, D); k_cache, v_cache (B_cache >= B, S_max, H_KV, D), or with `block_table`
@@ -117,9 +118,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
     do, but are not replayed (their tensors are arguments of the launch); calls over an FP8 cache are, with
     their descales' addresses.
+    MLA's absorbed decode (DeepSeek): one latent cache whose first D_V columns are the values, as
+    `v_cache=None, head_dim_v=D_V` or v_cache a view `k_cache[..., :D_V]`; q and k_cache may then be up to 576
+    wide (512 latent + 64 rotary), and the kernel reads each tile of the cache once for both products.
     Returns out (B, S_q, H, D_V), and (out, lse) with lse (B, H, S_q) float32 when
     `return_softmax_lse`. Sequences with no keys give zeros (and lse -inf).
     """
+    if v_cache is None or head_dim_v is not None:
+        v_cache = _latent_values(k_cache, v_cache, head_dim_v)
     key = _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,
                      window_size, softcap, alibi_slopes, sinks, k_descale, v_descale)
     plan = None if key is None else PLANS.get(key)
@@ -134,7 +140,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                 return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                               softmax_scale, num_splits, return_softmax_lse, out=out,
                                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                              sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+                                              sinks=sinks, head_dim_v=head_dim_v, k_descale=k_descale,
+                                              v_descale=v_descale)
         planned = False
         if key is not None:
             # A plan with run-time tensors keeps the checks' verdict on their layouts, not the tensors (a call
@@ -181,6 +188,28 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     else:
         run()
     return (out, lse) if return_softmax_lse else out
+
+
+def _latent_values(k_cache, v_cache, head_dim_v):
+    """The values of an MLA call: `k_cache[..., :head_dim_v]` (a view: nothing is allocated or read back) for
+    `v_cache=None`; a given v_cache, which must then be head_dim_v wide."""
+    if head_dim_v is None:
+        raise KernelInputError("v_cache is None: pass head_dim_v, the width of k_cache's first columns that hold the "
+                               "values (MLA's latent cache: head_dim_v=512), or a v_cache")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int):
+        raise TypeError(f"head_dim_v must be an int, not {type(head_dim_v).__name__}")
+    if v_cache is not None:
+        if isinstance(v_cache, torch.Tensor) and v_cache.dim() and v_cache.shape[-1] != head_dim_v:
+            raise KernelInputError(f"v_cache has head dim {v_cache.shape[-1]} but head_dim_v is {head_dim_v}")
+        return v_cache
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache must be a torch.Tensor, not {type(k_cache).__name__}")
+    if not (k_cache.dim() == 4 and 16 <= head_dim_v < k_cache.shape[-1] and head_dim_v % 16 == 0
+            and head_dim_v <= MAX_HEAD_DIM_V):
+        raise KernelInputError(f"head_dim_v = {head_dim_v} must be a multiple of 16 from 16 to {MAX_HEAD_DIM_V} and "
+                               f"less than k_cache's head dim ({k_cache.shape[-1] if k_cache.dim() else '?'}): the values "
+                               "are k_cache's first head_dim_v columns")
+    return k_cache[..., :head_dim_v]
 
 
 class _Plan(NamedTuple):
@@ -294,7 +323,10 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
         if t is not None and type(t) is not torch.Tensor:
             return None
         extra += (None if t is None else tensor_signature(t),)
-    return ("kvcache", *extra, tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), lens, table,
+    # Whether v_cache is k_cache's prefix (MLA: the latent kernel) is a fact of their addresses, not only their
+    # layouts (which the signature holds): whether they start at one address completes it.
+    latent = v_cache.data_ptr() == k_cache.data_ptr()
+    return ("kvcache", *extra, tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), latent, lens, table,
             None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, window_size, softcap,
             torch.is_grad_enabled(), tables.generation(), interpreting())
 
@@ -338,8 +370,15 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
     if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise KernelInputError(f"k_cache and v_cache must have the same shape but for the head dim; got "
                                f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if head_dim % 16 or not 16 <= head_dim <= 256:
-        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to 256")
+    # MLA: the values are k_cache's first columns, read with the keys (the spec's v = k[:N]).
+    latent = is_prefix_view(v_cache, k_cache) and v_cache.shape[-1] < head_dim
+    if latent and fp8:
+        raise KernelInputError("v_cache is k_cache's first columns (MLA's latent cache) in FP8: an FP8 latent cache "
+                               "is not supported; pass a bfloat16 or float16 one")
+    widest = MAX_HEAD_DIM_LATENT if latent else MAX_HEAD_DIM
+    if head_dim % 16 or not 16 <= head_dim <= widest:
+        raise KernelInputError(f"head dim {head_dim} is not supported: it must be a multiple of 16 from 16 to {widest}"
+                               + ("" if latent else f" ({MAX_HEAD_DIM_LATENT} where v_cache is k_cache[..., :D_V], MLA)"))
     head_dim_v = value_head_dim(v_cache, head_dim, "v_cache")  # (the output takes it)
     out_shape = output_shape(q, v_cache)
     kv_heads = k_cache.shape[2]
@@ -383,7 +422,8 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
             check_packed_indexing("out", fresh.transpose(1, 2), heads // kv_heads, fresh)
 
     kernel = load(kvcache_spec(_DTYPES[q.dtype], head_dim, bool(causal), page_size, window_size, softcap,
-                               alibi_slopes is not None, sinks is not None, head_dim_v, FP8_CACHE.get(k_cache.dtype)))
+                               alibi_slopes is not None, sinks is not None, head_dim_v, latent,
+                               FP8_CACHE.get(k_cache.dtype)))
     part, config = None, {}
     if q.numel():
         part = kernel.part("kvcache")

@@ -14,6 +14,11 @@ every sequence.
                                          cache.block_table([s, t]))
     cache.free(s)
 
+MLA's latent cache is one pool whose first head_dim_v columns are the values: `PagedKVCache(..., kv_heads=1,
+head_dim=576, head_dim_v=512)` holds only `k_pages`, `v_pages` is the view `k_pages[..., :512]`, `append`
+takes k alone, and `attention_with_kvcache(q, cache.k_pages, None, ..., head_dim_v=512)` (or with
+`cache.v_pages`) reads each page once.
+
 Bookkeeping (which pages a sequence owns, reference counts, the free list) lives on the host, as
 in vLLM's block manager; token data never does: `append` writes every token of a call with one
 launch of a small Triton kernel (`_append_kv`), given the destination slot of each token.
@@ -57,10 +62,11 @@ FP8_MAX = 448.0
 
 @triton.jit
 def _append_kv(K_SRC, V_SRC, K_POOL, V_POOL, SLOTS, K_SCALE, V_SCALE, n_tokens, width, stride_k_t, stride_v_t,
-               BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZE: tl.constexpr):
-    """Copy token rows (width = kv_heads * head_dim elements) into their slots of the page pools; with QUANTIZE,
-    as x / scale of the row's K/V head (K_SCALE, V_SCALE: one float32 each) saturated to +-FP8_MAX, in the pools'
-    FP8 dtype."""
+               BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_V: tl.constexpr,
+               QUANTIZE: tl.constexpr):
+    """Copy token rows (width = kv_heads * head_dim elements) into their slots of the page pools (K's alone
+    where the values are K's columns: HAS_V false); with QUANTIZE, as x / scale of the row's K/V head (K_SCALE,
+    V_SCALE: one float32 each) saturated to +-FP8_MAX, in the pools' FP8 dtype."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = offs_t < n_tokens
     slot = tl.load(SLOTS + offs_t, mask=live, other=0)  # page * page_size + slot in page, int64
@@ -69,15 +75,17 @@ def _append_kv(K_SRC, V_SRC, K_POOL, V_POOL, SLOTS, K_SCALE, V_SCALE, n_tokens, 
         keep = live[:, None] & (offs_w[None, :] < width)
         row = offs_t[:, None].to(tl.int64)
         k = tl.load(K_SRC + row * stride_k_t + offs_w[None, :], mask=keep)
-        v = tl.load(V_SRC + row * stride_v_t + offs_w[None, :], mask=keep)
         if QUANTIZE:
             head = offs_w // HEAD_DIM
             k_scale = tl.load(K_SCALE + head, mask=offs_w < width, other=1.0)
-            v_scale = tl.load(V_SCALE + head, mask=offs_w < width, other=1.0)
-            k = tl.clamp(k.to(tl.float32) / k_scale[None, :], -448.0, 448.0)  # (FP8_MAX).to(K_POOL.dtype.element_ty)
-            v = tl.clamp(v.to(tl.float32) / v_scale[None, :], -448.0, 448.0).to(V_POOL.dtype.element_ty)
+            k = tl.clamp(k.to(tl.float32) / k_scale[None, :], -448.0, 448.0)  # (FP8_MAX)
         tl.store(K_POOL + slot[:, None] * width + offs_w[None, :], k, mask=keep)
-        tl.store(V_POOL + slot[:, None] * width + offs_w[None, :], v, mask=keep)
+        if HAS_V:
+            v = tl.load(V_SRC + row * stride_v_t + offs_w[None, :], mask=keep)
+            if QUANTIZE:
+                v_scale = tl.load(V_SCALE + head, mask=offs_w < width, other=1.0)
+                v = tl.clamp(v.to(tl.float32) / v_scale[None, :], -448.0, 448.0)
+            tl.store(V_POOL + slot[:, None] * width + offs_w[None, :], v, mask=keep)
 
 
 def _scales(name: str, t, kv_heads: int, device) -> torch.Tensor:
@@ -104,20 +112,32 @@ class PagedKVCache:
     """A pool of KV pages shared by many sequences, allocated on demand (see the module doc)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device="cuda", *, k_scale=None, v_scale=None):
+                 dtype: torch.dtype = torch.float16, device="cuda", head_dim_v: int | None = None, *, k_scale=None,
+                 v_scale=None):
+        """`head_dim_v`: where set, one latent pool (MLA) whose first head_dim_v columns are the values; else a K
+        and a V pool of head_dim each. `k_scale`, `v_scale`: an FP8 pool's fixed scales (see the module doc)."""
         for name, value in (("num_pages", num_pages), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KernelInputError(f"{name} must be a positive int; got {value!r}")
+        if head_dim_v is not None and (isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int)
+                                       or not 1 <= head_dim_v < head_dim):
+            raise KernelInputError(f"head_dim_v must be an int from 1 to head_dim - 1 = {head_dim - 1} (the values are "
+                                   f"the latent pool's first head_dim_v columns); got {head_dim_v!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 256 \
                 or page_size & (page_size - 1):
             raise KernelInputError(f"page_size must be a power of two from 1 to 256; got {page_size!r}")
         self.page_size = page_size
         shape = (num_pages, page_size, kv_heads, head_dim)
         self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.latent = head_dim_v is not None
+        self.v_pages = self.k_pages[..., :head_dim_v] if self.latent else torch.zeros(shape, dtype=dtype, device=device)
         # An FP8 pool's descale factors, one per K/V head (the true value is the stored one times it); None otherwise.
         self.k_scale = self.v_scale = None
         if dtype == torch.float8_e4m3fn:
+            if self.latent:
+                # NOTE: the FP8 decode kernels read V as a pool of its own (kv_dtype with v = k[:N] is refused).
+                raise KernelInputError("an FP8 latent pool (dtype=torch.float8_e4m3fn with head_dim_v) is not "
+                                       "supported; use a 16-bit latent pool")
             self.k_scale, self.v_scale = (_scales(name, t, kv_heads, self.k_pages.device)
                                           for name, t in (("k_scale", k_scale), ("v_scale", v_scale)))
         elif k_scale is not None or v_scale is not None:
@@ -178,10 +198,15 @@ class PagedKVCache:
         return seq
 
     # -- writing -------------------------------------------------------------------------------
-    def append(self, seq_ids: Sequence[int] | int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, seq_ids: Sequence[int] | int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Append T new tokens to each sequence: k, v (len(seq_ids), T, kv_heads, head_dim), or
-        (T, kv_heads, head_dim) for one sequence id. Pages are allocated as needed; nothing changes
-        if the pool runs out (OutOfPages)."""
+        (T, kv_heads, head_dim) for one sequence id; a latent cache takes k alone (its values are k's first
+        head_dim_v columns). Pages are allocated as needed; nothing changes if the pool runs out (OutOfPages)."""
+        if self.latent and v is not None:
+            raise KernelInputError("v: this latent cache's values are k's first head_dim_v columns; append k alone")
+        if not self.latent and v is None:
+            raise KernelInputError("v is None: this cache has a V pool; append k and v")
+        v = k if self.latent else v  # (checked as k; not copied)
         if isinstance(seq_ids, int):
             seq_ids, k, v = [seq_ids], k.unsqueeze(0), v.unsqueeze(0)
         seq_ids = [self._known(s) for s in seq_ids]
@@ -228,7 +253,7 @@ class PagedKVCache:
             _append_kv[(triton.cdiv(n, block_t),)](
                 k_rows, v_rows, self.k_pages, self.v_pages, slots, *scales, n, width, k_rows.stride(0),
                 v_rows.stride(0), BLOCK_T=block_t, BLOCK_W=min(256, triton.next_power_of_2(width)),
-                HEAD_DIM=self.k_pages.shape[3], QUANTIZE=quantize)
+                HEAD_DIM=self.k_pages.shape[3], HAS_V=not self.latent, QUANTIZE=quantize)
 
     def _quantizes(self, t: torch.Tensor) -> bool:
         """Whether `append` quantises `t` into this pool: a 16- or 32-bit tensor into an FP8 one."""
@@ -252,7 +277,8 @@ class PagedKVCache:
             # Copy on write: the partly filled last page is shared with a fork.
             old, new = pages[-1], self._free.pop()
             self.k_pages[new].copy_(self.k_pages[old])
-            self.v_pages[new].copy_(self.v_pages[old])
+            if not self.latent:  # (a latent cache's values are in its K pages)
+                self.v_pages[new].copy_(self.v_pages[old])
             self._refs[old] -= 1
             self._refs[new], self._filled[new] = 1, start % size
             pages[-1] = new

@@ -28,17 +28,20 @@ from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant, v_keyword
 from ..lang.variants import Variant
+from . import fp8 as fp8_inputs
 from ..runtime import autograd, tables
 from ..runtime.arguments import check_attention_inputs, check_scale, tensor_signature, value_head_dim
 from ..runtime.plans import PLANS
 
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8_e4m3"}
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, *, window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+              v_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention with the semantics of
     `torch.nn.functional.scaled_dot_product_attention`.
 
@@ -52,7 +55,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     s at `softcap * tanh(s / softcap)`; `alibi_slopes` (H,) or (B, H) subtracts `slope * |i - j|`;
     `sinks` (H,) adds one learned logit per query head to each row's softmax denominator (gpt-oss), with its
     gradient when it requires grad. Slopes and sinks are taken in float32.
+
+    FP8: query, key and value all float8_e4m3fn (4-D; attngen.quantize_fp8 makes them), with FA3's descales
+    `q_descale`, `k_descale`, `v_descale` (float32, (1,) or (batch, kv_heads); None is 1): each stored value x
+    stands for x * descale. The output is bfloat16. Forward only (inputs that require grad are refused). V is
+    copied to a keys-contiguous layout unless it has one (`attngen.api.fp8.value_for_fp8`).
     """
+    fp8 = fp8_inputs.is_fp8(query, key, value)
+    if fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
+        return _fp8_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                              softcap, alibi_slopes, sinks, dict(q_descale=q_descale, k_descale=k_descale,
+                                                                 v_descale=v_descale))
     if window_size is not NO_WINDOW or softcap or alibi_slopes is not None or sinks is not None:
         variant = _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks)
     else:
@@ -81,6 +94,24 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     else:
         out, _ = autograd.attention_forward(op_key, query, key, value, scale)
     return out.squeeze(0) if squeeze else out
+
+
+def _fp8_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, softcap,
+                   alibi_slopes, sinks, descales: dict) -> torch.Tensor:
+    """`attention` on FP8 inputs: every check before the launch, the descales after the variant's tensors (the
+    kernel's run-time tensors in `Spec.runtime_tensors` order), no plans or replays (they hold q, k and v only)."""
+    if not fp8_inputs.is_fp8(query, key, value):
+        given = next(name for name, t in descales.items() if t is not None)
+        raise KernelInputError(f"{given} is for float8_e4m3fn inputs; query, key and value are {query.dtype}")
+    extra = fp8_inputs.checked_descales(query, key, value, descales)
+    variant = None
+    if window_size is not NO_WINDOW or softcap or alibi_slopes is not None or sinks is not None:
+        variant = _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks)
+    plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant)
+    tensors = (variant.tensors if variant is not None else ()) + extra
+    out, _ = autograd.attention_forward(plan.key, query, key, fp8_inputs.value_for_fp8(value), plan.scale,
+                                        tensors=tensors)
+    return out
 
 
 class _Variant(NamedTuple):
@@ -190,7 +221,8 @@ def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             raise KernelInputError(f"{name} must be (batch, heads, seq, head_dim) or (heads, seq, head_dim); "
                                    f"got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
-            raise KernelInputError(f"{name} has dtype {t.dtype}; supported are float16, bfloat16 and float32")
+            raise KernelInputError(f"{name} has dtype {t.dtype}; supported are float16, bfloat16, float32 and "
+                                   "float8_e4m3fn")
     if not (query.dim() == key.dim() == value.dim()):
         raise KernelInputError("query, key and value must have the same number of dimensions")
     if not (query.dtype == key.dtype == value.dtype):

@@ -23,12 +23,17 @@ _FLEX = []
 
 def compiled_flex_attention():
     """flex_attention compiled as the peer is measured: static shapes (one compile per shape), with
-    dynamo's recompile limit raised so that it never falls back to eager; one per process."""
+    dynamo's recompile limit raised so that it never falls back to eager, no donated buffers (a retained graph's
+    backward runs again); one per process."""
     if not _FLEX:
         import torch
+        import torch._functorch.config
         from torch.nn.attention.flex_attention import flex_attention
 
         torch._dynamo.config.recompile_limit = 256
         torch._dynamo.config.cache_size_limit = 256
+        # The benches time a backward by repeated autograd.grad on one retained graph, which a compiled backward
+        # with donated buffers refuses ("requires retain_graph=False": the varlen documents row, H200)
+        torch._functorch.config.donated_buffer = False
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
     return _FLEX[0]

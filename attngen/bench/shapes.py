@@ -7,6 +7,9 @@ bf16, forward and backward (`torch.autograd.grad`), rows (`params["shape"]`):
 - `d64_n3000`: d=64, B=3 H=12 N=3000, causal
 - `d64_b16`: d=64, B=16 H=32 N=1024, causal
 - `d192_128`: q.k over 192 dims and v over 128, B=1 H=128 N=4096, causal (DeepSeek-V3's prefill)
+- `mla_h16`, `mla_h128`: DeepSeek's MLA decode, batch 64 x 8k tokens, 16 or 128 heads over one 576/512 latent cache
+  in 64-token pages (bench/mla.py: direction "decode", GB/s of the cache read once and TFLOP/s, SDPA and
+  FlexAttention as reference peers: FlashMLA is not on the image)
 
 Providers: attngen (`attngen.attention`), SDPA's cuDNN backend, FlexAttention (compiled as the prefill suite
 measures it; a causal block mask made once, outside the timing) and FA2 (SDPA's flash backend). A provider that
@@ -27,11 +30,12 @@ import torch
 
 from ..analysis.cost import per_score
 from ..api.sdpa import attention
+from . import mla
 from .common import Row, compiled_flex_attention
 from .prefill import _median_ms, run_suite
 from .varlen import _accuracy, _error, _timed, kept_scores
 
-PROVIDERS = ("attngen", "sdpa_cudnn", "flex", "sdpa_flash")
+PROVIDERS = ("attngen", "sdpa_cudnn", "flex", "sdpa_flash", "sdpa")  # sdpa: the MLA rows' (its own backend choice)
 
 
 @dataclass(frozen=True)
@@ -216,5 +220,14 @@ def table(rows: list[Row]) -> str:
 
 
 def main(out_dir="benchmarks/results", names=None, directions=("forward", "backward"), check=False) -> int:
-    """Run the suite (or its check) and print the table; writes `<out_dir>/shapes_<gpu>.json` when timed."""
-    return run_suite("shapes_", lambda: bench_shapes(names or PROVIDERS, directions, check), table, out_dir, check)
+    """Run the suite (or its check) and print the table; writes `<out_dir>/shapes_<gpu>.json` when timed. The MLA
+    decode rows (bench/mla.py) run after the others, whatever the directions asked for."""
+    names = names or PROVIDERS
+
+    def rows():
+        return bench_shapes(names, directions, check) + mla.bench_mla(names, check)
+
+    def tables(rows):
+        return "\n".join(filter(None, (table([r for r in rows if r.direction != "decode"]), mla.table(rows))))
+
+    return run_suite("shapes_", rows, tables, out_dir, check)

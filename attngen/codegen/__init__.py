@@ -9,6 +9,7 @@ the mask, the log-sum-exp, the backward's values) into their hook points.
 
 from __future__ import annotations
 
+import inspect
 from importlib import resources
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from ..ir import variants
 from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
-from ..passes.lower import descales
-from ..policy import splits
+from ..passes.lower import descale_buffers
+from ..policy import hopper, mixed, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
 from .emit import KernelEmitter
@@ -69,12 +70,17 @@ def render(spec: Spec, program: ir.Program) -> str:
     constants = {"HEAD_DIM": spec.head_dim, "HEAD_DIM_PADDED": spec.head_dim_padded}
     if spec.splits_head_dims:
         constants.update(HEAD_DIM_V=spec.head_dim_v, HEAD_DIM_V_PADDED=spec.head_dim_v_padded)
+    if spec.v_from_k:
+        rope = spec.head_dim - spec.head_dim_v
+        constants["HEAD_DIM_ROPE_PADDED"] = 1 << (rope - 1).bit_length()
     if program.attr("page_size") is not None:
         constants["PAGE_SIZE"] = program.attr("page_size")
     if program.attr("max_block_n") is not None:  # the runtime reads it without rebuilding the program
         constants["MAX_BLOCK_N"] = program.attr("max_block_n")
     if program.attr("combine_block_s") is not None:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
+    if program.attr("mixed"):
+        constants["NARROW_CONFIG"] = dict(mixed.NARROW_LAUNCH)
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,
@@ -83,8 +89,10 @@ def render(spec: Spec, program: ir.Program) -> str:
         passes=list(applied_passes(program)),
         constants=constants,
         head_dim_v=spec.head_dim_v if spec.splits_head_dims else None,
+        v_from_k=spec.v_from_k,
         torch_dtype=str(spec.dtype.torch).removeprefix("torch."),
         kv_torch_dtype=str(spec.kv_dtype.torch).removeprefix("torch.") if spec.kv_dtype else "",
+        out_dtype=str(spec.dtype.output.torch).removeprefix("torch.") if spec.dtype.fp8 else None,
         default_config=default_config(spec, target=Target.default()),  # the same source on every machine
         kernels=kernels,
         attrs=dict(program.attrs),
@@ -93,6 +101,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
+        # the run-time rule for splitting a GQA group's query heads (attngen/policy/hopper.py), pasted in
+        group_split=inspect.getsource(hopper.group_split).rstrip() if program.warp_specialized.backward else "",
         gluon_decode=program.warp_specialized.decode,
         fwd_hooks=score_hooks(program.kernel("attn_fwd"), _gluon_scope(program))
         if program.warp_specialized.forward else None,
@@ -109,6 +119,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
+        # register tiles have power-of-two shapes: a Gluon kernel runs d=96 at its padded width (warp-specialize)
+        ws_dim="HEAD_DIM" if spec.head_dim == spec.head_dim_padded else "HEAD_DIM_PADDED",
         tensors=_runtime_tensors(spec),
         bwd_tensors=_runtime_tensors(spec, program.kernel("attn_bwd_dq")) if backward else [],
         sinks=spec.variant.sinks,
@@ -125,17 +137,16 @@ def _gluon_scope(program: ir.Program) -> tuple[str, ...]:
 
 
 def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
-    """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks): the
-    keyword, the launchers' parameter name, and whether a (heads,) tensor is expanded to (batch, heads);
-    with `kernel`, only those it takes (the backward kernels read the score modifier's tensors, not the sinks)."""
-    names = spec.variant.runtime_tensors()
-    buffers = variants.tensor_buffers(spec.variant)
+    """The keyword tensors the entry points take (a variant's declared tensors, ALiBi slopes, sinks, an FP8
+    spec's descales): the keyword, the launchers' parameter name, whether a (heads,) tensor is expanded to
+    (batch, heads) (`alibi`) and whether a (1,) one is expanded to (batch, kv_heads) (`descale`); with `kernel`,
+    only those it takes (the backward kernels read the score modifier's tensors, not the sinks)."""
+    names = spec.runtime_tensors()
+    descales = descale_buffers(spec)
+    buffers = variants.tensor_buffers(spec.variant) + descales
     taken = None if kernel is None else {p.name for p in kernel.params}
-    found = [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI, descale=False)
-             for name, b in zip(names, buffers) if taken is None or b.name in taken]
-    if spec.fp8_cache:  # an FP8 cache's factors: (B, H_KV), (H_KV,) or (1,), expanded to (B, H_KV)
-        found += [dict(arg=b.name.lower(), param=b.name.lower(), alibi=False, descale=True) for b in descales()]
-    return found
+    return [dict(arg=name, param=b.name.lower(), alibi=b.name == variants.ALIBI, descale=b in descales)
+            for name, b in zip(names, buffers) if taken is None or b.name in taken]
 
 
 def _split_heuristic_source() -> str:

@@ -239,7 +239,10 @@ class KernelEmitter:
                 dim += 2
                 continue
             if isinstance(item, Packed):
-                part.append((dim, item.head))  # the group's first head; rows add their member
+                head, rows = (dim + 1, dim) if item.rows_first else (dim, dim + 1)
+                part.append((head, item.head))  # the group's first head; rows add their member
+                if not exprs.is_zero(item.first):
+                    part.append((rows, item.first))  # the sequence's first row; rows add their position
                 dim += 2
                 continue
             if isinstance(item, Ragged):
@@ -356,8 +359,9 @@ class KernelEmitter:
                 name = self.use_span(item.span)
                 b = _broadcast(tile_axis, rank)
                 group = exprs.device(item.group)
-                terms.append(f"({name} % {group}){b} * {strides[dim]}")
-                terms.append(f"({name} // {group}){b} * {strides[dim + 1]}")
+                head, rows = (dim + 1, dim) if item.rows_first else (dim, dim + 1)
+                terms.append(f"({name} % {group}){b} * {strides[head]}")
+                terms.append(f"({name} // {group}){b} * {strides[rows]}")
                 if item.span.limit is not None:
                     conds.append(f"({name}{b} < {exprs.device(item.span.limit)})")
                 tile_axis += 1

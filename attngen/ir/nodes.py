@@ -45,7 +45,7 @@ class DT(enum.Enum):
     BF16 = "bf16"
     F32 = "fp32"
     I32 = "int32"
-    F8E4M3 = "fp8_e4m3"  # torch.float8_e4m3fn (Triton's float8e4nv): an FP8 KV cache
+    F8E4M3 = "fp8_e4m3"  # float8 e4m3 (finite, max 448): Triton's float8e4nv, torch's float8_e4m3fn
 
     @property
     def bytes(self) -> int:
@@ -125,12 +125,15 @@ class Paged:
 @dataclass(frozen=True, slots=True)
 class Packed:
     """Two dimensions (head, position) of a query-side tensor, addressed by one tile row (GQA
-    packing): row `r` of `span` is head `head + r % group` at position `r // group`, so the query
-    heads that share a key/value head fill one tile."""
+    packing): row `r` of `span` is head `head + r % group` at position `first + r // group`, so the
+    query heads that share a key/value head fill one tile. `rows_first`: the position's dimension comes
+    before the head's (a packed varlen tensor (TOTAL_Q, H, D), `first` the sequence's first row)."""
 
     head: sympy.Expr
     span: Span
     group: sympy.Expr
+    first: sympy.Expr = sympy.Integer(0)
+    rows_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,6 +468,7 @@ class GluonBackward:
     min_keys: int
     short_keys: int
     min_scores: int
+    max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time."""
@@ -476,7 +480,8 @@ class GluonBackward:
                 "min_keys": self.min_keys, "min_scores": self.min_scores, "ROW_BLOCK": self.row_block,
                 "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
-                "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg}
+                "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
+                "max_group_split": self.max_group_split}
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,7 +620,7 @@ def subs_stmts(body: tuple[Stmt, ...], mapping: dict) -> tuple[Stmt, ...]:
         if isinstance(it, Paged):
             return replace(it, batch=s(it.batch), span=span(it.span))
         if isinstance(it, Packed):
-            return replace(it, head=s(it.head), span=span(it.span), group=s(it.group))
+            return replace(it, head=s(it.head), span=span(it.span), group=s(it.group), first=s(it.first))
         if isinstance(it, Ragged):
             return replace(it, first=s(it.first), span=span(it.span))
         return s(it)
@@ -728,7 +733,9 @@ def format_index(index: tuple[IndexItem, ...]) -> str:
             lookup = ", per tile" if it.per_tile else ""
             parts.append(f"page({it.table.name}[{_e(it.batch)}], {format_span(it.span)}, size={it.page_size}{lookup})")
         elif isinstance(it, Packed):
-            parts.append(f"packed({_e(it.head)}, {format_span(it.span)}, group={_e(it.group)})")
+            rows = f", first={_e(it.first)}" if it.first != 0 else ""
+            rows += ", rows first" if it.rows_first else ""
+            parts.append(f"packed({_e(it.head)}, {format_span(it.span)}, group={_e(it.group)}{rows})")
         elif isinstance(it, Ragged):
             parts.append(f"{_e(it.first)} + ({format_span(it.span)})")
         else:

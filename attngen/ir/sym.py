@@ -145,6 +145,8 @@ def value(expr, values: dict) -> Fraction:
             result = walk(e.base) ** int(e.exp)
         elif isinstance(e, sympy.Sum):
             result = _sum_value(e, values, walk)
+        elif isinstance(e, sympy.Piecewise):  # (a mixed step's narrow-or-wide bounds)
+            result = next(walk(v) for v, cond in e.args if _holds(cond, walk))
         elif e.func in _EXACT:
             result = Fraction(_EXACT[e.func](*(walk(a) for a in e.args)))
         else:
@@ -153,6 +155,23 @@ def value(expr, values: dict) -> Fraction:
         return result
 
     return walk(sympy.sympify(expr))
+
+
+_RELATIONS = {"<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+              ">=": lambda a, b: a >= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+
+
+def _holds(cond, walk) -> bool:
+    """Whether a Piecewise condition (comparisons joined by And / Or) holds, its operands valued by `walk`."""
+    if cond is sympy.true or cond is sympy.false:
+        return bool(cond)
+    if isinstance(cond, sympy.And):
+        return all(_holds(c, walk) for c in cond.args)
+    if isinstance(cond, sympy.Or):
+        return any(_holds(c, walk) for c in cond.args)
+    if isinstance(cond, sympy.core.relational.Relational):
+        return _RELATIONS[cond.rel_op](walk(cond.lhs), walk(cond.rhs))
+    raise ValueError(f"no exact value for the condition {cond}")
 
 
 def _sum_value(e, values: dict, walk) -> Fraction:
@@ -179,6 +198,8 @@ HEAD_DIM = size("HEAD_DIM")
 HEAD_DIM_PADDED = size("HEAD_DIM_PADDED")
 HEAD_DIM_V = size("HEAD_DIM_V")                # V's and O's head dim, where a spec sets another (head_dim_v)
 HEAD_DIM_V_PADDED = size("HEAD_DIM_V_PADDED")
+# K's columns after V's prefix where `v = k[:N]` (MLA: the rotary part), rounded up to a power of two
+HEAD_DIM_ROPE_PADDED = size("HEAD_DIM_ROPE_PADDED")
 BLOCK_M = size("BLOCK_M")
 BLOCK_N = size("BLOCK_N")
 # Grid and loop variables.
@@ -210,6 +231,10 @@ tile = index("tile")              # a program's tile among all sequences' tiles
 q_start = index("q_start")        # this sequence's first query row
 k_start = index("k_start")        # this sequence's first key row
 n_q = index("n_q")                # this sequence's query count
+# Mixed prefill+decode steps (pass mixed): short sequences as narrow work items beside the wide tiles.
+SHORT_Q = size("SHORT_Q")         # a sequence of at most this many queries is a narrow work item (0: none is)
+n_q_all = index("n_q_all")        # a sequence's query count, before the narrow kernel drops the long ones
+n_k_all = index("n_k_all")        # its key count, likewise
 
 
 # Masks and score modifiers (ir/variants.py): the element a predicate or pointwise function is evaluated at.

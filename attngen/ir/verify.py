@@ -68,6 +68,7 @@ class _Checker:
                 self.span_ok(i.span, scope)
                 self.symbols_ok(i.head, scope, f"packed head of {buffer.name}")
                 self.symbols_ok(i.group, scope, f"packed group of {buffer.name}")
+                self.symbols_ok(i.first, scope, f"first row of {buffer.name}")
             else:
                 self.symbols_ok(i, scope, f"index of {buffer.name}")
 
@@ -249,7 +250,10 @@ def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> No
 _QK_BUFFERS = ("Q", "K", "DQ", "DK")
 _VO_BUFFERS = ("V", "O", "DO", "DV", "O_PART")
 
-_GLUON_HEAD_DIMS = (64, 128)  # the head dims the Gluon templates' layouts and register budgets are written for
+# the head dims the Gluon templates' layouts and register budgets are written for, and their tiles' width (register
+# tiles have power-of-two shapes: d=96 runs 128 columns wide, not in the varlen kernels' row-masked stores)
+_GLUON_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
+_GLUON_SPLIT_HEAD_DIMS = {(192, 128): 256}  # (head dim, head_dim_v): the forward's Q and K tiles' width
 
 
 def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
@@ -277,12 +281,17 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             if getattr(k, name) < 0:
                 fail(f"{what}: {name} {getattr(k, name)} is negative")
 
-    if ws and not (program.attr("head_dim") == program.attr("head_dim_padded") in _GLUON_HEAD_DIMS):
-        fail(f"kernels for head dim {program.attr('head_dim')} (padded {program.attr('head_dim_padded')}); "
-             f"the templates take {_GLUON_HEAD_DIMS}")
-    if ws and program.attr("head_dim_v") is not None:
-        fail(f"kernels for head_dim_v {program.attr('head_dim_v')} beside head_dim {program.attr('head_dim')}: the "
-             "templates take one head dim for Q, K and V")
+    d, padded, dv = program.attr("head_dim"), program.attr("head_dim_padded"), program.attr("head_dim_v")
+    width = _GLUON_HEAD_DIMS.get(d) if dv is None else _GLUON_SPLIT_HEAD_DIMS.get((d, dv))
+    if ws and width != padded:
+        fail(f"kernels for head dim {d} (padded {padded}, head_dim_v {dv}); the templates take {_GLUON_HEAD_DIMS} "
+             f"and (head dim, head_dim_v) {_GLUON_SPLIT_HEAD_DIMS} (: Q's and K's tiles' width)")
+    if ws and program.attr("varlen") and (d != padded or dv is not None):
+        fail(f"varlen kernels for head dim {d} at {padded} columns, head_dim_v {dv}: their row-masked stores are one "
+             "head dim wide")
+    if ws and dv is not None and (ws.backward is not None or ws.decode is not None):
+        fail(f"backward or decode kernels for head_dim_v {dv} beside head_dim {d}: those templates take one head dim "
+             "for Q, K and V")
     if ws and program.attr("dtype") not in ("fp16", "bf16"):
         fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
     if ws.forward is not None:
@@ -313,6 +322,8 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("backward: the short shape changes the query block")
         if b.row_block < 1 or b.main.block_m % b.row_block:
             fail(f"backward: row passes of {b.row_block} rows do not divide BLOCK_M {b.main.block_m}")
+        if b.max_group_split < 1:
+            fail(f"backward: max_group_split {b.max_group_split} (1: groups never split)")
         if b.late_rows not in (0, 1, 2) or b.dq_local_rows < 0 or b.dq_claim_keys < 0:
             fail(f"backward: late_rows {b.late_rows}, dq_local_rows {b.dq_local_rows}, dq_claim_keys {b.dq_claim_keys}")
         regs_ok("backward loader", b.loader_regs)

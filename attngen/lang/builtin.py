@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from .spec import Mask, Spec, parse
+from .spec import DType, Mask, Spec, parse
 from .variants import Alibi, And, BinOp, Causal, Compare, Const, Softcap, Var, Variant, Window
 
 NO_WINDOW = (-1, -1)
@@ -26,7 +26,9 @@ def sdpa_spec(dtype: str, head_dim: int, causal: bool, variant: Variant = Varian
         words = " ".join(_variant_words(variant))
         name = f"sdpa_{dtype}_{dims}_" + re.sub(r"\W+", "_", words if variant.mask is not None
                                                 else f"{'causal' if causal else 'full'} {words}").strip("_")
-    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = forward+backward\n"
+    # FP8 inputs have a forward only (the spec refuses a backward for them)
+    direction = "forward" if dtype == DType.FP8_E4M3.value else "forward+backward"
+    text = (f"# written by attngen.attention()\nkernel {name} {{\n    direction = {direction}\n"
             f"    mask = {mask}\n    head_dim = {head_dim}\n{_dim_v_line(head_dim_v)}    dtype = {dtype}\n}}\n")
     spec = parse(text, f"<attention {name}>")
     if not variant:
@@ -122,21 +124,22 @@ def sdpa_key_spec(key: str) -> Spec:
 @lru_cache(maxsize=None)
 def kvcache_spec(dtype: str, head_dim: int, causal: bool, page_size: int | None, window: tuple[int, int] = NO_WINDOW,
                  softcap: float = 0.0, alibi: bool = False, sinks: bool = False, head_dim_v: int | None = None,
-                 kv_dtype: str | None = None) -> Spec:
-    """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another)
-    / mask / page size, and flash-attn's variant arguments as `sdpa_variant` reads them (the spec aligns them
-    bottom-right, as it does the causal mask), written as spec text: e.g. `mask = causal & window(4096)`,
-    `score = softcap(30)`, `sinks = true`; `kv_dtype` (e.g. "fp8_e4m3") where the cache's differs from q's."""
+                 v_from_k: bool = False, kv_dtype: str | None = None) -> Spec:
+    """The spec `attention_with_kvcache()` uses for one dtype / head dim (and V's, `head_dim_v`, where it is another;
+    `v_from_k`: V is the cache's first head_dim_v columns, MLA's latent cache) / mask / page size, and flash-attn's
+    variant arguments as `sdpa_variant` reads them (the spec aligns them bottom-right, as it does the causal mask),
+    written as spec text: e.g. `mask = causal & window(4096)`, `score = softcap(30)`, `sinks = true`; `kv_dtype`
+    (e.g. "fp8_e4m3") where the cache's differs from q's."""
     variant = sdpa_variant(causal, window, softcap, alibi, sinks)
     layout = f"paged(page_size = {page_size})" if page_size else "contiguous"
     mask, words = _bottom_right(variant, causal)
     # e.g. kvcache_fp16_d128_causal_window_4096_sinks_paged16: readable, and an identifier
     cache = f"_{kv_dtype.split('_')[0]}kv" if kv_dtype else ""  # e.g. kvcache_bf16_fp8kv_d128_...
-    name = (f"kvcache_{dtype}{cache}_{_dims(head_dim, head_dim_v)}_{words}_"
+    name = (f"kvcache_{dtype}{cache}_{_dims(head_dim, head_dim_v)}{'_latent' if v_from_k else ''}_{words}_"
             f"{f'paged{page_size}' if page_size else 'contiguous'}")
-    lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + [
-        f"dtype = {dtype}"] + ([f"kv_dtype = {kv_dtype}"] if kv_dtype else []) + [
-        "split_kv = auto", f"kv_layout = {layout}"]
+    lines = [f"mask = {mask}", f"head_dim = {head_dim}"] + ([f"head_dim_v = {head_dim_v}"] if head_dim_v else []) + (
+        [f"v = k[:{head_dim_v}]"] if v_from_k else []) + [f"dtype = {dtype}"] + (
+        [f"kv_dtype = {kv_dtype}"] if kv_dtype else []) + ["split_kv = auto", f"kv_layout = {layout}"]
     return _flash_spec("attngen.attention_with_kvcache()", name, lines, variant)
 
 

@@ -122,6 +122,8 @@ class _Exprs:
                            f"'{shown(val)}' reads it with {len(val.args)} ind{'ex' if len(val.args) == 1 else 'ices'}")
         args = []
         for _, a in val.args:
+            if a.kind == "slice":
+                raise err(a, f"a tensor index is one position; '{shown(a)}' is a slice")
             e, is_float = self.expr(a)
             if is_float:
                 raise err(a, f"a tensor index is a whole number; '{shown(a)}' is not")

@@ -41,6 +41,9 @@ MAX_TOKENS = 2000
 MAX_NESTING = 8
 # The largest head dim of V (`head_dim_v`): MLA's latent values are 512 wide.
 MAX_HEAD_DIM_V = 512
+# The largest head dim of Q and K: 256, or MLA's 576 (512 latent + 64 rotary) where V is K's prefix (`v = k[:N]`).
+MAX_HEAD_DIM = 256
+MAX_HEAD_DIM_LATENT = 576
 # The smallest softmax scale (spec or run time): the kernels need scale * log2(e) to be a normal,
 # non-zero fp32 number (see checks.check_scale).
 MIN_SCALE = 1e-30
@@ -67,11 +70,23 @@ class DType(enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
-    FP8_E4M3 = "fp8_e4m3"  # torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, finite (+-448)
+    # torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, finite (+-448). As `dtype`, q, k and v are e4m3 with
+    # float32 descale factors and the output is bf16; as `kv_dtype`, only the KV cache is.
+    FP8_E4M3 = "fp8_e4m3"
 
     @property
     def bytes(self) -> int:
         return {DType.FP32: 4, DType.FP8_E4M3: 1}.get(self, 2)
+
+    @property
+    def fp8(self) -> bool:
+        return self is DType.FP8_E4M3
+
+    @property
+    def output(self) -> "DType":
+        """The dtype of the output: the inputs' own, but bf16 for FP8 inputs (e4m3 would lose the
+        output's precision for nothing: it is written once)."""
+        return DType.BF16 if self.fp8 else self
 
     @property
     def torch(self):
@@ -86,9 +101,6 @@ class DType(enum.Enum):
 
 
 _TORCH_DTYPES: dict = {}
-# The run-time keywords of an FP8 cache's descale factors (FA3's names): float32, one per (sequence, K/V head),
-# per K/V head or per tensor; the true key is the cache's value times k_descale, the true value v's times v_descale.
-FP8_DESCALES = ("k_descale", "v_descale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,16 @@ class Layout(enum.Enum):
 
 
 AUTO = None  # a tile value left to the autotuner / heuristics
+
+# The run-time descale factors of an FP8 spec, FA3's names and convention: float32, (1,) for the whole tensor
+# or (batch, kv_heads) per head, and a stored value x stands for x * descale.
+DESCALES = ("q_descale", "k_descale", "v_descale")
+# An FP8 cache's (`kv_dtype = fp8_e4m3`): k's and v's alone, one per (sequence, K/V head), per K/V head or per tensor;
+# the true key is the cache's value times k_descale, the true value v's times v_descale.
+FP8_DESCALES = DESCALES[1:]
+# The least an FP8 tensor-core product reduces over (Triton's tl.dot on float8 operands: K >= 32), so an FP8 spec's
+# padded head dim (Q K^T) and its key blocks (P V) are at least this.
+FP8_MIN_REDUCTION = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +164,8 @@ class Spec:
     # What the KV cache holds (`kv_dtype`): None means `dtype`; fp8_e4m3 (decoding specs) reads K and V as e4m3
     # with run-time per-(sequence, K/V head) descale factors, q and the output staying in `dtype`.
     kv_dtype: DType | None = None
+    # V is K's first head_dim_v columns (`v = k[:N]`, MLA's absorbed latent cache): one cache, read once for both.
+    v_from_k: bool = False
     # Where each key was written, for error messages; not part of the kernel's identity.
     filename: str = field(default="<spec>", compare=False, repr=False)
     where: tuple[tuple[str, int, int], ...] = field(default=(), compare=False, repr=False)
@@ -170,11 +194,6 @@ class Spec:
     def fp8_cache(self) -> bool:
         """Whether K and V are an e4m3 cache read with descale factors (`kv_dtype = fp8_e4m3`)."""
         return self.kv_dtype is DType.FP8_E4M3
-
-    @property
-    def runtime_tensors(self) -> tuple[str, ...]:
-        """The keyword tensors a kernel of this spec takes, in order: its variant's, then an FP8 cache's descales."""
-        return self.variant.runtime_tensors() + (FP8_DESCALES if self.fp8_cache else ())
 
     @property
     def softmax_scale(self) -> float:
@@ -224,6 +243,17 @@ class Spec:
         # NOTE: packed rows address (head, position) of a (batch, heads, seq) tensor; a varlen tensor is
         # (tokens, heads): no packing there yet.
         return (self.is_split or self.kv_layout.paged) and not self.varlen
+
+    def runtime_tensors(self) -> tuple[str, ...]:
+        """The keyword tensors a kernel of this spec takes, in order: the variant's, then the descales of its FP8
+        inputs (q's, k's and v's for `dtype = fp8_e4m3`, k's and v's for an FP8 cache)."""
+        return self.variant.runtime_tensors() + self.descales
+
+    @property
+    def descales(self) -> tuple[str, ...]:
+        """The run-time descale factors of its FP8 inputs: q's, k's and v's for `dtype = fp8_e4m3`, k's and v's for
+        an FP8 cache, none otherwise."""
+        return DESCALES if self.dtype.fp8 else FP8_DESCALES if self.fp8_cache else ()
 
     @property
     def tunables(self) -> tuple[str, ...]:
@@ -276,6 +306,8 @@ class Spec:
             lines.append(f"    {key} = {text}")
             if key == "head_dim" and self.splits_head_dims:  # only when set: a plain spec's hash stays
                 lines.append(f"    head_dim_v = {self.head_dim_v}")
+            if key == "head_dim" and self.v_from_k:
+                lines.append(f"    v = k[:{self.head_dim_v}]")
             if key == "dtype" and self.kv_dtype is not None:  # likewise
                 lines.append(f"    kv_dtype = {self.kv_dtype.value}")
         # Written only when set, so that a plain spec's text (and hash) is what it always was.
@@ -419,7 +451,7 @@ def _end(text: str) -> tuple[int, int]:
 
 _DTYPES = {"fp16": DType.FP16, "bf16": DType.BF16, "fp32": DType.FP32, "fp8_e4m3": DType.FP8_E4M3}
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
-                  "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3"}
+                  "float8_e4m3fn": "fp8_e4m3", "fp8e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3"}
 _BOOLS = {"true": True, "false": False, "auto": None}
 
 
@@ -514,9 +546,27 @@ def _layout(v: Value) -> Layout:
     return Layout(_word(v, "layout", tuple(x.value for x in Layout)))
 
 
+def _v_prefix(v: Value) -> int:
+    """`v = k[:N]`: V is the first N columns of K (MLA's latent cache). Returns N."""
+    usage = "v = k[:N] (V is the first N columns of K, as MLA's latent cache holds it)"
+    if v.kind != "index" or v.text != "k" or len(v.args) != 1 or v.args[0][1].kind != "slice":
+        raise _err(v, f"v takes a prefix of k: {usage}; got '{_shown(v)}'")
+    bounds = dict(v.args[0][1].args)
+    start = bounds.get("start")
+    if start is not None and not (start.kind == "number" and re.fullmatch(r"\+?0+", start.text)):
+        raise _err(start, f"v must be a prefix of k (its columns from 0): {usage}; got '{_shown(v)}'")
+    if "stop" not in bounds:
+        raise _err(v, f"v = k[:] is all of k; write the prefix's width: {usage}")
+    width = _int(bounds["stop"], "v's width", 16, MAX_HEAD_DIM_V)
+    if width % 16:
+        below = width // 16 * 16
+        raise _err(bounds["stop"], f"v's width {width} is not a multiple of 16; use {max(below, 16)} or {below + 16}")
+    return width
+
+
 _KEYS = {
     "direction": _direction,
-    "head_dim": lambda v: _int(v, "head_dim", 16, 256),
+    "head_dim": lambda v: _int(v, "head_dim", 16, MAX_HEAD_DIM_LATENT),
     "head_dim_v": lambda v: _int(v, "head_dim_v", 16, MAX_HEAD_DIM_V),
     "dtype": _dtype,
     "kv_dtype": lambda v: _dtype(v, "kv_dtype"),
@@ -532,6 +582,7 @@ _KEYS = {
     "kv_layout": _kv_layout,
     "pack_gqa": lambda v: _bool(v, "pack_gqa"),
     "layout": _layout,
+    "v": _v_prefix,
 }
 # Read after the tensor declarations, which a mask or score may use wherever they stand in the spec.
 _VARIANT_KEYS = ("mask", "score", "sinks")
@@ -573,6 +624,12 @@ def _check(header: Header, filename: str) -> Spec:
         if entry.key in _KEYS:
             values[entry.key] = _KEYS[entry.key](entry.value)
     values.update(_variant(seen, declared))
+    if "v" in values:
+        width = values.pop("v")
+        if values.get("head_dim_v", width) != width:
+            raise _err(seen["v"].value, f"v = k[:{width}] is {width} wide but head_dim_v = {values['head_dim_v']} "
+                       f"(line {seen['head_dim_v'].line}); they must agree")
+        values.update(head_dim_v=width, v_from_k=True)
     if values.get("layout") is Layout.VARLEN and "mask" in seen:
         v = seen["mask"].value
         if v.kind == "word" and v.text == "causal":  # unaligned: per sequence, bottom-right
@@ -584,7 +641,7 @@ def _check(header: Header, filename: str) -> Spec:
         (e.key, e.value.line, e.value.column) for e in header.entries if isinstance(e, Entry)
     ) + tuple((f"tensor {t.name}", t.line, t.column) for t in declared.values())
     spec = Spec(name=name, filename=filename, where=where, **values)
-    return _check_kv_dtype(_check_layout(_check_heads(_check_head_dim(spec))))
+    return _check_kv_dtype(_check_fp8(_check_layout(_check_heads(_check_head_dim(spec)))))
 
 
 def _variant(seen: dict[str, Entry], declared: dict[str, TensorEntry]) -> dict[str, Any]:
@@ -613,6 +670,22 @@ def _check_head_dim(spec: Spec) -> Spec:
         if value % 16:
             below = value // 16 * 16
             raise spec.error(key, f"{key} = {value} is not a multiple of 16; use {max(below, 16)} or {below + 16}")
+    if spec.head_dim > MAX_HEAD_DIM and not spec.v_from_k:
+        raise spec.error("head_dim", f"head_dim = {spec.head_dim} is out of range; expected 16 to {MAX_HEAD_DIM} (up to "
+                         f"{MAX_HEAD_DIM_LATENT} where v = k[:N], MLA's latent cache)")
+    return _check_v_from_k(spec) if spec.v_from_k else spec
+
+
+def _check_v_from_k(spec: Spec) -> Spec:
+    """What a V read from K's prefix (`v = k[:N]`, MLA decode) needs."""
+    if spec.head_dim_v >= spec.head_dim:
+        raise spec.error("v", f"v = k[:{spec.head_dim_v}] needs head_dim > {spec.head_dim_v}: q.k runs over the prefix "
+                         f"and the columns after it (MLA: 512 latent + 64 rotary); head_dim is {spec.head_dim}")
+    if spec.backward:
+        raise spec.error("v", "v = k[:N] is for decoding a latent cache; it has no backward", UnsupportedError)
+    if spec.varlen or not spec.decoding:
+        raise spec.error("v", "v = k[:N] is for decoding a KV cache: set split_kv or kv_layout = paged (layout = "
+                         "varlen is not supported)", UnsupportedError)
     return spec
 
 
@@ -659,12 +732,28 @@ def _check_layout(spec: Spec) -> Spec:
     return spec
 
 
+def _check_fp8(spec: Spec) -> Spec:
+    """What FP8 inputs are for: the prefill forward, dense (batch, heads, seq, head_dim) tensors."""
+    if not spec.dtype.fp8:
+        return spec
+    if spec.backward:
+        raise spec.error("direction", "dtype = fp8_e4m3 is forward-only: the backward stays 16-bit (train in bf16 "
+                         "or fp16, and quantise for inference); write direction = forward")
+    if spec.decoding:
+        key = "kv_layout" if spec.kv_layout.paged else "split_kv"
+        raise spec.error(key, "dtype = fp8_e4m3 is the prefill forward (q, k and v in FP8); it reads no KV cache",
+                         UnsupportedError)
+    if spec.varlen:
+        raise spec.error("layout", "dtype = fp8_e4m3 takes (batch, heads, seq, head_dim) tensors; layout = varlen "
+                         "is 16-bit", UnsupportedError)
+    if spec.head_dim_padded < FP8_MIN_REDUCTION:
+        raise spec.error("head_dim", f"dtype = fp8_e4m3 needs head_dim >= {FP8_MIN_REDUCTION}: FP8 tensor-core "
+                         f"products reduce over at least {FP8_MIN_REDUCTION}", UnsupportedError)
+    return spec
+
+
 def _check_kv_dtype(spec: Spec) -> Spec:
     """An FP8 cache is for decoding kernels with 16-bit queries; `kv_dtype` equal to `dtype` is the default."""
-    if spec.dtype is DType.FP8_E4M3:
-        # NOTE: FP8 queries (the FP8 prefill forward) are not this check's to allow: an FP8 KV cache keeps them 16-bit.
-        raise spec.error("dtype", "dtype = fp8_e4m3 is not supported here; for an FP8 KV cache with 16-bit queries "
-                         "write dtype = bf16 (or fp16) and kv_dtype = fp8_e4m3", UnsupportedError)
     if spec.kv_dtype is None or spec.kv_dtype is spec.dtype:
         return spec.replace(kv_dtype=None)
     if spec.kv_dtype is not DType.FP8_E4M3:
@@ -676,6 +765,10 @@ def _check_kv_dtype(spec: Spec) -> Spec:
     if not spec.decoding or spec.varlen:
         raise spec.error("kv_dtype", "kv_dtype = fp8_e4m3 is for decoding over a KV cache: set split_kv "
                          "(auto or a count) or kv_layout = paged(...), and layout = dense", UnsupportedError)
+    if spec.v_from_k:
+        # NOTE: pass latent-kv shares one load of K for both products; an FP8 cache widens K and V separately.
+        raise spec.error("kv_dtype", "kv_dtype = fp8_e4m3 with v = k[:N] (an FP8 latent cache) is not supported; "
+                         "read the latent cache in dtype", UnsupportedError)
     return spec
 
 

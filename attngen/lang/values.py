@@ -9,7 +9,7 @@ and column.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lark
 
@@ -26,7 +26,8 @@ class Value:
 
     kind: 'word' (text: the name), 'number' (text: as written, a sign included), 'call' (text: the name; args: (keyword or None, Value) pairs), 'index' (text:
     the tensor's name; args: (None, Value) pairs), 'binop' (text: the operator as written; args: the two
-    operands) or 'unary' (text: '-', '+' or 'not'; args: the operand). `source` is the text as written.
+    operands), 'unary' (text: '-', '+' or 'not'; args: the operand) or 'slice' (a subscript `lo:hi`, text ':';
+    args: ('start', Value) and ('stop', Value), each only where written). `source` is the text as written.
     """
 
     kind: str
@@ -129,6 +130,12 @@ class ToEntries(lark.visitors.Transformer_NonRecursive):
         name, *args = items
         return self._value(meta, "index", str(name), tuple((None, a) for a in args))
 
+    def slice(self, meta, items):
+        start, colon, stop = items
+        args = tuple((name, v) for name, v in (("start", start), ("stop", stop)) if v is not None)
+        line, column = (start.line, start.column) if start is not None else (colon.line, colon.column)
+        return replace(self._value(meta, "slice", ":", args), line=line, column=column)
+
     def keyword(self, meta, items):
         key, value = items
         return (str(key), value)
@@ -162,7 +169,7 @@ def shown(v: Value) -> str:
     if v.kind == "call":
         inner = ", ".join((f"{k}={shown(a)}" if k else shown(a)) for k, a in v.args[:4])
         return short(f"{v.text}({inner}{', ...' if len(v.args) > 4 else ''})")
-    if v.kind in ("binop", "unary", "index"):
+    if v.kind in ("binop", "unary", "index", "slice"):
         return short(" ".join(v.source.split()))
     return short(v.text)
 

@@ -6,13 +6,18 @@
     recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
+    descale         (FP8 inputs) q_descale * k_descale joins the softmax scale, v_descale scales the output;
+                    P is quantised to e4m3 as it is for P V
     kv-lengths      (decoding) per-sequence key counts n_k = SEQLENS[b] replace N_K
     varlen          (packed variable-length sequences) programs over all sequences' tiles, each finding its
                     sequence by a binary search over the cu_seqlens; per-sequence n_q, n_k; packed rows
     pack-gqa        (GQA packing) query heads sharing a K/V head fill one tile; grid over K/V heads
     split-kv        (Flash-Decoding) a grid axis over key splits; partial outputs + a combine kernel
+    mixed           (paged varlen) short sequences (decodes) as narrow split-KV work items beside the wide tiles,
+                    and a kernel merging their splits; the wide tiles skip them
     causal-skip     split key loops into masked and mask-free ranges; skip dead blocks
     paged           (paged cache) K/V addresses through the block table
+    latent-kv       (v = k[:N], MLA) one read of each K tile: V's columns feed both products, the rest only Q K^T
     tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
     warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward (and backward) also as Hopper Gluon kernels
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, one head dim 64/128) also as a Hopper Gluon kernel
@@ -28,11 +33,11 @@ from typing import Callable
 from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
-from . import (causal_skip, exp2, fold_scale, kv_lengths, lower, online_softmax, pack_gqa, paged, recompute, split_kv,
-               tiling, tma, varlen, warp_specialize, warp_specialize_decode)
+from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, latent_kv, lower, mixed, online_softmax, pack_gqa,
+               paged, recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode)
 
-PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, kv_lengths, varlen, pack_gqa, split_kv, causal_skip, paged,
-            tma, warp_specialize, warp_specialize_decode)
+PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, mixed,
+            causal_skip, paged, latent_kv, tma, warp_specialize, warp_specialize_decode)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

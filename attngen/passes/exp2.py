@@ -16,7 +16,6 @@ from .. import ir
 from ..ir import sym
 from ..ir import Assign, Buffer, Call, DT, Load, Num, Op, Ref, Space, Stat, Store, Sym
 from .grid import grid_path, rebuild
-from .lower import descale_of
 
 NAME = "exp2"
 
@@ -35,13 +34,9 @@ def _is_base2_lse(e) -> bool:
 def _rewrite_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
     qk_scale = Buffer("qk_scale", (), DT.F32, Space.REG)
 
-    scale = Sym(sym.sm_scale)  # an FP8 cache's is sm_scale * K_DESCALE[b, h_kv] (lower.descaled)
-
     def expr(e):
-        nonlocal scale
-        if (isinstance(e, Call) and e.op is Op.MUL and descale_of(e.args[1])[0] == Sym(sym.sm_scale)
+        if (isinstance(e, Call) and e.op is Op.MUL and e.args[1] == Sym(sym.sm_scale)
                 and isinstance(e.args[0], Call) and e.args[0].op is Op.DOT_T):
-            scale = e.args[1]
             return replace(e, args=(e.args[0], Ref(qk_scale)))
         if isinstance(e, Call) and e.op in _BASE2:
             return replace(e, op=_BASE2[e.op])
@@ -72,7 +67,7 @@ def _rewrite_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
         return kernel
     # Define qk_scale once, at the top of the innermost grid level.
     path = grid_path(kernel, "exp2")
-    inner = (Assign(qk_scale, Call(Op.MUL, (scale, Num(sym.LOG2E)))),) + path[-1].body
+    inner = (Assign(qk_scale, Call(Op.MUL, (Sym(sym.sm_scale), Num(sym.LOG2E)))),) + path[-1].body
     return replace(kernel, body=rebuild(path, inner))
 
 

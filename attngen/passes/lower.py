@@ -16,31 +16,23 @@ from ..lang.spec import Mask, Spec
 NAME = "lower"
 
 _DT = {"fp16": DT.F16, "bf16": DT.BF16, "fp32": DT.F32, "fp8_e4m3": DT.F8E4M3}
-# The run-time descale factors of an FP8 cache (FA3's k_descale / v_descale): one float32 per (sequence, K/V
-# head); the true key is K[b, h_kv] * K_DESCALE[b, h_kv], and likewise for values.
-K_DESCALE, V_DESCALE = "K_DESCALE", "V_DESCALE"
 
 
 def io_dtype(spec: Spec) -> DT:
+    """The dtype of Q, K and V (and of P where it meets V)."""
     return _DT[spec.dtype.value]
 
 
-def descales() -> tuple[Buffer, Buffer]:
-    """The K and V descale buffers of an FP8 cache, (B, H_KV) float32."""
-    return tuple(Buffer(name, (sym.B, sym.H_KV), DT.F32, Space.HBM, Role.INPUT) for name in (K_DESCALE, V_DESCALE))
+def out_dtype(spec: Spec) -> DT:
+    """The dtype of O: the inputs', but bf16 for FP8 inputs."""
+    return _DT[spec.dtype.output.value]
 
 
-def descaled(value, descale: Load):
-    """`value` times a descale factor; `descale_of` takes it apart again."""
-    return Call(Op.MUL, (value, descale))
-
-
-def descale_of(value) -> tuple:
-    """(the value without its descale factor, the factor's load) if `value` is `descaled(...)`, else (value, None)."""
-    if (isinstance(value, Call) and value.op is Op.MUL and isinstance(value.args[1], Load)
-            and value.args[1].buffer.name in (K_DESCALE, V_DESCALE)):
-        return value.args[0], value.args[1]
-    return value, None
+def descale_buffers(spec: Spec) -> tuple[Buffer, ...]:
+    """The descale factors of an FP8 spec (Q_DESCALE, K_DESCALE, V_DESCALE) or of an FP8 cache (K_DESCALE,
+    V_DESCALE), one float32 per (batch, K/V head); a per-tensor (1,) or per-head factor is expanded to that shape by
+    the launcher. Empty for other specs; pass `descale` applies them."""
+    return tuple(Buffer(name.upper(), (sym.B, sym.H_KV), DT.F32, Space.HBM, Role.INPUT) for name in spec.descales)
 
 
 def alignment(spec: Spec):
@@ -72,8 +64,9 @@ def run(spec: Spec) -> ir.Program:
     d, dv = sym.HEAD_DIM, value_dims(spec).size
     q_buf = Buffer("Q", (sym.B, sym.H, sym.N_Q, d), dt, Space.HBM, Role.INPUT)
     k_buf = Buffer("K", (sym.B, sym.H_KV, sym.N_K, d), kv_dt, Space.HBM, Role.INPUT)
-    v_buf = Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), kv_dt, Space.HBM, Role.INPUT)
-    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), dt, Space.HBM, Role.OUTPUT)
+    # `v = k[:N]` (MLA): no V tensor; the values are K's first HEAD_DIM_V columns.
+    v_buf = k_buf if spec.v_from_k else Buffer("V", (sym.B, sym.H_KV, sym.N_K, dv), kv_dt, Space.HBM, Role.INPUT)
+    o_buf = Buffer("O", (sym.B, sym.H, sym.N_Q, dv), out_dtype(spec), Space.HBM, Role.OUTPUT)
     lse_buf = Buffer("LSE", (sym.B, sym.H, sym.N_Q), DT.F32, Space.HBM, Role.OUTPUT, Stat.LSE)
     s_buf = Buffer("S", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
     p_buf = Buffer("P", (sym.N_Q, sym.N_K), DT.F32, Space.HBM, Role.SCRATCH)
@@ -88,16 +81,12 @@ def run(spec: Spec) -> ir.Program:
     q = Load(q_buf, (sym.b, sym.h, rows, dims))
     k = Load(k_buf, (sym.b, kv_head, cols, dims))
     v = Load(v_buf, (sym.b, kv_head, cols, dims_v))
-    scale = Sym(sym.sm_scale)
-    fp8 = descales() if spec.fp8_cache else ()
-    if fp8:
-        # e4m3 tiles are widened to q's dtype in registers (the bytes read are the point), and the factors
-        # applied outside the products: K's into the softmax scale, V's to the normalised output.
+    if spec.fp8_cache:
+        # e4m3 tiles are widened to q's dtype in registers (the bytes read are the point); pass `descale` applies
+        # the factors outside the products, K's to the softmax scale and V's to the output, as for FP8 inputs.
         k, v = Call(Op.CAST, (k,), dt), Call(Op.CAST, (v,), dt)
-        k_descale, v_descale = (Load(b, (sym.b, kv_head)) for b in fp8)
-        scale = descaled(scale, k_descale)
 
-    scores = Call(Op.MUL, (Call(Op.DOT_T, (q, k), _precision(dt)), scale))
+    scores = Call(Op.MUL, (Call(Op.DOT_T, (q, k), _precision(dt)), Sym(sym.sm_scale)))
     extra = variants.tensor_buffers(spec.variant)
     fn = variants.score_fn(spec.variant, alignment(spec), extra)
     if fn is not None:
@@ -110,16 +99,14 @@ def run(spec: Spec) -> ir.Program:
     preds = mask_preds(spec)
     if preds:
         scores = Masked(scores, preds, query=rows, key=cols)
-    out = Call(Op.DIV, (Call(Op.DOT, (Ref(p_buf), v), _precision(dt)), Ref(l_buf)))
-    if fp8:
-        out = descaled(out, v_descale)
     body = (
         ir.Comment("pass 1: scores to HBM"),
         ir.Assign(s_buf, scores),
         ir.Comment("pass 2: row softmax, HBM to HBM"),
         ir.Softmax(p_buf, m_buf, l_buf, Ref(s_buf), sink),
         ir.Comment("pass 3: weighted sum of values"),
-        ir.Store(o_buf, (sym.b, sym.h, rows, dims_v), out),
+        ir.Store(o_buf, (sym.b, sym.h, rows, dims_v),
+                 Call(Op.DIV, (Call(Op.DOT, (Ref(p_buf), v), _precision(dt)), Ref(l_buf)))),
         ir.Store(lse_buf, (sym.b, sym.h, rows), Call(Op.ADD, (Ref(m_buf), Call(Op.LOG, (Ref(l_buf),))))),
     )
     grid = ir.Loop(sym.b, sym.ZERO, sym.B, sym.ONE,
@@ -137,7 +124,8 @@ def run(spec: Spec) -> ir.Program:
     ) + ((ir.SymbolDecl(sym.HEAD_DIM_V, ir.SymKind.CONSTEXPR, "head dim of V and O"),) if spec.splits_head_dims else ()) + (
         ir.SymbolDecl(sym.sm_scale, ir.SymKind.FLOAT, "softmax scale"),
     )
-    kernel = ir.KernelIR("attn_fwd", (q_buf, k_buf, v_buf, o_buf, lse_buf) + extra + fp8, symbols, (grid,),
+    operands = (q_buf, k_buf) if spec.v_from_k else (q_buf, k_buf, v_buf)
+    kernel = ir.KernelIR("attn_fwd", operands + (o_buf, lse_buf) + extra + descale_buffers(spec), symbols, (grid,),
                        doc="softmax(Q K^T * scale) V, one program per (batch, head)")
     kernels = (kernel, _naive_backward(kernel, p_buf, q, k, v, rows, dims, dims_v, kv_head)) if spec.backward else (kernel,)
     attrs = dict(
@@ -148,6 +136,8 @@ def run(spec: Spec) -> ir.Program:
         attrs.update(head_dim_v=spec.head_dim_v, head_dim_v_padded=spec.head_dim_v_padded)
     if spec.kv_dtype is not None:  # likewise
         attrs["kv_dtype"] = spec.kv_dtype.value
+    if spec.v_from_k:
+        attrs["v_from_k"] = True
     # What the decoding passes act on; absent (so the IR text is unchanged) for a plain forward.
     if spec.is_split:
         attrs["split_kv"] = spec.split_kv or "auto"

@@ -20,7 +20,6 @@ from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Loop, Masked, Num, Op, Ref, Softmax, Space, Store
 from .grid import grid_path, rebuild
-from .lower import descale_of, descaled
 
 NAME = "online-softmax"
 
@@ -40,12 +39,6 @@ def _match(body):
     except (AssertionError, ValueError, AttributeError) as e:
         raise InternalError(f"online-softmax expects the tiled program from `tiling`: {e!r}") from None
     return q_assign, s_loop, s_store, softmax, acc_init, acc_update, o_store, lse_store
-
-
-def _keep_descale(old, new):
-    """`new`, times the descale factor `old` (the output's value before this pass) carries, if any."""
-    _, factor = descale_of(old)
-    return new if factor is None else descaled(new, factor)
 
 
 def run(program: ir.Program) -> ir.Program:
@@ -122,7 +115,7 @@ def run(program: ir.Program) -> ir.Program:
         *sink,
         ir.Comment("epilogue: normalise; rows that saw no key give 0 and a log-sum-exp of -inf"),
         Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_i),))),
-        replace(o_store, value=_keep_descale(o_store.value, Call(Op.DIV, (Ref(acc), Ref(l_safe))))),
+        replace(o_store, value=Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
         replace(lse_store, value=ir.map_expr(lse_store.value, stats)),
     )
     kernel = replace(kernel, body=rebuild(path, body))

@@ -40,15 +40,22 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     page_size = program.attr("page_size")
-    kernel = program.kernel("attn_fwd")
-    table = Buffer("BLOCK_TABLE", (sym.B, sym.MAX_PAGES), DT.I32, Space.HBM, Role.INPUT)
     per_tile = page_size >= PER_TILE_MIN_PAGE
+    for kernel in program.kernels:
+        # attn_fwd, and a mixed step's narrow attn_fwd_short: the kernels that read K and V (or, under `v = k[:N]`,
+        # MLA's, K alone: the values are K's columns, so K is the one pool)
+        names = {p.name for p in kernel.params}
+        if "K" in names and ("V" in names or program.attr("v_from_k")):
+            program = program.replace_kernel(_paged(kernel, page_size, per_tile))
+    return program.with_attrs(max_block_n=page_size) if per_tile else program
+
+
+def _paged(kernel: ir.KernelIR, page_size: int, per_tile: bool) -> ir.KernelIR:
+    table = Buffer("BLOCK_TABLE", (sym.B, sym.MAX_PAGES), DT.I32, Space.HBM, Role.INPUT)
     pools = {}
     for p in kernel.params:
         if p.name in ("K", "V"):
             pools[p.name] = replace(p, shape=(sym.NUM_PAGES, sym.PAGE_SIZE, sym.H_KV, p.shape[-1]))
-    if len(pools) != 2:
-        raise InternalError(f"{NAME}: kernel {kernel.name} has no K and V to page")
 
     def page(buffer: Buffer, index):
         if buffer.name not in pools:
@@ -60,10 +67,8 @@ def run(program: ir.Program) -> ir.Program:
             raise InternalError(f"{NAME} expects {buffer.name}[b, head, offs_n, offs_d], got {ir.format_index(index)}") from None
         return pools[buffer.name], (Paged(table, batch, keys, page_size, per_tile), head, dims)
 
-    kernel = replace(
+    return replace(
         kernel,
         params=tuple(pools.get(p.name, p) for p in kernel.params) + (table,),
         body=map_indices(kernel.body, page),
     )
-    program = program.replace_kernel(kernel)
-    return program.with_attrs(max_block_n=page_size) if per_tile else program

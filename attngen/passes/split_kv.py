@@ -145,29 +145,9 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
     lse_load = Load(replace(lse_part, role=Role.INPUT), (sym.b, splits, sym.h, sym.m), fill=float("-inf"))
     o_load = Load(replace(o_part, role=Role.INPUT), (sym.b, splits, sym.h, sym.m, dims))
 
-    def rescaled(old: Buffer, new: ir.Expr) -> ir.Expr:
-        return Call(Op.ADD, (Call(Op.MUL, (Ref(old), Ref(alpha))), new))
-
-    body = (
-        ir.Comment("merge BLOCK_S splits at a time: running max, rescaled sum and accumulator"),
-        Assign(m_run, Num(float("-inf"))),
-        Assign(l_run, Num(0.0)),
-        Assign(acc, Num(0.0)),
-        Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, sym.BLOCK_S, (
-            Assign(lse_s, lse_load),
-            Assign(m_new, Call(Op.MAX, (Ref(m_run), Call(Op.COLMAX, (Ref(lse_s),))))),
-            Assign(m_use, Call(Op.FINITE_OR_ZERO, (Ref(m_new),))),
-            Assign(alpha, Call(Op.EXP, (Call(Op.SUB, (Ref(m_run), Ref(m_use))),))),
-            Assign(weight, Call(Op.EXP, (Call(Op.SUB, (Ref(lse_s), Ref(m_use))),))),
-            Assign(l_run, rescaled(l_run, Call(Op.COLSUM, (Ref(weight),)))),
-            Assign(acc, rescaled(acc, Call(Op.COLSUM, (Call(Op.MUL, (Ref(weight), o_load)),)))),
-            Assign(m_run, Ref(m_new)),
-        ), LoopKind.SERIAL, "chunks of BLOCK_S splits", aligned=True),
-        ir.Comment("a row no split saw a key of gives 0 and a log-sum-exp of -inf"),
-        Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_run),))),
-        Store(o, (sym.b, sym.h, sym.m, dims), Call(Op.DIV, (Ref(acc), Ref(l_safe)))),
-        Store(lse, (sym.b, sym.h, sym.m), Call(Op.ADD, (Ref(m_run), Call(Op.LOG, (Ref(l_safe),))))),
-    )
+    merge, out, log_sum_exp = merge_splits(lse_load, o_load, (lse_s, weight), (m_run, m_new, m_use, alpha, l_run, acc),
+                                           l_safe, step=sym.BLOCK_S, chunk=True)
+    body = merge + (Store(o, (sym.b, sym.h, sym.m, dims), out), Store(lse, (sym.b, sym.h, sym.m), log_sum_exp))
     grid = Loop(sym.b, sym.ZERO, sym.B, sym.ONE, (
         Loop(sym.h, sym.ZERO, sym.H, sym.ONE, (
             Loop(sym.m, sym.ZERO, sym.N_Q, sym.ONE, body, LoopKind.GRID, "query rows"),
@@ -184,6 +164,43 @@ def combine_kernel(program: ir.Program, o: Buffer, lse: Buffer, o_part: Buffer, 
     params = (replace(o_part, role=Role.INPUT), replace(lse_part, role=Role.INPUT), o, lse)
     return ir.KernelIR("attn_combine", params, symbols, (grid,),
                      doc="merge the splits' outputs by log-sum-exp, one program per (batch, head, query row)")
+
+
+def merge_splits(lse_load: ir.Expr, o_load: ir.Expr, loaded: tuple, running: tuple, l_safe: Buffer, step,
+                 chunk: bool) -> tuple[tuple, ir.Expr, ir.Expr]:
+    """The merge of splits by log-sum-exp: (statements, the output, the log-sum-exp) of one program. A loop over
+    the splits, `step` at a time, loads their `lse_s` and `weight` (`loaded`) and updates the running max, its
+    finite stand-in, the rescale factor, the running sum and the accumulator (`running`: m_run, m_new, m_use,
+    alpha, l_run, acc), as key blocks merge in the forward. `chunk`: a step loads several splits of one row
+    (reduced over the first axis); else one split of several rows. A row no split saw a key of gives 0 and -inf."""
+    (lse_s, weight), (m_run, m_new, m_use, alpha, l_run, acc) = loaded, running
+    over = (lambda op, x: Call(op, (x,))) if chunk else (lambda op, x: x)
+
+    def rescaled(old: Buffer, new: ir.Expr) -> ir.Expr:
+        return Call(Op.ADD, (Call(Op.MUL, (Ref(old), Ref(alpha))), new))
+
+    steps = (
+        Assign(lse_s, lse_load),
+        Assign(m_new, Call(Op.MAX, (Ref(m_run), over(Op.COLMAX, Ref(lse_s))))),
+        Assign(m_use, Call(Op.FINITE_OR_ZERO, (Ref(m_new),))),
+        Assign(alpha, Call(Op.EXP, (Call(Op.SUB, (Ref(m_run), Ref(m_use))),))),
+        Assign(weight, Call(Op.EXP, (Call(Op.SUB, (Ref(lse_s), Ref(m_use))),))),
+        Assign(l_run, rescaled(l_run, over(Op.COLSUM, Ref(weight)))),
+        Assign(acc, rescaled(acc, over(Op.COLSUM, Call(Op.MUL, (Ref(weight), o_load))))),
+        Assign(m_run, Ref(m_new)),
+    )
+    what = "BLOCK_S splits at a time" if chunk else "the splits one at a time"
+    merge = (
+        ir.Comment(f"merge {what}: running max, rescaled sum and accumulator"),
+        Assign(m_run, Num(float("-inf"))),
+        Assign(l_run, Num(0.0)),
+        Assign(acc, Num(0.0)),
+        Loop(sym.split, sym.ZERO, sym.NUM_SPLITS, step, steps, LoopKind.SERIAL,
+             "chunks of BLOCK_S splits" if chunk else "key/value splits", aligned=chunk),
+        ir.Comment("a row no split saw a key of gives 0 and a log-sum-exp of -inf"),
+        Assign(l_safe, Call(Op.ONE_IF_ZERO, (Ref(l_run),))),
+    )
+    return merge, Call(Op.DIV, (Ref(acc), Ref(l_safe))), Call(Op.ADD, (Ref(m_run), Call(Op.LOG, (Ref(l_safe),))))
 
 
 def _value_dims(program: ir.Program) -> tuple[ir.SymbolDecl, ...]:

@@ -16,7 +16,6 @@ from .. import ir
 from ..ir import sym
 from ..errors import InternalError
 from ..ir import Assign, Buffer, Call, DT, Load, Loop, LoopKind, Masked, Num, Op, Pred, PredKind, Ref, Softmax, Space, Span, Store
-from .lower import descale_of, descaled
 
 NAME = "tiling"
 
@@ -70,7 +69,7 @@ def _match(kernel: ir.KernelIR):
         assert isinstance(s_assign, Assign) and s_assign.target.space is Space.HBM
         assert isinstance(softmax, Softmax) and softmax.scores == Ref(s_assign.target)
         assert isinstance(o_store, Store) and isinstance(lse_store, Store)
-        o_value, _ = descale_of(o_store.value)
+        o_value = o_store.value
         assert o_value.op is Op.DIV and o_value.args[0].op is Op.DOT
         assert o_value.args[0].args[0] == Ref(softmax.probs)
     except (AssertionError, ValueError, AttributeError, TypeError) as e:
@@ -83,14 +82,12 @@ def run(program: ir.Program) -> ir.Program:
     grid_b, grid_h, s_assign, softmax, o_store, lse_store = _match(kernel)
     spans = tile_spans(program)
     rows, cols, dims = spans["offs_m"], spans["offs_n"], spans["offs_d"]
-    io = o_store.target.dtype
-
     # The query tile: loaded once per program, reused for every key block.
     scores = _retile(s_assign.value, spans)
     q_loads = [e for e in ir.walk_expr(scores) if isinstance(e, Load) and e.buffer.name == "Q"]
     if len(q_loads) != 1:
         raise InternalError("tiling expects exactly one load of Q in the scores")
-    q_tile = Buffer("q", (sym.BLOCK_M, dims.size), io, Space.REG)
+    q_tile = Buffer("q", (sym.BLOCK_M, dims.size), q_loads[0].buffer.dtype, Space.REG)
     scores = ir.map_expr(scores, lambda e: Ref(q_tile) if e == q_loads[0] else e)
     key_bound = Pred(PredKind.KEY_BOUND, sym.N_K)
     if isinstance(scores, Masked):
@@ -103,10 +100,8 @@ def run(program: ir.Program) -> ir.Program:
     m = Buffer(softmax.rowmax.name, (sym.BLOCK_M,), DT.F32, Space.REG)
     l = Buffer(softmax.rowsum.name, (sym.BLOCK_M,), DT.F32, Space.REG)
     acc = Buffer("acc", (sym.BLOCK_M, value_span(program).size), DT.F32, Space.REG)
-    o_value, v_descale = descale_of(o_store.value)
-    dot = o_value.args[0]
+    dot = o_store.value.args[0]
     v_load = _retile(dot.args[1], spans)
-    out = Call(Op.DIV, (Ref(acc), Ref(l)))
 
     def key_loop(body, note):
         return Loop(sym.start_n, sym.ZERO, sym.N_K, sym.BLOCK_N, body, LoopKind.SERIAL, note, aligned=True)
@@ -121,7 +116,7 @@ def run(program: ir.Program) -> ir.Program:
         Assign(acc, Num(0.0)),
         key_loop((Assign(acc, Call(Op.DOT_ACC, (Load(softmax.probs, (rows, cols)), v_load, Ref(acc)), dot.dtype)),),
                  "every key block"),
-        Store(o_store.target, _retile_index(o_store.index, spans), out if v_descale is None else descaled(out, v_descale)),
+        Store(o_store.target, _retile_index(o_store.index, spans), Call(Op.DIV, (Ref(acc), Ref(l)))),
         Store(lse_store.target, _retile_index(lse_store.index, spans),
               ir.map_expr(lse_store.value, lambda e: Ref(m) if e == Ref(softmax.rowmax) else
                           Ref(l) if e == Ref(softmax.rowsum) else e)),

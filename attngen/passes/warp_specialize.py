@@ -24,9 +24,11 @@ stride), at least one query, MIN_KEYS keys and MIN_SCORES scores. Everything els
 Triton kernel, which the tuner keeps tuning.
 
 Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
-16-bit inputs, a head dim of 64 or 128 and the tile keys left `auto` (a spec that fixes its tiles by
-hand gets exactly those, in the Triton kernel). A causal program reads only the key blocks its rows see
-and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
+16-bit inputs, a head dim in hopper.HEAD_DIMS (64, 96, 128, 256; d=96 runs 128 columns wide, `hopper.TILE_DIM`,
+and not varlen: its row-masked stores would write past the head), or a (head dim, head_dim_v) pair in
+hopper.SPLIT_FORWARD (DeepSeek's 192 / 128: the forward, Q and K tiles 256 wide, V and the output 128), and the
+tile keys left `auto` (a spec that fixes its tiles by hand gets exactly those, in the Triton kernel). A causal
+program reads only the key blocks its rows see and masks the diagonal block; bottom-right alignment with fewer keys than queries (rows that see no
 key) stays on the Triton kernel.
 
 Packed variable-length programs (`layout = varlen`, not paged) get the Gluon forward over all sequences' tiles:
@@ -53,7 +55,8 @@ outside the unmasked range with the IR's predicates, its scores modified and its
 loops after causal-skip are one unmasked range (`variant_backward_supported`): each key tile visits the query blocks
 those loops give it, masking, modifying the scores and multiplying dS by the modifier's derivative as the IR says.
 
-Specs with a backward (head dim 64 or 128) also get the backward in Gluon (`Program.warp_specialized.backward`,
+Specs with a backward (head dim 64, 96 or 128: at d=256 a consumer's dK and dV alone would take 256 registers a
+thread, `hopper.BWD_HEAD_DIMS`) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
 dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
@@ -65,7 +68,9 @@ instead adds dQ over its own keys, DQ_LOCAL, and no consumer waits for the other
 kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it under the forward's
 rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels
 elsewhere; calls of at most BWD_SHORT_KEYS keys take BWD_SHORT's shape (causal d=64: one consumer
-warpgroup of 64 keys, two programs a multiprocessor). The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
+warpgroup of 64 keys, two programs a multiprocessor). Where its grid (batch x K/V heads x key tiles) leaves
+multiprocessors idle, up to `max_group_split` programs share a GQA group's query heads (hopper.group_split, at
+launch), each storing its float32 dK and dV into a workspace that a pass after sums in order. The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
 from the Triton dQ kernel (and dK, dV from the Gluon kernel without DQ_ATOMIC where that wins: d=128).
 """
 
@@ -91,8 +96,20 @@ def applies(program: ir.Program) -> bool:
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and (not is_variant(program) or variant_supported(program, _varlen_scalars(program)))
             and (not program.attr("varlen") or _one_unmasked_range(program.kernel("attn_fwd"), sym.start_n))
-            and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.HEAD_DIMS
-            and program.attr("head_dim_v") is None)  # the Gluon templates take one head dim for Q, K and V
+            and head_dims_supported(program))
+
+
+def head_dims_supported(program: ir.Program) -> bool:
+    """Whether the Gluon kernels take the program's head dims: one in hopper.HEAD_DIMS at its tiles' width, or a
+    (head dim, head_dim_v) pair in hopper.SPLIT_FORWARD (the forward only). Not a varlen program's head dim that its
+    tiles pad, nor its head_dim_v: the varlen kernels' row-masked stores are one tile wide, and would write over a
+    packed row's next head."""
+    d, dv, varlen = program.attr("head_dim"), program.attr("head_dim_v"), program.attr("varlen")
+    if program.attr("head_dim_padded") != hopper.tile_dim(d):
+        return False
+    if dv is None:
+        return d in hopper.HEAD_DIMS and not (varlen and hopper.tile_dim(d) != d)
+    return (d, dv) in hopper.SPLIT_FORWARD and not varlen
 
 
 def _varlen_scalars(program: ir.Program) -> frozenset:
@@ -165,10 +182,11 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
-    has_backward = d in hopper.BWD_HEAD_DIMS and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
+    dv = program.attr("head_dim_v")  # (the backward templates take one head dim)
+    has_backward = d in hopper.BWD_HEAD_DIMS and dv is None and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if program.attr("varlen"):
         backward = None
-        if has_backward and variant_backward_supported(program):
+        if has_backward and hopper.VARLEN_BACKWARD and variant_backward_supported(program):
             backward = hopper.backward_varlen(d, causal)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
                                                          forward=hopper.forward_varlen(d, causal)))
@@ -178,8 +196,8 @@ def run(program: ir.Program) -> ir.Program:
         backward = None
         if has_backward and variant_backward_supported(program):
             backward = hopper.backward_variant(d, causal)
-        forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")))
+        forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     backward = hopper.backward(d, causal) if has_backward else None
-    decision = replace(program.warp_specialized, forward=hopper.forward(d, causal), backward=backward)
+    decision = replace(program.warp_specialized, forward=hopper.forward(d, causal, dv), backward=backward)
     return replace(program, warp_specialized=decision)

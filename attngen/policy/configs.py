@@ -116,6 +116,11 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
     128 with 5, per-tile pages (>= 64 tokens) 64 with 7 bring paged to 0.96-0.98x of contiguous."""
     if interpreter:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if spec.v_from_k:
+        # MLA (v = k[:512]): 16-128 query heads share the latent head, so BLOCK_M 64 reaches wgmma's rows; the
+        # 64 x 512 fp32 accumulator over 8 warps is 128 registers a thread, and two stages of 32 x 576 K tiles
+        # with the 64 x 576 Q tile fit sm_90's shared memory. Not measured yet (`attngen tune specs/mla_decode.attn`).
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     d = max(spec.head_dim_padded, spec.head_dim_v_padded)  # the wider of the two head dims sizes the tiles
     if d > 128:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}

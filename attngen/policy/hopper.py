@@ -13,7 +13,31 @@ from dataclasses import dataclass, replace
 
 from .. import ir
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128, 256)
+
+TILE_DIM = {96: 128, 192: 256}
+"""Head dims the Gluon kernels run at a wider tile, and that width: their register tiles and TMA blocks have
+power-of-two shapes (Triton 3.6's Gluon checks both), so d=96 runs 128 columns wide, TMA reading zeros past the
+tensors' 96 columns and clipping the stores there (its bytes are d=96's, its products d=128's), and takes d=128's
+shapes and thresholds, which are those of the same registers and shared memory. FA3's 96-column tiles would split each
+product into a 64- and a 32-column one over column slices of the swizzled tiles, and each TMA copy in two; not
+tried. Not measured. d=192 (DeepSeek's q.k, SPLIT_FORWARD) runs 256 columns wide."""
+
+
+def tile_dim(head_dim: int) -> int:
+    """The width of the Gluon kernels' Q and K tiles for a head dim in HEAD_DIMS or SPLIT_FORWARD (TILE_DIM)."""
+    return TILE_DIM.get(head_dim, head_dim)
+
+
+SPLIT_FORWARD = {(192, 128): ir.GluonShape(block_m=128, block_n=64, stages=2, consumers=2, consumer_regs=240,
+                                           maxnreg=168)}
+"""The Gluon forward's shape by (head dim, head_dim_v) for specs whose V and output are narrower than Q and K
+(DeepSeek's prefill: q.k over 192, v over 128; the backward stays on the Triton kernels, whose templates take one
+head dim). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
+the first half of its warpgroup's Q buffer. 64-key blocks: 2 stages of K (32 KB a stage) and V (16 KB) beside two
+Q buffers of 64 KB fill 224 KB, so the persistent grid fits (128-key blocks would not, even with one Q buffer); a
+consumer's [64, 128] accumulator and [64, 64] scores are d=128's registers at half its keys. Thresholds: d=256's.
+Not measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +69,7 @@ at 512-4096, within 1% at 16384; d=64 +13-17% at 512-1024, +1-3% from 4096."""
 FORWARD_MAIN = {
     64: ir.GluonShape(block_m=192, block_n=128, stages=2, consumers=3, consumer_regs=160, maxnreg=128),
     128: ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+    256: ir.GluonShape(block_m=128, block_n=64, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
 }
 """The Gluon kernel's launch shape by head dim. d=128: 12 warps (two consumer warpgroups, one loader warp
 padded to a warpgroup) x 168 registers fill the 64K register file; the loader gives back all but 24,
@@ -56,9 +81,13 @@ half again as many rows. With P carried in 16 bits its consumers spill 248 bytes
 wins: 465 TFLOP/s against 435 at N=4096 and 515 against 455 at 16384 without a mask, 479 against 447
 causal at 16384 (H200, NOTES.md v12; it had lost at 172-181 while P was carried in float32, v9). At
 d=128 a 160-register consumer cannot hold the [64, 128] accumulator beside S (420-425).
+d=256 takes FlashAttention 3's tile (128 rows in two consumer warpgroups) with 64-key blocks: a consumer's [64, 256]
+float32 accumulator is 128 of its 240 registers, so S must stay [64, 64] (32 more; FA3 takes 80 keys, which a
+power-of-two register tile cannot); 2 stages of K and V (128 KB) beside one Q buffer (64 KB) fill shared memory,
+so the grid is one program per tile (PERSISTENT's second Q buffer would need 64 KB more). Not measured yet.
 SHORT_KEYS, FORWARD_SHORT: the shape of calls of at most SHORT_KEYS keys."""
 
-MIN_KEYS = {(64, False): 512, (64, True): 2048, (128, False): 1, (128, True): 1}
+MIN_KEYS = {(64, False): 512, (64, True): 2048, (128, False): 1, (128, True): 1, (256, False): 1, (256, True): 1}
 """Fewest keys for which the Gluon kernel runs, by (head dim, causal). At d=64 and short sequences
 the Triton kernel is faster (H200, NOTES.md v22, persistent grid: 512 keys 318 TFLOP/s against 346
 without a mask, 1024 413 against 393; causal 2048 294 against 351, 4096 414 against 381): a tile's
@@ -66,15 +95,17 @@ half-size products of d=64 leave more of its time to fixed costs. Since BALANCE 
 Gluon kernel wins without a mask from 512 keys (363-368 against 340-344; 256 keys 220 against 257), and
 causal still lost at 1024 and 2048 (213 against 281, 305 against 345); with two consumer warpgroups up to 4096 keys
 (FORWARD_SHORT, NOTES.md v30, H100) it wins from 2048 (377 against 343) and ties at 1024 (283 against 281). At d=128
-the Gluon kernel wins from 512 keys on (517 against 314 without a mask, 245 against 188 causal)."""
+the Gluon kernel wins from 512 keys on (517 against 314 without a mask, 245 against 188 causal). d=256: as d=128
+(its products are twice as long, so fixed costs weigh less); not measured."""
 
 
-SHORT_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 0, (128, True): 1024}
+SHORT_KEYS = {(64, False): 512, (64, True): 4096, (128, False): 0, (128, True): 1024, (256, False): 0, (256, True): 0}
 """Most keys for which the Gluon kernel takes FORWARD_SHORT's shape instead of its own, by (head dim, causal); 0:
 never. The same kernel at other constexprs: a second binary, compiled on the first call that takes it."""
 
 FORWARD_SHORT = {(64, False): FORWARD_MAIN[128], (64, True): FORWARD_MAIN[128], (128, False): FORWARD_MAIN[128],
-                 (128, True): replace(FORWARD_MAIN[128], block_n=64, stages=3)}
+                 (128, True): replace(FORWARD_MAIN[128], block_n=64, stages=3), (256, False): FORWARD_MAIN[256],
+                 (256, True): FORWARD_MAIN[256]}
 """The shape of calls of at most SHORT_KEYS keys, by (head dim, causal): `GluonForward.short` (each
 consumer warpgroup keeps its 64 rows, so the Q and output descriptors are the same; the verifier checks it). Causal d=128 (H200, NOTES.md v22): 64-key blocks in 3 stages 297 TFLOP/s against 243 at N=512 (a
 4-block tile becomes 8 steps, and the diagonal block wastes half as much), 417 against 394 at 1024, 477 against
@@ -84,7 +115,8 @@ three, causal 283 / 377 / 421 TFLOP/s against 213 / 302 / 417 at N = 1024 / 2048
 455 against 493 at 4096."""
 
 
-BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False}
+BALANCE = {(64, False): True, (64, True): True, (128, False): True, (128, True): False, (256, False): False,
+           (256, True): False}
 """Whether a persistent grid deals each round's tiles (causal: pairs of them) so that the short ones are spread
 over the programs, by (head dim, causal); the kernel does so only when a sequence's last row block leaves a
 warpgroup idle or, causal, a middle row block has no pair (_ws_balanced_slot in templates/gluon_forward.py.j2).
@@ -92,7 +124,13 @@ Taken in place order, P = 132 programs against 22 row blocks a head (d=64, N=409
 tile and the rest none. Measured (H100, kernel time, NOTES.md v26):
 d=64 without a mask -6% at N=1024, -4% at 2048, -6.5 to -7.5% at 4096, within noise at 8192-16384; causal 0 to
 -2.3% at 4096, within noise from 8192; d=128 without a mask -1% at 4000 and 4096; causal d=128 +0.6-1.4% (it has no short pair at the bench's
-lengths, and the dealing's arithmetic costs its registers more): off."""
+lengths, and the dealing's arithmetic costs its registers more): off. d=256: no persistent grid (PERSISTENT_FITS)."""
+
+
+PERSISTENT_FITS = {64: True, 128: True, 256: False}
+"""By head dim: whether a persistent grid's second Q buffer fits in shared memory beside the K/V ring (227 KB): at
+d=256 one tile's Q is 64 KB and the ring 128 KB, so the forward there takes one program per tile whatever
+FORWARD_FLAGS.persistent says."""
 
 
 MIN_SCORES = 1 << 25
@@ -103,7 +141,11 @@ N=128 d=128, 9.6 us of GPU work either way). Below 2^25 scores (about 30 us of G
 is host-bound and the Triton kernel finishes first."""
 
 
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)
+"""d=256 is not here: a consumer warpgroup's dK and dV [64, 256] float32 accumulators are 256 registers a thread
+alone. ptxas (sm_90a) on the d=128 kernel at d=256: two consumers of 64 keys spill 4524 bytes (and need 296 KB of
+shared memory at one stage), one consumer of 64 keys at 255 registers spills 5720 (214 KB); d=128 spills 68.
+FA3 splits dK and dV over its two warpgroups by columns; this kernel gives each warpgroup its own keys."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +234,34 @@ dO block streamed then feeds 64 keys instead of 128. Measured (H200, NOTES.md v3
 causal N=512 -11% / +10% (184 -> 202 TFLOP/s, cuDNN 171), 1024 -9% / +5%, 2048 -7% / +1%, 4096 -5% / -2%, 8192
 -2% / -4%, 16384 +2% / -6%; without a mask -2% / +2% at 512 and -1% to +15% / -3 to -8% from 1024: not taken."""
 
+BWD_MAX_GROUP_SPLIT = 8
+"""At most how many programs share the query heads of one GQA group in the Gluon backward (1: never split). The
+dK/dV grid has one program per (batch, K/V head, key tile), each walking every query head of its group: at B=1 with
+4 K/V heads and 2049 keys that is 68 programs on the H200's 132 multiprocessors, the backward at 0.49 of cuDNN
+(issue 51, d=128 GQA 28/4 causal). `group_split` picks the count per launch from the grid and the
+multiprocessors; each part's program adds its heads' dK and dV in float32 and a pass after sums the parts in
+order. Only the one-kernel backward (DQ_ATOMIC) is split: the dK/dV-only kernel of deterministic algorithms spills
+more with the float32 stores from registers (d=128 without a mask: 104 -> 272 bytes, ptxas; with dQ: 68 -> 0).
+Not measured yet: the cap only bounds the float32 workspace (parts x the dK and dV bytes x 2)."""
+
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
 BWD_ROW_ELEMENTS = 4096
 """Elements per program of the two row passes around the one-kernel backward (lse, delta and the zeroed dQ
 accumulator before; dQ after): ROW_BLOCK = 4096 / d rows, 4 warps. At d=128 the prep pass took 86 us
@@ -216,16 +286,22 @@ KB for Q and P^T, one program per multiprocessor (ptxas gives the 8 warps 255 re
 were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md v13, v32)."""
 
 
-def forward(head_dim: int, causal: bool) -> ir.GluonForward:
-    """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS."""
+def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS (those of its tiles' width), or with
+    head_dim_v for a pair in SPLIT_FORWARD."""
+    split = None if head_dim_v is None else SPLIT_FORWARD[(head_dim, head_dim_v)]
+    head_dim = tile_dim(head_dim)
     key, f = (head_dim, causal), FORWARD_FLAGS
-    return ir.GluonForward(main=FORWARD_MAIN[head_dim], short=FORWARD_SHORT[key], loader_regs=f.loader_regs,
+    main, short = (FORWARD_MAIN[head_dim], FORWARD_SHORT[key]) if split is None else (split, split)
+    fits = PERSISTENT_FITS[head_dim] if split is None else True
+    return ir.GluonForward(main=main, short=short, loader_regs=f.loader_regs,
                            overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
-                           persistent=f.persistent, balance=BALANCE[key], pair=causal, min_keys=MIN_KEYS[key],
+                           persistent=f.persistent and fits, balance=BALANCE[key], pair=causal,
+                           min_keys=MIN_KEYS[key],
                            short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
 
 
-def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
+def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
     few), an unmasked one (softcap, sinks) the column without a mask. BALANCE is off: its dealing plans around
@@ -234,7 +310,7 @@ def forward_variant(head_dim: int, masked: bool, pair: bool) -> ir.GluonForward:
     causal mask), so they are taken as the causal mask's are, longest first and in pairs; taken in order,
     the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
     the plain causal kernel's 676, NOTES.md v44)."""
-    return replace(forward(head_dim, masked), balance=False, pair=pair)
+    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair)
 
 
 def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
@@ -249,7 +325,8 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
-    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS."""
+    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width)."""
+    head_dim = tile_dim(head_dim)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -258,7 +335,8 @@ def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
                             late_rows=BWD_LATE_ROWS[key], split=BWD_SPLIT[head_dim],
                             dq_local_rows=BWD_DQ_LOCAL_ROWS[key], dq_claim_keys=BWD_DQ_CLAIM_KEYS[key],
                             row_block=BWD_ROW_ELEMENTS // head_dim, min_keys=BWD_MIN_KEYS[causal],
-                            short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES)
+                            short_keys=BWD_SHORT_KEYS[key], min_scores=BWD_MIN_SCORES,
+                            max_group_split=BWD_MAX_GROUP_SPLIT)
 
 
 def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
@@ -269,15 +347,22 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     return replace(backward(head_dim, masked), dq_claim_keys=0)
 
 
+VARLEN_BACKWARD = False
+"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`). Off: on its first GPU run (H200,
+2026-11-28) every varlen Gluon backward launch stopped with "an illegal instruction was encountered", so the Triton
+varlen backward runs until that is found (benchmarks/NOTES.md, varlen)."""
+
+
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
-    so a launch cannot pick the short shape by them). min_keys and min_scores are compared with the average keys a
+    so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles).
+    min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
-    return replace(variant, short=variant.main, short_keys=0)
+    return replace(variant, short=variant.main, short_keys=0, max_group_split=1)
 
 
 def decode() -> ir.GluonDecode:

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from ..errors import KernelInputError
-from ..lang.spec import FP8_DESCALES, MAX_HEAD_DIM_V, MIN_SCALE, Spec
+from ..lang.spec import DESCALES, MAX_HEAD_DIM_V, MIN_SCALE, Spec
 from ..env import interpreting
 
 INT32_MAX = 2**31 - 1
@@ -179,6 +179,8 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
                                f"and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise KernelInputError(f"{qn} has batch {q.shape[0]} but {kn} and {vn} have batch {k.shape[0]}")
+    if spec.v_from_k:
+        check_prefix_view(vn, v, kn, k)
     check_heads(spec, q.shape[1], k.shape[1], qn, kn, vn)
     check_grid(q.shape[0], q.shape[1], qn)
     if spec.packs_gqa:
@@ -188,6 +190,21 @@ def check_attention_inputs(spec: Spec, q, k, v, names: tuple[str, str, str] = ("
             # batch x heads x queries: attngen/policy/splits.py), far from these limits.
             check_split_launch(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[3], spec.split_kv, qn, kn,
                                "split_kv")
+
+
+def is_prefix_view(v, k) -> bool:
+    """Whether `v` is `k[..., :D_V]`: the same memory, shape and strides but for a shorter last dim (MLA's values
+    as a view of its latent cache)."""
+    return (v.data_ptr() == k.data_ptr() and v.dtype == k.dtype and v.device == k.device and v.dim() == k.dim()
+            and v.shape[:-1] == k.shape[:-1] and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride())
+
+
+def check_prefix_view(v_name: str, v, k_name: str, k) -> None:
+    """For a `v = k[:N]` kernel, which reads V from K's memory: v must be that view, not another tensor."""
+    if not is_prefix_view(v, k):
+        raise KernelInputError(f"{v_name} must be a view of {k_name}'s first columns ({k_name}[..., :{v.shape[-1]}]): "
+                               f"the kernel reads the values from {k_name} (its spec says v = k[:N]); got a tensor "
+                               "of its own memory or strides")
 
 
 def check_heads(spec: Spec, heads: int, kv_heads: int, q_name: str, k_name: str, v_name: str = "v") -> None:
@@ -250,30 +267,38 @@ def output_shape(q: torch.Tensor, v: torch.Tensor) -> torch.Size:
     return q.shape[:-1] + v.shape[-1:]
 
 
-def new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """An uninitialised output for q over v: laid out like q where v's head dim is q's, else contiguous."""
-    return torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(output_shape(q, v))
+def new_output(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised output for q over v, in `dtype` (if None q's, but bfloat16 for float8_e4m3fn q: the FP8
+    kernels' output, lang.spec's `DType.output`): laid out like q where v's head dim and the dtype are q's, else
+    contiguous."""
+    if dtype is None and q.dtype == torch.float8_e4m3fn:
+        dtype = torch.bfloat16
+    if (dtype is None or dtype == q.dtype) and v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty(output_shape(q, v), dtype=dtype)
 
 
-def check_like(t, like: torch.Tensor, name: str, shape: torch.Size | None = None) -> None:
-    """A tensor the kernel reads (e.g. the output gradient) must match `like` (with `shape` instead of its
-    shape, where given); any strides work."""
+def check_like(t, like: torch.Tensor, name: str, shape: torch.Size | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """A tensor the kernel reads (e.g. the output gradient) must match `like` (with `shape` and `dtype` instead of
+    its own, where given); any strides work."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
     shape = like.shape if shape is None else shape
-    if t.layout is not torch.strided or t.shape != shape or t.dtype != like.dtype or t.device != like.device:
+    dtype = like.dtype if dtype is None else dtype
+    if t.layout is not torch.strided or t.shape != shape or t.dtype != dtype or t.device != like.device:
         raise KernelInputError(
-            f"{name} must be {tuple(shape)} {like.dtype} on {like.device}; "
+            f"{name} must be {tuple(shape)} {dtype} on {like.device}; "
             f"got {tuple(t.shape)} {t.dtype} on {t.device}"
         )
     check_indexing(name, t)
 
 
 def check_out(out, like: torch.Tensor, name: str = "out", inputs: dict | None = None,
-              shape: torch.Size | None = None) -> None:
-    """A tensor the kernel writes must match `like` (`shape`: as check_like) and own its memory: no element
+              shape: torch.Size | None = None, dtype: torch.dtype | None = None) -> None:
+    """A tensor the kernel writes must match `like` (`shape`, `dtype`: as check_like) and own its memory: no element
     twice, nothing shared with `inputs` (name -> tensor), since some programs read inputs while others write."""
-    check_like(out, like, name, shape)
+    check_like(out, like, name, shape, dtype)
     if has_internal_overlap(out):
         raise KernelInputError(
             f"{name} has strides {out.stride()} for shape {tuple(out.shape)}, so some of its elements share "
@@ -329,6 +354,17 @@ def gradient_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     return grads
 
 
+_UNIT_DESCALES: dict = {}
+
+
+def unit_descale(device: torch.device) -> torch.Tensor:
+    """A (1,) float32 one on `device`: the descale of a tensor given without one (one per device, never written)."""
+    found = _UNIT_DESCALES.get(device)
+    if found is None:
+        found = _UNIT_DESCALES[device] = torch.ones(1, device=device, dtype=torch.float32)
+    return found
+
+
 _TENSOR_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int32": torch.int32}
 
 
@@ -342,10 +378,12 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int |
     gradient comes back in theirs); a declared tensor is exactly its declared shape (B and H read from q)
     and dtype. attngen computes gradients for the sinks only: a slope or declared tensor that requires
     grad while grad mode is on is refused, not treated as a constant (its gradient would silently be
-    missing). `batch`: the number of sequences where q's first dimension is not it (packed varlen q). An FP8
-    cache's k_descale and v_descale are float32 (B, H_KV), (H_KV,) or (1,), `kv_heads` the cache's H_KV."""
+    missing). `batch`: the number of sequences where q's first dimension is not it (packed varlen q).
+
+    FP8 descales (an FP8 spec's q_descale, k_descale and v_descale, an FP8 cache's k_descale and v_descale) are
+    float32, (1,), (kv_heads,) or (batch, kv_heads) (`kv_heads`: k's or the cache's heads); one not given is 1."""
     variant = spec.variant
-    names = spec.runtime_tensors
+    names = spec.runtime_tensors()
     unknown = sorted(set(given) - set(names))
     if unknown:
         takes = ", ".join(f"{n}=" for n in names) or "no tensor keywords"
@@ -354,6 +392,8 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int |
     out = []
     for name in names:
         t = given.get(name)
+        if t is None and name in DESCALES:
+            t = unit_descale(q.device)
         if t is None:
             raise TypeError(f"kernel '{spec.name}' needs the tensor {name}= (its spec declares it)")
         if not isinstance(t, torch.Tensor):
@@ -364,13 +404,15 @@ def check_runtime_tensors(spec: Spec, q: torch.Tensor, given: dict, batch: int |
             dtypes = [_TENSOR_DTYPES[decl.dtype]]
         elif name == "sinks":
             shapes, dtypes = [(heads,)], [torch.float32, spec.dtype.torch]
-        elif name in FP8_DESCALES:
-            shapes, dtypes = [(batch, kv_heads), (kv_heads,), (1,)], [torch.float32]
+        elif name in DESCALES:
+            kv = heads if kv_heads is None else kv_heads
+            shapes, dtypes = [(1,), (kv,), (batch, kv)], [torch.float32]
         else:  # ALiBi's slopes
             shapes, dtypes = [(heads,), (batch, heads)], [torch.float32]
         if tuple(t.shape) not in shapes:
+            against = "(batch, kv_heads)" if name in DESCALES else "q of shape " + str(tuple(q.shape))
             raise KernelInputError(f"{name} has shape {tuple(t.shape)}; kernel '{spec.name}' takes "
-                                   + " or ".join(str(s) for s in shapes) + " for q of shape " + str(tuple(q.shape)))
+                                   + " or ".join(str(s) for s in shapes) + " for " + against)
         if t.dtype not in dtypes:
             raise KernelInputError(f"{name} has dtype {t.dtype}; kernel '{spec.name}' takes "
                                    + " or ".join(str(d) for d in dict.fromkeys(dtypes)))

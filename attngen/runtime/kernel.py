@@ -148,8 +148,9 @@ class Kernel:
         self._program = program
         self._parts: dict = {}
         self._backward_configs: dict = {}  # `backward_config`'s memo
-        # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks), in order.
-        self.tensor_names = spec.runtime_tensors
+        # The keyword tensors its calls take (a variant's declared tensors, alibi_slopes, sinks, an FP8 spec's
+        # descales), in order.
+        self.tensor_names = spec.runtime_tensors()
 
     @property
     def name(self) -> str:
@@ -225,8 +226,10 @@ class Kernel:
         specs only).
 
         `tensors`: the spec's run-time tensors by keyword (`tensor_names`: its declared tensors,
-        `alibi_slopes` (H,) or (B, H) float32, `sinks` (H,)), checked by `arguments.check_runtime_tensors`;
-        a variant's sinks get a gradient, its other tensors are constants.
+        `alibi_slopes` (H,) or (B, H) float32, `sinks` (H,); an FP8 spec's `q_descale`, `k_descale`, `v_descale`,
+        an FP8 cache's `k_descale`, `v_descale`, float32 (1,), (H_KV,) or (B, H_KV), 1 where not given), checked by
+        `arguments.check_runtime_tensors`;
+        a variant's sinks get a gradient, its other tensors are constants. An FP8 spec's output is bfloat16.
 
         A call without `config=` whose signature repeats an earlier call's (its plan in `PLANS`, the one cache
         of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
@@ -291,10 +294,11 @@ class Kernel:
             # lookup, the launch and the stream it runs on).
             with torch.cuda.device(q.device):
                 return self.forward(q, k, v, scale, out=out, config=config, lse=lse, tensors=tensors)
+        dtype = self.spec.dtype.output.torch
         if out is not None:
-            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v))
+            check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v), dtype=dtype)
         else:
-            out = new_output(q, v)
+            out = new_output(q, v, dtype)
         if out.stride() != q.stride():  # else q's checks cover out (empty_like(q) differs when q is expanded)
             check_indexing("out", out)
             if self.spec.packs_gqa:
@@ -324,6 +328,9 @@ class Kernel:
         `grads`, if given, are the three tensors to write dq, dk and dv into (shaped like q, k, v).
         `tensors`: the run-time tensors the forward took, by keyword.
         """
+        if self.spec.dtype.fp8:
+            raise KernelInputError(f"kernel '{self.spec.name}' takes FP8 inputs and is forward-only: the backward "
+                                   "stays 16-bit")
         if not self.spec.backward:
             raise KernelInputError(f"kernel '{self.spec.name}' is forward-only: write direction = forward+backward")
         check_attention_inputs(self.spec, q, k, v)

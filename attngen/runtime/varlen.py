@@ -18,6 +18,8 @@ import torch
 
 from ..errors import KernelInputError
 from ..lang.spec import Spec
+from ..policy import mixed
+from ..policy.splits import multiprocessors
 from . import autograd, tables, warmup
 from .arguments import (INT32_MAX, _runtime_device_ok, check_head_dim, check_heads, check_like, check_out,
                         check_recording, check_runtime_tensors, new_output, output_shape, check_scale, check_span, check_tensor, on_other_gpu)
@@ -48,7 +50,7 @@ def call(kernel, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if out is not None:
             check_out(out, q, inputs={"q": q, "k": k, "v": v}, shape=output_shape(q, v))
         out, lse = forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, sm_scale, out=out,
-                           config=config, tensors=extra)
+                           config=config, tensors=extra, max_seqlens=(max_seqlen_q, max_seqlen_k))
     return (out, lse) if return_lse else out
 
 
@@ -118,19 +120,28 @@ def _int32(name: str, t, dims: int, device) -> None:
 
 
 def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale: float, out=None,
-            config: dict | None = None, tensors: tuple = ()):
-    """(out, lse) of checked inputs; no autograd. `seqlens_k`: the keys each sequence uses (B,) int32."""
+            config: dict | None = None, tensors: tuple = (), max_seqlens: tuple[int, int] | None = None):
+    """(out, lse) of checked inputs; no autograd. `seqlens_k`: the keys each sequence uses (B,) int32.
+    `max_seqlens` (max_seqlen_q, max_seqlen_k): where given, a mixed spec's call (paged) schedules its short
+    sequences by the policy (attngen/policy/mixed.py); without them the wide kernel runs alone."""
     if on_other_gpu(q):
         with torch.cuda.device(q.device):
             return forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out, config,
-                           tensors)
+                           tensors, max_seqlens)
     out = new_output(q, v) if out is None else out
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     shape = Packed.of(q, k, cu_seqlens_q, block_table)
     launch = dict(tables.launch_config(kernel, shape, q.device.index), **(config or {}))
+    steps = {}
+    # NOTE: the module's constants, not kernel.program: a module loaded from the disk cache would rebuild its
+    # program (~0.5 s) at its first call. NARROW_CONFIG is in the modules the mixed pass gave narrow kernels.
+    if max_seqlens is not None and getattr(kernel.module, "NARROW_CONFIG", None) is not None:
+        plan = mixed.schedule(seqlens_k.shape[0], q.shape[1], k.shape[-2], *max_seqlens, multiprocessors(q.device),
+                              min(launch["BLOCK_N"], getattr(kernel.module, "MAX_BLOCK_N", launch["BLOCK_N"])))
+        steps = dict(narrow_m=plan.narrow_m, num_splits=plan.num_splits, max_seqlen_q=max_seqlens[0])
     warmup.wait()
     kernel.module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out=out, lse=lse,
-                                 config=launch, **kernel._keywords(tensors))
+                                 config=launch, **kernel._keywords(tensors), **steps)
     return out, lse
 
 

@@ -17,14 +17,20 @@ import torch
 from . import reference
 from .packed import packed_inputs
 from ..lang import variants as v
-from ..lang.spec import FP8_DESCALES, DType, Mask, Spec
+from ..lang.spec import DType, Mask, Spec
 from ..env import interpreting
 
 FUDGE = 3.0
-ATOL = {DType.FP16: 2e-3, DType.BF16: 1.5e-2, DType.FP32: 2e-5}
+# FP8 (e4m3 inputs, a bf16 output): the floor is bf16's, the output's rounding.
+ATOL = {DType.FP16: 2e-3, DType.BF16: 1.5e-2, DType.FP32: 2e-5, DType.FP8_E4M3: 1.5e-2}
 # ||out - ref|| / ||ref|| must also stay under this: a max-abs rule alone is lenient for bf16, whose
 # same-precision reference is poor, and a dropped key block moves the relative error past 5e-2.
-REL_TOL = {DType.FP16: 3e-3, DType.BF16: 1e-2, DType.FP32: 1e-5}
+# FP8: against float64 of the dequantised inputs, the kernel's only rounding beyond fp32 and the bf16 store
+# is P's to e4m3 (3 mantissa bits: a relative 2^-4 at most per weight in the normal range; weights
+# below 2^-6 are off by 2^-10 at most, against a row sum >= 1). Each output is a weighted mean of V,
+# so its error is at most 2^-4 of the mean of |v| by those weights, and the norm of the errors 2^-4
+# of the outputs' norm where the weights' errors do not all lean one way; plus 2^-8, bf16's rounding.
+REL_TOL = {DType.FP16: 3e-3, DType.BF16: 1e-2, DType.FP32: 1e-5, DType.FP8_E4M3: 2.0 ** -4 + 2.0 ** -8}
 # Gradients go through two more roundings to the input dtype (P and dS before their products).
 GRAD_REL_TOL = {DType.FP16: 5e-3, DType.BF16: 2e-2, DType.FP32: 2e-5}
 
@@ -96,6 +102,8 @@ def default_cases(spec: Spec, small: bool = False) -> list:
     packed batches of such sequences (`PackedCase`)."""
     heads = spec.heads or 2 * (spec.group or 1)
     kv = spec.kv_heads or heads // (spec.group or 1)
+    if spec.v_from_k and spec.heads is None:  # MLA: DeepSeek's fewest query heads over one latent head
+        heads, kv = 16, 1
     long = 200 if small else 1000
     if spec.varlen:
         return [
@@ -117,29 +125,24 @@ def default_cases(spec: Spec, small: bool = False) -> list:
 
 
 def random_inputs(spec: Spec, case: Case, device, generator=None):
-    """Standard normal q, k, v of the case's shapes, in the spec's dtype (k and v in its kv_dtype where it sets one)."""
+    """Standard normal q, k, v of the case's shapes in the spec's dtype, k and v in its kv_dtype where it sets one
+    (FP8 values are the stored e4m3 ones: `runtime_tensors` gives their descales)."""
     dt, kv_dt = spec.dtype.torch, (spec.kv_dtype or spec.dtype).torch
     shape_q = (case.batch, case.heads, case.n_q, spec.head_dim)
     shape_k = (case.batch, case.kv_heads, case.n_k, spec.head_dim)
     shape_v = shape_k[:-1] + (spec.head_dim_v,)
     q = torch.randn(shape_q, generator=generator, device=device, dtype=torch.float32).to(dt)
     k = torch.randn(shape_k, generator=generator, device=device, dtype=torch.float32).to(kv_dt)
+    if spec.v_from_k:  # `v = k[:N]` (MLA): the values are a view of the keys' first columns
+        return q, k, k[..., :spec.head_dim_v]
     v = torch.randn(shape_v, generator=generator, device=device, dtype=torch.float32).to(kv_dt)
     return q, k, v
-
-
-def dequantized(spec: Spec, k, v, tensors: dict):
-    """k and v (B, H_KV, N, D) as the kernel reads them: an FP8 cache's values times their descale factors (in
-    float64); others unchanged."""
-    if not spec.fp8_cache:
-        return k, v
-    return tuple(t.double() * tensors[name].double()[:, :, None, None] for t, name in zip((k, v), FP8_DESCALES))
 
 
 def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
     """Random run-time tensors of a variant spec, by keyword: ALiBi slopes (H,) in (0, 0.1] (a bias of a
     few units across the cases' lengths), sinks (H,) standard normal, declared tensors of their shape and
-    dtype (standard normal; int32 in [0, 4))."""
+    dtype (standard normal; int32 in [0, 4)); an FP8 spec's descales per (batch, K/V head) in [0.5, 1.5)."""
     variant = spec.variant
     tensors = {}
 
@@ -156,10 +159,29 @@ def runtime_tensors(spec: Spec, case: Case, device, generator=None) -> dict:
         tensors[v.ALIBI_TENSOR] = 0.1 * (1 - torch.rand(case.heads, generator=generator, device=device))
     if variant.sinks:
         tensors[v.SINKS_TENSOR] = normal(case.heads)
-    if spec.fp8_cache:  # descale factors in [0.5, 1.5): every (sequence, K/V head) its own
-        for name in FP8_DESCALES:
-            tensors[name] = 0.5 + torch.rand(case.batch, case.kv_heads, generator=generator, device=device)
+    for name in spec.descales:  # in [0.5, 1.5): every (sequence, K/V head) its own
+        tensors[name] = 0.5 + torch.rand(case.batch, case.kv_heads, generator=generator, device=device)
     return tensors
+
+
+def dequantized(spec: Spec, q, k, v_, tensors: dict):
+    """(q, k, v, tensors) as the kernel reads them: the FP8 inputs' stored values times their descales in float64
+    (q's per K/V head, shared by its group; a descale not given is 1), the descales taken out of the tensors; a
+    16-bit input, and every input of another spec, as it is."""
+    if not spec.descales:
+        return q, k, v_, tensors
+    tensors = dict(tensors)
+    factors = {name: tensors.pop(name, None) for name in spec.descales}
+    group = q.shape[1] // k.shape[1]
+
+    def descaled(x, name, heads_per_descale=1):
+        d = factors.get(name)
+        if d is None:
+            return x if x.dtype.itemsize > 1 else x.double()
+        d = d.double().expand(q.shape[0], k.shape[1]) if d.dim() == 1 else d.double()
+        return x.double() * d.repeat_interleave(heads_per_descale, dim=1)[:, :, None, None]
+
+    return descaled(q, "q_descale", group), descaled(k, "k_descale"), descaled(v_, "v_descale"), tensors
 
 
 def spec_variant(spec: Spec) -> v.Variant:
@@ -171,11 +193,22 @@ def spec_variant(spec: Spec) -> v.Variant:
     return spec.variant
 
 
-def spec_reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64):
-    """(out, lse) of the spec's attention in `dtype`: the plain reference, or a variant's full matrices."""
+def spec_reference(spec: Spec, q, k, v_, scale, tensors: dict, dtype=torch.float64, fp8_probs: bool = False):
+    """(out, lse) of the spec's attention in `dtype`: the plain reference, or a variant's full matrices (`fp8_probs`:
+    the weights rounded to e4m3, reference.weights)."""
     if not spec.variant:
-        return reference.attention(q, k, v_, spec.mask, scale, dtype=dtype)
-    return reference.variant_attention(q, k, v_, spec_variant(spec), spec.bottom_right, scale, tensors, dtype=dtype)
+        return reference.attention(q, k, v_, spec.mask, scale, dtype=dtype, fp8_probs=fp8_probs)
+    return reference.variant_attention(q, k, v_, spec_variant(spec), spec.bottom_right, scale, tensors, dtype=dtype,
+                                       fp8_probs=fp8_probs)
+
+
+def low_precision_reference(spec: Spec, q, k, v_, scale, tensors: dict):
+    """(out, lse) of a same-precision PyTorch computation: in the spec's dtype; for an FP8 spec (whose inputs here
+    are dequantised), in float32 with the weights rounded to e4m3 and the output to bf16, as the kernel rounds."""
+    if spec.dtype.fp8:
+        out, lse = spec_reference(spec, q, k, v_, scale, tensors, dtype=torch.float32, fp8_probs=True)
+        return out.to(spec.dtype.output.torch), lse
+    return spec_reference(spec, q, k, v_, scale, tensors, dtype=spec.dtype.torch)
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
@@ -189,9 +222,9 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor):
 
 def compare(spec: Spec, case: Case, out, lse, q, k, v, scale=None, tensors: dict | None = None) -> Result:
     scale = spec.softmax_scale if scale is None else scale
-    tensors = tensors or {}
+    q, k, v, tensors = dequantized(spec, q, k, v, tensors or {})
     ref, ref_lse = spec_reference(spec, q, k, v, scale, tensors)
-    low, low_lse = spec_reference(spec, q, k, v, scale, tensors, dtype=spec.dtype.torch)
+    low, low_lse = low_precision_reference(spec, q, k, v, scale, tensors)
     if not ((torch.isfinite(low) | ~torch.isfinite(ref)).all() and (torch.isfinite(low_lse) | ~torch.isfinite(ref_lse)).all()):
         # NOTE: scores past fp16's range (a large scale) overflow the same-precision computation, which
         # would make the tolerance inf or NaN; the kernels keep scores in fp32, so measure against fp32.
@@ -258,10 +291,8 @@ def run_case(kernel, case: Case, device, generator=None) -> Result:
         return _run_varlen_case(kernel, case, device, generator)
     q, k, v = random_inputs(spec, case, device, generator)
     tensors = runtime_tensors(spec, case, device, generator)
-    out = q.new_full(q.shape[:-1] + v.shape[-1:], float("nan"))
+    out = q.new_full(q.shape[:-1] + v.shape[-1:], float("nan"), dtype=spec.dtype.output.torch)
     out, lse = kernel(q, k, v, out=out, return_lse=True, **tensors)
-    k, v = dequantized(spec, k, v, tensors)
-    tensors = {name: t for name, t in tensors.items() if name not in FP8_DESCALES}
     result = compare(spec, case, out, lse, q, k, v, tensors=tensors)
     if spec.backward:
         do = torch.randn(out.shape, generator=generator, device=device, dtype=torch.float32).to(q.dtype)

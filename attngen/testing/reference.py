@@ -28,12 +28,13 @@ def causal_keep(n_q: int, n_k: int, mask: Mask, device=None, first_row: int = 0,
 
 
 def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64,
-              first_row: int = 0, total_rows: int | None = None):
+              first_row: int = 0, total_rows: int | None = None, fp8_probs: bool = False):
     """Reference attention for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D); returns (out, lse).
 
     Computed in `dtype` (float64 by default; a lower precision gives the error a same-precision
     PyTorch computation makes, which the tolerances are measured against). `first_row` and
-    `total_rows` place q's rows inside a longer query sequence, for the causal mask.
+    `total_rows` place q's rows inside a longer query sequence, for the causal mask. `fp8_probs`: the
+    weights quantised to e4m3 as an FP8 kernel quantises P (`weights`).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -47,10 +48,20 @@ def attention(q, k, v, mask: Mask = Mask.NONE, scale: float | None = None, dtype
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    # exp(-inf - -inf) is NaN: rows with no visible key get zero weights instead.
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    out = probs @ vd
+    out = weights(scores, lse, fp8_probs) @ vd
     return out, lse
+
+
+def weights(scores: torch.Tensor, lse: torch.Tensor, fp8_probs: bool = False) -> torch.Tensor:
+    """softmax(scores) along the last axis, from its log-sum-exp `lse`; rows with no visible key (lse -inf) get
+    zero weights (exp(-inf - -inf) would be NaN). With `fp8_probs`, as an FP8 kernel weighs the values:
+    p = exp(s - rowmax) rounded to e4m3 (in [0, 1]: no scaling), over the unrounded sum of p."""
+    if not fp8_probs:
+        return torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    total = p.sum(dim=-1, keepdim=True)
+    return p.to(torch.float8_e4m3fn).to(p.dtype) / torch.where(total == 0, torch.ones_like(total), total)
 
 
 def attention_grads(q, k, v, do, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64,
@@ -224,12 +235,12 @@ def _holds(m, env: dict):
 
 
 def variant_attention(q, k, v_, variant, bottom_right: bool = False, scale: float | None = None,
-                      tensors: dict | None = None, dtype=torch.float64):
+                      tensors: dict | None = None, dtype=torch.float64, fp8_probs: bool = False):
     """Reference attention of a variant (lang/variants.py `Variant`) for q (B, H, N_Q, D), k and v (B, H_KV, N_K, D):
     the full (B, H, N_Q, N_K) score matrix, the score modifier applied element by element, the mask built
     from the tree, the sinks (tensors["sinks"], (H,)) as one more logit per row. `tensors` holds the run-time
     tensors by keyword (declared tensors, "alibi_slopes" (H,) or (B, H), "sinks"). Returns (out, lse), the
-    lse including the sink; differentiable."""
+    lse including the sink; differentiable. `fp8_probs`: as `attention`'s."""
     tensors = dict(tensors or {})
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -260,7 +271,7 @@ def variant_attention(q, k, v_, variant, bottom_right: bool = False, scale: floa
         sink = tensors["sinks"].to(dtype)[None, :, None, None].expand(batch, heads, n_q, 1)
         scores = torch.cat([scores, sink], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    probs = weights(scores, lse, fp8_probs)
     if variant.sinks:
         probs = probs[..., :-1]
     return probs @ vd, lse

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from ..lang.spec import FP8_DESCALES
 from ..runtime.keys import Shape
 from ..testing.accuracy import Case, compare
 from ..testing.reference import gather_cache
@@ -82,8 +81,10 @@ class KVCacheTunable(Tunable):
         else:
             k = randn(batch, capacity, shape.kv_heads, d, dtype=kv.torch)
             v = randn(batch, capacity, shape.kv_heads, d_v, dtype=kv.torch)
+        if spec.v_from_k:  # MLA: the values are the cache's first columns (a view), read with the keys
+            v = k[..., :d_v]
         # an FP8 cache's descale factors: 1.0, one per tensor
-        tensors = {name: torch.ones(1, device=device) for name in FP8_DESCALES} if spec.fp8_cache else {}
+        tensors = {name: torch.ones(1, device=device) for name in spec.descales}
         return {"q": q, "k": k, "v": v, "lens": lens, "table": table, "shape": shape, "tensors": tensors,
                 "out": q.new_empty((batch, shape.n_q, shape.heads, d_v)), "lse": torch.empty((batch, shape.heads, shape.n_q), device=device,
                                                                 dtype=torch.float32)}
@@ -130,7 +131,8 @@ class KVCacheTunable(Tunable):
         if self.part.rows(shape) > 16:
             return None
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
-        return shape.kv_heads * keys * (self.spec.head_dim + self.spec.head_dim_v) * self._kv_dtype().bytes
+        width = self.spec.head_dim + (0 if self.spec.v_from_k else self.spec.head_dim_v)  # MLA: one read of the cache
+        return shape.kv_heads * keys * width * self._kv_dtype().bytes
 
     def _kv_dtype(self):
         """The cache's dtype (the spec's `kv_dtype`, else its `dtype`)."""

@@ -18,8 +18,9 @@ from ..lang.spec import Mask, Spec
 MAX_SCORES = 1 << 25  # float64 scores per reference: 256 MB, a few copies at the peak
 
 
-def check_attention(spec: Spec, q, k, v, out, lse, max_scores: int = MAX_SCORES) -> Result:
-    """`check.compare` on a slice of (q, k, v, out, lse) small enough to hold in float64."""
+def check_attention(spec: Spec, q, k, v, out, lse, max_scores: int = MAX_SCORES, tensors: dict | None = None) -> Result:
+    """`check.compare` on a slice of (q, k, v, out, lse) small enough to hold in float64; `tensors`: an FP8 spec's
+    descales ((1,) or (batch, kv_heads): sliced with the batch entries and K/V heads)."""
     batch, heads, n_q, _ = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -35,5 +36,6 @@ def check_attention(spec: Spec, q, k, v, out, lse, max_scores: int = MAX_SCORES)
     b = max(1, min(batch, max_scores // (per_kv_head * kv)))
     r0 = n_q - rows
     sliced = (slice(0, b), slice(0, kv * group), slice(r0, n_q))
+    tensors = {name: t if t.dim() == 1 else t[:b, :kv] for name, t in (tensors or {}).items()}
     return compare(spec.replace(mask=mask), Case(b, kv * group, kv, rows, keys), out[sliced], lse[sliced],
-                   q[sliced], k[:b, :kv, :keys], v[:b, :kv, :keys])
+                   q[sliced], k[:b, :kv, :keys], v[:b, :kv, :keys], tensors=tensors)

@@ -12,8 +12,10 @@ import torch
 
 from ..analysis.masks import fa_flops
 from ..runtime import warmup
+from ..api.fp8 import value_for_fp8
+from ..lang.spec import DESCALES
 from ..runtime.arguments import new_output
-from ..testing.accuracy import Case, random_inputs
+from ..testing.accuracy import Case, random_inputs, runtime_tensors
 from .gate import check_attention
 
 
@@ -64,7 +66,13 @@ class ForwardTunable(Tunable):
         case = Case(shape.batch, shape.heads, shape.kv_heads, shape.n_q, shape.n_k)
         q, k, v = random_inputs(self.spec, case, device, generator)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        return {"q": q, "k": k, "v": v, "out": new_output(q, v), "lse": lse}
+        tensors = {}
+        if self.spec.dtype.fp8:  # V as attention() hands it over (keys contiguous), the descales random per head
+            v = value_for_fp8(v)
+            tensors = {name: t for name, t in runtime_tensors(self.spec, case, device, generator).items()
+                       if name in DESCALES}
+        return {"q": q, "k": k, "v": v, "out": new_output(q, v, self.spec.dtype.output.torch), "lse": lse,
+                "tensors": tensors}
 
     def tuning_run(self, inputs: dict, config: dict, *, poison: bool = False):
         if poison:
@@ -75,11 +83,11 @@ class ForwardTunable(Tunable):
         if self.kernel.program.warp_specialized.forward is not None:  # the tuner tunes the Triton kernel, not the Gluon one
             config = dict(config, warp_specialized=False)
         return module.forward(inputs["q"], inputs["k"], inputs["v"], self.spec.softmax_scale,
-                              out=inputs["out"], lse=inputs["lse"], config=config)
+                              out=inputs["out"], lse=inputs["lse"], config=config, **inputs["tensors"])
 
     def tuning_check(self, inputs: dict, outputs):
         out, lse = outputs
-        return check_attention(self.spec, inputs["q"], inputs["k"], inputs["v"], out, lse)
+        return check_attention(self.spec, inputs["q"], inputs["k"], inputs["v"], out, lse, tensors=inputs["tensors"])
 
     def tuning_flops(self, shape) -> float:
         sizes = {"B": shape.batch, "H": shape.heads, "N_Q": shape.n_q, "N_K": shape.n_k, "HEAD_DIM": self.spec.head_dim}

@@ -1,0 +1,202 @@
+"""`attngen bench --suite fp8`: the FP8 (e4m3) prefill forward against attngen's bf16 forward, in one process.
+
+d=128, 16 heads, batch 16384 / N, N = 4096, 8192, 16384, causal and not; inputs standard normal (`outliers`: also
+with three channels of q and k 20x larger, at N=4096). Providers (forward only):
+- `attngen_fp8`: `attngen.attention` on q, k, v quantised per head (`attngen.quantize_fp8`, outside the timing),
+  V in the usual (batch, heads, seq, head_dim) layout, so the timing includes the copy to the keys-contiguous
+  layout Hopper's FP8 P V takes (attngen/api/fp8.py `value_for_fp8`);
+- `attngen_fp8_vt`: the same with V already keys-contiguous (no copy: what a caller that keeps V so pays);
+- `attngen_bf16`: `attngen.attention` on the bf16 inputs;
+- `sdpa_cudnn`: SDPA's cuDNN backend on the bf16 inputs;
+- `torch_fp8`: torch's experimental FP8 SDPA (`torch.nn.attention.experimental._scaled_dot_product_attention_quantized`,
+  per-head descales), which runs FA3's FP8 kernel when FA3 is activated (`activate_flash_attention_impl("FA3")`);
+  where torch lacks it or FA3 is not installed, the row carries the error. SDPA's cuDNN backend takes no FP8
+  inputs in torch 2.13 (the quantized entry point has only FA3's per-head descaling).
+
+Each row also has `extra["err"]`: the max |out - ref| over (batch 0, heads 0-1) against float64 attention of the
+unquantised inputs (so an FP8 row's error includes its inputs' quantisation), and `extra["rel"]`, the relative norm
+error there. TFLOP/s by the FlashAttention convention (`analysis.cost.fa_flops`). `--check` runs the attngen
+providers at a tiny size (in Triton's interpreter without a GPU) and holds each to its dtype's relative error
+against float64 instead of timing: 2^-4 + 2^-8 for FP8 (testing/accuracy.py's REL_TOL, here on the dequantised
+inputs), CHECK_REL for bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..analysis.cost import evaluate, fa_flops
+from ..api.fp8 import quantize_fp8
+from ..api.sdpa import attention
+from ..lang.spec import DType, Mask
+from ..testing import reference
+from ..testing.accuracy import REL_TOL
+from .common import Row
+from .prefill import run_suite
+from .varlen import CHECK_REL, _error, _timed
+
+PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "attngen_bf16", "sdpa_cudnn", "torch_fp8")
+LENGTHS = (4096, 8192, 16384)
+HEAD_DIM, HEADS, TOKENS = 128, 16, 16384
+FP8_PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "torch_fp8")
+
+
+def _inputs(batch, heads, n, d, outliers, device, generator):
+    # (drawn by the host's generator, then moved: one generator serves every tensor of a run on any device)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=generator).to(device, torch.bfloat16) for _ in range(3))
+    if outliers:  # a few channels 20x the rest, as LLM activations have
+        q[..., :3] *= 20
+        k[..., :3] *= 20
+    return q, k, v
+
+
+def _runs(causal: bool, q, k, v) -> tuple:
+    """(name -> f() -> out, then the per-head quantised (q8, q_descale), (k8, k_descale), (v8, v_descale)), the
+    quantisation done here, outside the timing."""
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, "head") for t in (q, k, v))
+    v8t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    runs = {
+        "attngen_fp8": lambda: attention(q8, k8, v8, is_causal=causal, **fp8),
+        "attngen_fp8_vt": lambda: attention(q8, k8, v8t, is_causal=causal, **fp8),
+        "attngen_bf16": lambda: attention(q, k, v, is_causal=causal),
+    }
+    if q.is_cuda:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def torch_fp8():
+            from torch.nn.attention.experimental._scaled_dot_product_attention_quantized import (
+                _scaled_dot_product_attention_quantized)
+
+            return _scaled_dot_product_attention_quantized(q8, k8, v8, is_causal=causal, **fp8)
+
+        runs.update(sdpa_cudnn=cudnn, torch_fp8=torch_fp8)
+    return runs, (q8, qd), (k8, kd), (v8, vd)
+
+
+@contextlib.contextmanager
+def _fa3():
+    """FA3 as torch's flash-attention implementation (it runs torch's FP8 SDPA) inside the block, the one active
+    before (attngen's, or none) back after it; outside the timed calls: activating registers torch's ops."""
+    from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl, restore_flash_attention_impl
+
+    def back(before):
+        if before is None:
+            restore_flash_attention_impl(_raise_warn=False)
+        else:
+            activate_flash_attention_impl(before)
+
+    before = current_flash_attention_impl()
+    try:
+        activate_flash_attention_impl("FA3")  # (it drops the active impl first, also when FA3 is not installed)
+    except Exception:
+        back(before)
+        raise
+    try:
+        yield
+    finally:
+        back(before)
+
+
+def _errors(out, q, k, v, causal) -> tuple[float, float]:
+    """(max |out - ref|, ||out - ref|| / ||ref||) over batch 0, heads 0-1, against float64 of q, k, v."""
+    mask = Mask.CAUSAL_TOP_LEFT if causal else Mask.NONE
+    ref, _ = reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], mask)
+    diff = out[:1, :2].double() - ref
+    return diff.abs().max().item(), (diff.norm() / ref.norm()).item()
+
+
+def _check(name, out, q, k, v, quantized, causal) -> str | None:
+    """A check's verdict: FP8 against float64 of its dequantised inputs, bf16 against float64 of its own."""
+    if name in FP8_PROVIDERS:
+        (q8, qd), (k8, kd), (v8, vd) = quantized
+        q, k, v = (x.double() * d[:, :, None, None] for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        limit = REL_TOL[DType.FP8_E4M3]
+    else:
+        limit = CHECK_REL
+    _, rel = _errors(out, q, k, v, causal)
+    return None if rel < limit else f"relative error {rel:.3g} against float64 (limit {limit:.3g})"
+
+
+def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> list[Row]:
+    """One Row per (case, provider), forward: timed on a GPU with its error against float64, or with `check` the
+    attngen providers' accuracy at a tiny size (`error` says why a check failed)."""
+    device = "cpu" if check and not torch.cuda.is_available() else "cuda"
+    generator = torch.Generator()
+    generator.seed()  # fresh random data each run
+    lengths = lengths[:1] if check else lengths  # (a check runs one tiny size)
+    cases = [(n, causal, False) for n in lengths for causal in (False, True)]
+    cases += [(lengths[0], causal, True) for causal in (False, True)]
+    rows = []
+    for n, causal, outliers in cases:
+        batch, heads, d = (1, 2, HEAD_DIM) if check else (max(1, TOKENS // n), HEADS, HEAD_DIM)
+        size = 37 if check else n
+        params = dict(batch=batch, heads=heads, seqlen=size, head_dim=d, causal=causal,
+                      inputs="outliers" if outliers else "normal")
+        q, k, v = _inputs(batch, heads, size, d, outliers, device, generator)
+        runs, *quantized = _runs(causal, q, k, v)
+        for name in (n_ for n_ in names if n_ in runs and (not check or n_.startswith("attngen"))):
+            fn = runs[name]
+            row = Row("fp8", "forward", name, dict(params, dtype="fp8_e4m3" if name in FP8_PROVIDERS else "bf16"))
+            try:
+                with torch.no_grad(), _fa3() if name == "torch_fp8" else contextlib.nullcontext():
+                    out = fn()
+                if check:
+                    row.error = _check(name, out, q, k, v, quantized, causal)
+                else:
+                    err, rel = _errors(out, q, k, v, causal)
+                    row.extra.update(err=err, rel=rel)
+                    out = None
+                    with _fa3() if name == "torch_fp8" else contextlib.nullcontext():
+                        row.ms = _timed(fn, (), "forward")
+                    flops = evaluate(fa_flops(causal, False), dict(B=batch, H=heads, N_Q=size, N_K=size, HEAD_DIM=d))
+                    row.tflops = flops / row.ms / 1e9
+            except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
+                row.error = _error(e)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+        progress(f"fp8 N={n} causal={causal}{' outliers' if outliers else ''} done")
+        q = k = v = runs = quantized = None  # (freed before the next case)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """TFLOP/s (or the check's verdict) and the relative error against float64 per provider, one line per case, and
+    attngen FP8's speed-up over attngen bf16."""
+    names = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
+    lines = ["fp8 forward TFLOP/s (relative error against float64), d=128",
+             f"{'N':>6} {'causal':>6} {'inputs':>8} " + " ".join(f"{p:>22}" for p in names) + f" {'fp8/bf16':>8}"]
+    for case in dict.fromkeys((r.params["seqlen"], r.params["causal"], r.params["inputs"]) for r in rows):
+        found = {r.provider: r for r in rows if (r.params["seqlen"], r.params["causal"], r.params["inputs"]) == case}
+        cells = []
+        for p in names:
+            r = found.get(p)
+            if r is None:
+                cell = "-"
+            elif r.error:
+                cell = "err"
+            elif r.tflops:
+                cell = f"{r.tflops:.1f} ({r.extra['rel']:.1e})"
+            else:
+                cell = "ok"
+            cells.append(f"{cell:>22}")
+        fp8, bf16 = found.get("attngen_fp8"), found.get("attngen_bf16")
+        ratio = f"{fp8.tflops / bf16.tflops:8.2f}" if fp8 and bf16 and fp8.tflops and bf16.tflops else f"{'':>8}"
+        lines.append(f"{case[0]:>6} {case[1]!s:>6} {case[2]:>8} " + " ".join(cells) + f" {ratio}")
+    errors = [f"  N={r.params['seqlen']} causal={r.params['causal']} {r.provider}: {r.error}" for r in rows if r.error]
+    return "\n".join(lines + (["errors:"] + errors if errors else []))
+
+
+def main(out_dir="benchmarks/results", names=None, lengths=None, check=False) -> int:
+    """Run the suite (or its check) and print the table; writes `<out_dir>/fp8_<gpu>.json` when timed."""
+    return run_suite("fp8_", lambda: bench_fp8(names or PROVIDERS, lengths or LENGTHS, check), table, out_dir, check)
