@@ -282,7 +282,7 @@ def cmd_explain(args) -> int:
     if spec.variant:
         _explain_variant(spec, sizes)
     _explain_group_split(last, sizes)
-    if spec.dtype.fp8:
+    if spec.dtype.fp8 or spec.fp8_cache:
         _explain_fp8(last)
     target = Target.current()
     print(f"=== resources on {target.name} (default config {config}) ===")
@@ -329,7 +329,8 @@ def _explain_group_split(program: ir.Program, sizes: dict) -> None:
 
 
 def _explain_fp8(program: ir.Program) -> None:
-    """Where the forward of an FP8 spec rounds to e4m3 and applies its descales, read from the final IR."""
+    """Where the forward of an FP8 spec (or over an FP8 cache) rounds to e4m3 and applies its descales, read from
+    the final IR."""
     print("=== fp8: where values are quantised and descaled (pass descale) ===")
     kernel = program.kernel("attn_fwd")
     inputs = [f"{b.name} ({b.dtype.value})" for b in kernel.params if b.dtype is ir.DT.F8E4M3]
@@ -341,9 +342,13 @@ def _explain_fp8(program: ir.Program) -> None:
                 casts.add(ir.format_expr(e))
         if isinstance(st, ir.Assign) and st.target.name in ("qk_scale", "v_descale"):
             print(f"  {st.target.name} = {ir.format_expr(st.value)}")
-        if isinstance(st, ir.Store) and st.target.name == "O":
+        if isinstance(st, ir.Store) and st.target.name in ("O", "O_PART"):
             print(f"  out ({st.target.dtype.value}) = {ir.format_expr(st.value)}")
-    print(f"  rounded to e4m3 for P V: {', '.join(sorted(casts))} (p in [0, 1] after the running max, unscaled)")
+    if casts:
+        print(f"  rounded to e4m3 for P V: {', '.join(sorted(casts))} (p in [0, 1] after the running max, unscaled)")
+    else:  # an FP8 cache: q and P stay 16-bit
+        print(f"  K and V widened to {program.attr('dtype')} in registers before both products (exact: every e4m3 "
+              "value is a 16-bit one); P stays 16-bit")
 
 
 def _explain_variant(spec, sizes) -> None:

@@ -287,6 +287,10 @@ def test_explain_says_why_the_gluon_decode_is_not_used(capsys):
     assert main(["explain", "specs/decode_fp8kv_d128.attn"]) == 0
     printed = capsys.readouterr().out
     assert "warp-specialize-decode: no Hopper Gluon kernel (kv_dtype = fp8_e4m3" in printed
+    # pass descale applies the cache's factors, as it does an FP8 spec's; q and P stay 16-bit
+    summary = printed.split("=== fp8: where values are quantised and descaled (pass descale) ===")[1]
+    assert "e4m3 inputs: K (fp8_e4m3), V (fp8_e4m3)" in summary and "load K_DESCALE[b, h_kv]" in summary
+    assert "(acc * v_descale) / l_safe" in summary and "widened to bf16" in summary and "Q_DESCALE" not in summary
 
 
 # -- real sizes on a GPU -------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     (H_KV,) (per head) or (1,) (per tensor), the true key being k_cache * k_descale (values likewise); None means
     1.0 (vLLM's default scale: a cache written without scaling). Descales must be positive and finite (checked
     with ATTNGEN_CHECK_KVCACHE=1: it reads them back). K and V are read as e4m3 and widened in
-    registers; k_descale folds into the softmax scale and v_descale scales the normalised output, which is in
+    registers; k_descale folds into the softmax scale and v_descale scales the accumulated output, which is in
     q's dtype. Descales with a 16-bit cache are refused.
     Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
     do, but are not replayed (their tensors are arguments of the launch); calls over an FP8 cache are, with

@@ -6,8 +6,8 @@
     recompute       (forward+backward specs) dQ and dK/dV kernels that recompute P from the LSE
     exp2            softmax statistics in base 2, log2(e) folded into the scale
     fold-scale      scores kept unscaled; the scale applied where they are consumed (one FMA)
-    descale         (FP8 inputs) q_descale * k_descale joins the softmax scale, v_descale scales the output;
-                    P is quantised to e4m3 as it is for P V
+    descale         (FP8 inputs or an FP8 cache) q_descale * k_descale (k_descale alone for a cache) joins the
+                    softmax scale, v_descale scales the output; FP8 inputs' P is quantised to e4m3 for P V
     kv-lengths      (decoding) per-sequence key counts n_k = SEQLENS[b] replace N_K
     varlen          (packed variable-length sequences) programs over all sequences' tiles, each finding its
                     sequence by a binary search over the cu_seqlens; per-sequence n_q, n_k; packed rows
