@@ -37,3 +37,9 @@ def compiled_flex_attention():
         torch._functorch.config.donated_buffer = False
         _FLEX.append(torch.compile(flex_attention, dynamic=False))
     return _FLEX[0]
+
+
+def error_text(e: Exception) -> str:
+    """A row's error: the exception's type and the first line of its message (200 characters at most)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"

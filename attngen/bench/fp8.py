@@ -33,9 +33,9 @@ from ..api.sdpa import attention
 from ..lang.spec import DType, Mask
 from ..testing import reference
 from ..testing.accuracy import REL_TOL
-from .common import Row
+from .common import Row, error_text
 from .prefill import run_suite
-from .varlen import CHECK_REL, _error, _timed
+from .varlen import CHECK_REL, _timed
 
 PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "attngen_bf16", "sdpa_cudnn", "torch_fp8")
 LENGTHS = (4096, 8192, 16384)
@@ -159,7 +159,7 @@ def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> 
                     flops = evaluate(fa_flops(causal, False), dict(B=batch, H=heads, N_Q=size, N_K=size, HEAD_DIM=d))
                     row.tflops = flops / row.ms / 1e9
             except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
-                row.error = _error(e)
+                row.error = error_text(e)
                 if device == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)

@@ -21,9 +21,9 @@ import torch
 
 from ..analysis.cost import per_score
 from ..api.kvcache import attention_with_kvcache
-from .common import Row, compiled_flex_attention
+from .common import Row, compiled_flex_attention, error_text
 from .decode import bench_graph
-from .varlen import _accuracy, _error
+from .varlen import _accuracy
 
 PROVIDERS = ("attngen", "sdpa", "flex")
 D, D_V, PAGE = 576, 512, 64
@@ -104,7 +104,7 @@ def bench_mla(names=PROVIDERS, check=False, progress=print) -> list[Row]:
                         result.tflops = row.flops() / result.ms / 1e9
                         result.gbps = row.bytes() / result.ms / 1e6
             except Exception as e:  # noqa: BLE001 - a provider that cannot run a row is a result
-                result.error = _error(e)
+                result.error = error_text(e)
             rows.append(result)
         progress(f"shapes {row.name} done")
         q = cache = pool = table = None  # (freed before the next row; rebound: the timed lambdas name them)

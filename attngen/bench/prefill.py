@@ -24,7 +24,7 @@ from dataclasses import asdict
 from ..analysis.cost import evaluate, fa_flops
 from ..api.sdpa import attention
 from ..version import __version__
-from .common import Row, compiled_flex_attention
+from .common import Row, compiled_flex_attention, error_text
 from .decode import bench_decode
 
 PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -118,7 +118,7 @@ def bench_prefill(lengths=PREFILL_LENGTHS, head_dims=(64, 128), providers=PREFIL
                             row.tflops = evaluate(fa_flops(causal, direction == "backward"),
                                                           dict(B=b, H=h, N_Q=n, N_K=n, HEAD_DIM=d)) / row.ms / 1e9
                         except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
-                            row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+                            row.error = error_text(e)
                             torch.cuda.empty_cache()
                         rows.append(row)
                 progress(f"prefill d={d} causal={causal} N={n} done")

@@ -31,9 +31,9 @@ import torch
 from ..analysis.cost import per_score
 from ..api.sdpa import attention
 from . import mla
-from .common import Row, compiled_flex_attention
+from .common import Row, compiled_flex_attention, error_text
 from .prefill import _median_ms, run_suite
-from .varlen import _accuracy, _error, _timed, kept_scores
+from .varlen import _accuracy, _timed, kept_scores
 
 PROVIDERS = ("attngen", "sdpa_cudnn", "flex", "sdpa_flash", "sdpa")  # sdpa: the MLA rows' (its own backend choice)
 
@@ -164,7 +164,7 @@ def bench_shapes(names=PROVIDERS, directions=("forward", "backward"), check=Fals
             try:
                 runs.update(providers(shape, device))
             except Exception as e:  # noqa: BLE001 - peers that cannot be set up are a result
-                rows += [Row("shapes", d, p, shape.params(), error=_error(e)) for p in names if p != "attngen"
+                rows += [Row("shapes", d, p, shape.params(), error=error_text(e)) for p in names if p != "attngen"
                          for d in directions]
         for name in (n for n in names if n in runs):
             fn, note = (runs[name], None) if check or name == "attngen" else _as_taken(runs[name], shape, q, k, v)
@@ -177,7 +177,7 @@ def bench_shapes(names=PROVIDERS, directions=("forward", "backward"), check=Fals
                         row.ms = _timed(lambda: fn(q, k, v), (q, k, v), direction)
                         row.tflops = shape.flops(direction == "backward") / row.ms / 1e9
                 except Exception as e:  # noqa: BLE001 - a provider that cannot run a shape is a result
-                    row.error = _error(e)
+                    row.error = error_text(e)
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)

@@ -22,7 +22,7 @@ from ..lang import variants as v
 from ..lang.spec import parse
 from ..runtime.kernel import load
 from ..testing.accuracy import spec_reference
-from .common import Row, compiled_flex_attention
+from .common import Row, compiled_flex_attention, error_text
 from .prefill import _median_ms, run_suite
 
 PROVIDERS = ("attngen", "flex", "sdpa_cudnn")
@@ -160,7 +160,7 @@ def bench_variants(shape=None, directions=("forward", "backward"), names=PROVIDE
             tensors = _tensors(spec.variant, h, device, gen)
             impls = providers(case, n, device, tensors, compiled=not check, kernel=kernel)
         except Exception as e:  # noqa: BLE001 - a row that cannot be set up is a result
-            rows += [Row("variants", dr, p, params, error=_message(e)) for dr in directions for p in names]
+            rows += [Row("variants", dr, p, params, error=error_text(e)) for dr in directions for p in names]
             continue
         for name in names:
             if name not in impls:
@@ -176,7 +176,7 @@ def bench_variants(shape=None, directions=("forward", "backward"), names=PROVIDE
                         row.ms = _time(fn, q, k, v_, tensors, direction)
                         row.tflops = masks.fa_flops(spec, sizes, direction == "backward") / row.ms / 1e9
                 except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
-                    row.error = _message(e)
+                    row.error = error_text(e)
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 rows.append(row)
@@ -199,11 +199,6 @@ def _time(fn, q, k, v_, tensors, direction) -> float:
     inputs = (q, k, v_, *(t for t in tensors.values() if t.requires_grad))
     torch.autograd.grad(out, inputs, do, retain_graph=True)
     return _median_ms(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True))
-
-
-def _message(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def table(rows: list[Row]) -> str:

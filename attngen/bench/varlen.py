@@ -29,7 +29,7 @@ from ..api.varlen import flash_attn_varlen_func
 from ..integrations import torch_flash
 from ..testing.packed import cu_seqlens, document_lengths
 from ..testing.reference import kvcache_attention, varlen_attention
-from .common import Row, compiled_flex_attention
+from .common import Row, compiled_flex_attention, error_text
 from .prefill import PREFILL_LENGTHS, _median_ms, run_suite
 
 PROVIDERS = ("attngen", "flex", "varlen_attn", "sdpa_cudnn", "slot")
@@ -56,11 +56,6 @@ def kept_scores(lengths_q, lengths_k, causal: bool) -> int:
 
 def _tflops(kept: int, heads: int, head_dim: int, ms: float, backward: bool) -> float:
     return 4 * head_dim * heads * kept * (2.5 if backward else 1.0) / ms / 1e9
-
-
-def _error(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _timed(fn, inputs, direction) -> float:
@@ -112,7 +107,7 @@ def documents_rows(size: dict, device, check: bool, names, directions, generator
                     row.ms = _timed(fn, inputs, direction)
                     row.tflops = _tflops(kept[name], heads, d, row.ms, direction == "backward")
             except Exception as e:  # noqa: BLE001 - a provider that cannot run a case is a result
-                row.error = _error(e)
+                row.error = error_text(e)
             rows.append(row)
     return rows
 
@@ -168,7 +163,7 @@ def long_and_short_rows(size: dict, device, check: bool, generator) -> list[Row]
             row.tflops = _tflops(kept_scores(lengths, lengths, True), heads, d, row.ms, False)
             row.extra = dict(alone_ms=alone_ms, ratio=row.ms / alone_ms)
     except Exception as e:  # noqa: BLE001
-        row.error = _error(e)
+        row.error = error_text(e)
     return [row]
 
 
@@ -218,7 +213,7 @@ def mixed_rows(size: dict, device, check: bool, generator) -> list[Row]:
             row.tflops = _tflops(kept_scores(lengths_q, keys, True), heads, d, row.ms, False)
             row.extra = dict(separate_ms=separate_ms, ratio=separate_ms / row.ms)
     except Exception as e:  # noqa: BLE001
-        row.error = _error(e)
+        row.error = error_text(e)
     return [row]
 
 
@@ -261,7 +256,7 @@ def slot_rows(size: dict, device, check: bool, names, directions, generator) -> 
                             kept = kept_scores([n] * b, [n] * b, causal)
                             row.tflops = _tflops(kept, heads, d, row.ms, direction == "backward")
                     except Exception as e:  # noqa: BLE001
-                        row.error = _error(e)
+                        row.error = error_text(e)
                     rows.append(row)
             q = k = v = None  # (freed before the next length; rebound: the lambdas name them)
     return rows
