@@ -312,6 +312,39 @@ def test_backward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     assert len(calls) == 1  # the Triton kernels ran
 
 
+class _Launches:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def test_the_varlen_backward_reads_its_rows_by_pointer_not_tma(monkeypatch, gluon_varlen_backward):
+    """A TMA box's innermost coordinate must be 16-byte aligned (an unaligned one is an illegal instruction on
+    Hopper), and the lse/delta rows run along the tokens, where a sequence may start at any row: the varlen
+    launch takes the pointer path for them (ROWS_SMEM off, whatever the dense shape says) and gives the kernel the
+    rows' delta view."""
+    module = attngen.load(_text("gvlb_rows", "causal", 64, "bf16", direction="forward+backward")).module
+    assert module.WS_BWD_SHAPE["ROWS_SMEM"]  # (the dense kernel's choice, which the varlen launch must not take)
+    kernels = {name: _Launches() for name in ("attn_bwd_prep_ws", "attn_bwd_dkdv_ws", "attn_bwd_dq_ws")}
+    for name, fake in kernels.items():
+        monkeypatch.setattr(module, name, fake)
+    lengths = [1, 130, 7]  # sequences starting at rows 1 and 131
+    total, heads = sum(lengths), 2
+    q, k, v, o, do, dq, dk, dv = (torch.randn(total, heads, 64).bfloat16() for _ in range(8))
+    lse = torch.randn(heads, total)
+    cu = torch.tensor([0, 1, 131, 138], dtype=torch.int32)
+    module.launch_attn_bwd_ws(q, k, v, o, do, lse, dq, dk, dv, cu, cu, torch.tensor(lengths, dtype=torch.int32),
+                              0.125)
+    ((_, args, kwargs),) = kernels["attn_bwd_dkdv_ws"].calls
+    assert kwargs["ROWS_SMEM"] is False
+    delta = args[9]  # (q, k, v, do, dk, dv, dq, rows descriptors, LSE, DELTA)
+    assert delta.shape == (heads, total) and delta.stride(1) == 1
+
+
 def test_ws_ready_counts_the_average_sequence():
     """ws_ready's thresholds see the average keys a sequence and the scores of sequences that long; CPU tensors
     never take the Gluon kernel."""
@@ -350,9 +383,9 @@ def _ptxas_spills(ptx_path):
     return int(out.split("bytes spill stores")[0].rsplit(",", 1)[1])
 
 
-VARLEN_BWD_SPILLS = {"causal": 276, "gqa": 276, "softcap_window": 760, "alibi": 100, "sinks": 0, "none": 0}
-"""Bytes a thread of the varlen Gluon backward spills (ptxas -v, sm_90a), by SPECS_VARLEN entry, as measured when it was
-written; its dense form's (the same spec's variant kernel over rectangular batches) were 96, 96, 352, 72, 0, 0, and the
+VARLEN_BWD_SPILLS = {"causal": 676, "gqa": 676, "softcap_window": 1212, "alibi": 36, "sinks": 0, "none": 0}
+"""Bytes a thread of the varlen Gluon backward spills (ptxas -v, sm_90a), by SPECS_VARLEN entry, as measured with lse
+and delta read by pointer (with them by TMA, as the dense kernel reads them: 276, 276, 760, 100, 0, 0); its dense form's (the same spec's variant kernel over rectangular batches) were 96, 96, 352, 72, 0, 0, and the
 plain dense causal d=128 kernel's 16. Most of the excess is the sequence's sizes and offsets (n_q, n_k, q_start,
 k_start), loaded from memory, so held in registers through the loop, where the dense kernel rematerialises its sizes
 from its arguments (with them taken from arguments instead, 140 bytes at causal d=128, before the varlen epilogue,
