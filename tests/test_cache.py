@@ -107,3 +107,25 @@ def test_startup_hash_runs_by_default_only_where_kernels_will_compile(monkeypatc
     assert warmup.wanted() is expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert warmup.wanted() is False
+
+
+def test_a_policy_switch_turned_at_run_time_gets_its_own_module(monkeypatch):
+    """A switch of `hopper.SWITCHES` shapes the generated code (VARLEN_BACKWARD: the Gluon varlen backward is in the
+    module or not): a spec loaded with it on is another module, in another file, than with it off, also when the
+    same spec object was loaded before; turned back, the first module again."""
+    import attngen
+    from attngen import policy
+    from attngen.policy import hopper
+
+    from attngen.lang.spec import parse
+
+    spec = parse(spec_text("switched", layout="varlen", dtype="bf16", mask="causal", direction="forward+backward"))
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", False)
+    off = attngen.load(spec)
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    assert policy.switches() == (True,)
+    on = attngen.load(spec)
+    assert on is not off and on.path != off.path
+    assert hasattr(on.module, "launch_attn_bwd_ws") and not hasattr(off.module, "launch_attn_bwd_ws")
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", False)
+    assert attngen.load(spec) is off

@@ -57,9 +57,8 @@ def _program(text):
 
 @pytest.fixture
 def gluon_varlen_backward(monkeypatch):
-    """The Gluon varlen backward switched on (policy/hopper.py VARLEN_BACKWARD, off by default until its illegal
-    instruction on the GPU is found) for the tests of that kernel. (Not for the others: a kernel compiled meanwhile
-    under a spec name the API shares would keep it.)"""
+    """The Gluon varlen backward switched on (policy/hopper.py VARLEN_BACKWARD, off by default: slower than the
+    Triton varlen backward so far) for the tests of that kernel (a switch is part of the kernel cache keys)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 

@@ -1,2 +1,10 @@
 """Decisions and tables that rewrite no IR: launch configs (`configs`), split counts (`splits`), which kernels
 read through TMA descriptors (`tma`), and the Hopper Gluon kernels' shapes and thresholds (`hopper`)."""
+
+from . import hopper
+
+
+def switches() -> tuple:
+    """The values of the policy's run-time switches (`hopper.SWITCHES`), which shape generated code beyond the spec
+    and the generator's sources: part of every kernel cache key, read on each load (a few attribute reads)."""
+    return tuple(getattr(hopper, name) for name in hopper.SWITCHES)

@@ -348,9 +348,14 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
 
 
 VARLEN_BACKWARD = False
-"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`). Off: on its first GPU run (H200,
-2026-11-28) every varlen Gluon backward launch stopped with "an illegal instruction was encountered", so the Triton
-varlen backward runs until that is found (benchmarks/NOTES.md, varlen)."""
+"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`). Off: on the H200 (2026-11-28) it
+ran the bench's 8 documents at 250 TFLOP/s against the Triton varlen backward's 311, with lse and delta read by
+pointer (a TMA load of them faulted where a sequence starts at a row not a multiple of 4; benchmarks/NOTES.md,
+varlen)."""
+
+SWITCHES = ("VARLEN_BACKWARD",)
+"""The switches above that decide which kernels a module is generated with: kernel caches key on their values
+(`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:

@@ -27,6 +27,7 @@ from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.spec import Spec, load_file, parse
 from ..passes import compile_program
+from .. import policy
 from ..policy import configs
 from . import autograd, cache, interpreter_fixes, launch, registry, tables, varlen, warmup
 from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out, new_output,
@@ -83,16 +84,18 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
     then a call whose shape bucket nobody tuned on this GPU tunes it first, once, and saves it.
     """
     mode = "interpret" if interpreting() else "compile"
+    turned = policy.switches()  # (the generated code depends on them: a module per setting)
     if autotune is None:
         hit = _BY_ID.get(id(spec_or_text))
-        if hit is not None and hit[0] is spec_or_text and hit[1] == mode:
+        if hit is not None and hit[0] is spec_or_text and hit[1] == mode and hit[3] == turned:
             return hit[2]
     spec = as_spec(spec_or_text)
     canonical = spec.canonical()
+    keyed = canonical + "".join(f"\n# policy switch {value!r}" for value in turned)
     if mode == "interpret":
         interpreter_fixes.apply()
     with _LOCK:
-        kernel = _LOADED.get(canonical + mode)
+        kernel = _LOADED.get(keyed + mode)
         if kernel is None:
             check_spec_tiles(spec)
             program_box = {}
@@ -101,22 +104,22 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
                 program_box["program"] = compile_program(spec)
                 return render(spec, program_box["program"])
 
-            path, source = cache.cached_source(spec.name, canonical, generate)
-            module = _import(path, cache.cache_key(canonical) + ("_i" if mode == "interpret" else ""))
+            path, source = cache.cached_source(spec.name, keyed, generate)
+            module = _import(path, cache.cache_key(keyed) + ("_i" if mode == "interpret" else ""))
             if mode == "compile":
                 launch.install(module)
             kernel = Kernel(spec, source, path, module, program_box.get("program"))
-            _LOADED[canonical + mode] = kernel
+            _LOADED[keyed + mode] = kernel
             registry.register(kernel)
         if autotune is None:
             if spec is spec_or_text:
                 if len(_BY_ID) > 256:
                     _BY_ID.clear()
-                _BY_ID[id(spec)] = (spec, mode, kernel)
+                _BY_ID[id(spec)] = (spec, mode, kernel, turned)
             return kernel
         # The same module and file, its own autotune setting (and its own key for the custom ops),
         # loaded once per setting too. Its call plans are its own: `PLANS` keys them by the Kernel object.
-        variant = f"{canonical}{mode} autotune={autotune}"
+        variant = f"{keyed}{mode} autotune={autotune}"
         if variant not in _LOADED:
             _LOADED[variant] = copy.copy(kernel)
             _LOADED[variant].autotune = autotune
