@@ -23,7 +23,7 @@ from attngen.ir.verify import verify
 from attngen.lang.spec import parse
 from attngen.passes import compile_program, warp_specialize
 from attngen.policy import hopper
-from conftest import spec_text
+from conftest import ROOT, SPECS, spec_text
 from probe import probe
 from test_fp8 import dequant, quantized, row_bound
 
@@ -52,7 +52,7 @@ def test_by_default_fp8_stays_on_the_triton_kernel_and_explain_says_why(monkeypa
     _, program = _program("gf8_default")
     assert not program.warp_specialized and not warp_specialize.applies(program)
     assert "FP8_GLUON is off" in warp_specialize.fp8_refusal(program)
-    assert main(["explain", "specs/fp8_causal_d128.attn"]) == 0
+    assert main(["explain", f"{SPECS}/fp8_causal_d128.attn"]) == 0
     assert "warp-specialize: no Hopper Gluon kernel (policy/hopper.py FP8_GLUON is off" in capsys.readouterr().out
 
 
@@ -131,7 +131,7 @@ def test_fp8_gluon_forward_compiles_to_e4m3_wgmma(fp8_gluon, tmp_path, head_dim,
     path = tmp_path / f"{spec.name}.py"
     path.write_text(render(spec, program))
     jobs = [{"path": str(path), "gluon_ws": True, "ptx_to": str(tmp_path / "fp8.ptx")},
-            {"path": f"generated/{bf16_spec}.py", "gluon_ws": True, "ptx_to": str(tmp_path / "bf16.ptx")}]
+            {"path": f"{ROOT}/generated/{bf16_spec}.py", "gluon_ws": True, "ptx_to": str(tmp_path / "bf16.ptx")}]
     fp8, bf16 = probe(jobs)
     assert "error" not in fp8, fp8
     assert fp8["wgmma"] > 0 and fp8["wgmma_e4m3"] == fp8["wgmma"] and bf16["wgmma_e4m3"] == 0
