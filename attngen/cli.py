@@ -31,7 +31,7 @@ from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
-from .passes import PASS_NAMES, applied_passes, compile_program, warp_specialize_decode
+from .passes import PASS_NAMES, applied_passes, compile_program, warp_specialize, warp_specialize_decode
 from .policy import hopper
 from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
@@ -170,6 +170,13 @@ def _print_passes(program: ir.Program) -> None:
                   "ending past their sequence stored row-masked; " + _gluon_backward_line(program))
         else:
             print("         warp-specialize: no Hopper Gluon kernels (" + _no_gluon_reason(program) + ")")
+    elif warp_specialize.fp8_refusal(program):
+        print("warp-specialize: no Hopper Gluon kernel (" + warp_specialize.fp8_refusal(program) + ")")
+    elif program.attr("dtype") == "fp8_e4m3" and program.warp_specialized.forward is not None:
+        print("warp-specialize: on Hopper the forward runs the Gluon kernel on e4m3 tiles (wgmma k32), V read as "
+              "V^T tiles through its (B, H_KV, D, N_K) view where its keys are contiguous (attention() copies V so; "
+              "a V with its head dim contiguous runs the Triton kernel), qk_scale and V's descale loaded per tile, "
+              "the bf16 output stored through its Q buffers")
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:

@@ -20,6 +20,9 @@
 #            FP8 SDPA (FA3, where installed), d=128 N 4096..16384, with each one's error against float64; its
 #            --check first
 #            (the bench stages stop after $BENCH_TIMEOUT s, default 400)
+#   fp8gluon the FP8 Gluon forward, switched on (policy/hopper.py FP8_GLUON) in its own processes and kernel caches:
+#            tests/test_gluon_fp8.py (its gpu test against float64, d=64 and 128), then attngen bench --suite fp8
+#            (rows attngen_fp8 and attngen_fp8_vt now the Gluon kernel's, beside attngen_bf16 and cuDNN)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
 #            default 131072 262144; $CP_PROVIDERS, default all; the speed-ups need the one-GPU rows), and
 #            tests/test_distributed.py's NCCL tests
@@ -75,6 +78,15 @@ for stage in "$@"; do
       tail -12 "$OUT/bench_${stage}_check.txt"
       timeout ${BENCH_TIMEOUT:-400} python3 -m attngen bench --suite "$stage" -o "$OUT/bench" > "$OUT/bench_$stage.txt" 2>&1
       tail -40 "$OUT/bench_$stage.txt" ;;
+    fp8gluon)
+      ATTNGEN_CACHE_DIR=$(mktemp -d) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -s \
+        tests/test_gluon_fp8.py 2>&1 | tee "$OUT/tests_fp8gluon.txt" | tail -12
+      mkdir -p "$OUT/bench_fp8gluon"
+      ATTNGEN_CACHE_DIR=$(mktemp -d) timeout ${BENCH_TIMEOUT:-400} python3 -c "from attngen.policy import hopper
+hopper.FP8_GLUON = True
+from attngen.cli import main
+raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))" > "$OUT/bench_fp8gluon.txt" 2>&1
+      tail -40 "$OUT/bench_fp8gluon.txt" ;;
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3

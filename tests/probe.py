@@ -14,8 +14,9 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 "late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
 Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
-sequences; a varlen module's forward and backward take their packed sequences' arguments) and adds {"warps": ..., "wgmma": count,
-"tma_loads": count, "tma_stores": count, "global_stores": count}.
+sequences; a varlen module's forward and backward take their packed sequences' arguments; an FP8 module's forward its
+descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores":
+count, "global_stores": count}, and for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands.
 """
 
 from __future__ import annotations
@@ -107,7 +108,12 @@ def _compile_gluon_ws(module, job):
         q = desc(shape["BLOCK_M"] // shape["consumers"], module._WS_Q_LAYOUT)
         kv = desc(block_n, module._WS_KV_LAYOUT_SHORT if block_n == shape["SHORT_BLOCK_N"] else module._WS_KV_LAYOUT)
         descs = {"q_desc": q, "o_desc": q, "k_desc": kv, "v_desc": kv}
-        if hasattr(module, "_WS_V_LAYOUT"):  # V and the output narrower than Q and K (head_dim_v)
+        if hasattr(module, "_WS_VT_LAYOUT"):  # e4m3 inputs: V^T tiles over (B, H_KV, D, N_K), a bf16 output
+            vt = torch.empty(2, 4, d, 256, dtype=module.DTYPE)
+            o = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
+            descs.update(v_desc=desc(d, module._WS_VT_LAYOUT, block_n, vt),
+                         o_desc=desc(shape["BLOCK_M"] // shape["consumers"], module._WS_O_LAYOUT, d, o))
+        elif hasattr(module, "_WS_V_LAYOUT"):  # V and the output narrower than Q and K (head_dim_v)
             dv = module.HEAD_DIM_V
             tv = torch.empty(2, 4, 256, dv, dtype=module.DTYPE)
             descs.update(v_desc=desc(block_n, module._WS_V_LAYOUT, dv, tv),
@@ -116,7 +122,9 @@ def _compile_gluon_ws(module, job):
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])
         maxnreg = shape[short + "maxnreg"]
-        pointers = tuple(p for p in ("LSE", "SINKS", "ALIBI_SLOPES") if p in fn.arg_names)  # a variant's tensors
+        # a variant's tensors, an FP8 spec's descales
+        pointers = tuple(p for p in ("LSE", "SINKS", "ALIBI_SLOPES", "Q_DESCALE", "K_DESCALE", "V_DESCALE")
+                         if p in fn.arg_names)
         # a varlen kernel's: the output for its row-masked stores, the sequences' offsets and lengths
         pointers += tuple(p for p in ("O", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
     io = _PTR[str(module.DTYPE).removeprefix("torch.")]
@@ -136,7 +144,8 @@ def _compile_gluon_ws(module, job):
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
-            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global")}
+            "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global"),
+            "wgmma_e4m3": ptx.count(".f32.e4m3.e4m3")}
 
 
 def _compile(job):

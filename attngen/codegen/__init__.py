@@ -118,7 +118,11 @@ def render(spec: Spec, program: ir.Program) -> str:
         if program.warp_specialized.decode else None,
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
-        gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
+        gl_dtype={"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "float8e4nv"}.get(spec.dtype.value, ""),
+        # FP8 inputs (the Gluon forward): P V's operand as the IR rounds P, and the output's dtype
+        fp8=spec.dtype.fp8,
+        gl_p_dtype=_GL_DTYPES.get(_p_operand_dtype(program.kernel("attn_fwd"))) if spec.dtype.fp8 else "",
+        gl_out_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.output.value, "") if spec.dtype.fp8 else "",
         # register tiles have power-of-two shapes: a Gluon kernel runs d=96 at its padded width (warp-specialize)
         ws_dim="HEAD_DIM" if spec.head_dim == spec.head_dim_padded else "HEAD_DIM_PADDED",
         tensors=_runtime_tensors(spec),
@@ -128,6 +132,20 @@ def render(spec: Spec, program: ir.Program) -> str:
                       for x in ir.stmt_exprs(st) for e in ir.walk_expr(x) if isinstance(e, ir.Pointwise)),
     )
     return _ENV.get_template(TEMPLATE).render(**context)
+
+
+_GL_DTYPES = {ir.DT.BF16: "bfloat16", ir.DT.F16: "float16", ir.DT.F8E4M3: "float8e4nv"}
+
+
+def _p_operand_dtype(kernel: ir.KernelIR) -> ir.DT | None:
+    """The dtype the IR casts P V's first operand to (an FP8 program's e4m3), or None where it casts none."""
+    for st in ir.walk_stmts(kernel.body):
+        for e in ir.stmt_exprs(st):
+            for n in ir.walk_expr(e):
+                if isinstance(n, ir.Call) and n.op is ir.Op.DOT_ACC:
+                    first = n.args[0]
+                    return first.dtype if isinstance(first, ir.Call) and first.op is ir.Op.CAST else None
+    return None
 
 
 def _gluon_scope(program: ir.Program) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ templates take `{{modification}}`:
                       query tile's key blocks, from the IR's query loops after causal-skip
     reads()           a score modifier's tensor reads over the batch and query head (ALiBi's slope; the backward's
                       GROUP * hkv + g is the query head `h`), loaded once where the template holds b and h
+    scalar_loads()    the kernel's loads of one value a program (an FP8 spec's descales), as code over b, h and GROUP
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
 Triton one, without editing the templates' math; an IR the hooks cannot spell raises InternalError here
@@ -129,6 +130,24 @@ class ScoreHooks:
         if default is not None:
             return self._code(default, *names.values())
         raise InternalError(f"kernel {self.kernel.name} defines no {target}")
+
+    def scalar_loads(self, b: str = "b", h: str = "h") -> dict:
+        """The kernel's loads of one value a program (an FP8 spec's descales, Q_DESCALE[b, h // GROUP]: pass
+        descale), by buffer name, as code over the template's batch `b` and query head `h` (and GROUP): the names
+        `value` takes to spell the registers computed from them (qk_scale, v_descale) where the template holds a
+        tile's b and h."""
+        out = {}
+        for st in ir.walk_stmts(self.kernel.body):
+            for e in ir.stmt_exprs(st):
+                for n in ir.walk_expr(e):
+                    if (not isinstance(n, ir.Load) or n.buffer.name in _OPERANDS or n.buffer.name in out
+                            or not all(isinstance(i, sympy.Expr) for i in n.index)):
+                        continue
+                    index = [_elementwise(i, {str(sym.b): b, str(sym.q_head): h}) for i in n.index]
+                    ptr = " + ".join([n.buffer.name] + [f"{i if i.isidentifier() else exprs.parenthesized(i)} * {st}"
+                                                         for i, st in zip(index, _strides(n.buffer))])
+                    out[n.buffer.name] = self._code(f"gl.load({ptr})", b, h, ptr)
+        return out
 
     def defines(self, target: str) -> bool:
         """Whether the kernel assigns the register `target` (a step the template takes only where the IR has it)."""
@@ -485,6 +504,8 @@ def _expr(e: ir.Expr, names: dict, axis, lib: str) -> tuple[str, int]:
         return names[e.buffer.name], 3
     if isinstance(e, Num):
         return repr(e.value), 3
+    if isinstance(e, ir.Sym) and str(e.expr) in names:  # a scalar argument the template holds under another name
+        return names[str(e.expr)], 3
     if isinstance(e, ir.Sym):
         return exprs.gluon(e.expr), 2
     if isinstance(e, Call) and e.op in _PREC:

@@ -292,8 +292,13 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
     if ws and dv is not None and (ws.backward is not None or ws.decode is not None):
         fail(f"backward or decode kernels for head_dim_v {dv} beside head_dim {d}: those templates take one head dim "
              "for Q, K and V")
-    if ws and program.attr("dtype") not in ("fp16", "bf16"):
-        fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
+    fp8 = program.attr("dtype") == "fp8_e4m3"
+    if ws and program.attr("dtype") not in ("fp16", "bf16") and not fp8:
+        fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit and e4m3 ones")
+    if fp8 and (ws.backward is not None or ws.decode is not None):
+        fail("backward or decode kernels for e4m3 inputs: only the forward template takes them")
+    if fp8 and ws.forward is not None and any(s.block_n % 32 for s in (ws.forward.main, ws.forward.short)):
+        fail("forward for e4m3 inputs: BLOCK_N is not a multiple of 32 (P V's K step on e4m3 wgmma)")
     if ws.forward is not None:
         f = ws.forward
         if program.attr("kvcache", False):

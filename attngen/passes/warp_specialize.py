@@ -23,6 +23,13 @@ sm_90 GPU (wgmma is Hopper's), inputs TMA can read (16-byte aligned base and str
 stride), at least one query, MIN_KEYS keys and MIN_SCORES scores. Everything else, the interpreter included, runs the
 Triton kernel, which the tuner keeps tuning.
 
+FP8 programs (dtype = fp8_e4m3: e4m3 Q, K and V, bf16 output) get the Gluon forward too where `fp8_refusal` finds
+nothing against it (hopper.FP8_GLUON on, head dim 64 or 128, no mask or a causal one, no variant, not varlen), at
+`hopper.forward_fp8`'s shape: e4m3 descriptors and shared tiles, V read through its (B, H_KV, D, N_K) view (FP8
+wgmma takes both operands K-major, and P V's K is the keys: V's keys contiguous), P quantised to e4m3 as the IR's
+cast says and carried as the product's register operand, qk_scale and V's factor per tile from the IR's descales
+(pass descale), the output stored through a bf16 buffer of its own.
+
 Applies to forward specs (prefill, with or without a backward), with or without a causal mask, with
 16-bit inputs, a head dim in hopper.HEAD_DIMS (64, 96, 128, 256; d=96 runs 128 columns wide, `hopper.TILE_DIM`,
 and not varlen: its row-masked stores would write past the head), or a (head dim, head_dim_v) pair in
@@ -91,12 +98,35 @@ PLAIN_MASKS = ("none", "causal(top_left)", "causal(bottom_right)")
 
 
 def applies(program: ir.Program) -> bool:
+    if program.attr("dtype") == "fp8_e4m3":
+        return fp8_refusal(program) is None
     return (not program.attr("kvcache", False) and program.attr("split_kv") is None
             and not (program.attr("varlen") and program.attr("page_size") is not None)
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
             and (not is_variant(program) or variant_supported(program, _varlen_scalars(program)))
             and (not program.attr("varlen") or _one_unmasked_range(program.kernel("attn_fwd"), sym.start_n))
             and head_dims_supported(program))
+
+
+def fp8_refusal(program: ir.Program) -> str | None:
+    """Why an FP8 program (dtype = fp8_e4m3) keeps the Triton forward, or None where it takes the Gluon one: a plain
+    prefill (no mask or a causal one, no variant, not varlen, not paged, auto tiles) at a head dim in
+    hopper.FP8_HEAD_DIMS, with hopper.FP8_GLUON on. `attngen explain` prints it."""
+    if program.attr("dtype") != "fp8_e4m3":
+        return None
+    if not hopper.FP8_GLUON:
+        return ("policy/hopper.py FP8_GLUON is off: the FP8 Gluon forward compiles for sm_90 but has not run on a "
+                "GPU yet; the Triton kernel runs")
+    d = program.attr("head_dim")
+    if (d not in hopper.FP8_HEAD_DIMS or program.attr("head_dim_padded") != d
+            or program.attr("head_dim_v") is not None):
+        return f"head dim {d}: the FP8 Gluon forward takes {', '.join(map(str, hopper.FP8_HEAD_DIMS))}"
+    if (program.attr("kvcache", False) or program.attr("varlen") or program.attr("page_size") is not None
+            or program.attr("split_kv") is not None):
+        return "the FP8 Gluon forward is a dense prefill's (not a KV cache's, varlen or paged)"
+    if is_variant(program) or program.attr("fixed_tiles", False):
+        return "the FP8 Gluon forward takes no mask or a causal one, no variant, and auto tiles"
+    return None
 
 
 def head_dims_supported(program: ir.Program) -> bool:
@@ -198,6 +228,8 @@ def run(program: ir.Program) -> ir.Program:
             backward = hopper.backward_variant(d, causal)
         forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
+    if program.attr("dtype") == "fp8_e4m3":  # (forward only: the spec refuses a backward)
+        return replace(program, warp_specialized=replace(program.warp_specialized, forward=hopper.forward_fp8(d, causal)))
     backward = hopper.backward(d, causal) if has_backward else None
     decision = replace(program.warp_specialized, forward=hopper.forward(d, causal, dv), backward=backward)
     return replace(program, warp_specialized=decision)

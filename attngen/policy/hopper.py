@@ -324,6 +324,36 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
     return replace(variant, short=variant.main, short_keys=0)
 
 
+FP8_GLUON = False
+"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`). Off: it compiles for sm_90 on the
+CPU (tests/test_gluon_fp8.py: e4m3 wgmma, ptxas registers) but has not run on a GPU yet; while off,
+warp-specialize leaves FP8 specs on the Triton kernel and `attngen explain` says why (`fp8_refusal`). The GPU
+test (tests/test_gluon_fp8.py, marked gpu) turns it on for its own specs; turn it on here once that passes."""
+
+FP8_HEAD_DIMS = (64, 128)
+
+FP8_FORWARD = {
+    64: ir.GluonShape(block_m=192, block_n=64, stages=3, consumers=3, consumer_regs=160, maxnreg=128),
+    128: ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+}
+"""The FP8 Gluon forward's launch shape by head dim, at every length. d=128: the 16-bit kernel's (FORWARD_MAIN), as
+FlashAttention 3's FP8 kernel takes 128 rows in two consumer warpgroups, 2 stages; its K and V blocks are half the
+bytes (16 KB each a stage), and its Q buffers are allocated as the bf16 output tiles a Q tile fills half of (64 KB
+for the persistent grid's two): 131,480 bytes of shared memory (ptxas, CPU: 168 registers, 8-20 bytes spilled,
+the bf16 kernel 24). d=64: FA3's 192 rows in three consumer warpgroups, but 64-key blocks in 3 stages: with
+128-key blocks a consumer's 160 registers spill 608-760 bytes (the bf16 kernel 356; P's change from the scores'
+layout to the e4m3 operand's, in shuffles and byte permutes, holds both at once), with 64 none (90,588 bytes of
+shared memory). Not measured on a GPU: a third stage at d=128 (+32 KB), d=64 at two consumers of 128-key blocks (no
+spills either), and FA3's 176- and 160-key blocks (not powers of two) are the first things to try."""
+
+
+def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
+    """The Gluon forward's shapes and thresholds for an FP8 program (head dim in FP8_HEAD_DIMS, no variant): the
+    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length."""
+    shape = FP8_FORWARD[head_dim]
+    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0)
+
+
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width)."""
     head_dim = tile_dim(head_dim)
