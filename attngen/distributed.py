@@ -16,10 +16,17 @@ dK/dV around the ring behind their keys, back to the ranks that own them.
 A sliding window no wider than a shard over contiguous shards (`load_balance=False`) needs no ring: each rank
 receives only the key/value rows its window reaches beyond its shard (the previous rank's last `left`, the next
 rank's first `right`) while it runs its own block, and the backward sends those rows' dK/dV back (`Halo`).
+
+Documents packed into one sequence (`cu_seqlens`) cut each (query chunk, key chunk) pair further, into the pieces
+of each document both chunks hold (`document_pieces`): a query piece meets its document's keys in an earlier chunk
+in full, its own piece causally, a later one not at all, all in global positions, so each step runs only the pieces
+that share a document and the ring stops after the last step any rank needs (every document within one shard: no
+ring at all).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import NamedTuple
 
@@ -126,9 +133,38 @@ def merged_blocks(blocks: list[Block]) -> list[Block]:
     return sorted(out)
 
 
-def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool):
+def document_pieces(chunk, documents: tuple[int, ...]) -> dict[int, tuple[int, int, int]]:
+    """The piece (global start, local start, length) of each document that chunk (global start, local start,
+    length) holds, by document index; `documents` the offsets of the packed sequence (cu_seqlens)."""
+    start, local, length = chunk
+    pieces = {}
+    first = bisect.bisect_right(documents, start) - 1  # the document holding the chunk's first position
+    for d in range(max(first, 0), len(documents) - 1):
+        lo, hi = max(documents[d], start), min(documents[d + 1], start + length)
+        if lo >= start + length:
+            break
+        if lo < hi:
+            pieces[d] = (lo, local + lo - start, hi - lo)
+    return pieces
+
+
+def pair_blocks(q_chunk, k_chunk, lo: float, hi: float, documents: tuple[int, ...] | None) -> list[Block]:
+    """The blocks of one (query chunk, key chunk) pair: `pair_block`'s, or with `documents` one per document both
+    chunks hold a piece of (its queries see only its keys, positions still global)."""
+    if documents is None:
+        pairs = [(q_chunk, k_chunk)]
+    else:
+        keys = document_pieces(k_chunk, documents)
+        pairs = [(piece, keys[d]) for d, piece in document_pieces(q_chunk, documents).items() if d in keys]
+    blocks = [pair_block(qp, kp, lo, hi) for qp, kp in pairs]
+    return [b for b in blocks if b is not None]
+
+
+def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool,
+                  documents: tuple[int, ...] | None = None):
     """Every rank's blocks per ring step (schedule[rank][step], step s holding the keys of rank rank - s), cut
-    after the last step any rank needs."""
+    after the last step any rank needs. `documents`: the offsets of the documents packed into the sequence (global
+    positions, the last world * n), each query seeing only its own document's keys; None: one sequence."""
     left, right = window
     lo = -math.inf if left < 0 else -left
     hi = math.inf if right < 0 else right
@@ -140,9 +176,9 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
         steps = []
         for step in range(world):
             theirs = chunks_of((rank - step) % world, world, n, load_balance)
-            blocks = [pair_block(qc, kc, lo, hi) for qc in mine for kc in theirs]
-            steps.append(merged_blocks([b for b in blocks if b is not None]))
-        if causal and window == NO_WINDOW:
+            steps.append(merged_blocks([b for qc in mine for kc in theirs for b in pair_blocks(qc, kc, lo, hi,
+                                                                                               documents)]))
+        if causal and window == NO_WINDOW and documents is None:
             # NOTE: a shard's chunks are in sequence order, so its own keys are causal in local positions: one
             # call instead of two diagonal chunks and the full pair between them
             steps[0] = [Block(0, n, 0, n, True, NO_WINDOW)]
@@ -396,18 +432,22 @@ class _ContextParallel(torch.autograd.Function):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                                causal: bool = False, scale: float | None = None, load_balance: bool = True,
                                window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                               return_lse: bool = False):
+                               cu_seqlens: torch.Tensor | None = None, return_lse: bool = False):
     """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
     shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
     makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
     `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
-    sequence. Ring steps no rank needs are not run. Pass `load_balance=False` (and shards made with it) for a
+    sequence. `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
+    offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
+    only its own document's keys (causal within it under `causal`, exactly across shard boundaries), and each ring
+    step runs only the (query, key) pieces of a document that both shards hold. Ring steps no rank needs are not
+    run. Pass `load_balance=False` (and shards made with it) for a
     sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
     balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
     instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
-    and every ring step moves a whole shard). Every rank must pass shards of one shape and the same arguments; a
+    and every ring step moves a whole shard; with `cu_seqlens` the ring runs). Every rank must pass shards of one shape and the same arguments; a
     ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
     `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
@@ -430,22 +470,50 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                "even (or pass load_balance=False with shards from shard_sequence(load_balance=False))")
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, None)
-    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap)
-    halos = halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
-    steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance)[rank]
+    documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
+    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents)
+    halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
+    steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance,
+                                                    documents)[rank]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
     return (out, lse) if return_lse else out
 
 
-def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap) -> None:
+def checked_documents(cu_seqlens, total: int) -> tuple[int, ...]:
+    """The document offsets `cu_seqlens` holds, checked against a packed sequence of `total` positions (a
+    ValueError, naming cu_seqlens, where they do not fit)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise KernelInputError(f"cu_seqlens must be a torch.Tensor (int32 document offsets), not "
+                               f"{type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise KernelInputError(f"cu_seqlens must be int32; got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise KernelInputError(f"cu_seqlens must be 1-D (documents + 1,) with at least one document; got shape "
+                               f"{tuple(cu_seqlens.shape)}")
+    offsets = tuple(cu_seqlens.tolist())  # (one copy to the host: the schedule is planned there)
+    if offsets[0] != 0:
+        raise KernelInputError(f"cu_seqlens must start at 0; starts at {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise KernelInputError(f"cu_seqlens must be non-decreasing (document offsets); got {list(offsets)}")
+    if offsets[-1] != total:
+        raise KernelInputError(f"cu_seqlens must end at the global sequence length {total} (every rank's shard "
+                               f"together); ends at {offsets[-1]}")
+    return offsets
+
+
+def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
     names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
-             "window_size left", "window_size right", "softcap")
+             "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    # NOTE: the offsets travel as one weighted sum modulo a prime (below 2^53: exact in float64), so that the
+    # all-gather stays a few numbers however many documents there are
+    offsets = [-1, -1] if documents is None else [len(documents),
+                                                   sum(i * x for i, x in enumerate(documents, 1)) % 1_000_000_007]
     mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
                          dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
-                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap],
+                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets],
                         dtype=torch.float64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)

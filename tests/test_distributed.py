@@ -1,7 +1,8 @@
 """attngen.distributed: the ring schedule against a brute-force mask, the shard/unshard round trip, and
 context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's interpreter, small sizes) against
 the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
-odd shards, windows and softcap, and its argument errors; the halo exchange of a window no wider than a shard
+odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
+head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
 (its schedule, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
 
-def visible(n_total, causal, window):
-    """(N, N) bool: query p sees key p' (global positions)."""
+def visible(n_total, causal, window, documents=None):
+    """(N, N) bool: query p sees key p' (global positions); with `documents` (offsets), only within its document."""
     pos = torch.arange(n_total)
     rel = pos[None, :] - pos[:, None]
     ok = torch.ones(n_total, n_total, dtype=torch.bool)
+    if documents is not None:
+        doc = torch.bucketize(pos, torch.tensor(documents), right=True)
+        ok &= doc[:, None] == doc[None, :]
     left, right = window
     if left >= 0:
         ok &= rel >= -left
@@ -121,6 +125,48 @@ def test_halo_schedule_covers_the_mask_once(seed):
             assert halo.to_next == halos[rank + 1].left and halos[rank + 1].to_prev == halo.right
 
 
+def random_documents(rng, total):
+    """Offsets of documents of random lengths packed into `total` positions (some empty, some one position long)."""
+    cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(0, 5)))
+    return tuple([0, *cuts, total])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ring_schedule_covers_the_document_mask_once(seed):
+    """With documents packed into the sequence, each rank's blocks over every ring step cover exactly the pairs of
+    one document the mask keeps (causal or not, with or without a window), each once; the ring stops after the last
+    step a rank needs."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    load_balance = rng.random() < 0.5
+    n = rng.choice([2, 4, 6, 8]) if load_balance else rng.randint(1, 7)
+    causal = rng.random() < 0.7
+    window = (rng.choice([0, 1, 3]), 0 if causal else rng.choice([-1, 2])) if rng.random() < 0.3 else NO_WINDOW
+    documents = random_documents(rng, world * n)
+    want = visible(world * n, causal, window, documents)
+    schedule = ring_schedule(world, n, causal, window, load_balance, documents)
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        for step in range(world):
+            cols = local_positions((rank - step) % world, world, n, load_balance)
+            covered = torch.zeros(n, n, dtype=torch.int32)
+            for b in schedule[rank][step] if step < len(schedule[rank]) else []:
+                mask = block_mask(b, n, n)
+                covered += mask.int()
+                assert mask[b.q_start:b.q_end, b.k_start:b.k_end].any(dim=1).all(), (b, documents)
+            assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
+
+
+def test_documents_within_shards_need_no_ring():
+    """Every document inside one shard: each rank runs only its own keys, one causal block per document."""
+    schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
+    assert schedule == [[[Block(0, 3, 0, 3, True, NO_WINDOW), Block(3, 8, 3, 8, True, NO_WINDOW)]],
+                        [[Block(0, 4, 0, 4, True, NO_WINDOW), Block(4, 8, 4, 8, True, NO_WINDOW)]]]
+    # a document across the boundary: rank 1's piece sees rank 0's in full, rank 0 nothing of rank 1's
+    steps = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 5, 11, 16))
+    assert steps[1][1] == [Block(0, 3, 5, 8, False, NO_WINDOW)] and steps[0][1] == []
+
+
 def test_halo_schedule_only_for_short_windows_on_contiguous_shards():
     assert halo_schedule(2, 8, True, (8, 0), False) is not None
     assert halo_schedule(2, 8, True, (9, 0), False) is None  # the ring: two ranks back
@@ -160,19 +206,20 @@ def test_shard_unshard_round_trip():
         shard_sequence(x[:, :, :10], 3, 0)
 
 
-def reference(q, k, v, causal, window, scale, softcap):
-    """(out, lse) of the whole sequence, in q, k and v's precision."""
+def reference(q, k, v, causal, window, scale, softcap, documents=None):
+    """(out, lse) of the whole sequence (documents packed in it: each query within its own), in q, k and v's
+    precision."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~visible(q.shape[2], causal, window).to(s.device), -math.inf)
+    s = s.masked_fill(~visible(q.shape[2], causal, window, documents).to(s.device), -math.inf)
     lse = torch.logsumexp(s, -1)
     return torch.softmax(s, -1) @ v, lse
 
 
-# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap)
+# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets])
 CASES = {
     2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
         (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
@@ -180,12 +227,21 @@ CASES = {
         (1, 2, 2, 8, True, True, (5, 0), 0.0),         # sliding window across chunks
         (1, 2, 2, 7, False, False, (2, 3), 5.0),        # two-sided window, softcap: the halo exchange
         (1, 2, 1, 5, True, False, (3, 0), 0.0),         # the halo exchange, GQA, odd shards
-        (1, 2, 2, 4, True, False, (6, 0), 0.0)],        # a window longer than a shard: the ring
+        (1, 2, 2, 4, True, False, (6, 0), 0.0),         # a window longer than a shard: the ring
+        # documents: one in a shard, one across both (odd shards), one in the other
+        (1, 2, 2, 7, True, False, NO_WINDOW, 0.0, (0, 3, 11, 14)),
+        # head-tail chunks (rank 0: 0-3 and 12-15): documents across the boundaries of both
+        (2, 4, 2, 8, True, True, NO_WINDOW, 0.0, (0, 2, 9, 16)),
+        # not causal: a one-position document, a boundary on the shards'
+        (1, 2, 1, 5, False, False, NO_WINDOW, 0.0, (0, 5, 6, 10)),
+        (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
+        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
         (1, 2, 2, 5, True, False, (5, 0), 0.0),        # the halo exchange: the whole previous shard
         (1, 2, 2, 3, False, False, (2, 3), 0.0),       # the halo exchange, both neighbours
-        (1, 2, 2, 3, True, False, (4, 0), 0.0)],       # the ring cut after step 2
+        (1, 2, 2, 3, True, False, (4, 0), 0.0),        # the ring cut after step 2
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18))],   # a document over every rank
 }
 
 
@@ -205,26 +261,31 @@ def _worker(rank, world, path, device, cases):
         dist.destroy_process_group()
 
 
-def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap):
+def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
-    the lengths (windows too) on GPUs, within 4 times the error of the same computation in bfloat16 in PyTorch."""
+    the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
+    PyTorch."""
     gpu = device == "cuda"
     dtype, head_dim = (torch.bfloat16, 64) if gpu else (torch.float32, 16)
     if gpu:
         n, window = 32 * n, tuple(32 * w if w > 0 else w for w in window)
+        documents = documents and tuple(32 * x for x in documents)
     torch.manual_seed(1234)
     q, do = (torch.randn(b, h, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(b, h_kv, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     scale = 0.3
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
-    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64)
-    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype) if gpu else None
+    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents)
+    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
     out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                          window_size=window, softcap=softcap, return_lse=True)
+                                          window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                          return_lse=True)
     out.backward(shard(do))
     got = (out, lse, *(t.grad for t in mine))
-    label = f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap}"
+    label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
+             f"documents={documents}")
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
 
@@ -240,10 +301,10 @@ def _compare(got, want, low, label):
     assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
 
 
-def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision):
+def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None):
     """(out, lse, dq, dk, dv) of the whole sequence, computed in `precision`."""
     full = [t.detach().to(precision).requires_grad_() for t in (q, k, v)]
-    out, lse = reference(*full, causal, window, scale, softcap)
+    out, lse = reference(*full, causal, window, scale, softcap, documents)
     out.backward(do.to(precision))
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
 
@@ -285,6 +346,18 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):
         context_parallel_attention(q, q, q, causal=True, window_size=(2, 3))
+    total = world * 4
+    for cu_seqlens, message in (([0, total], "cu_seqlens must be a torch.Tensor"),
+                                (torch.tensor([0, total]), "cu_seqlens must be int32"),
+                                (torch.tensor([total], dtype=torch.int32), "cu_seqlens must be 1-D"),
+                                (torch.tensor([1, total], dtype=torch.int32), "cu_seqlens must start at 0"),
+                                (torch.tensor([0, 5, 3, total], dtype=torch.int32), "cu_seqlens must be non-decreasing"),
+                                (torch.tensor([0, 4], dtype=torch.int32), f"global sequence length {total}")):
+        with pytest.raises(ValueError, match=message):
+            context_parallel_attention(q, q, q, causal=True, cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match="cu_seqlens: the ranks disagree on the cu_seqlens offsets"):
+        context_parallel_attention(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 1 + rank, total],
+                                                                                 dtype=torch.int32))
     alone = [dist.new_group([r]) for r in range(world)][rank]
     with pytest.raises(ValueError, match="group has 1 rank"):
         context_parallel_attention(q, q, q, alone)
