@@ -443,12 +443,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
     only its own document's keys (causal within it under `causal`, exactly across shard boundaries), and each ring
     step runs only the (query, key) pieces of a document that both shards hold. Ring steps no rank needs are not
-    run. Pass `load_balance=False` (and shards made with it) for a
-    sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
-    balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
-    instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
-    and every ring step moves a whole shard; with `cu_seqlens` the ring runs). Every rank must pass shards of one shape and the same arguments; a
-    ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
+    run. Pass `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query
+    sees at most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the
+    rows the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks
+    put a chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens`
+    the ring runs whatever the window. Every rank must pass shards of one shape and the same arguments; a ValueError
+    names the argument that differs or does not fit (a group of one rank, an odd shard under
     `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():

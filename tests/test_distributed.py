@@ -351,7 +351,8 @@ def _check_errors(rank, world, device):
                                 (torch.tensor([0, total]), "cu_seqlens must be int32"),
                                 (torch.tensor([total], dtype=torch.int32), "cu_seqlens must be 1-D"),
                                 (torch.tensor([1, total], dtype=torch.int32), "cu_seqlens must start at 0"),
-                                (torch.tensor([0, 5, 3, total], dtype=torch.int32), "cu_seqlens must be non-decreasing"),
+                                (torch.tensor([0, 5, 3, total], dtype=torch.int32),
+                                 "cu_seqlens must be non-decreasing"),
                                 (torch.tensor([0, 4], dtype=torch.int32), f"global sequence length {total}")):
         with pytest.raises(ValueError, match=message):
             context_parallel_attention(q, q, q, causal=True, cu_seqlens=cu_seqlens)
