@@ -111,26 +111,30 @@ def pair_block(q_chunk, k_chunk, lo: float, hi: float) -> Block | None:
 def merged_blocks(blocks: list[Block]) -> list[Block]:
     """`blocks` with unmasked neighbours joined into one call (the same rows over adjacent keys, or the same keys
     over adjacent rows)."""
-    out = list(blocks)
+    masked = [b for b in blocks if b.causal or b.window != NO_WINDOW]
+    full = sorted(b for b in blocks if not b.causal and b.window == NO_WINDOW)
     joined = True
-    while joined:
-        joined = False
-        for a in out:
-            for b in out:
-                if a is b or a.causal or b.causal or a.window != NO_WINDOW or b.window != NO_WINDOW:
-                    continue
-                if (a.q_start, a.q_end) == (b.q_start, b.q_end) and a.k_end == b.k_start:
-                    new = Block(a.q_start, a.q_end, a.k_start, b.k_end, False, NO_WINDOW)
-                elif (a.k_start, a.k_end) == (b.k_start, b.k_end) and a.q_end == b.q_start:
-                    new = Block(a.q_start, b.q_end, a.k_start, a.k_end, False, NO_WINDOW)
-                else:
-                    continue
-                out = [x for x in out if x is not a and x is not b] + [new]
-                joined = True
-                break
-            if joined:
-                break
-    return sorted(out)
+    while joined:  # a pass joins disjoint pairs; the next joins what they made
+        # NOTE: neighbours are looked up by the edge they would share, so that a document mask's many blocks cost
+        # linear time a pass
+        by_rows = {(b.q_start, b.q_end, b.k_start): i for i, b in enumerate(full)}
+        by_keys = {(b.k_start, b.k_end, b.q_start): i for i, b in enumerate(full)}
+        used, out = set(), []
+        for i, a in enumerate(full):
+            if i in used:
+                continue
+            j = by_rows.get((a.q_start, a.q_end, a.k_end))
+            if j is not None and j not in used:
+                new = Block(a.q_start, a.q_end, a.k_start, full[j].k_end, False, NO_WINDOW)
+            else:
+                j = by_keys.get((a.k_start, a.k_end, a.q_end))
+                new = Block(a.q_start, full[j].q_end, a.k_start, a.k_end, False, NO_WINDOW) if j is not None \
+                    and j not in used else a
+            used.update((i, j) if new is not a else (i,))
+            out.append(new)
+        joined = len(out) < len(full)
+        full = sorted(out)
+    return sorted(masked + full)
 
 
 def document_pieces(chunk, documents: tuple[int, ...]) -> dict[int, tuple[int, int, int]]:

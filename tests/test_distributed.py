@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (Block, chunks_of, context_parallel_attention, halo_schedule, pair_block, ring_schedule,
-                                 shard_sequence, unshard_sequence)
+from attngen.distributed import (Block, chunks_of, context_parallel_attention, halo_schedule, merged_blocks, pair_block,
+                                 ring_schedule, shard_sequence, unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
@@ -165,6 +165,20 @@ def test_documents_within_shards_need_no_ring():
     # a document across the boundary: rank 1's piece sees rank 0's in full, rank 0 nothing of rank 1's
     steps = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 5, 11, 16))
     assert steps[1][1] == [Block(0, 3, 5, 8, False, NO_WINDOW)] and steps[0][1] == []
+
+
+def test_merged_blocks_join_unmasked_neighbours():
+    """A 2x2 grid of unmasked blocks becomes one call whatever their order; a run of three over adjacent keys one; a
+    masked block stays as it is."""
+    grid = [Block(0, 2, 0, 2, False, NO_WINDOW), Block(0, 2, 2, 4, False, NO_WINDOW),
+            Block(2, 4, 0, 2, False, NO_WINDOW), Block(2, 4, 2, 4, False, NO_WINDOW)]
+    diagonal = Block(4, 6, 4, 6, True, NO_WINDOW)
+    for blocks in (grid + [diagonal], [diagonal] + grid[::-1]):
+        assert merged_blocks(blocks) == [Block(0, 4, 0, 4, False, NO_WINDOW), diagonal]
+    run = [Block(0, 2, 4, 6, False, NO_WINDOW), Block(0, 2, 0, 2, False, NO_WINDOW),
+           Block(0, 2, 2, 4, False, NO_WINDOW)]
+    assert merged_blocks(run) == [Block(0, 2, 0, 6, False, NO_WINDOW)]
+    assert merged_blocks(grid[:1] + grid[3:]) == sorted(grid[:1] + grid[3:])  # corners only: no shared edge
 
 
 def test_halo_schedule_only_for_short_windows_on_contiguous_shards():
