@@ -21,7 +21,8 @@ Documents packed into one sequence (`cu_seqlens`) cut each (query chunk, key chu
 of each document both chunks hold (`document_pieces`): a query piece meets its document's keys in an earlier chunk
 in full, its own piece causally, a later one not at all, all in global positions, so each step runs only the pieces
 that share a document and the ring stops after the last step any rank needs (every document within one shard: no
-ring at all).
+ring at all). A chunk's pieces against their own keys, one block each, run as one varlen call (`Pieces`): only a
+chunk's first document can reach back into another chunk, so they are nearly all of a step's blocks.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .api import sdpa
+from .api import sdpa, varlen
 from .api.kvcache import merge_states
 from .errors import KernelInputError
 from .lang.builtin import NO_WINDOW
@@ -191,6 +192,38 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
     return [steps[:needed] for steps in schedule]
 
 
+class Pieces(NamedTuple):
+    """Documents' pieces each against its own keys (a step's diagonal: rows q_start:q_end, the same keys), run as one
+    varlen call whose sequences are the pieces (`offsets` their bounds from q_start), `causal` within each."""
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    causal: bool
+    offsets: tuple[int, ...]
+
+
+def grouped_pieces(blocks: list[Block]) -> list[Block | Pieces]:
+    """`blocks` with each run of two or more adjacent unwindowed diagonal blocks (rows and keys the same positions,
+    one ending where the next starts, both causal or both not) joined into one `Pieces`."""
+    out, run = [], []
+    for b in sorted(blocks) + [None]:
+        diagonal = b is not None and (b.q_start, b.q_end) == (b.k_start, b.k_end) and b.window == NO_WINDOW
+        if run and not (diagonal and b.q_start == run[-1].q_end and b.causal == run[0].causal):
+            if len(run) == 1:
+                out += run
+            else:
+                offsets = tuple(x.q_start - run[0].q_start for x in run) + (run[-1].q_end - run[0].q_start,)
+                out.append(Pieces(run[0].q_start, run[-1].q_end, run[0].q_start, run[-1].q_end, run[0].causal,
+                                  offsets))
+            run = []
+        if diagonal:
+            run.append(b)
+        elif b is not None:
+            out.append(b)
+    return sorted(out)
+
+
 class Halo(NamedTuple):
     """One rank's exchange under a window its neighbours' rows cover (contiguous shards): it receives the last `left`
     key rows of the previous rank and the first `right` of the next, sends its last `to_next` rows to the next rank
@@ -263,7 +296,9 @@ class _Kernels:
     def __init__(self, q, k, v, scale, softcap):
         self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
 
-    def __call__(self, block: Block):
+    def __call__(self, block: Block | Pieces):
+        if isinstance(block, Pieces):
+            return self.varlen(block)
         mask = (block.causal, block.window)
         if mask not in self.found:
             q, k, v, scale = self.args
@@ -274,13 +309,55 @@ class _Kernels:
             self.found[mask] = resolve(plan.key), plan.scale
         return self.found[mask]
 
+    def varlen(self, pieces: Pieces):
+        """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
+        cu = self.found.get(pieces.offsets)
+        if cu is None:
+            cu = self.found[pieces.offsets] = torch.tensor(pieces.offsets, dtype=torch.int32,
+                                                            device=self.args[0].device)
+        mask = ("varlen", pieces.causal)
+        if mask not in self.found:
+            q, k, v, scale = self.args
+            rows = slice(pieces.q_start, pieces.q_end)
+            longest = max(b - a for a, b in zip(pieces.offsets, pieces.offsets[1:]))
+            plan = varlen._checked_plan(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu, longest,
+                                        longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, None, None,
+                                        None, None)
+            self.found[mask] = resolve(plan.key), plan.scale
+        return (*self.found[mask], cu)
+
+
+def _packed(t, b: Block | Pieces, i: int):
+    """Batch entry i of t's rows of pieces b as varlen's packed (rows, heads, dim) view (no copy)."""
+    return t[i, :, b.q_start:b.q_end].transpose(0, 1)
+
+
+def _pieces_forward(kernels, b: Pieces, q, k, v):
+    """(out, lse) of pieces b as a block's kernel returns them: one varlen call a batch entry."""
+    kernel, scale, cu = kernels(b)
+    parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale)
+             for i in range(q.shape[0])]
+    return torch.stack([o.transpose(0, 1) for o, _ in parts]), torch.stack([lse for _, lse in parts])
+
+
+def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
+    """(dq, dk, dv) of pieces b's rows, as `_block_grads` returns a block's."""
+    kernel, scale, cu = kernels(b)
+    grads = [kernel.varlen_backward(*(_packed(t, b, i) for t in (q, k, v, out)),
+                                    lse[i, :, b.q_start:b.q_end].contiguous(), _packed(do, b, i), cu, cu, cu.diff(),
+                                    scale)[:3] for i in range(q.shape[0])]
+    return tuple(torch.stack([g[j].transpose(0, 1) for g in grads]) for j in range(3))
+
 
 def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
     """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
     and `lse` of this rank's queries."""
-    kernel, scale = kernels(b)
-    part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
-                                    v[:, :, b.k_start:b.k_end], scale)
+    if isinstance(b, Pieces):
+        part, part_lse = _pieces_forward(kernels, b, q, k, v)
+    else:
+        kernel, scale = kernels(b)
+        part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
+                                        v[:, :, b.k_start:b.k_end], scale)
     rows = slice(b.q_start, b.q_end)
     merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
                                       part.transpose(1, 2), part_lse)
@@ -290,6 +367,8 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
 
 def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
     """(dq, dk, dv) of block b's rows and keys, in their dtype."""
+    if isinstance(b, Pieces):
+        return _pieces_grads(kernels, b, q, k, v, out, lse, do)
     kernel, scale = kernels(b)
     rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
     return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
@@ -479,6 +558,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
     steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance,
                                                     documents)[rank]
+    if documents:
+        steps = [grouped_pieces(blocks) for blocks in steps]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
     return (out, lse) if return_lse else out

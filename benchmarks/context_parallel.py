@@ -248,13 +248,13 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
 def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provider: str, window: int,
                           documents: list[int] | None) -> dict:
     """The time of the kernels alone of this rank's schedule (the causal ring's blocks, with documents one per
-    document piece, or the window's blocks on its own keys and its neighbour's rows, all run on its own keys: no
-    exchange, no merge), forward and forward + backward; what the call takes beyond it is exposed communication (and
-    merging)."""
+    document piece but a varlen call for each run of pieces against their own keys, or the window's blocks on its
+    own keys and its neighbour's rows, all run on its own keys: no exchange, no merge), forward and forward +
+    backward; what the call takes beyond it is exposed communication (and merging)."""
     import torch
 
     import attngen
-    from attngen.distributed import halo_schedule, ring_schedule
+    from attngen.distributed import Pieces, grouped_pieces, halo_schedule, ring_schedule
     from attngen.lang.builtin import NO_WINDOW
 
     if provider == "attngen_window":
@@ -262,11 +262,18 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
         blocks = [halo.own, *halo.before, *halo.after]
     else:
         schedule = ring_schedule(world, q.shape[2], True, NO_WINDOW, True, documents and tuple(documents))
-        blocks = [b for step in schedule[rank] for b in step]
+        blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
 
     def kernels():
         for b in blocks:
             rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+            if isinstance(b, Pieces):  # (B = 1: packed (rows, heads, dim) views of the shard's rows)
+                cu = torch.tensor(b.offsets, dtype=torch.int32, device=q.device)
+                longest = max(y - x for x, y in zip(b.offsets, b.offsets[1:]))
+                out = attngen.flash_attn_varlen_func(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu,
+                                                     longest, longest, causal=b.causal)
+                yield out, (q, k, v), do[0, :, rows].transpose(0, 1)
+                continue
             out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal,
                                     window_size=b.window)
             yield out, (q, k, v), do[:, :, rows]

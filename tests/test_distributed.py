@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (Block, chunks_of, context_parallel_attention, halo_schedule, merged_blocks, pair_block,
-                                 ring_schedule, shard_sequence, unshard_sequence)
+from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, grouped_pieces, halo_schedule,
+                                 merged_blocks, pair_block, ring_schedule, shard_sequence, unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
@@ -181,6 +181,23 @@ def test_merged_blocks_join_unmasked_neighbours():
     assert merged_blocks(grid[:1] + grid[3:]) == sorted(grid[:1] + grid[3:])  # corners only: no shared edge
 
 
+def test_grouped_pieces_join_each_run_of_diagonal_blocks():
+    """Adjacent diagonal blocks of one kind become one varlen call (its offsets the pieces' bounds); a lone
+    diagonal, an off-diagonal block and a windowed one stay blocks."""
+    causal = [Block(0, 3, 0, 3, True, NO_WINDOW), Block(3, 4, 3, 4, True, NO_WINDOW),
+              Block(4, 8, 4, 8, True, NO_WINDOW)]
+    other = [Block(8, 9, 0, 8, False, NO_WINDOW), Block(9, 12, 9, 12, False, NO_WINDOW),
+             Block(12, 14, 12, 14, True, (1, 0))]
+    assert grouped_pieces(other[::-1] + causal[::-1]) == [Pieces(0, 8, 0, 8, True, (0, 3, 4, 8)), *other]
+    full = [Block(0, 2, 0, 2, False, NO_WINDOW), Block(2, 5, 2, 5, False, NO_WINDOW),
+            Block(5, 6, 5, 6, True, NO_WINDOW)]
+    assert grouped_pieces(full) == [Pieces(0, 5, 0, 5, False, (0, 2, 5)), full[2]]
+    # the schedule of documents within shards: one call a rank
+    schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
+    assert [[grouped_pieces(s) for s in steps] for steps in schedule] == [[[Pieces(0, 8, 0, 8, True, (0, 3, 8))]],
+                                                                        [[Pieces(0, 8, 0, 8, True, (0, 4, 8))]]]
+
+
 def test_halo_schedule_only_for_short_windows_on_contiguous_shards():
     assert halo_schedule(2, 8, True, (8, 0), False) is not None
     assert halo_schedule(2, 8, True, (9, 0), False) is None  # the ring: two ranks back
@@ -246,8 +263,8 @@ CASES = {
         (1, 2, 2, 7, True, False, NO_WINDOW, 0.0, (0, 3, 11, 14)),
         # head-tail chunks (rank 0: 0-3 and 12-15): documents across the boundaries of both
         (2, 4, 2, 8, True, True, NO_WINDOW, 0.0, (0, 2, 9, 16)),
-        # not causal: a one-position document, a boundary on the shards'
-        (1, 2, 1, 5, False, False, NO_WINDOW, 0.0, (0, 5, 6, 10)),
+        # not causal, softcap: a one-position document, a boundary on the shards'
+        (1, 2, 1, 5, False, False, NO_WINDOW, 5.0, (0, 5, 6, 10)),
         (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
         (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
