@@ -311,10 +311,10 @@ class _Kernels:
 
     def varlen(self, pieces: Pieces):
         """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
-        cu = self.found.get(pieces.offsets)
+        cu = self.found.get(("cu_seqlens", pieces.offsets))
         if cu is None:
-            cu = self.found[pieces.offsets] = torch.tensor(pieces.offsets, dtype=torch.int32,
-                                                            device=self.args[0].device)
+            cu = self.found[("cu_seqlens", pieces.offsets)] = torch.tensor(pieces.offsets, dtype=torch.int32,
+                                                                            device=self.args[0].device)
         mask = ("varlen", pieces.causal)
         if mask not in self.found:
             q, k, v, scale = self.args
@@ -332,12 +332,17 @@ def _packed(t, b: Block | Pieces, i: int):
     return t[i, :, b.q_start:b.q_end].transpose(0, 1)
 
 
+def _batched(parts):
+    """(B, ...) of B per-entry tensors (a view where B is 1)."""
+    return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+
 def _pieces_forward(kernels, b: Pieces, q, k, v):
     """(out, lse) of pieces b as a block's kernel returns them: one varlen call a batch entry."""
     kernel, scale, cu = kernels(b)
     parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale)
              for i in range(q.shape[0])]
-    return torch.stack([o.transpose(0, 1) for o, _ in parts]), torch.stack([lse for _, lse in parts])
+    return _batched([o.transpose(0, 1) for o, _ in parts]), _batched([lse for _, lse in parts])
 
 
 def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
@@ -346,7 +351,7 @@ def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
     grads = [kernel.varlen_backward(*(_packed(t, b, i) for t in (q, k, v, out)),
                                     lse[i, :, b.q_start:b.q_end].contiguous(), _packed(do, b, i), cu, cu, cu.diff(),
                                     scale)[:3] for i in range(q.shape[0])]
-    return tuple(torch.stack([g[j].transpose(0, 1) for g in grads]) for j in range(3))
+    return tuple(_batched([g[j].transpose(0, 1) for g in grads]) for j in range(3))
 
 
 def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:

@@ -77,7 +77,7 @@ for stage in "$@"; do
       tail -40 "$OUT/bench_$stage.txt" ;;
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
       for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
           --lengths ${CP_LENGTHS:-131072 262144} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} >> "$OUT/bench_cp.txt" 2>&1
