@@ -20,9 +20,12 @@ rank's first `right`) while it runs its own block, and the backward sends those 
 Documents packed into one sequence (`cu_seqlens`) cut each (query chunk, key chunk) pair further, into the pieces
 of each document both chunks hold (`document_pieces`): a query piece meets its document's keys in an earlier chunk
 in full, its own piece causally, a later one not at all, all in global positions, so each step runs only the pieces
-that share a document and the ring stops after the last step any rank needs (every document within one shard: no
-ring at all). A chunk's pieces against their own keys, one block each, run as one varlen call (`Pieces`): only a
-chunk's first document can reach back into another chunk, so they are nearly all of a step's blocks.
+that share a document (every document within one shard: no exchange at all). A chunk's pieces against their own
+keys, one block each, run as one varlen call (`Pieces`): only a chunk's first document can reach back into another
+chunk, so they are nearly all of the blocks, and a step with another rank's keys needs only the rows of the
+document or two that cross a boundary. So the keys do not travel the ring: each step's rows come straight from the
+rank that owns them, and their dK/dV go straight back (`Visit`), the next step's exchange posted before this
+step's kernels run.
 """
 
 from __future__ import annotations
@@ -222,6 +225,40 @@ def grouped_pieces(blocks: list[Block]) -> list[Block | Pieces]:
         elif b is not None:
             out.append(b)
     return sorted(out)
+
+
+class Visit(NamedTuple):
+    """Ring step `step` of one rank under documents, as a direct exchange: it receives rows receive[0]:receive[1] of
+    rank rank - step's keys (none at step 0: its own) and runs `blocks` on them (keys local to the rows received),
+    and sends rows send[0]:send[1] of its own keys to rank rank + step; an empty range where nothing goes."""
+    step: int
+    blocks: list
+    receive: tuple[int, int]
+    send: tuple[int, int]
+
+
+def _hull(blocks) -> tuple[int, int]:
+    """The key rows blocks reach, as one range ((0, 0) for none)."""
+    if not blocks:
+        return 0, 0
+    return min(b.k_start for b in blocks), max(b.k_end for b in blocks)
+
+
+def document_visits(schedule, rank: int) -> list[Visit]:
+    """Rank `rank`'s `Visit`s of a `ring_schedule` under documents: each step's keys come straight from the rank that
+    owns them, only the rows its blocks reach (a document or two crossing a chunk boundary, where a ring would move
+    the whole shard), and steps no block of this rank needs, sent or received, are left out."""
+    world = len(schedule)
+    visits = []
+    for step in range(len(schedule[rank])):
+        blocks = schedule[rank][step]
+        theirs = schedule[(rank + step) % world]
+        send = _hull(theirs[step]) if step and step < len(theirs) else (0, 0)
+        receive = _hull(blocks) if step else (0, 0)
+        shifted = [b._replace(k_start=b.k_start - receive[0], k_end=b.k_end - receive[0]) for b in blocks]
+        if step == 0 or blocks or send != (0, 0):
+            visits.append(Visit(step, grouped_pieces(shifted), receive, send))
+    return visits
 
 
 class Halo(NamedTuple):
@@ -490,14 +527,71 @@ def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, 
     return dq, dk, dv
 
 
+def _post_visit(ring, visit: Visit, k, v):
+    """Post visit's exchange of K and V rows (receive buffers, requests, the sends kept alive until waited on),
+    tagged by its step (the ranks' lists of visits differ, the steps they meet at do not)."""
+    (r0, r1), (s0, s1), tag = visit.receive, visit.send, 2 * visit.step
+    sends = [(visit.step, t[:, :, s0:s1].contiguous(), tag + i) for i, t in enumerate((k, v)) if s1 > s0]
+    receives = [(-visit.step, t[:, :, :r1 - r0], tag + i) for i, t in enumerate((k, v)) if r1 > r0]
+    return (*_post(ring, sends, receives), sends)
+
+
+def _visits_forward(ring, visits, kernels, q, k, v):
+    """(out float32, lse, the K/V rows each visit received): each visit's exchange is posted before the previous
+    visit's kernels run."""
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+    received = []
+    posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
+    for i, visit in enumerate(visits):
+        kv = (k, v)
+        if i:
+            buffers, requests, _ = posted
+            _wait(requests)
+            kv = tuple(buffers) if visit.receive[1] > visit.receive[0] else (k[:, :, :0], v[:, :, :0])
+            received.append(kv)
+            posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
+        for b in visit.blocks:
+            _forward_block(kernels, b, q, *kv, out, lse)
+    return out, lse, received
+
+
+def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
+    """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
+    the rows this rank sent come back with theirs."""
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    for b in visits[0].blocks:
+        _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    pending = []
+    for visit, rows in zip(visits[1:], received):
+        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        for b in visit.blocks:
+            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
+        (s0, s1), tag = visit.send, 2 * visit.step
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if g.shape[2]]
+        receives = [(visit.step, t[:, :, s0:s1], tag + i) for i, t in enumerate((dk, dv)) if s1 > s0]
+        pending.append((visit.send, *_post(ring, sends, receives), grads))
+    for (s0, s1), buffers, requests, _ in pending:
+        _wait(requests)
+        if s1 > s0:
+            dk[:, :, s0:s1] += buffers[0]
+            dv[:, :, s0:s1] += buffers[1]
+    return dq, dk, dv
+
+
 class _ContextParallel(torch.autograd.Function):
-    """The ring (`steps` a list of ring steps) or the halo exchange (`steps` a Halo) as one differentiable call."""
+    """The ring (`steps` a list of ring steps), the halo exchange (`steps` a Halo) or documents' direct exchange
+    (`steps` a list of `Visit`s) as one differentiable call."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring, steps, kernels):
-        ctx.halo_rows = None
+        ctx.halo_rows = ctx.received = None
         if isinstance(steps, Halo):
             out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
+        elif isinstance(steps[0], Visit):
+            out, lse, ctx.received = _visits_forward(ring, steps, kernels, q, k, v)
         else:
             out, lse = _ring_forward(ring, steps, kernels, q, k, v)
         out = out.to(q.dtype)
@@ -512,6 +606,9 @@ class _ContextParallel(torch.autograd.Function):
         if ctx.halo_rows is not None:
             dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
                                         do.contiguous())
+        elif ctx.received is not None:
+            dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, ctx.received, out, lse,
+                                          do.contiguous())
         else:
             dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
@@ -529,14 +626,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
     sequence. `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
     offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
-    only its own document's keys (causal within it under `causal`, exactly across shard boundaries), and each ring
-    step runs only the (query, key) pieces of a document that both shards hold. Ring steps no rank needs are not
-    run. Pass `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query
-    sees at most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the
-    rows the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks
-    put a chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens`
-    the ring runs whatever the window. Every rank must pass shards of one shape and the same arguments; a ValueError
-    names the argument that differs or does not fit (a group of one rank, an odd shard under
+    only its own document's keys (causal within it under `causal`, exactly across shard boundaries); each rank runs
+    only the (query, key) pieces of a document that both shards hold, and receives from each other rank only the key
+    rows its documents reach there, not whole shards around the ring. Ring steps no rank needs are not run. Pass
+    `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query sees at
+    most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the rows
+    the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks put a
+    chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens` a
+    window cuts the documents' rows exchanged instead. Every rank must pass shards of one shape and the same
+    arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
     `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -561,10 +659,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
     _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents)
     halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
-    steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance,
-                                                    documents)[rank]
-    if documents:
-        steps = [grouped_pieces(blocks) for blocks in steps]
+    schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents)
+    steps = halos[rank] if halos else document_visits(schedule, rank) if documents else schedule[rank]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
     return (out, lse) if return_lse else out

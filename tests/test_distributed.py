@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, grouped_pieces, halo_schedule,
-                                 merged_blocks, pair_block, ring_schedule, shard_sequence, unshard_sequence)
+from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, document_visits, grouped_pieces,
+                                 halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence,
+                                 unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
@@ -50,7 +51,11 @@ def local_positions(rank, world, n, load_balance):
 
 
 def block_mask(block, nq, nk):
-    """(nq, nk) bool: what a block's kernel call covers, in local rows and keys."""
+    """(nq, nk) bool: what a block's kernel call (or Pieces' varlen call) covers, in local rows and keys."""
+    if isinstance(block, Pieces):
+        return sum(block_mask(Block(block.q_start + a, block.q_start + b, block.k_start + a, block.k_start + b,
+                                    block.causal, NO_WINDOW), nq, nk).int()
+                   for a, b in zip(block.offsets, block.offsets[1:])).bool()
     i = torch.arange(block.q_end - block.q_start)[:, None]
     j = torch.arange(block.k_end - block.k_start)[None, :]
     ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
@@ -155,6 +160,19 @@ def test_ring_schedule_covers_the_document_mask_once(seed):
                 covered += mask.int()
                 assert mask[b.q_start:b.q_end, b.k_start:b.k_end].any(dim=1).all(), (b, documents)
             assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
+    # the same as direct exchanges: the rows received cover what the blocks reach, what is sent is what is received
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        seen = torch.zeros(n, world * n, dtype=torch.int32)
+        for visit in document_visits(schedule, rank):
+            r0, r1 = visit.receive if visit.step else (0, n)
+            cols = local_positions((rank - visit.step) % world, world, n, load_balance)[r0:r1]
+            for b in visit.blocks:
+                seen[:, cols] += block_mask(b, n, r1 - r0).int()
+            theirs = {x.step: x for x in document_visits(schedule, (rank + visit.step) % world)}
+            if visit.step and visit.send[1] > visit.send[0]:
+                assert theirs[visit.step].receive == visit.send
+        assert torch.equal(seen, want[rows].int()), (rank, documents)
 
 
 def test_documents_within_shards_need_no_ring():
@@ -286,6 +304,7 @@ def _worker(rank, world, path, device, cases):
         for case in cases:
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
+        _check_document_bytes(rank, world, device)
         _check_errors(rank, world, device)
         dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
@@ -340,13 +359,12 @@ def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
 
 
-def _check_halo_bytes(rank, world, device):
-    """Under a window shorter than a contiguous shard, the forward sends each rank's last `left` key and value rows
-    to the next rank and the backward sends their dK, dV (float32) back: one message batch each way, counted through
-    a wrapper of attngen.distributed._post (the one place messages are posted)."""
+def _bytes_sent(device, shape, **arguments):
+    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
+    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed._post (the one
+    place messages are posted)."""
     import attngen.distributed as cp
 
-    b, h_kv, n, d, left = 1, 2, 6, 16, 2
     sent = []
 
     def counting(ring, sends, receives):
@@ -355,13 +373,32 @@ def _check_halo_bytes(rank, world, device):
 
     post, cp._post = cp._post, counting
     try:
-        q, k, v = (torch.randn(b, h_kv, n, d, device=device, requires_grad=True) for _ in range(3))
-        out = context_parallel_attention(q, k, v, causal=True, load_balance=False, window_size=(left, 0))
-        out.sum().backward()
+        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
+        context_parallel_attention(q, k, v, **arguments).sum().backward()
     finally:
         cp._post = post
+    return sent
+
+
+def _check_halo_bytes(rank, world, device):
+    """Under a window shorter than a contiguous shard, the forward sends each rank's last `left` key and value rows
+    to the next rank and the backward sends their dK, dV (float32) back: one message batch each way."""
+    b, h_kv, n, d, left = 1, 2, 6, 16, 2
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, window_size=(left, 0))
     rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32 as the inputs
     assert sent == [rows if rank < world - 1 else 0, rows if rank > 0 else 0], (rank, sent)
+
+
+def _check_document_bytes(rank, world, device):
+    """Documents (0, 3, 11, 7 * world) on contiguous shards of 7: rank 1's piece of the middle document reaches
+    rank 0's rows 3 to 6 alone, so the forward sends those four K and V rows to rank 1 (not the shard) and the
+    backward their dK, dV (float32) back; with three ranks rank 2 reaches rank 1's last three rows the same way."""
+    b, h_kv, n, d = 1, 2, 7, 16
+    documents = torch.tensor([0, 3, 11, world * n], dtype=torch.int32, device=device)
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents)
+    row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
+    want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
+    assert sent == want, (rank, sent)
 
 
 def _check_errors(rank, world, device):
