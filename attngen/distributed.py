@@ -228,20 +228,34 @@ def grouped_pieces(blocks: list[Block]) -> list[Block | Pieces]:
 
 
 class Visit(NamedTuple):
-    """Ring step `step` of one rank under documents, as a direct exchange: it receives rows receive[0]:receive[1] of
-    rank rank - step's keys (none at step 0: its own) and runs `blocks` on them (keys local to the rows received),
-    and sends rows send[0]:send[1] of its own keys to rank rank + step; an empty range where nothing goes."""
+    """Ring step `step` of one rank under documents, as a direct exchange: it receives the key rows of rank
+    rank - step in the ranges `receive` (none at step 0: its own), one after another in one buffer, runs `blocks` on
+    them (keys local to that buffer), and sends its own key rows in the ranges `send` to rank rank + step."""
     step: int
     blocks: list
-    receive: tuple[int, int]
-    send: tuple[int, int]
+    receive: tuple[tuple[int, int], ...]
+    send: tuple[tuple[int, int], ...]
 
 
-def _hull(blocks) -> tuple[int, int]:
-    """The key rows blocks reach, as one range ((0, 0) for none)."""
-    if not blocks:
-        return 0, 0
-    return min(b.k_start for b in blocks), max(b.k_end for b in blocks)
+def key_ranges(blocks) -> tuple[tuple[int, int], ...]:
+    """The key rows `blocks` reach, as sorted disjoint (start, end) ranges."""
+    ranges = []
+    for start, end in sorted((b.k_start, b.k_end) for b in blocks):
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], end))
+        else:
+            ranges.append((start, end))
+    return tuple(ranges)
+
+
+def _packed_keys(b: Block, ranges) -> Block:
+    """Block b with its keys local to the rows of `ranges` packed one after another."""
+    offset = 0
+    for start, end in ranges:
+        if start <= b.k_start < end:
+            return b._replace(k_start=b.k_start - start + offset, k_end=b.k_end - start + offset)
+        offset += end - start
+    raise AssertionError(f"{b} reaches no rows of {ranges}")
 
 
 def document_visits(schedule, rank: int) -> list[Visit]:
@@ -250,14 +264,12 @@ def document_visits(schedule, rank: int) -> list[Visit]:
     the whole shard), and steps no block of this rank needs, sent or received, are left out."""
     world = len(schedule)
     visits = []
-    for step in range(len(schedule[rank])):
-        blocks = schedule[rank][step]
-        theirs = schedule[(rank + step) % world]
-        send = _hull(theirs[step]) if step and step < len(theirs) else (0, 0)
-        receive = _hull(blocks) if step else (0, 0)
-        shifted = [b._replace(k_start=b.k_start - receive[0], k_end=b.k_end - receive[0]) for b in blocks]
-        if step == 0 or blocks or send != (0, 0):
-            visits.append(Visit(step, grouped_pieces(shifted), receive, send))
+    for step, blocks in enumerate(schedule[rank]):
+        receive = key_ranges(blocks) if step else ()
+        send = key_ranges(schedule[(rank + step) % world][step]) if step else ()
+        if step == 0 or receive or send:
+            packed = [_packed_keys(b, receive) for b in blocks] if step else blocks
+            visits.append(Visit(step, grouped_pieces(packed), receive, send))
     return visits
 
 
@@ -527,12 +539,22 @@ def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, 
     return dq, dk, dv
 
 
+def _rows(t, ranges):
+    """t's rows (dim 2) in `ranges`, one after another in one contiguous tensor."""
+    return torch.cat([t[:, :, a:b] for a, b in ranges], 2) if len(ranges) > 1 else t[:, :, ranges[0][0]:ranges[0][1]]
+
+
+def _length(ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
 def _post_visit(ring, visit: Visit, k, v):
     """Post visit's exchange of K and V rows (receive buffers, requests, the sends kept alive until waited on),
     tagged by its step (the ranks' lists of visits differ, the steps they meet at do not)."""
-    (r0, r1), (s0, s1), tag = visit.receive, visit.send, 2 * visit.step
-    sends = [(visit.step, t[:, :, s0:s1].contiguous(), tag + i) for i, t in enumerate((k, v)) if s1 > s0]
-    receives = [(-visit.step, t[:, :, :r1 - r0], tag + i) for i, t in enumerate((k, v)) if r1 > r0]
+    tag = 2 * visit.step
+    sends = [(visit.step, _rows(t, visit.send).contiguous(), tag + i) for i, t in enumerate((k, v)) if visit.send]
+    receives = [(-visit.step, t[:, :, :_length(visit.receive)], tag + i) for i, t in enumerate((k, v))
+                if visit.receive]
     return (*_post(ring, sends, receives), sends)
 
 
@@ -548,7 +570,7 @@ def _visits_forward(ring, visits, kernels, q, k, v):
         if i:
             buffers, requests, _ = posted
             _wait(requests)
-            kv = tuple(buffers) if visit.receive[1] > visit.receive[0] else (k[:, :, :0], v[:, :, :0])
+            kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
             received.append(kv)
             posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
         for b in visit.blocks:
@@ -569,15 +591,18 @@ def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
         grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
         for b in visit.blocks:
             _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
-        (s0, s1), tag = visit.send, 2 * visit.step
-        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if g.shape[2]]
-        receives = [(visit.step, t[:, :, s0:s1], tag + i) for i, t in enumerate((dk, dv)) if s1 > s0]
+        tag = 2 * visit.step
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if visit.receive]
+        receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
+                    if visit.send]
         pending.append((visit.send, *_post(ring, sends, receives), grads))
-    for (s0, s1), buffers, requests, _ in pending:
+    for ranges, buffers, requests, _ in pending:
         _wait(requests)
-        if s1 > s0:
-            dk[:, :, s0:s1] += buffers[0]
-            dv[:, :, s0:s1] += buffers[1]
+        offset = 0
+        for a, b in ranges:
+            dk[:, :, a:b] += buffers[0][:, :, offset:offset + b - a]
+            dv[:, :, a:b] += buffers[1][:, :, offset:offset + b - a]
+            offset += b - a
     return dq, dk, dv
 
 

@@ -165,12 +165,13 @@ def test_ring_schedule_covers_the_document_mask_once(seed):
         rows = local_positions(rank, world, n, load_balance)
         seen = torch.zeros(n, world * n, dtype=torch.int32)
         for visit in document_visits(schedule, rank):
-            r0, r1 = visit.receive if visit.step else (0, n)
-            cols = local_positions((rank - visit.step) % world, world, n, load_balance)[r0:r1]
+            ranges = visit.receive if visit.step else ((0, n),)
+            owner = local_positions((rank - visit.step) % world, world, n, load_balance)
+            cols = torch.cat([owner[a:b] for a, b in ranges]) if ranges else owner[:0]
             for b in visit.blocks:
-                seen[:, cols] += block_mask(b, n, r1 - r0).int()
+                seen[:, cols] += block_mask(b, n, len(cols)).int()
             theirs = {x.step: x for x in document_visits(schedule, (rank + visit.step) % world)}
-            if visit.step and visit.send[1] > visit.send[0]:
+            if visit.step and visit.send:
                 assert theirs[visit.step].receive == visit.send
         assert torch.equal(seen, want[rows].int()), (rank, documents)
 
@@ -284,6 +285,8 @@ CASES = {
         # not causal, softcap: a one-position document, a boundary on the shards'
         (1, 2, 1, 5, False, False, NO_WINDOW, 5.0, (0, 5, 6, 10)),
         (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
+        # not causal, head-tail: rank 0 receives two ranges of rank 1's rows (its first and its last two)
+        (1, 2, 2, 8, False, True, NO_WINDOW, 0.0, (0, 5, 10, 13, 16)),
         (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
