@@ -16,17 +16,28 @@ dK/dV around the ring behind their keys, back to the ranks that own them.
 A sliding window no wider than a shard over contiguous shards (`load_balance=False`) needs no ring: each rank
 receives only the key/value rows its window reaches beyond its shard (the previous rank's last `left`, the next
 rank's first `right`) while it runs its own block, and the backward sends those rows' dK/dV back (`Halo`).
+
+Documents packed into one sequence (`cu_seqlens`) cut each (query chunk, key chunk) pair further, into the pieces
+of each document both chunks hold (`document_pieces`): a query piece meets its document's keys in an earlier chunk
+in full, its own piece causally, a later one not at all, all in global positions, so each step runs only the pieces
+that share a document (every document within one shard: no exchange at all). A chunk's pieces against their own
+keys, one block each, run as one varlen call (`Pieces`): only a chunk's first document can reach back into another
+chunk, so they are nearly all of the blocks, and a step with another rank's keys needs only the rows of the
+document or two that cross a boundary. So the keys do not travel the ring: each step's rows come straight from the
+rank that owns them, and their dK/dV go straight back (`Visit`), the next step's exchange posted before this
+step's kernels run.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .api import sdpa
+from .api import sdpa, varlen
 from .api.kvcache import merge_states
 from .errors import KernelInputError
 from .lang.builtin import NO_WINDOW
@@ -104,31 +115,64 @@ def pair_block(q_chunk, k_chunk, lo: float, hi: float) -> Block | None:
 def merged_blocks(blocks: list[Block]) -> list[Block]:
     """`blocks` with unmasked neighbours joined into one call (the same rows over adjacent keys, or the same keys
     over adjacent rows)."""
-    out = list(blocks)
+    masked = [b for b in blocks if b.causal or b.window != NO_WINDOW]
+    full = sorted(b for b in blocks if not b.causal and b.window == NO_WINDOW)
     joined = True
-    while joined:
-        joined = False
-        for a in out:
-            for b in out:
-                if a is b or a.causal or b.causal or a.window != NO_WINDOW or b.window != NO_WINDOW:
-                    continue
-                if (a.q_start, a.q_end) == (b.q_start, b.q_end) and a.k_end == b.k_start:
-                    new = Block(a.q_start, a.q_end, a.k_start, b.k_end, False, NO_WINDOW)
-                elif (a.k_start, a.k_end) == (b.k_start, b.k_end) and a.q_end == b.q_start:
-                    new = Block(a.q_start, b.q_end, a.k_start, a.k_end, False, NO_WINDOW)
-                else:
-                    continue
-                out = [x for x in out if x is not a and x is not b] + [new]
-                joined = True
-                break
-            if joined:
-                break
-    return sorted(out)
+    while joined:  # a pass joins disjoint pairs; the next joins what they made
+        # NOTE: neighbours are looked up by the edge they would share, so that a document mask's many blocks cost
+        # linear time a pass
+        by_rows = {(b.q_start, b.q_end, b.k_start): i for i, b in enumerate(full)}
+        by_keys = {(b.k_start, b.k_end, b.q_start): i for i, b in enumerate(full)}
+        used, out = set(), []
+        for i, a in enumerate(full):
+            if i in used:
+                continue
+            j = by_rows.get((a.q_start, a.q_end, a.k_end))
+            if j is not None and j not in used:
+                new = Block(a.q_start, a.q_end, a.k_start, full[j].k_end, False, NO_WINDOW)
+            else:
+                j = by_keys.get((a.k_start, a.k_end, a.q_end))
+                new = Block(a.q_start, full[j].q_end, a.k_start, a.k_end, False, NO_WINDOW) if j is not None \
+                    and j not in used else a
+            used.update((i, j) if new is not a else (i,))
+            out.append(new)
+        joined = len(out) < len(full)
+        full = sorted(out)
+    return sorted(masked + full)
 
 
-def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool):
+def document_pieces(chunk, documents: tuple[int, ...]) -> dict[int, tuple[int, int, int]]:
+    """The piece (global start, local start, length) of each document that chunk (global start, local start,
+    length) holds, by document index; `documents` the offsets of the packed sequence (cu_seqlens)."""
+    start, local, length = chunk
+    pieces = {}
+    first = bisect.bisect_right(documents, start) - 1  # the document holding the chunk's first position
+    for d in range(max(first, 0), len(documents) - 1):
+        lo, hi = max(documents[d], start), min(documents[d + 1], start + length)
+        if lo >= start + length:
+            break
+        if lo < hi:
+            pieces[d] = (lo, local + lo - start, hi - lo)
+    return pieces
+
+
+def pair_blocks(q_chunk, k_chunk, lo: float, hi: float, documents: tuple[int, ...] | None) -> list[Block]:
+    """The blocks of one (query chunk, key chunk) pair: `pair_block`'s, or with `documents` one per document both
+    chunks hold a piece of (its queries see only its keys, positions still global)."""
+    if documents is None:
+        pairs = [(q_chunk, k_chunk)]
+    else:
+        keys = document_pieces(k_chunk, documents)
+        pairs = [(piece, keys[d]) for d, piece in document_pieces(q_chunk, documents).items() if d in keys]
+    blocks = [pair_block(qp, kp, lo, hi) for qp, kp in pairs]
+    return [b for b in blocks if b is not None]
+
+
+def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool,
+                  documents: tuple[int, ...] | None = None):
     """Every rank's blocks per ring step (schedule[rank][step], step s holding the keys of rank rank - s), cut
-    after the last step any rank needs."""
+    after the last step any rank needs. `documents`: the offsets of the documents packed into the sequence (global
+    positions, the last world * n), each query seeing only its own document's keys; None: one sequence."""
     left, right = window
     lo = -math.inf if left < 0 else -left
     hi = math.inf if right < 0 else right
@@ -140,15 +184,93 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
         steps = []
         for step in range(world):
             theirs = chunks_of((rank - step) % world, world, n, load_balance)
-            blocks = [pair_block(qc, kc, lo, hi) for qc in mine for kc in theirs]
-            steps.append(merged_blocks([b for b in blocks if b is not None]))
-        if causal and window == NO_WINDOW:
+            steps.append(merged_blocks([b for qc in mine for kc in theirs for b in pair_blocks(qc, kc, lo, hi,
+                                                                                               documents)]))
+        if causal and window == NO_WINDOW and documents is None:
             # NOTE: a shard's chunks are in sequence order, so its own keys are causal in local positions: one
             # call instead of two diagonal chunks and the full pair between them
             steps[0] = [Block(0, n, 0, n, True, NO_WINDOW)]
         schedule.append(steps)
     needed = 1 + max(s for steps in schedule for s, blocks in enumerate(steps) if blocks)
     return [steps[:needed] for steps in schedule]
+
+
+class Pieces(NamedTuple):
+    """Documents' pieces each against its own keys (a step's diagonal: rows q_start:q_end, the same keys), run as one
+    varlen call whose sequences are the pieces (`offsets` their bounds from q_start), `causal` within each."""
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    causal: bool
+    offsets: tuple[int, ...]
+
+
+def grouped_pieces(blocks: list[Block]) -> list[Block | Pieces]:
+    """`blocks` with each run of two or more adjacent unwindowed diagonal blocks (rows and keys the same positions,
+    one ending where the next starts, both causal or both not) joined into one `Pieces`."""
+    out, run = [], []
+    for b in sorted(blocks) + [None]:
+        diagonal = b is not None and (b.q_start, b.q_end) == (b.k_start, b.k_end) and b.window == NO_WINDOW
+        if run and not (diagonal and b.q_start == run[-1].q_end and b.causal == run[0].causal):
+            if len(run) == 1:
+                out += run
+            else:
+                offsets = tuple(x.q_start - run[0].q_start for x in run) + (run[-1].q_end - run[0].q_start,)
+                out.append(Pieces(run[0].q_start, run[-1].q_end, run[0].q_start, run[-1].q_end, run[0].causal,
+                                  offsets))
+            run = []
+        if diagonal:
+            run.append(b)
+        elif b is not None:
+            out.append(b)
+    return sorted(out)
+
+
+class Visit(NamedTuple):
+    """Ring step `step` of one rank under documents, as a direct exchange: it receives the key rows of rank
+    rank - step in the ranges `receive` (none at step 0: its own), one after another in one buffer, runs `blocks` on
+    them (keys local to that buffer), and sends its own key rows in the ranges `send` to rank rank + step."""
+    step: int
+    blocks: list
+    receive: tuple[tuple[int, int], ...]
+    send: tuple[tuple[int, int], ...]
+
+
+def key_ranges(blocks) -> tuple[tuple[int, int], ...]:
+    """The key rows `blocks` reach, as sorted disjoint (start, end) ranges."""
+    ranges = []
+    for start, end in sorted((b.k_start, b.k_end) for b in blocks):
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], end))
+        else:
+            ranges.append((start, end))
+    return tuple(ranges)
+
+
+def _packed_keys(b: Block, ranges) -> Block:
+    """Block b with its keys local to the rows of `ranges` packed one after another."""
+    offset = 0
+    for start, end in ranges:
+        if start <= b.k_start < end:
+            return b._replace(k_start=b.k_start - start + offset, k_end=b.k_end - start + offset)
+        offset += end - start
+    raise AssertionError(f"{b} reaches no rows of {ranges}")
+
+
+def document_visits(schedule, rank: int) -> list[Visit]:
+    """Rank `rank`'s `Visit`s of a `ring_schedule` under documents: each step's keys come straight from the rank that
+    owns them, only the rows its blocks reach (a document or two crossing a chunk boundary, where a ring would move
+    the whole shard), and steps no block of this rank needs, sent or received, are left out."""
+    world = len(schedule)
+    visits = []
+    for step, blocks in enumerate(schedule[rank]):
+        receive = key_ranges(blocks) if step else ()
+        send = key_ranges(schedule[(rank + step) % world][step]) if step else ()
+        if step == 0 or receive or send:
+            packed = [_packed_keys(b, receive) for b in blocks] if step else blocks
+            visits.append(Visit(step, grouped_pieces(packed), receive, send))
+    return visits
 
 
 class Halo(NamedTuple):
@@ -223,7 +345,9 @@ class _Kernels:
     def __init__(self, q, k, v, scale, softcap):
         self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
 
-    def __call__(self, block: Block):
+    def __call__(self, block: Block | Pieces):
+        if isinstance(block, Pieces):
+            return self.varlen(block)
         mask = (block.causal, block.window)
         if mask not in self.found:
             q, k, v, scale = self.args
@@ -234,13 +358,60 @@ class _Kernels:
             self.found[mask] = resolve(plan.key), plan.scale
         return self.found[mask]
 
+    def varlen(self, pieces: Pieces):
+        """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
+        cu = self.found.get(("cu_seqlens", pieces.offsets))
+        if cu is None:
+            cu = self.found[("cu_seqlens", pieces.offsets)] = torch.tensor(pieces.offsets, dtype=torch.int32,
+                                                                            device=self.args[0].device)
+        mask = ("varlen", pieces.causal)
+        if mask not in self.found:
+            q, k, v, scale = self.args
+            rows = slice(pieces.q_start, pieces.q_end)
+            longest = max(b - a for a, b in zip(pieces.offsets, pieces.offsets[1:]))
+            plan = varlen._checked_plan(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu, longest,
+                                        longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, None, None,
+                                        None, None)
+            self.found[mask] = resolve(plan.key), plan.scale
+        return (*self.found[mask], cu)
+
+
+def _packed(t, b: Block | Pieces, i: int):
+    """Batch entry i of t's rows of pieces b as varlen's packed (rows, heads, dim) view (no copy)."""
+    return t[i, :, b.q_start:b.q_end].transpose(0, 1)
+
+
+def _batched(parts):
+    """(B, ...) of B per-entry tensors (a view where B is 1)."""
+    return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+
+def _pieces_forward(kernels, b: Pieces, q, k, v):
+    """(out, lse) of pieces b as a block's kernel returns them: one varlen call a batch entry."""
+    kernel, scale, cu = kernels(b)
+    parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale)
+             for i in range(q.shape[0])]
+    return _batched([o.transpose(0, 1) for o, _ in parts]), _batched([lse for _, lse in parts])
+
+
+def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
+    """(dq, dk, dv) of pieces b's rows, as `_block_grads` returns a block's."""
+    kernel, scale, cu = kernels(b)
+    grads = [kernel.varlen_backward(*(_packed(t, b, i) for t in (q, k, v, out)),
+                                    lse[i, :, b.q_start:b.q_end].contiguous(), _packed(do, b, i), cu, cu, cu.diff(),
+                                    scale)[:3] for i in range(q.shape[0])]
+    return tuple(_batched([g[j].transpose(0, 1) for g in grads]) for j in range(3))
+
 
 def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
     """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
     and `lse` of this rank's queries."""
-    kernel, scale = kernels(b)
-    part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
-                                    v[:, :, b.k_start:b.k_end], scale)
+    if isinstance(b, Pieces):
+        part, part_lse = _pieces_forward(kernels, b, q, k, v)
+    else:
+        kernel, scale = kernels(b)
+        part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
+                                        v[:, :, b.k_start:b.k_end], scale)
     rows = slice(b.q_start, b.q_end)
     merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
                                       part.transpose(1, 2), part_lse)
@@ -250,6 +421,8 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
 
 def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
     """(dq, dk, dv) of block b's rows and keys, in their dtype."""
+    if isinstance(b, Pieces):
+        return _pieces_grads(kernels, b, q, k, v, out, lse, do)
     kernel, scale = kernels(b)
     rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
     return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
@@ -366,14 +539,84 @@ def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, 
     return dq, dk, dv
 
 
+def _rows(t, ranges):
+    """t's rows (dim 2) in `ranges`, one after another in one contiguous tensor."""
+    return torch.cat([t[:, :, a:b] for a, b in ranges], 2) if len(ranges) > 1 else t[:, :, ranges[0][0]:ranges[0][1]]
+
+
+def _length(ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+def _post_visit(ring, visit: Visit, k, v):
+    """Post visit's exchange of K and V rows (receive buffers, requests, the sends kept alive until waited on),
+    tagged by its step (the ranks' lists of visits differ, the steps they meet at do not)."""
+    tag = 2 * visit.step
+    sends = [(visit.step, _rows(t, visit.send).contiguous(), tag + i) for i, t in enumerate((k, v)) if visit.send]
+    receives = [(-visit.step, t[:, :, :_length(visit.receive)], tag + i) for i, t in enumerate((k, v))
+                if visit.receive]
+    return (*_post(ring, sends, receives), sends)
+
+
+def _visits_forward(ring, visits, kernels, q, k, v):
+    """(out float32, lse, the K/V rows each visit received): each visit's exchange is posted before the previous
+    visit's kernels run."""
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+    received = []
+    posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
+    for i, visit in enumerate(visits):
+        kv = (k, v)
+        if i:
+            buffers, requests, _ = posted
+            _wait(requests)
+            kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
+            received.append(kv)
+            posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
+        for b in visit.blocks:
+            _forward_block(kernels, b, q, *kv, out, lse)
+    return out, lse, received
+
+
+def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
+    """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
+    the rows this rank sent come back with theirs."""
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    for b in visits[0].blocks:
+        _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    pending = []
+    for visit, rows in zip(visits[1:], received):
+        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        for b in visit.blocks:
+            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
+        tag = 2 * visit.step
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if visit.receive]
+        receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
+                    if visit.send]
+        pending.append((visit.send, *_post(ring, sends, receives), grads))
+    for ranges, buffers, requests, _ in pending:
+        _wait(requests)
+        offset = 0
+        for a, b in ranges:
+            dk[:, :, a:b] += buffers[0][:, :, offset:offset + b - a]
+            dv[:, :, a:b] += buffers[1][:, :, offset:offset + b - a]
+            offset += b - a
+    return dq, dk, dv
+
+
 class _ContextParallel(torch.autograd.Function):
-    """The ring (`steps` a list of ring steps) or the halo exchange (`steps` a Halo) as one differentiable call."""
+    """The ring (`steps` a list of ring steps), the halo exchange (`steps` a Halo) or documents' direct exchange
+    (`steps` a list of `Visit`s) as one differentiable call."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring, steps, kernels):
-        ctx.halo_rows = None
+        ctx.halo_rows = ctx.received = None
         if isinstance(steps, Halo):
             out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
+        elif isinstance(steps[0], Visit):
+            out, lse, ctx.received = _visits_forward(ring, steps, kernels, q, k, v)
         else:
             out, lse = _ring_forward(ring, steps, kernels, q, k, v)
         out = out.to(q.dtype)
@@ -388,6 +631,9 @@ class _ContextParallel(torch.autograd.Function):
         if ctx.halo_rows is not None:
             dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
                                         do.contiguous())
+        elif ctx.received is not None:
+            dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, ctx.received, out, lse,
+                                          do.contiguous())
         else:
             dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
@@ -396,19 +642,24 @@ class _ContextParallel(torch.autograd.Function):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                                causal: bool = False, scale: float | None = None, load_balance: bool = True,
                                window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                               return_lse: bool = False):
+                               cu_seqlens: torch.Tensor | None = None, return_lse: bool = False):
     """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
     shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
     makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
     `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
-    sequence. Ring steps no rank needs are not run. Pass `load_balance=False` (and shards made with it) for a
-    sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
-    balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
-    instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
-    and every ring step moves a whole shard). Every rank must pass shards of one shape and the same arguments; a
-    ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
+    sequence. `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
+    offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
+    only its own document's keys (causal within it under `causal`, exactly across shard boundaries); each rank runs
+    only the (query, key) pieces of a document that both shards hold, and receives from each other rank only the key
+    rows its documents reach there, not whole shards around the ring. Ring steps no rank needs are not run. Pass
+    `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query sees at
+    most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the rows
+    the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks put a
+    chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens` a
+    window cuts the documents' rows exchanged instead. Every rank must pass shards of one shape and the same
+    arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
     `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -430,22 +681,50 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                "even (or pass load_balance=False with shards from shard_sequence(load_balance=False))")
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, None)
-    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap)
-    halos = halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
-    steps = halos[rank] if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance)[rank]
+    documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
+    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents)
+    halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
+    schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents)
+    steps = halos[rank] if halos else document_visits(schedule, rank) if documents else schedule[rank]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
     return (out, lse) if return_lse else out
 
 
-def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap) -> None:
+def checked_documents(cu_seqlens, total: int) -> tuple[int, ...]:
+    """The document offsets `cu_seqlens` holds, checked against a packed sequence of `total` positions (a
+    ValueError, naming cu_seqlens, where they do not fit)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise KernelInputError(f"cu_seqlens must be a torch.Tensor (int32 document offsets), not "
+                               f"{type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise KernelInputError(f"cu_seqlens must be int32; got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise KernelInputError(f"cu_seqlens must be 1-D (documents + 1,) with at least one document; got shape "
+                               f"{tuple(cu_seqlens.shape)}")
+    offsets = tuple(cu_seqlens.tolist())  # (one copy to the host: the schedule is planned there)
+    if offsets[0] != 0:
+        raise KernelInputError(f"cu_seqlens must start at 0; starts at {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise KernelInputError(f"cu_seqlens must be non-decreasing (document offsets); got {list(offsets)}")
+    if offsets[-1] != total:
+        raise KernelInputError(f"cu_seqlens must end at the global sequence length {total} (every rank's shard "
+                               f"together); ends at {offsets[-1]}")
+    return offsets
+
+
+def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
     names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
-             "window_size left", "window_size right", "softcap")
+             "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    # NOTE: the offsets travel as one weighted sum modulo a prime (below 2^53: exact in float64), so that the
+    # all-gather stays a few numbers however many documents there are
+    offsets = [-1, -1] if documents is None else [len(documents),
+                                                   sum(i * x for i, x in enumerate(documents, 1)) % 1_000_000_007]
     mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
                          dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
-                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap],
+                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets],
                         dtype=torch.float64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)

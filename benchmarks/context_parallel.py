@@ -17,16 +17,20 @@ recorded as such). Providers, each at the same shapes:
   flex_window     FlexAttention (compiled) under torch's context_parallel (its FLEX plan: K and V all-gathered, the
                   block mask sharded with them), the same window, contiguous shards (on one GPU: FlexAttention)
   flex_softcap    the same with --softcap as a score_mod, head-tail shards
+  attngen_document attngen's over documents packed into the sequence (cu_seqlens; lengths drawn uniformly from 1 to
+                  twice --document, seed 0, the same on every rank), causal within each, head-tail shards (on one
+                  GPU: attngen.flash_attn_varlen_func)
+  flex_document   FlexAttention under torch's context_parallel with a document block mask, head-tail shards
                   (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
                   not the version; elsewhere they are error rows)
 Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as they finish (replacing rows of the
 same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
-forward and forward + backward. attngen's and attngen_window's rows on several GPUs add the time of their kernels
-alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward + backward
-beyond it; the window and softcap rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count
-and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA
-events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved,
-backward 2.5x). A script, not a test: GPU only.
+forward and forward + backward. attngen's, attngen_window's and attngen_document's rows on several GPUs add the time
+of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward
++ backward beyond it; the window, softcap and document rows add `vs_flex`, FlexAttention's forward + backward time
+at the same GPU count and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the
+slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention
+(causal halved, backward 2.5x; documents count their own causal scores). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -40,14 +44,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window", "flex_window",
-             "attngen_softcap", "flex_softcap")
+             "attngen_softcap", "flex_softcap", "attngen_document", "flex_document")
 # attngen's rows that FlexAttention under context_parallel is the peer of
-FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap"}
+FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document"}
 
 
-def flops(n: int, heads: int, d: int, window: int | None, backward: bool) -> float:
-    """FlashAttention's count of the whole sequence: 4 B H N^2 d, halved when causal; a window counts its keys."""
-    if window is None:
+def document_offsets(n: int, mean: int) -> list[int]:
+    """Offsets (cu_seqlens) of documents packed into n positions, lengths uniform in 1 .. 2 * mean (the last cut at
+    n); seed 0, so every rank draws the same."""
+    import random
+
+    rng, offsets = random.Random(0), [0]
+    while offsets[-1] < n:
+        offsets.append(min(n, offsets[-1] + rng.randint(1, 2 * mean)))
+    return offsets
+
+
+def flops(n: int, heads: int, d: int, window: int | None, backward: bool, documents: list[int] | None = None) -> float:
+    """FlashAttention's count of the whole sequence: 4 B H N^2 d, halved when causal; a window counts its keys,
+    documents (offsets) the causal scores of each."""
+    if documents is not None:
+        pairs = sum((b - a) ** 2 / 2 for a, b in zip(documents, documents[1:]))
+    elif window is None:
         pairs = n * n / 2
     else:  # query i sees min(i + 1, window) keys
         w = min(window, n)
@@ -79,7 +97,7 @@ def timed(fn, reps: int, world: int) -> float:
     return statistics.median(times)
 
 
-def runner(provider: str, world: int, window: int, softcap: float):
+def runner(provider: str, world: int, window: int, softcap: float, documents: list[int]):
     """(a context manager to run under, f(q, k, v) -> out) of one attngen or torch SDPA provider; q, k, v are this
     rank's shard (several GPUs) or the whole sequence (one)."""
     import torch
@@ -89,6 +107,19 @@ def runner(provider: str, world: int, window: int, softcap: float):
     import attngen
     from attngen.distributed import context_parallel_attention
 
+    if provider == "attngen_document":
+        cu_seqlens = torch.tensor(documents, dtype=torch.int32, device="cuda")
+        if world > 1:
+            return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(q, k, v, causal=True,
+                                                                                        cu_seqlens=cu_seqlens)
+        longest = max(b - a for a, b in zip(documents, documents[1:]))
+
+        def varlen(q, k, v):  # (1, H, N, D) as (N, H, D) views: no copy
+            q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+            out = attngen.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=True)
+            return out.transpose(0, 1)[None]
+
+        return contextlib.nullcontext(), varlen
     if provider.startswith("attngen"):
         size = (window - 1, 0) if provider == "attngen_window" else (-1, -1)
         cap = softcap if provider == "attngen_softcap" else 0.0
@@ -130,10 +161,10 @@ def flex_context_parallel():
     return cp
 
 
-def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: float):
+def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: float, documents: list[int]):
     """(this rank's q, k, v, f(q, k, v) -> out) of a FlexAttention provider: on several GPUs under torch's
     context_parallel FLEX plan (a module whose pre-hook all-gathers K and V), the block mask sharded with q, k, v
-    (head-tail for the causal softcap, contiguous for the window, as attngen's rows)."""
+    (head-tail for the causal softcap and documents, contiguous for the window, as attngen's rows)."""
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import create_block_mask
@@ -144,6 +175,11 @@ def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: flo
     n = full[0].shape[2]
     if provider == "flex_window":
         mask_mod, score_mod = (lambda b, h, i, j: (i >= j) & (i - j < window)), None
+    elif provider == "flex_document":
+        # each position's document (global positions: torch's sharding maps a shard's rows back to them)
+        ends = torch.tensor(documents[1:], dtype=torch.int32, device="cuda")
+        doc = torch.bucketize(torch.arange(n, device="cuda", dtype=torch.int32), ends, right=True)
+        mask_mod, score_mod = (lambda b, h, i, j: (i >= j) & (doc[i] == doc[j])), None
     else:
         mask_mod = lambda b, h, i, j: i >= j  # noqa: E731
         score_mod = lambda score, b, h, i, j: softcap * torch.tanh(score / softcap)  # noqa: E731
@@ -164,8 +200,9 @@ def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: flo
 
 
 def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: int, window: int, softcap: float,
-            reps: int) -> dict:
-    """One row: forward and forward + backward times of `provider` at length n on `world` GPUs."""
+            document: int, reps: int) -> dict:
+    """One row: forward and forward + backward times of `provider` at length n on `world` GPUs (documents of mean
+    length `document` for the document rows)."""
     import torch
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -175,10 +212,11 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
     full = [torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     cp = None
     context = contextlib.nullcontext()
+    documents = document_offsets(n, document) if provider.endswith("document") else None
     if provider.startswith("flex"):
-        *shards, fn = flex_runner(provider, world, mesh, full, window, softcap)
+        *shards, fn = flex_runner(provider, world, mesh, full, window, softcap, documents)
     else:
-        context, fn = runner(provider, world, window, softcap)
+        context, fn = runner(provider, world, window, softcap, documents)
         if provider.startswith("torch") and world > 1:
             shards = full  # torch's context_parallel shards these in place, head-tail
             cp = context_parallel(mesh, buffers=shards, buffer_seq_dims=[2, 2, 2])
@@ -195,35 +233,47 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
         both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
     size = window if provider.endswith("window") else None
     extra = {}
-    if provider in ("attngen", "attngen_window") and world > 1:
-        extra = exposed_communication(q, k, v, do, world, rank, reps, provider, window)
+    if provider in ("attngen", "attngen_window", "attngen_document") and world > 1:
+        extra = exposed_communication(q, k, v, do, world, rank, reps, provider, window, documents)
         extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
+    if documents is not None:
+        extra["documents"] = len(documents) - 1
     return {**extra, "provider": provider, "gpus": world, "n": n, "heads": heads, "head_dim": d, "window": size,
             "softcap": softcap if provider.endswith("softcap") else None,
             "forward_ms": forward_ms, "forward_backward_ms": both_ms,
-            "forward_tflops": flops(n, heads, d, size, False) / forward_ms / 1e9,
-            "forward_backward_tflops": flops(n, heads, d, size, True) / both_ms / 1e9}
+            "forward_tflops": flops(n, heads, d, size, False, documents) / forward_ms / 1e9,
+            "forward_backward_tflops": flops(n, heads, d, size, True, documents) / both_ms / 1e9}
 
 
-def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provider: str, window: int) -> dict:
-    """The time of the kernels alone of this rank's schedule (the causal ring's blocks, or the window's blocks on
-    its own keys and its neighbour's rows, all run on its own keys: no exchange, no merge), forward and forward +
+def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provider: str, window: int,
+                          documents: list[int] | None) -> dict:
+    """The time of the kernels alone of this rank's schedule (the causal ring's blocks, with documents one per
+    document piece but a varlen call for each run of pieces against their own keys, or the window's blocks on its
+    own keys and its neighbour's rows, all run on its own keys: no exchange, no merge), forward and forward +
     backward; what the call takes beyond it is exposed communication (and merging)."""
     import torch
 
     import attngen
-    from attngen.distributed import halo_schedule, ring_schedule
+    from attngen.distributed import Pieces, grouped_pieces, halo_schedule, ring_schedule
     from attngen.lang.builtin import NO_WINDOW
 
     if provider == "attngen_window":
         halo = halo_schedule(world, q.shape[2], True, (window - 1, 0), False)[rank]
         blocks = [halo.own, *halo.before, *halo.after]
     else:
-        blocks = [b for step in ring_schedule(world, q.shape[2], True, NO_WINDOW, True)[rank] for b in step]
+        schedule = ring_schedule(world, q.shape[2], True, NO_WINDOW, True, documents and tuple(documents))
+        blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
 
     def kernels():
         for b in blocks:
             rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+            if isinstance(b, Pieces):  # (B = 1: packed (rows, heads, dim) views of the shard's rows)
+                cu = torch.tensor(b.offsets, dtype=torch.int32, device=q.device)
+                longest = max(y - x for x, y in zip(b.offsets, b.offsets[1:]))
+                out = attngen.flash_attn_varlen_func(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu,
+                                                     longest, longest, causal=b.causal)
+                yield out, (q, k, v), do[0, :, rows].transpose(0, 1)
+                continue
             out = attngen.attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=b.causal,
                                     window_size=b.window)
             yield out, (q, k, v), do[:, :, rows]
@@ -264,6 +314,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--softcap", type=float, default=30.0)
+    parser.add_argument("--document", type=int, default=8192, help="the documents' mean length")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--plot", metavar="JSON", help="draw the plot of a results file and exit")
@@ -287,7 +338,7 @@ def main() -> None:
         for provider in args.providers:
             try:
                 row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.softcap,
-                              args.reps)
+                              args.document, args.reps)
             except torch.OutOfMemoryError:
                 row = {"provider": provider, "gpus": world, "n": n, "error": "out of memory"}
             except Exception as e:  # a provider this torch cannot run is a row, not the end of the run

@@ -1,7 +1,8 @@
 """attngen.distributed: the ring schedule against a brute-force mask, the shard/unshard round trip, and
 context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's interpreter, small sizes) against
 the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
-odd shards, windows and softcap, and its argument errors; the halo exchange of a window no wider than a shard
+odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
+head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
 (its schedule, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attngen.distributed import (Block, chunks_of, context_parallel_attention, halo_schedule, pair_block, ring_schedule,
-                                 shard_sequence, unshard_sequence)
+from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, document_visits, grouped_pieces,
+                                 halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence,
+                                 unshard_sequence)
 from attngen.lang.builtin import NO_WINDOW
 from conftest import HAS_GPU
 
 
-def visible(n_total, causal, window):
-    """(N, N) bool: query p sees key p' (global positions)."""
+def visible(n_total, causal, window, documents=None):
+    """(N, N) bool: query p sees key p' (global positions); with `documents` (offsets), only within its document."""
     pos = torch.arange(n_total)
     rel = pos[None, :] - pos[:, None]
     ok = torch.ones(n_total, n_total, dtype=torch.bool)
+    if documents is not None:
+        doc = torch.bucketize(pos, torch.tensor(documents), right=True)
+        ok &= doc[:, None] == doc[None, :]
     left, right = window
     if left >= 0:
         ok &= rel >= -left
@@ -46,7 +51,11 @@ def local_positions(rank, world, n, load_balance):
 
 
 def block_mask(block, nq, nk):
-    """(nq, nk) bool: what a block's kernel call covers, in local rows and keys."""
+    """(nq, nk) bool: what a block's kernel call (or Pieces' varlen call) covers, in local rows and keys."""
+    if isinstance(block, Pieces):
+        return sum(block_mask(Block(block.q_start + a, block.q_start + b, block.k_start + a, block.k_start + b,
+                                    block.causal, NO_WINDOW), nq, nk).int()
+                   for a, b in zip(block.offsets, block.offsets[1:])).bool()
     i = torch.arange(block.q_end - block.q_start)[:, None]
     j = torch.arange(block.k_end - block.k_start)[None, :]
     ok = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
@@ -121,6 +130,93 @@ def test_halo_schedule_covers_the_mask_once(seed):
             assert halo.to_next == halos[rank + 1].left and halos[rank + 1].to_prev == halo.right
 
 
+def random_documents(rng, total):
+    """Offsets of documents of random lengths packed into `total` positions (some empty, some one position long)."""
+    cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(0, 5)))
+    return tuple([0, *cuts, total])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ring_schedule_covers_the_document_mask_once(seed):
+    """With documents packed into the sequence, each rank's blocks over every ring step cover exactly the pairs of
+    one document the mask keeps (causal or not, with or without a window), each once; the ring stops after the last
+    step a rank needs."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    load_balance = rng.random() < 0.5
+    n = rng.choice([2, 4, 6, 8]) if load_balance else rng.randint(1, 7)
+    causal = rng.random() < 0.7
+    window = (rng.choice([0, 1, 3]), 0 if causal else rng.choice([-1, 2])) if rng.random() < 0.3 else NO_WINDOW
+    documents = random_documents(rng, world * n)
+    want = visible(world * n, causal, window, documents)
+    schedule = ring_schedule(world, n, causal, window, load_balance, documents)
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        for step in range(world):
+            cols = local_positions((rank - step) % world, world, n, load_balance)
+            covered = torch.zeros(n, n, dtype=torch.int32)
+            for b in schedule[rank][step] if step < len(schedule[rank]) else []:
+                mask = block_mask(b, n, n)
+                covered += mask.int()
+                assert mask[b.q_start:b.q_end, b.k_start:b.k_end].any(dim=1).all(), (b, documents)
+            assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
+    # the same as direct exchanges: the rows received cover what the blocks reach, what is sent is what is received
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        seen = torch.zeros(n, world * n, dtype=torch.int32)
+        for visit in document_visits(schedule, rank):
+            ranges = visit.receive if visit.step else ((0, n),)
+            owner = local_positions((rank - visit.step) % world, world, n, load_balance)
+            cols = torch.cat([owner[a:b] for a, b in ranges]) if ranges else owner[:0]
+            for b in visit.blocks:
+                seen[:, cols] += block_mask(b, n, len(cols)).int()
+            theirs = {x.step: x for x in document_visits(schedule, (rank + visit.step) % world)}
+            if visit.step and visit.send:
+                assert theirs[visit.step].receive == visit.send
+        assert torch.equal(seen, want[rows].int()), (rank, documents)
+
+
+def test_documents_within_shards_need_no_ring():
+    """Every document inside one shard: each rank runs only its own keys, one causal block per document."""
+    schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
+    assert schedule == [[[Block(0, 3, 0, 3, True, NO_WINDOW), Block(3, 8, 3, 8, True, NO_WINDOW)]],
+                        [[Block(0, 4, 0, 4, True, NO_WINDOW), Block(4, 8, 4, 8, True, NO_WINDOW)]]]
+    # a document across the boundary: rank 1's piece sees rank 0's in full, rank 0 nothing of rank 1's
+    steps = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 5, 11, 16))
+    assert steps[1][1] == [Block(0, 3, 5, 8, False, NO_WINDOW)] and steps[0][1] == []
+
+
+def test_merged_blocks_join_unmasked_neighbours():
+    """A 2x2 grid of unmasked blocks becomes one call whatever their order; a run of three over adjacent keys one; a
+    masked block stays as it is."""
+    grid = [Block(0, 2, 0, 2, False, NO_WINDOW), Block(0, 2, 2, 4, False, NO_WINDOW),
+            Block(2, 4, 0, 2, False, NO_WINDOW), Block(2, 4, 2, 4, False, NO_WINDOW)]
+    diagonal = Block(4, 6, 4, 6, True, NO_WINDOW)
+    for blocks in (grid + [diagonal], [diagonal] + grid[::-1]):
+        assert merged_blocks(blocks) == [Block(0, 4, 0, 4, False, NO_WINDOW), diagonal]
+    run = [Block(0, 2, 4, 6, False, NO_WINDOW), Block(0, 2, 0, 2, False, NO_WINDOW),
+           Block(0, 2, 2, 4, False, NO_WINDOW)]
+    assert merged_blocks(run) == [Block(0, 2, 0, 6, False, NO_WINDOW)]
+    assert merged_blocks(grid[:1] + grid[3:]) == sorted(grid[:1] + grid[3:])  # corners only: no shared edge
+
+
+def test_grouped_pieces_join_each_run_of_diagonal_blocks():
+    """Adjacent diagonal blocks of one kind become one varlen call (its offsets the pieces' bounds); a lone
+    diagonal, an off-diagonal block and a windowed one stay blocks."""
+    causal = [Block(0, 3, 0, 3, True, NO_WINDOW), Block(3, 4, 3, 4, True, NO_WINDOW),
+              Block(4, 8, 4, 8, True, NO_WINDOW)]
+    other = [Block(8, 9, 0, 8, False, NO_WINDOW), Block(9, 12, 9, 12, False, NO_WINDOW),
+             Block(12, 14, 12, 14, True, (1, 0))]
+    assert grouped_pieces(other[::-1] + causal[::-1]) == [Pieces(0, 8, 0, 8, True, (0, 3, 4, 8)), *other]
+    full = [Block(0, 2, 0, 2, False, NO_WINDOW), Block(2, 5, 2, 5, False, NO_WINDOW),
+            Block(5, 6, 5, 6, True, NO_WINDOW)]
+    assert grouped_pieces(full) == [Pieces(0, 5, 0, 5, False, (0, 2, 5)), full[2]]
+    # the schedule of documents within shards: one call a rank
+    schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
+    assert [[grouped_pieces(s) for s in steps] for steps in schedule] == [[[Pieces(0, 8, 0, 8, True, (0, 3, 8))]],
+                                                                        [[Pieces(0, 8, 0, 8, True, (0, 4, 8))]]]
+
+
 def test_halo_schedule_only_for_short_windows_on_contiguous_shards():
     assert halo_schedule(2, 8, True, (8, 0), False) is not None
     assert halo_schedule(2, 8, True, (9, 0), False) is None  # the ring: two ranks back
@@ -160,19 +256,20 @@ def test_shard_unshard_round_trip():
         shard_sequence(x[:, :, :10], 3, 0)
 
 
-def reference(q, k, v, causal, window, scale, softcap):
-    """(out, lse) of the whole sequence, in q, k and v's precision."""
+def reference(q, k, v, causal, window, scale, softcap, documents=None):
+    """(out, lse) of the whole sequence (documents packed in it: each query within its own), in q, k and v's
+    precision."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~visible(q.shape[2], causal, window).to(s.device), -math.inf)
+    s = s.masked_fill(~visible(q.shape[2], causal, window, documents).to(s.device), -math.inf)
     lse = torch.logsumexp(s, -1)
     return torch.softmax(s, -1) @ v, lse
 
 
-# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap)
+# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets])
 CASES = {
     2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
         (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
@@ -180,12 +277,23 @@ CASES = {
         (1, 2, 2, 8, True, True, (5, 0), 0.0),         # sliding window across chunks
         (1, 2, 2, 7, False, False, (2, 3), 5.0),        # two-sided window, softcap: the halo exchange
         (1, 2, 1, 5, True, False, (3, 0), 0.0),         # the halo exchange, GQA, odd shards
-        (1, 2, 2, 4, True, False, (6, 0), 0.0)],        # a window longer than a shard: the ring
+        (1, 2, 2, 4, True, False, (6, 0), 0.0),         # a window longer than a shard: the ring
+        # documents: one in a shard, one across both (odd shards), one in the other
+        (1, 2, 2, 7, True, False, NO_WINDOW, 0.0, (0, 3, 11, 14)),
+        # head-tail chunks (rank 0: 0-3 and 12-15): documents across the boundaries of both
+        (2, 4, 2, 8, True, True, NO_WINDOW, 0.0, (0, 2, 9, 16)),
+        # not causal, softcap: a one-position document, a boundary on the shards'
+        (1, 2, 1, 5, False, False, NO_WINDOW, 5.0, (0, 5, 6, 10)),
+        (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
+        # not causal, head-tail: rank 0 receives two ranges of rank 1's rows (its first and its last two)
+        (1, 2, 2, 8, False, True, NO_WINDOW, 0.0, (0, 5, 10, 13, 16)),
+        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
         (1, 2, 2, 5, True, False, (5, 0), 0.0),        # the halo exchange: the whole previous shard
         (1, 2, 2, 3, False, False, (2, 3), 0.0),       # the halo exchange, both neighbours
-        (1, 2, 2, 3, True, False, (4, 0), 0.0)],       # the ring cut after step 2
+        (1, 2, 2, 3, True, False, (4, 0), 0.0),        # the ring cut after step 2
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18))],   # a document over every rank
 }
 
 
@@ -199,32 +307,38 @@ def _worker(rank, world, path, device, cases):
         for case in cases:
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
+        _check_document_bytes(rank, world, device)
         _check_errors(rank, world, device)
         dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
         dist.destroy_process_group()
 
 
-def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap):
+def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
-    the lengths (windows too) on GPUs, within 4 times the error of the same computation in bfloat16 in PyTorch."""
+    the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
+    PyTorch."""
     gpu = device == "cuda"
     dtype, head_dim = (torch.bfloat16, 64) if gpu else (torch.float32, 16)
     if gpu:
         n, window = 32 * n, tuple(32 * w if w > 0 else w for w in window)
+        documents = documents and tuple(32 * x for x in documents)
     torch.manual_seed(1234)
     q, do = (torch.randn(b, h, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(b, h_kv, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     scale = 0.3
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
-    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64)
-    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype) if gpu else None
+    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents)
+    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
     out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                          window_size=window, softcap=softcap, return_lse=True)
+                                          window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                          return_lse=True)
     out.backward(shard(do))
     got = (out, lse, *(t.grad for t in mine))
-    label = f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap}"
+    label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
+             f"documents={documents}")
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
 
@@ -240,21 +354,20 @@ def _compare(got, want, low, label):
     assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
 
 
-def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision):
+def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None):
     """(out, lse, dq, dk, dv) of the whole sequence, computed in `precision`."""
     full = [t.detach().to(precision).requires_grad_() for t in (q, k, v)]
-    out, lse = reference(*full, causal, window, scale, softcap)
+    out, lse = reference(*full, causal, window, scale, softcap, documents)
     out.backward(do.to(precision))
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
 
 
-def _check_halo_bytes(rank, world, device):
-    """Under a window shorter than a contiguous shard, the forward sends each rank's last `left` key and value rows
-    to the next rank and the backward sends their dK, dV (float32) back: one message batch each way, counted through
-    a wrapper of attngen.distributed._post (the one place messages are posted)."""
+def _bytes_sent(device, shape, **arguments):
+    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
+    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed._post (the one
+    place messages are posted)."""
     import attngen.distributed as cp
 
-    b, h_kv, n, d, left = 1, 2, 6, 16, 2
     sent = []
 
     def counting(ring, sends, receives):
@@ -263,13 +376,32 @@ def _check_halo_bytes(rank, world, device):
 
     post, cp._post = cp._post, counting
     try:
-        q, k, v = (torch.randn(b, h_kv, n, d, device=device, requires_grad=True) for _ in range(3))
-        out = context_parallel_attention(q, k, v, causal=True, load_balance=False, window_size=(left, 0))
-        out.sum().backward()
+        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
+        context_parallel_attention(q, k, v, **arguments).sum().backward()
     finally:
         cp._post = post
+    return sent
+
+
+def _check_halo_bytes(rank, world, device):
+    """Under a window shorter than a contiguous shard, the forward sends each rank's last `left` key and value rows
+    to the next rank and the backward sends their dK, dV (float32) back: one message batch each way."""
+    b, h_kv, n, d, left = 1, 2, 6, 16, 2
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, window_size=(left, 0))
     rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32 as the inputs
     assert sent == [rows if rank < world - 1 else 0, rows if rank > 0 else 0], (rank, sent)
+
+
+def _check_document_bytes(rank, world, device):
+    """Documents (0, 3, 11, 7 * world) on contiguous shards of 7: rank 1's piece of the middle document reaches
+    rank 0's rows 3 to 6 alone, so the forward sends those four K and V rows to rank 1 (not the shard) and the
+    backward their dK, dV (float32) back; with three ranks rank 2 reaches rank 1's last three rows the same way."""
+    b, h_kv, n, d = 1, 2, 7, 16
+    documents = torch.tensor([0, 3, 11, world * n], dtype=torch.int32, device=device)
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents)
+    row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
+    want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
+    assert sent == want, (rank, sent)
 
 
 def _check_errors(rank, world, device):
@@ -285,6 +417,19 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):
         context_parallel_attention(q, q, q, causal=True, window_size=(2, 3))
+    total = world * 4
+    for cu_seqlens, message in (([0, total], "cu_seqlens must be a torch.Tensor"),
+                                (torch.tensor([0, total]), "cu_seqlens must be int32"),
+                                (torch.tensor([total], dtype=torch.int32), "cu_seqlens must be 1-D"),
+                                (torch.tensor([1, total], dtype=torch.int32), "cu_seqlens must start at 0"),
+                                (torch.tensor([0, 5, 3, total], dtype=torch.int32),
+                                 "cu_seqlens must be non-decreasing"),
+                                (torch.tensor([0, 4], dtype=torch.int32), f"global sequence length {total}")):
+        with pytest.raises(ValueError, match=message):
+            context_parallel_attention(q, q, q, causal=True, cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match="cu_seqlens: the ranks disagree on the cu_seqlens offsets"):
+        context_parallel_attention(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 1 + rank, total],
+                                                                                 dtype=torch.int32))
     alone = [dist.new_group([r]) for r in range(world)][rank]
     with pytest.raises(ValueError, match="group has 1 rank"):
         context_parallel_attention(q, q, q, alone)
