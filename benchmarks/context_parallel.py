@@ -183,7 +183,8 @@ def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: flo
     else:
         mask_mod = lambda b, h, i, j: i >= j  # noqa: E731
         score_mod = lambda score, b, h, i, j: softcap * torch.tanh(score / softcap)  # noqa: E731
-    mask = create_block_mask(mask_mod, 1, 1, n, n, device="cuda")
+    # (_compile: built blockwise; the eager form materialises the n x n mask, out of memory at 128k on an H200)
+    mask = create_block_mask(mask_mod, 1, 1, n, n, device="cuda", _compile=True)
     if world == 1:
         return (*full, lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=mask))
     cp = flex_context_parallel()
