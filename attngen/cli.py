@@ -205,9 +205,12 @@ def _gluon_backward_line(program: ir.Program) -> str:
             return ("the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off: the Gluon "
                     "varlen backward stopped with an illegal instruction on its first GPU run)")
         return "the backward stays on the Triton kernels"
+    rows = ("lse and delta by TMA from the rows' copy shifted by q_start % 4, at a row that is a multiple of 4"
+            if program.warp_specialized.backward.rows_smem else
+            "lse and delta by pointer (policy/hopper.py VARLEN_ROWS_SMEM is off)")
     return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
             "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
-            "ending past the sequence stored row-masked)")
+            f"ending past the sequence stored row-masked; {rows})")
 
 
 def _no_gluon_reason(program: ir.Program) -> str:

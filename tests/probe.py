@@ -81,9 +81,9 @@ def _compile_gluon_ws(module, job):
         acc = torch.empty(2, 4, 256, d, dtype=torch.float32)  # the float32 accumulator is the tiles' width
         dq = (desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[cols], cols, acc)
               if dq_atomic else kv)
-        # (a varlen launch reads lse and delta by pointer: a sequence's rows start unaligned for TMA)
-        rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"] and "CU_SEQLENS_Q" not in fn.arg_names)
-        rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
+        rows_smem = dq_atomic and job.get("rows_smem", shape["ROWS_SMEM"])
+        rows = (desc(2, module._WS_BWD_ROWS_LAYOUT, module._WS_BWD_ROWS_BLOCK[3], torch.empty(4, 4, 2, 256))
+                if rows_smem else kv)  # (a varlen launch's: 4 shifted copies of the rows)
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],

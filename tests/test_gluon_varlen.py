@@ -127,7 +127,9 @@ def test_explain_says_the_backward_runs_the_gluon_kernel(capsys):
     from attngen.cli import main
 
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
-    assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in text
+    assert "lse and delta by TMA from the rows' copy shifted by q_start % 4" in text
 
 
 class _Pointer:
@@ -312,36 +314,93 @@ def test_backward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
 
 
 class _Launches:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call."""
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call (and runs `run(*args)` if given)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, run=None):
+        self.calls, self.run = [], run
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            if self.run is not None:
+                self.run(*args)
+
+        return launch
 
 
-def test_the_varlen_backward_reads_its_rows_by_pointer_not_tma(monkeypatch, gluon_varlen_backward):
-    """A TMA box's innermost coordinate must be 16-byte aligned (an unaligned one is an illegal instruction on
-    Hopper), and the lse/delta rows run along the tokens, where a sequence may start at any row: the varlen
-    launch takes the pointer path for them (ROWS_SMEM off, whatever the dense shape says) and gives the kernel the
-    rows' delta view."""
-    module = attngen.load(_text("gvlb_rows", "causal", 64, "bf16", direction="forward+backward")).module
-    assert module.WS_BWD_SHAPE["ROWS_SMEM"]  # (the dense kernel's choice, which the varlen launch must not take)
-    kernels = {name: _Launches() for name in ("attn_bwd_prep_ws", "attn_bwd_dkdv_ws", "attn_bwd_dq_ws")}
+def _rows_box_corner(source):
+    """The corner of the varlen loader's TMA box over the rows (its `rows_desc` copy's coordinate list), as a Python
+    function of (q_start, h, start_m)."""
+    loader = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_ws_bwd_loader")
+    (corner,) = [c.args[1] for c in ast.walk(loader) if isinstance(c, ast.Call) and c.args
+                 and isinstance(c.args[0], ast.Name) and c.args[0].id == "rows_desc"]
+    return eval(f"lambda q_start, h, start_m: {ast.unparse(corner)}")
+
+
+def _number_rows(*args):
+    """The row pass's stand-in: the rows (lse, delta; its fourth argument) hold their position, (h * 2 + r) * 10^4 +
+    row."""
+    rows = args[3]
+    rows.copy_(torch.arange(rows.shape[1] * 2).view(1, -1, 2, 1) * 1e4 + torch.arange(rows.shape[3]))
+
+
+def _record_varlen_backward(module, monkeypatch, lengths, heads):
+    """launch_attn_bwd_ws on CPU tensors of these sequences, its kernels recorded, not run (the row pass numbers the
+    rows: _number_rows). Returns the records by kernel name."""
+    kernels = {name: _Launches(_number_rows if name == "attn_bwd_prep_ws" else None)
+               for name in ("attn_bwd_prep_ws", "attn_bwd_dkdv_ws", "attn_bwd_dq_ws")}
     for name, fake in kernels.items():
         monkeypatch.setattr(module, name, fake)
-    lengths = [1, 130, 7]  # sequences starting at rows 1 and 131
-    total, heads = sum(lengths), 2
+    total = sum(lengths)
     q, k, v, o, do, dq, dk, dv = (torch.randn(total, heads, 64).bfloat16() for _ in range(8))
     lse = torch.randn(heads, total)
-    cu = torch.tensor([0, 1, 131, 138], dtype=torch.int32)
-    module.launch_attn_bwd_ws(q, k, v, o, do, lse, dq, dk, dv, cu, cu, torch.tensor(lengths, dtype=torch.int32),
-                              0.125)
-    ((_, args, kwargs),) = kernels["attn_bwd_dkdv_ws"].calls
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    module.launch_attn_bwd_ws(q, k, v, o, do, lse, dq, dk, dv, cu, cu, torch.tensor(lengths, dtype=torch.int32), 0.125)
+    return kernels
+
+
+def test_the_varlen_backwards_rows_box_starts_at_a_multiple_of_4(monkeypatch, gluon_varlen_backward):
+    """A TMA box's innermost coordinate must be 16-byte aligned (an unaligned one is an illegal instruction on
+    Hopper), and the lse/delta rows run along the tokens, where a sequence may start at any row. The varlen launch
+    reads them by TMA (ROWS_SMEM) from four shifted copies of the row pass's rows: for every sequence start and query
+    block the loader's box corner is a multiple of 4 in its copy, and the box there holds that block's rows."""
+    kernel = attngen.load(_text("gvlb_rows", "causal", 64, "bf16", direction="forward+backward"))
+    module = kernel.module
+    assert module.WS_BWD_SHAPE["ROWS_SMEM"]  # (hopper.VARLEN_ROWS_SMEM)
+    lengths, heads = [1, 130, 7, 66, 2, 3], 2  # sequences starting at rows 1, 131, 138, 204, 206: every shift
+    calls = _record_varlen_backward(module, monkeypatch, lengths, heads)
+    ((_, args, kwargs),) = calls["attn_bwd_dkdv_ws"].calls
+    assert kwargs["ROWS_SMEM"] is True and kwargs["PREFETCH"] is False
+    block_m = kwargs["BLOCK_M"]
+    desc = args[7]  # (q, k, v, do, dk, dv, dq, rows descriptors)
+    assert desc.block_shape == module._WS_BWD_ROWS_BLOCK == [1, 1, 2, block_m]
+    copies = desc.base
+    assert copies.shape[:3] == (4, heads, 2) and copies.is_contiguous()
+    ((_, prep_args, _),) = calls["attn_bwd_prep_ws"].calls
+    rows = prep_args[3]
+    corner = _rows_box_corner(kernel.path.read_text())
+    starts = [0] + list(itertools.accumulate(lengths))
+    for q_start, n_q in zip(starts, lengths):
+        for h in range(heads):
+            for start_m in range(0, n_q, block_m):
+                c, hh, r, at = corner(q_start, h, start_m)
+                assert at % 4 == 0 and (c, hh, r) == (q_start % 4, h, 0), (q_start, start_m, (c, hh, r, at))
+                box = copies[c, h, :, at:at + block_m]
+                live = min(block_m, n_q - start_m)  # (rows past the sequence: masked in the kernel)
+                assert torch.equal(box[:, :live], rows[0, h, :, q_start + start_m:q_start + start_m + live])
+
+
+def test_the_varlen_backward_reads_its_rows_by_pointer_without_varlen_rows_smem(monkeypatch, gluon_varlen_backward):
+    """hopper.VARLEN_ROWS_SMEM off (the fallback): the varlen launch takes the pointer path for lse and delta
+    (ROWS_SMEM off) and gives the kernel the rows' delta view."""
+    monkeypatch.setattr(hopper, "VARLEN_ROWS_SMEM", False)
+    module = attngen.load(_text("gvlb_rows_ptr", "causal", 64, "bf16", direction="forward+backward")).module
+    assert not module.WS_BWD_SHAPE["ROWS_SMEM"]
+    calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7], 2)
+    ((_, args, kwargs),) = calls["attn_bwd_dkdv_ws"].calls
     assert kwargs["ROWS_SMEM"] is False
     delta = args[9]  # (q, k, v, do, dk, dv, dq, rows descriptors, LSE, DELTA)
-    assert delta.shape == (heads, total) and delta.stride(1) == 1
+    assert delta.shape == (2, 138) and delta.stride(1) == 1
 
 
 def test_ws_ready_counts_the_average_sequence():
@@ -382,13 +441,14 @@ def _ptxas_spills(ptx_path):
     return int(out.split("bytes spill stores")[0].rsplit(",", 1)[1])
 
 
-VARLEN_BWD_SPILLS = {"causal": 676, "gqa": 676, "softcap_window": 1212, "alibi": 36, "sinks": 0, "none": 0}
+VARLEN_BWD_SPILLS = {"causal": 268, "gqa": 268, "softcap_window": 760, "alibi": 100, "sinks": 0, "none": 0}
 """Bytes a thread of the varlen Gluon backward spills (ptxas -v, sm_90a), by SPECS_VARLEN entry, as measured with lse
-and delta read by pointer (with them by TMA, as the dense kernel reads them: 276, 276, 760, 100, 0, 0); its dense form's (the same spec's variant kernel over rectangular batches) were 96, 96, 352, 72, 0, 0, and the
-plain dense causal d=128 kernel's 16. Most of the excess is the sequence's sizes and offsets (n_q, n_k, q_start,
-k_start), loaded from memory, so held in registers through the loop, where the dense kernel rematerialises its sizes
-from its arguments (with them taken from arguments instead, 140 bytes at causal d=128, before the varlen epilogue,
-K/V zeroing and the masked delta were added)."""
+and delta read by TMA from the rows' shifted copies (ROWS_SMEM, as the dense kernel reads them; by pointer, with
+hopper.VARLEN_ROWS_SMEM off: 676, 676, 1212, 36, 0, 0); its dense form's (the same spec's variant kernel over
+rectangular batches) were 96, 96, 352, 72, 0, 0, and the plain dense causal d=128 kernel's 16. Most of the excess is
+the sequence's sizes and offsets (n_q, n_k, q_start, k_start), loaded from memory, so held in registers through the
+loop, where the dense kernel rematerialises its sizes from its arguments (with them taken from arguments instead, 140
+bytes at causal d=128, before the varlen epilogue, K/V zeroing and the masked delta were added)."""
 
 
 @pytest.mark.usefixtures("gluon_varlen_backward")
@@ -417,6 +477,8 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
     for i, (variant, _, _) in enumerate(cases):
         varlen, dense = results[2 * i], results[2 * i + 1]
         assert varlen["global_stores"] > 0 and dense["global_stores"] == 0, (varlen, dense)
+        # lse and delta by TMA in both (ROWS_SMEM): one load more than the pointer path's
+        assert varlen["tma_loads"] == dense["tma_loads"], (varlen, dense)
         spills = [_ptxas_spills(jobs[2 * i + j][1]["ptx_to"]) for j in (0, 1)]
         assert spills[0] <= VARLEN_BWD_SPILLS[variant], (variant, spills)
 

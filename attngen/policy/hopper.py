@@ -388,16 +388,30 @@ SWITCHES = ("VARLEN_BACKWARD", "FP8_GLUON")
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
 
+VARLEN_ROWS_SMEM = True
+"""Whether the Gluon varlen backward reads lse and delta by TMA with Q and dO (ROWS_SMEM, as the dense kernel does,
+BWD_FLAGS) rather than by pointer. A sequence's rows start at any row and a TMA box's innermost coordinate must be
+16-byte aligned (an unaligned one was an illegal instruction on the H200), so the launch copies the row pass's rows
+four times, copy s shifted s rows down, and the loader reads a sequence's from copy q_start % 4 at a row that is a
+multiple of 4 (the consumers then read them as the dense kernel does; Triton 3.6's shared-memory slices cannot start
+a [BLOCK_M] row at an unaligned column: "the split offset may not touch the tile"). ptxas (sm_90a, causal d=128): by
+pointer 676 bytes of spills a thread, by TMA 268 (tests/test_gluon_varlen.py VARLEN_BWD_SPILLS); the copies cost one
+copy kernel of 4 x H x 2 x TOTAL_Q float32s a call. Off: the pointer path, the fallback should the GPU disagree. Not
+measured on a GPU yet."""
+
+
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
-    so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles).
+    so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
+    lse and delta by TMA unless VARLEN_ROWS_SMEM is off.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
-    return replace(variant, short=variant.main, short_keys=0, max_group_split=1)
+    return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
+                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM)
 
 
 def decode() -> ir.GluonDecode:
