@@ -383,7 +383,7 @@ ran the bench's 8 documents at 250 TFLOP/s against the Triton varlen backward's 
 pointer (a TMA load of them faulted where a sequence starts at a row not a multiple of 4; benchmarks/NOTES.md,
 varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "FP8_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
