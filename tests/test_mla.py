@@ -351,3 +351,20 @@ def test_bench_check_runs_attngen_on_the_mla_rows_in_the_interpreter(monkeypatch
     monkeypatch.setattr(mla, "attention_with_kvcache", lambda q, *a, **k: original(q * 2, *a, **k))
     (bad,) = mla.bench_mla(check=True, progress=lambda _: None)
     assert bad.error is not None and "relative error" in bad.error
+
+
+def test_the_sweep_script_checks_and_times_each_config_at_its_head_count():
+    """benchmarks/mla_sweep.py (the GPU sweep that picks MLA's policy) in the interpreter at a tiny size: each
+    candidate runs through the tuner's launch, passes its float64 check, and the default is marked."""
+    import importlib.util
+
+    path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
+    loaded = importlib.util.spec_from_file_location("mla_sweep", path)
+    sweep = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(sweep)
+    space = {16: dict(BLOCK_N=(32,), num_warps=(4,), num_stages=(1,), num_splits=(0, 2))}
+    rows = sweep.sweep(attngen.load(MLA_SPEC), 16, 1, 2 * 64 + 3, space, device=DEVICE, timer=lambda fn: (fn(), 1.0)[1])
+    assert [r["config"]["num_splits"] for r in rows] == [0, 2] and all(r["config"]["BLOCK_M"] == 16 for r in rows)
+    assert all("error" not in r and r["rel"] < 2e-2 for r in rows), rows
+    assert rows[0]["default"] and rows[0]["gbps"] == 1 * 131 * 576 * 2 / 1e6
+    assert "<- default" in sweep.table(rows)
