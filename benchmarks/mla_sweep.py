@@ -33,14 +33,15 @@ SPEC = "specs/mla_decode.attn"
 # Per query-rows tile (BLOCK_M: 16 at 16 heads, 64 at 128): BLOCK_N, num_warps, num_stages, num_splits.
 # 16 rows are memory bound: the question is how many bytes each SM keeps in flight (stages x CTAs a SM, and
 # the split count sets the CTAs); 64 rows are bound by the two products, whose 64 x 512 float32 accumulator
-# leaves 8 warps little room (4 warps spill: benchmarks/NOTES.md "MLA decode").
+# leaves 8 warps little room (4 warps spill: benchmarks/NOTES.md "MLA decode"). A paged kernel's stages buffer
+# one 576-wide tile at 2-4, two at 5-6, three at 7 (its sm_90 compile), so those are the stages tried.
 CANDIDATES = {
-    16: dict(BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 3, 4), num_splits=(0, 4, 8)),
-    64: dict(BLOCK_N=(16, 32, 64), num_warps=(8,), num_stages=(1, 2, 3), num_splits=(0, 2, 4)),
+    16: dict(BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 5, 7), num_splits=(0, 4, 8)),
+    64: dict(BLOCK_N=(16, 32, 64), num_warps=(8,), num_stages=(1, 2, 5), num_splits=(0, 2, 4)),
 }
 WIDE = {
-    16: dict(BLOCK_N=(16, 32, 64), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4, 5), num_splits=(0, 2, 4, 8, 16)),
-    64: dict(BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3, 4), num_splits=(0, 1, 2, 4, 8)),
+    16: dict(BLOCK_N=(16, 32, 64), num_warps=(2, 4, 8), num_stages=(1, 2, 5, 7), num_splits=(0, 2, 4, 8, 16)),
+    64: dict(BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3, 5), num_splits=(0, 1, 2, 4, 8)),
 }
 
 
