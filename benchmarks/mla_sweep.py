@@ -52,15 +52,17 @@ def candidates(spec, space: dict) -> list[dict]:
 
 
 def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cuda", timer=bench_graph) -> list[dict]:
-    """Every candidate of `spaces[BLOCK_M]` (BLOCK_M: the part's for `heads`) and the default config at one head
-    count: its config, and ms, GB/s, TFLOP/s and float64 error, or why it failed. `timer(fn)`: ms a call."""
+    """Every candidate of `spaces[BLOCK_M]` (BLOCK_M: the part's for `heads`; else the nearest key's) and the
+    default config at one head count: its config, and ms, GB/s, TFLOP/s and float64 error, or why it failed.
+    `timer(fn)`: ms a call."""
     tuner = tunable(kernel.part("kvcache"))
     shape = Shape(batch, heads, 1, 1, seqlen)
     generator = torch.Generator(device=device).manual_seed(0)
     _, inputs = tuner.tuning_variants(tuner.tuning_inputs(shape, device, generator))[0]  # every sequence full
     spec, block_m = tuner.spec, tuner.part.block_m(shape)
     default = dict(tuner.part.config(shape, uniform=True), num_splits=0)
-    configs = candidates(spec, dict(spaces[block_m], BLOCK_M=(block_m,)))
+    nearest = min(spaces, key=lambda rows: abs(rows - block_m))  # other head counts: the nearer space's values
+    configs = candidates(spec, dict(spaces[nearest], BLOCK_M=(block_m,)))
     if not any(all(c[k] == default[k] for k in c) for c in configs):
         configs.insert(0, default)
     cache_bytes = batch * seqlen * spec.head_dim * spec.dtype.bytes  # the latent cache, read once
