@@ -298,7 +298,7 @@ def cmd_explain(args) -> int:
     print(f"=== resources on {target.name} (default config {config}) ===")
     widths = tile_widths(spec)
     smem = shared_bytes(widths[0], spec.dtype.bytes, config["BLOCK_M"], config["BLOCK_N"],
-                        config["num_stages"], target, head_dim_v_padded=widths[1])
+                        config["num_stages"], target, paged=spec.kv_layout.paged, head_dim_v_padded=widths[1])
     print(f"  shared memory {smem:,} of {target.shared_limit:,} bytes; "
           f">= {registers(spec.head_dim_v_padded, config['BLOCK_M'], config['BLOCK_N'], config['num_warps']):.0f} "
           "fp32 registers per thread")

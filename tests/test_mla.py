@@ -137,6 +137,33 @@ def test_the_golden_source_loads_each_tile_once_and_has_no_v():
         assert "tl.dot(p.to(tl.bfloat16), kv, acc" in body
 
 
+MLA_PROBES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages): 16 heads' rows on mma, 128 heads' 64 on wgmma
+    (16, 32, 4, 2), (16, 32, 4, 7), (16, 64, 4, 5), (64, 32, 8, 2), (64, 64, 8, 2)]
+
+
+def test_the_resource_model_counts_one_576_wide_tile_a_stage_as_the_sm90_compiler_does():
+    """The shipped kernel compiled for sm_90: its shared memory is the model's within 2 KB (one K tile a stage, no V
+    tile), so the tuner does not prune configs that fit (64 rows x 64 keys on 2 stages: 221,184 bytes)."""
+    from probe import probe
+
+    from attngen.analysis.resources import Target, infeasible, shared_bytes, tile_widths
+
+    spec = load_file(MLA_SPEC)
+    path = os.path.join(SPECS, "..", "generated", "mla_decode.py")
+    jobs = [dict(path=path, kernel="attn_fwd", num_warps=w, num_stages=s, unit_strides=("stride_lse_part_n",),
+                 constexprs=dict(HEAD_DIM=576, HEAD_DIM_V=512, HEAD_DIM_V_PADDED=512, HEAD_DIM_ROPE_PADDED=64,
+                                 BLOCK_M=bm, BLOCK_N=bn),
+                 ptr_dtypes={"O_PART": "*fp32", "LSE_PART": "*fp32", "SEQLENS": "*i32", "BLOCK_TABLE": "*i32"})
+            for bm, bn, w, s in MLA_PROBES]
+    widths, target = tile_widths(spec), Target.default()
+    for (bm, bn, warps, stages), result in zip(MLA_PROBES, probe(jobs)):
+        assert "error" not in result, result
+        model = shared_bytes(widths[0], 2, bm, bn, stages, target, paged=True, head_dim_v_padded=widths[1])
+        assert result["shared"] <= model <= result["shared"] + 2048, (bm, bn, stages, result, model)
+        assert result["wgmma"] == (bm >= 64)
+        assert infeasible(spec, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages), target) is None
+
+
 def test_explain_shows_the_shared_read_and_the_packing(capsys):
     assert main(["explain", MLA_SPEC]) == 0
     text = capsys.readouterr().out
@@ -324,3 +351,20 @@ def test_bench_check_runs_attngen_on_the_mla_rows_in_the_interpreter(monkeypatch
     monkeypatch.setattr(mla, "attention_with_kvcache", lambda q, *a, **k: original(q * 2, *a, **k))
     (bad,) = mla.bench_mla(check=True, progress=lambda _: None)
     assert bad.error is not None and "relative error" in bad.error
+
+
+def test_the_sweep_script_checks_and_times_each_config_at_its_head_count():
+    """benchmarks/mla_sweep.py (the GPU sweep that picks MLA's policy) in the interpreter at a tiny size: each
+    candidate runs through the tuner's launch, passes its float64 check, and the default is marked."""
+    import importlib.util
+
+    path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
+    loaded = importlib.util.spec_from_file_location("mla_sweep", path)
+    sweep = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(sweep)
+    space = {16: dict(BLOCK_N=(32,), num_warps=(4,), num_stages=(1,), num_splits=(0, 2))}
+    rows = sweep.sweep(attngen.load(MLA_SPEC), 16, 1, 2 * 64 + 3, space, device=DEVICE, timer=lambda fn: (fn(), 1.0)[1])
+    assert [r["config"]["num_splits"] for r in rows] == [0, 2] and all(r["config"]["BLOCK_M"] == 16 for r in rows)
+    assert all("error" not in r and r["rel"] < 2e-2 for r in rows), rows
+    assert rows[0]["default"] and rows[0]["gbps"] == 1 * 131 * 576 * 2 / 1e6
+    assert "<- default" in sweep.table(rows)

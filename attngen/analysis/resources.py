@@ -137,9 +137,10 @@ def uses_wgmma(elem_bytes: int, block_m: int, target: Target) -> bool:
 
 def shared_bytes(head_dim_padded: int, elem_bytes: int, block_m: int, block_n: int, num_stages: int,
                  target: Target, paged: bool = False, head_dim_v_padded: int | None = None) -> int:
-    """`head_dim_v_padded`: V's padded head dim, head_dim_padded unless given (so for the register estimates)."""
+    """`head_dim_v_padded`: V's padded head dim, head_dim_padded unless given (0: no V tile, `tile_widths`)."""
     stages = 1 + max(1, (num_stages - 1) // 2) if paged else num_stages
-    values = {sym.HEAD_DIM_PADDED: head_dim_padded, DV: head_dim_v_padded or head_dim_padded, ELEM: elem_bytes, sym.BLOCK_M: block_m,
+    dv = head_dim_padded if head_dim_v_padded is None else head_dim_v_padded
+    values = {sym.HEAD_DIM_PADDED: head_dim_padded, DV: dv, ELEM: elem_bytes, sym.BLOCK_M: block_m,
               sym.BLOCK_N: block_n, STAGES: stages, WGMMA: int(uses_wgmma(elem_bytes, block_m, target))}
     return int(_value(SHARED_BYTES, values)) + (1024 if paged else 0)
 
@@ -153,13 +154,13 @@ def registers(head_dim_v_padded: int, block_m: int, block_n: int, num_warps: int
 def tile_widths(spec) -> tuple[int, int]:
     """The padded widths the shared-memory formulas take for a spec's Q and K tiles and its V tiles. Where V is
     K's prefix (`v = k[:N]`, passes/latent_kv.py) Q and K are read as V's columns plus the rest, each padded on
-    its own (576 for MLA's 512 + 64, where one tile would pad to 1024), and a stage holds that one K tile: the
-    formulas' K + V pair, both that width, halved."""
+    its own (576 for MLA's 512 + 64, where one tile would pad to 1024), and a stage holds that one K tile and
+    no V tile: V's width is 0. (sm_90 compiles of the 576/512 kernel match this within 1 KB: one 32 x 576 tile
+    a stage, not two; tests/test_mla.py.)"""
     if not spec.v_from_k:
         return spec.head_dim_padded, spec.head_dim_v_padded
     rest = spec.head_dim - spec.head_dim_v
-    width = spec.head_dim_v_padded + (1 << (rest - 1).bit_length())
-    return width, width
+    return spec.head_dim_v_padded + (1 << (rest - 1).bit_length()), 0
 
 
 def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
@@ -171,7 +172,7 @@ def infeasible(spec, config: dict, target: Target | None = None) -> str | None:
         return (f"block_n={bn} is the reduction of P V, and FP8 tensor-core products reduce over at least "
                 f"{FP8_MIN_REDUCTION}")
     smem = shared_bytes(dp, elem, bm, bn, stages, target, paged=spec.kv_layout.paged, head_dim_v_padded=dvp)
-    dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
+    dims = f"head_dim {dp}" + ("" if dvp in (dp, 0) else f" and head_dim_v {dvp}")
     if smem > target.shared_limit:
         path = "wgmma" if uses_wgmma(elem, bm, target) else "mma"
         return (f"needs {smem:,} bytes of shared memory but sm_{target.capability[0]}{target.capability[1]} "
@@ -260,7 +261,7 @@ def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | N
     dp, dvp, elem = spec.head_dim_padded, spec.head_dim_v_padded, spec.dtype.bytes
     bm, bn, stages, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"], config["num_warps"]
     smem = shared_bytes_backward(kernel_name, dp, elem, bm, bn, stages, target, tma=tma, head_dim_v_padded=dvp)
-    dims = f"head_dim {dp}" + (f" and head_dim_v {dvp}" if dvp != dp else "")
+    dims = f"head_dim {dp}" + ("" if dvp in (dp, 0) else f" and head_dim_v {dvp}")
     if smem > target.shared_limit:
         return (f"{kernel_name} needs {smem:,} bytes of shared memory but sm_{target.capability[0]}"
                 f"{target.capability[1]} allows {target.shared_limit:,} per block (block_m={bm}, block_n={bn}, "

@@ -127,8 +127,9 @@ class KVCacheTunable(Tunable):
 
     def tuning_bytes(self, shape: Shape) -> float | None:
         """K and V bytes read by one call on the tuning inputs, when that bounds its speed (one query
-        tile per key/value head: decoding); None for chunked prefill, which reports TFLOP/s."""
-        if self.part.rows(shape) > 16:
+        tile per key/value head: decoding); None for chunked prefill, which reports TFLOP/s. MLA's one new token
+        reports both at any head count: 16 heads are bound by the cache's read, 128 by the products."""
+        if self.part.rows(shape) > 16 and not (self.spec.v_from_k and shape.n_q == 1):
             return None
         keys = sum(sequence_lengths(shape.batch, shape.n_k))
         width = self.spec.head_dim + (0 if self.spec.v_from_k else self.spec.head_dim_v)  # MLA: one read of the cache

@@ -64,16 +64,19 @@ def format_outcome(outcome) -> str:
     if also:
         lines.append(f"  each candidate also timed {' and '.join(also)}: the best config is the one whose worst "
                      "ratio to the fastest candidate on any of the inputs is least")
-    rows = [["shape", "best config", "median ms", "GB/s" if bandwidth else "TFLOP/s", "rel err", "vs default"]
+    # a decode bucket reports GB/s of the cache read, and TFLOP/s beside it: a spec tuned at decoding shapes and
+    # at longer query blocks (chunked prefill, which reports no bytes) has rows of both kinds
+    rates = ["GB/s", "TFLOP/s"] if bandwidth else ["TFLOP/s"]
+    rows = [["shape", "best config", "median ms", *rates, "rel err", "vs default"]
             + [f"{name}: ms (of fastest)" for name in also]]
     for b in outcome.best:
         speedup = f"{b.default_ms / b.ms:.2f}x" if b.default_ms and b.ms > 0 else "-"
-        rate = f"{b.gbps:.0f}" if bandwidth else f"{b.tflops:.1f}"
-        rows.append([f"{b.shape} ({b.bucket})", describe(b.trial.config), f"{b.ms:.4f}", rate,
+        rate = [f"{b.tflops:.1f}"] if not bandwidth else ["-" if b.gbps is None else f"{b.gbps:.0f}", f"{b.tflops:.1f}"]
+        rows.append([f"{b.shape} ({b.bucket})", describe(b.trial.config), f"{b.ms:.4f}", *rate,
                      f"{b.trial.rel[b.bucket]:.1e}", speedup]
                     + [f"{b.also[n][0]:.4f} ({b.also[n][1] / b.also[n][0]:.2f})" if n in b.also else "-" for n in also])
     for shape in outcome.missing:
-        rows.append([str(shape), "no candidate passed", "-", "-", "-", "-"] + ["-"] * len(also))
+        rows.append([str(shape), "no candidate passed", "-", *["-"] * len(rates), "-", "-"] + ["-"] * len(also))
     lines += _table(rows)
     for b in outcome.best:
         if b.uniform_kept:  # kept beside the best config, for calls known to have that input's form

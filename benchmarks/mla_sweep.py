@@ -1,0 +1,125 @@
+"""MLA decode configs on one GPU: which tiles, warps, stages and split counts read the latent cache fastest.
+
+    python benchmarks/mla_sweep.py [--heads 16 128] [--batch 64] [--seqlen 8192] [--wide] [-o sweep.json]
+
+specs/mla_decode.attn (576/512, `v = k[:512]`, pages of 64) at issue 51's bench shapes (batch 64, every sequence
+8,192 tokens, one new token, 16 and 128 query heads over one latent head), through the tuner's own view of the
+kernel (`KVCacheTunable`: its inputs, launch and float64 check), so a config here runs exactly as a tuned one
+would. Each candidate is checked against float64 on two sequences, then timed as CUDA-graph replays. Printed per
+head count: the config, ms, GB/s of the latent cache read once (issue 51's bandwidth target: 80% of HBM at 16
+heads) and TFLOP/s at 2 x (576 + 512) a score (target: 500 at 128 heads), fastest first, the default marked.
+Candidates the resource model rejects (`infeasible`) are skipped before compiling. `num_splits` 0 is the
+run-time heuristic (attngen/policy/splits.py). About 3 minutes on an H200 (`--wide`: more candidates, longer).
+GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+import attngen
+from attngen.analysis.resources import infeasible
+from attngen.bench.decode import bench_graph
+from attngen.runtime.keys import Shape
+from attngen.tuning.adapt import tunable
+
+SPEC = "specs/mla_decode.attn"
+
+# Per query-rows tile (BLOCK_M: 16 at 16 heads, 64 at 128): BLOCK_N, num_warps, num_stages, num_splits.
+# 16 rows are memory bound: the question is how many bytes each SM keeps in flight (stages x CTAs a SM, and
+# the split count sets the CTAs); 64 rows are bound by the two products, whose 64 x 512 float32 accumulator
+# leaves 8 warps little room (4 warps spill: benchmarks/NOTES.md "MLA decode"). A paged kernel's stages buffer
+# one 576-wide tile at 2-4, two at 5-6, three at 7 (its sm_90 compile), so those are the stages tried.
+CANDIDATES = {
+    16: dict(BLOCK_N=(32, 64), num_warps=(4, 8), num_stages=(2, 5, 7), num_splits=(0, 4, 8)),
+    64: dict(BLOCK_N=(16, 32, 64), num_warps=(8,), num_stages=(1, 2, 5), num_splits=(0, 2, 4)),
+}
+WIDE = {
+    16: dict(BLOCK_N=(16, 32, 64), num_warps=(2, 4, 8), num_stages=(1, 2, 5, 7), num_splits=(0, 2, 4, 8, 16)),
+    64: dict(BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3, 5), num_splits=(0, 1, 2, 4, 8)),
+}
+
+
+def candidates(spec, space: dict) -> list[dict]:
+    """The configs of `space` (key -> values, BLOCK_M's included) that the resource model lets through."""
+    found = [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    return [c for c in found if infeasible(spec, {k: v for k, v in c.items() if k != "num_splits"}) is None]
+
+
+def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cuda", timer=bench_graph) -> list[dict]:
+    """Every candidate of `spaces[BLOCK_M]` (BLOCK_M: the part's for `heads`; else the nearest key's) and the
+    default config at one head count: its config, and ms, GB/s, TFLOP/s and float64 error, or why it failed.
+    `timer(fn)`: ms a call."""
+    tuner = tunable(kernel.part("kvcache"))
+    shape = Shape(batch, heads, 1, 1, seqlen)
+    generator = torch.Generator(device=device).manual_seed(0)
+    _, inputs = tuner.tuning_variants(tuner.tuning_inputs(shape, device, generator))[0]  # every sequence full
+    spec, block_m = tuner.spec, tuner.part.block_m(shape)
+    default = dict(tuner.part.config(shape, uniform=True), num_splits=0)
+    nearest = min(spaces, key=lambda rows: abs(rows - block_m))  # other head counts: the nearer space's values
+    configs = candidates(spec, dict(spaces[nearest], BLOCK_M=(block_m,)))
+    if not any(all(c[k] == default[k] for k in c) for c in configs):
+        configs.insert(0, default)
+    cache_bytes = batch * seqlen * spec.head_dim * spec.dtype.bytes  # the latent cache, read once
+    flops = 2.0 * batch * heads * seqlen * (spec.head_dim + spec.head_dim_v)
+    rows = []
+    for config in configs:
+        row = {"heads": heads, "config": config, "default": all(config[k] == default.get(k) for k in config)}
+        try:
+            outputs = tuner.tuning_run(inputs, config, poison=True)
+            result = tuner.tuning_check(inputs, outputs)
+            if not result.ok:
+                raise RuntimeError(f"wrong result (rel {result.rel:.1e})")
+            ms = timer(lambda: tuner.tuning_run(inputs, config))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails is a row, not the end of the sweep
+            rows.append(dict(row, error=f"{type(e).__name__}: {str(e).strip()[:120]}"))
+            continue
+        rows.append(dict(row, ms=ms, gbps=cache_bytes / ms / 1e6, tflops=flops / ms / 1e9, rel=result.rel))
+        print(f"  {describe(config)}: {ms:.4f} ms {rows[-1]['gbps']:.0f} GB/s", flush=True)
+    return rows
+
+
+def describe(config: dict) -> str:
+    return " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits"))
+
+
+def table(rows: list[dict]) -> str:
+    ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    lines = [f"{'config':58s} {'ms':>8s} {'GB/s':>6s} {'TFLOP/s':>8s} {'rel err':>8s}"]
+    lines += [f"{describe(r['config']):58s} {r['ms']:8.4f} {r['gbps']:6.0f} {r['tflops']:8.1f} {r['rel']:8.1e}"
+              + ("  <- default" if r["default"] else "") for r in ok]
+    lines += [f"{describe(r['config']):58s} {r['error']}" for r in rows if "error" in r]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--wide", action="store_true", help="a larger space (several times longer)")
+    parser.add_argument("-o", "--output", default=None, help="also write the rows as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("mla_sweep.py times kernels: it needs a CUDA GPU")
+    kernel = attngen.load(SPEC)
+    start, everything = time.perf_counter(), []
+    print(f"{SPEC} on {torch.cuda.get_device_name()}, batch {args.batch} x {args.seqlen} tokens", flush=True)
+    for heads in args.heads:
+        print(f"-- {heads} heads", flush=True)
+        rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
+        print(table(rows), flush=True)
+        everything += rows
+    print(f"{time.perf_counter() - start:.0f} s in all")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(everything, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
