@@ -72,8 +72,8 @@ def _compile_gluon_ws(module, job):
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
         consumers = shape[short + "consumers"]
-        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape[short + "BLOCK_N"] // consumers,
-                                                                     module._WS_BWD_KV_LAYOUT)
+        kv_keys = shape[short + "BLOCK_N"] // (1 if shape.get("wide") else consumers)  # (wide: shared keys)
+        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(kv_keys, module._WS_BWD_KV_LAYOUT)
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
         cols = d if dq_local else d // consumers

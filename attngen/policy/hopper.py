@@ -142,10 +142,29 @@ is host-bound and the Triton kernel finishes first."""
 
 
 BWD_HEAD_DIMS = (64, 96, 128)
-"""d=256 is not here: a consumer warpgroup's dK and dV [64, 256] float32 accumulators are 256 registers a thread
-alone. ptxas (sm_90a) on the d=128 kernel at d=256: two consumers of 64 keys spill 4524 bytes (and need 296 KB of
-shared memory at one stage), one consumer of 64 keys at 255 registers spills 5720 (214 KB); d=128 spills 68.
-FA3 splits dK and dV over its two warpgroups by columns; this kernel gives each warpgroup its own keys."""
+"""Head dims whose backward gives each consumer warpgroup its own keys. d=256 is not here: a consumer warpgroup's dK
+and dV [64, 256] float32 accumulators are 256 registers a thread alone. ptxas (sm_90a) on the d=128 kernel at d=256:
+two consumers of 64 keys spill 4524 bytes (and need 296 KB of shared memory at one stage), one consumer of 64 keys
+at 255 registers spills 5720 (214 KB); d=128 spills 68. d=256 takes BWD_WIDE instead."""
+
+WIDE_BACKWARD = False
+"""Whether a d=256 program's backward takes the Gluon kernel's wide path (BWD_WIDE). Off until it passes its GPU
+test (tests/test_gluon_wide_backward.py, marked gpu): it was written and compiled for sm_90a on a machine without a
+GPU; while off, the Triton kernels run and `attngen explain` says why."""
+
+BWD_WIDE = ir.GluonShape(block_m=64, block_n=64, stages=1, consumers=2, consumer_regs=240, maxnreg=168)
+"""The Gluon backward's shape at d=256 (`GluonBackward.wide`), FlashAttention 3's split for hdim 256: both consumer
+warpgroups on the program's 64 keys, each holding half of dK's and dV's columns ([64, 128] float32: 64 registers
+each) and computing S^T and dP^T for half of the step's 64 query rows ([64 keys, 32 queries], over all 256
+columns); they exchange P^T and dS^T through shared memory (each writes its 32 columns of a [64, 64] tile, double
+buffered, an mbarrier a step), then each adds P^T dO and dS^T Q into its columns of dV and dK and makes its 128
+columns of the step's dQ = dS K ([64, 128] float32), added into the accumulator by a TMA reduction. Shared memory
+(sm_90a, 227 KB): K and V 64 KB, P^T and dS^T 32 KB, the two dQ tiles 64 KB, so Q and dO get one stage (64 KB):
+the loader refills it once both consumers' dK and dV products are done, while they make dQ. The alternatives, by
+ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the d=128 kernel) spill 4.5 KB, one
+consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
+written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
+kernel: under deterministic algorithms the Triton kernels run. Not measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +344,14 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
-    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width)."""
+    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
+    256 (BWD_WIDE)."""
     head_dim = tile_dim(head_dim)
+    if head_dim == 256:
+        return ir.GluonBackward(main=BWD_WIDE, short=BWD_WIDE, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
+                                dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
+                                dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
+                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
