@@ -175,8 +175,7 @@ def _print_passes(program: ir.Program) -> None:
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
         print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
               f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
-              f"output {program.attr('head_dim_v')} (head_dim_v); the backward stays on the Triton kernels (the Gluon "
-              "backward takes one head dim for Q, K and V)")
+              f"output {program.attr('head_dim_v')} (head_dim_v); " + _gluon_dense_backward_line(program))
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "

@@ -84,6 +84,11 @@ def _compile_gluon_ws(module, job):
         rows = desc(2, module._WS_BWD_ROWS_LAYOUT, shape["BLOCK_M"], torch.empty(2, 4, 2, 256)) if rows_smem else kv
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
+        if hasattr(module, "_WS_BWD_V_LAYOUT"):  # V, dV and dO narrower than Q and K (head_dim_v)
+            tv = torch.empty(2, 4, 256, module.HEAD_DIM_V, dtype=module.DTYPE)
+            v = desc(kv_keys, module._WS_BWD_V_LAYOUT, module.HEAD_DIM_V, tv)
+            descs.update(v_desc=v, dv_desc=v, do_desc=desc(shape["BLOCK_M"], module._WS_BWD_DO_LAYOUT,
+                                                            module.HEAD_DIM_V, tv))
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),

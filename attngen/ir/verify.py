@@ -289,9 +289,9 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
     if ws and program.attr("varlen") and (d != padded or dv is not None):
         fail(f"varlen kernels for head dim {d} at {padded} columns, head_dim_v {dv}: their row-masked stores are one "
              "head dim wide")
-    if ws and dv is not None and (ws.backward is not None or ws.decode is not None):
+    if ws and dv is not None and ((ws.backward is not None and not ws.backward.wide) or ws.decode is not None):
         fail(f"backward or decode kernels for head_dim_v {dv} beside head_dim {d}: those templates take one head dim "
-             "for Q, K and V")
+             "for Q, K and V (the backward's wide path excepted)")
     if ws and program.attr("dtype") not in ("fp16", "bf16"):
         fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit ones")
     if ws.forward is not None:

@@ -184,15 +184,15 @@ def backward_refusal(program: ir.Program) -> str | None:
     where the Gluon backward may take it (a variant's or a varlen program's further conditions are the pass's).
     `attngen explain` prints it."""
     d, dv = program.attr("head_dim"), program.attr("head_dim_v")
-    if dv is not None:
+    if dv is not None and (d, dv) not in hopper.SPLIT_FORWARD:
         return "head_dim_v differs from head_dim: the Gluon backward takes one head dim for Q, K and V"
     if hopper.tile_dim(d) != 256:
         return None if d in hopper.BWD_HEAD_DIMS else f"head dim {d}: not in policy/hopper.py BWD_HEAD_DIMS"
     if not hopper.WIDE_BACKWARD:
-        return ("head dim 256: the Gluon backward's wide path (both consumer warpgroups on 64 keys, each half of dK's "
-                "and dV's columns) is off until its GPU test passes (policy/hopper.py WIDE_BACKWARD)")
+        return (f"head dim {d}: the Gluon backward's wide path (both consumer warpgroups on 64 keys, each half of "
+                "dK's and dV's columns) is off until its GPU test passes (policy/hopper.py WIDE_BACKWARD)")
     if is_variant(program) or program.attr("varlen"):
-        return "head dim 256: the Gluon backward's wide path takes the plain masks (none, causal) only"
+        return f"head dim {d}: the Gluon backward's wide path takes the plain masks (none, causal) only"
     return None
 
 

@@ -150,7 +150,8 @@ at 255 registers spills 5720 (214 KB); d=128 spills 68. d=256 takes BWD_WIDE ins
 WIDE_BACKWARD = False
 """Whether a d=256 program's backward takes the Gluon kernel's wide path (BWD_WIDE). Off until it passes its GPU
 test (tests/test_gluon_wide_backward.py, marked gpu): it was written and compiled for sm_90a on a machine without a
-GPU; while off, the Triton kernels run and `attngen explain` says why."""
+GPU; while off, the Triton kernels run and `attngen explain` says why. It covers d=256 and DeepSeek's (192, 128)
+(SPLIT_FORWARD: Q and K tiles 256 wide, V, dO and dV 128).""" 
 
 BWD_WIDE = ir.GluonShape(block_m=64, block_n=64, stages=1, consumers=2, consumer_regs=240, maxnreg=168)
 """The Gluon backward's shape at d=256 (`GluonBackward.wide`), FlashAttention 3's split for hdim 256: both consumer
@@ -164,7 +165,9 @@ the loader refills it once both consumers' dK and dV products are done, while th
 ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the d=128 kernel) spill 4.5 KB, one
 consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
 written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
-kernel: under deterministic algorithms the Triton kernels run. Not measured."""
+kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Not
+measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +348,8 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
-    256 (BWD_WIDE)."""
+    one whose tiles are 256 wide (BWD_WIDE: d=256, and d=192 of a (192, 128) pair in SPLIT_FORWARD, V, dO and dV
+    then 128 wide)."""
     head_dim = tile_dim(head_dim)
     if head_dim == 256:
         return ir.GluonBackward(main=BWD_WIDE, short=BWD_WIDE, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
