@@ -32,8 +32,8 @@ def tile_dim(head_dim: int) -> int:
 SPLIT_FORWARD = {(192, 128): ir.GluonShape(block_m=128, block_n=64, stages=2, consumers=2, consumer_regs=240,
                                            maxnreg=168)}
 """The Gluon forward's shape by (head dim, head_dim_v) for specs whose V and output are narrower than Q and K
-(DeepSeek's prefill: q.k over 192, v over 128; the backward stays on the Triton kernels, whose templates take one
-head dim). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
+(DeepSeek's prefill: q.k over 192, v over 128; its backward takes BWD_WIDE where WIDE_BACKWARD is on, else the
+Triton kernels). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
 the first half of its warpgroup's Q buffer. 64-key blocks: 2 stages of K (32 KB a stage) and V (16 KB) beside two
 Q buffers of 64 KB fill 224 KB, so the persistent grid fits (128-key blocks would not, even with one Q buffer); a
 consumer's [64, 128] accumulator and [64, 64] scores are d=128's registers at half its keys. Thresholds: d=256's.
