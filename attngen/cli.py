@@ -182,13 +182,14 @@ def _print_passes(program: ir.Program) -> None:
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
         print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
               f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
-              f"output {program.attr('head_dim_v')} (head_dim_v); the backward stays on the Triton kernels (the Gluon "
-              "backward takes one head dim for Q, K and V)")
+              f"output {program.attr('head_dim_v')} (head_dim_v); " + _gluon_dense_backward_line(program))
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "
               f"{', '.join(map(str, hopper.SPLIT_FORWARD))} and the other templates one head dim for Q, K and V); "
               "the Triton kernels run")
+    elif program.warp_specialized.forward is not None and any(k.name == "attn_bwd_dkdv" for k in program.kernels):
+        print("warp-specialize: " + _gluon_dense_backward_line(program))
     if program.attr("v_from_k"):  # MLA: what the latent cache's read and the packed heads come to
         d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
         print(f"latent-kv: V is K's first {d_v} columns: each key tile is read once, as kv = K[:, :{d_v}] (Q K^T's "
@@ -211,6 +212,19 @@ def _gluon_backward_line(program: ir.Program) -> str:
     return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
             "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
             f"ending past the sequence stored row-masked; {rows})")
+
+
+def _gluon_dense_backward_line(program: ir.Program) -> str:
+    """What explain says of a (not varlen) program's backward under warp-specialize."""
+    backward = program.warp_specialized.backward
+    if backward is None:
+        reason = warp_specialize.backward_refusal(program)
+        return "the backward stays on the Triton kernels" + (f" ({reason})" if reason else "")
+    if backward.wide:
+        return ("the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE): both consumer "
+                "warpgroups on the program's keys, each holding half of dK's and dV's columns and computing S^T and "
+                "dP^T for half of a step's query rows, P^T and dS^T exchanged through shared memory")
+    return "the backward runs the Gluon kernel (dQ, dK and dV in one kernel, dQ added by TMA reductions)"
 
 
 def _no_gluon_reason(program: ir.Program) -> str:

@@ -73,8 +73,8 @@ def _compile_gluon_ws(module, job):
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
         consumers = shape[short + "consumers"]
-        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(shape[short + "BLOCK_N"] // consumers,
-                                                                     module._WS_BWD_KV_LAYOUT)
+        kv_keys = shape[short + "BLOCK_N"] // (1 if shape.get("wide") else consumers)  # (wide: shared keys)
+        q, kv = desc(shape["BLOCK_M"], module._WS_BWD_Q_LAYOUT), desc(kv_keys, module._WS_BWD_KV_LAYOUT)
         dq_atomic = job.get("dq_atomic", shape["DQ_ATOMIC"])
         dq_local = dq_atomic and job.get("dq_local", False)  # each consumer's own keys' dQ (DQ_LOCAL)
         cols = d if dq_local else d // consumers
@@ -86,6 +86,11 @@ def _compile_gluon_ws(module, job):
                 if rows_smem else kv)  # (a varlen launch's: 4 shifted copies of the rows)
         descs = {"q_desc": q, "do_desc": q, "k_desc": kv, "v_desc": kv, "dk_desc": kv, "dv_desc": kv, "dq_desc": dq,
                  "rows_desc": rows}
+        if hasattr(module, "_WS_BWD_V_LAYOUT"):  # V, dV and dO narrower than Q and K (head_dim_v)
+            tv = torch.empty(2, 4, 256, module.HEAD_DIM_V, dtype=module.DTYPE)
+            v = desc(kv_keys, module._WS_BWD_V_LAYOUT, module.HEAD_DIM_V, tv)
+            descs.update(v_desc=v, dv_desc=v, do_desc=desc(shape["BLOCK_M"], module._WS_BWD_DO_LAYOUT,
+                                                            module.HEAD_DIM_V, tv))
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),

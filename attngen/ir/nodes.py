@@ -469,9 +469,11 @@ class GluonBackward:
     short_keys: int
     min_scores: int
     max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
+    wide: bool = False   # both consumers on the same block_n keys, each half of dK/dV's columns (d=256)
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" only where set: the
+        other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -481,7 +483,7 @@ class GluonBackward:
                 "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
-                "max_group_split": self.max_group_split}
+                "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,9 +289,9 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
     if ws and program.attr("varlen") and (d != padded or dv is not None):
         fail(f"varlen kernels for head dim {d} at {padded} columns, head_dim_v {dv}: their row-masked stores are one "
              "head dim wide")
-    if ws and dv is not None and (ws.backward is not None or ws.decode is not None):
+    if ws and dv is not None and ((ws.backward is not None and not ws.backward.wide) or ws.decode is not None):
         fail(f"backward or decode kernels for head_dim_v {dv} beside head_dim {d}: those templates take one head dim "
-             "for Q, K and V")
+             "for Q, K and V (the backward's wide path excepted)")
     fp8 = program.attr("dtype") == "fp8_e4m3"
     if ws and program.attr("dtype") not in ("fp16", "bf16") and not fp8:
         fail(f"kernels for {program.attr('dtype')} inputs: wgmma takes 16-bit and e4m3 ones")
@@ -319,9 +319,16 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             shape_ok(what, s)
             if s.consumers & (s.consumers - 1):  # the K/V buffers' count is a shared allocation's dimension
                 fail(f"{what}: {s.consumers} consumers, not a power of two")
-            if s.block_m % 64 or s.block_n % s.consumers or (s.block_n // s.consumers) % 64 \
-                    or s.block_n // s.consumers != b.main.block_n // b.main.consumers:
-                fail(f"{what}: {s.block_m} query rows a step, {s.block_n // s.consumers} keys a consumer "
+            # keys a consumer: its own block_n / consumers, or (wide) all of the program's, its rows split instead
+            keys = s.block_n if b.wide else s.block_n // s.consumers
+            if b.wide and (s.consumers != 2 or (s.block_m // s.consumers) % 8 or padded != 256
+                           or b.short != b.main or b.max_group_split != 1 or b.dq_local_rows or b.dq_claim_keys
+                           or not (b.dq_atomic and b.rows_smem) or b.ahead or b.split):
+                fail(f"backward: the wide path takes 2 consumers of {s.block_m // 2} query rows (wgmma's N, a "
+                     "multiple of 8), 256 columns, one shape, DQ_ATOMIC and ROWS_SMEM and nothing else")
+            if s.block_m % 64 or s.block_n % s.consumers or keys % 64 \
+                    or keys != (b.main.block_n if b.wide else b.main.block_n // b.main.consumers):
+                fail(f"{what}: {s.block_m} query rows a step, {keys} keys a consumer "
                      f"(a multiple of 64, and the main shape's: one K/V descriptor)")
         if b.short.block_m != b.main.block_m:
             fail("backward: the short shape changes the query block")

@@ -62,8 +62,9 @@ outside the unmasked range with the IR's predicates, its scores modified and its
 loops after causal-skip are one unmasked range (`variant_backward_supported`): each key tile visits the query blocks
 those loops give it, masking, modifying the scores and multiplying dS by the modifier's derivative as the IR says.
 
-Specs with a backward (head dim 64, 96 or 128: at d=256 a consumer's dK and dV alone would take 256 registers a
-thread, `hopper.BWD_HEAD_DIMS`) also get the backward in Gluon (`Program.warp_specialized.backward`,
+Specs with a backward (head dim 64, 96 or 128, `hopper.BWD_HEAD_DIMS`; at d=256, where a consumer's dK and dV alone
+would take 256 registers a thread, and DeepSeek's (192, 128) on 256-wide tiles, the wide path `hopper.BWD_WIDE` while
+`hopper.WIDE_BACKWARD` is on, plain masks only; `backward_refusal` says why not) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and
 dK, dV in registers, and share their dS through shared memory to add dQ = dS K into a float32
@@ -208,12 +209,29 @@ def _one_unmasked_range(kernel: ir.KernelIR, var) -> bool:
     return len(unmasked) == 1
 
 
+def backward_refusal(program: ir.Program) -> str | None:
+    """Why a program whose forward takes the Gluon kernel keeps the Triton backward, given that it has one; None
+    where the Gluon backward may take it (a variant's or a varlen program's further conditions are the pass's).
+    `attngen explain` prints it."""
+    d, dv = program.attr("head_dim"), program.attr("head_dim_v")
+    if dv is not None and (d, dv) not in hopper.SPLIT_FORWARD:
+        return "head_dim_v differs from head_dim: the Gluon backward takes one head dim for Q, K and V"
+    if hopper.tile_dim(d) != 256:
+        return None if d in hopper.BWD_HEAD_DIMS else f"head dim {d}: not in policy/hopper.py BWD_HEAD_DIMS"
+    if not hopper.WIDE_BACKWARD:
+        return (f"head dim {d}: the Gluon backward's wide path (both consumer warpgroups on 64 keys, each half of "
+                "dK's and dV's columns) is off until its GPU test passes (policy/hopper.py WIDE_BACKWARD)")
+    if is_variant(program) or program.attr("varlen"):
+        return f"head dim {d}: the Gluon backward's wide path takes the plain masks (none, causal) only"
+    return None
+
+
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
     dv = program.attr("head_dim_v")  # (the backward templates take one head dim)
-    has_backward = d in hopper.BWD_HEAD_DIMS and dv is None and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
+    has_backward = backward_refusal(program) is None and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
     if program.attr("varlen"):
         backward = None
         if has_backward and hopper.VARLEN_BACKWARD and variant_backward_supported(program):

@@ -32,8 +32,8 @@ def tile_dim(head_dim: int) -> int:
 SPLIT_FORWARD = {(192, 128): ir.GluonShape(block_m=128, block_n=64, stages=2, consumers=2, consumer_regs=240,
                                            maxnreg=168)}
 """The Gluon forward's shape by (head dim, head_dim_v) for specs whose V and output are narrower than Q and K
-(DeepSeek's prefill: q.k over 192, v over 128; the backward stays on the Triton kernels, whose templates take one
-head dim). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
+(DeepSeek's prefill: q.k over 192, v over 128; its backward takes BWD_WIDE where WIDE_BACKWARD is on, else the
+Triton kernels). Q and K tiles 256 columns wide (TILE_DIM), V, the accumulator and the output 128, which leaves through
 the first half of its warpgroup's Q buffer. 64-key blocks: 2 stages of K (32 KB a stage) and V (16 KB) beside two
 Q buffers of 64 KB fill 224 KB, so the persistent grid fits (128-key blocks would not, even with one Q buffer); a
 consumer's [64, 128] accumulator and [64, 64] scores are d=128's registers at half its keys. Thresholds: d=256's.
@@ -142,10 +142,32 @@ is host-bound and the Triton kernel finishes first."""
 
 
 BWD_HEAD_DIMS = (64, 96, 128)
-"""d=256 is not here: a consumer warpgroup's dK and dV [64, 256] float32 accumulators are 256 registers a thread
-alone. ptxas (sm_90a) on the d=128 kernel at d=256: two consumers of 64 keys spill 4524 bytes (and need 296 KB of
-shared memory at one stage), one consumer of 64 keys at 255 registers spills 5720 (214 KB); d=128 spills 68.
-FA3 splits dK and dV over its two warpgroups by columns; this kernel gives each warpgroup its own keys."""
+"""Head dims whose backward gives each consumer warpgroup its own keys. d=256 is not here: a consumer warpgroup's dK
+and dV [64, 256] float32 accumulators are 256 registers a thread alone. ptxas (sm_90a) on the d=128 kernel at d=256:
+two consumers of 64 keys spill 4524 bytes (and need 296 KB of shared memory at one stage), one consumer of 64 keys
+at 255 registers spills 5720 (214 KB); d=128 spills 68. d=256 takes BWD_WIDE instead."""
+
+WIDE_BACKWARD = False
+"""Whether a d=256 program's backward takes the Gluon kernel's wide path (BWD_WIDE). Off until it passes its GPU
+test (tests/test_gluon_wide_backward.py, marked gpu): it was written and compiled for sm_90a on a machine without a
+GPU; while off, the Triton kernels run and `attngen explain` says why. It covers d=256 and DeepSeek's (192, 128)
+(SPLIT_FORWARD: Q and K tiles 256 wide, V, dO and dV 128).""" 
+
+BWD_WIDE = ir.GluonShape(block_m=64, block_n=64, stages=1, consumers=2, consumer_regs=240, maxnreg=168)
+"""The Gluon backward's shape at d=256 (`GluonBackward.wide`), FlashAttention 3's split for hdim 256: both consumer
+warpgroups on the program's 64 keys, each holding half of dK's and dV's columns ([64, 128] float32: 64 registers
+each) and computing S^T and dP^T for half of the step's 64 query rows ([64 keys, 32 queries], over all 256
+columns); they exchange P^T and dS^T through shared memory (each writes its 32 columns of a [64, 64] tile, double
+buffered, an mbarrier a step), then each adds P^T dO and dS^T Q into its columns of dV and dK and makes its 128
+columns of the step's dQ = dS K ([64, 128] float32), added into the accumulator by a TMA reduction. Shared memory
+(sm_90a, 227 KB): K and V 64 KB, P^T and dS^T 32 KB, the two dQ tiles 64 KB, so Q and dO get one stage (64 KB):
+the loader refills it once both consumers' dK and dV products are done, while they make dQ. The alternatives, by
+ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the d=128 kernel) spill 4.5 KB, one
+consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
+written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
+kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Not
+measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,8 +377,15 @@ def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
-    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width)."""
+    """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
+    one whose tiles are 256 wide (BWD_WIDE: d=256, and d=192 of a (192, 128) pair in SPLIT_FORWARD, V, dO and dV
+    then 128 wide)."""
     head_dim = tile_dim(head_dim)
+    if head_dim == 256:
+        return ir.GluonBackward(main=BWD_WIDE, short=BWD_WIDE, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
+                                dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
+                                dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
+                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -383,7 +412,7 @@ ran the bench's 8 documents at 250 TFLOP/s against the Triton varlen backward's 
 pointer (a TMA load of them faulted where a sequence starts at a row not a multiple of 4; benchmarks/NOTES.md,
 varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 

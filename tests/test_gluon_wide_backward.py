@@ -1,0 +1,205 @@
+"""The Gluon backward's wide path at d=256 and DeepSeek's 192 / 128 (issue 51; policy/hopper.py WIDE_BACKWARD and
+BWD_WIDE): both consumer warpgroups on a program's 64 keys, each holding half of dK's and dV's columns.
+
+On the CPU: the pass's decision with the switch off (the Triton backward, and explain says why) and on (the wide
+shape; variants and varlen still refused), the verifier's checks of the wide shape, the generated sources of the other
+head dims unchanged by it, and the kernel compiled for sm_90 within shared memory. On a Hopper GPU (`gpu`, the switch
+on): the backward against float64 at real sizes, GQA and causal included, gradients poisoned first.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import attngen
+from attngen.cli import main
+from attngen.errors import InternalError
+from attngen.ir.verify import verify
+from attngen.lang.spec import parse
+from attngen.passes import compile_program, warp_specialize
+from attngen.policy import hopper
+from attngen.testing.accuracy import Case, compare, compare_grads
+from conftest import spec_text
+from probe import probe
+from test_warp_specialize import HOPPER, _poisoned_run
+
+SHARED = 232448  # an sm_90 program's shared memory
+
+
+def _program(name, mask="causal", head_dim=256, **keys):
+    return compile_program(parse(spec_text(name, head_dim, "bf16", mask, direction="forward+backward", **keys)))
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_the_switch_decides_d256s_backward(mask, monkeypatch):
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", False)
+    off = _program(f"wide_off_{mask}", mask)
+    assert off.warp_specialized.forward is not None and off.warp_specialized.backward is None
+    assert "WIDE_BACKWARD" in warp_specialize.backward_refusal(off)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    on = _program(f"wide_on_{mask}", mask)
+    backward = on.warp_specialized.backward
+    assert warp_specialize.backward_refusal(on) is None
+    assert backward == hopper.backward(256, mask != "none") and backward.wide
+    assert (backward.main.block_m, backward.main.block_n, backward.main.consumers) == (64, 64, 2)
+    assert backward.dq_atomic and backward.rows_smem and backward.max_group_split == 1 and not backward.split
+
+
+def test_the_switch_decides_deepseeks_backward(monkeypatch):
+    """(192, 128): the same wide shape, Q and K tiles 256 wide; other pairs keep the Triton backward."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", False)
+    off = _program("wide_ds_off", head_dim=192, head_dim_v=128)
+    assert off.warp_specialized.backward is None and "WIDE_BACKWARD" in warp_specialize.backward_refusal(off)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    on = _program("wide_ds_on", head_dim=192, head_dim_v=128)
+    assert on.attr("head_dim_padded") == 256 and on.warp_specialized.backward == hopper.backward(192, True)
+    assert on.warp_specialized.backward.wide
+    other = compile_program(parse(spec_text("wide_ds_other", 128, "bf16", "causal", head_dim_v=64,
+                                            direction="forward+backward")))
+    assert other.warp_specialized.backward is None
+
+
+def test_the_switch_leaves_the_other_head_dims_and_shapes(monkeypatch):
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    for d in (64, 96, 128):
+        backward = _program(f"wide_d{d}", head_dim=d).warp_specialized.backward
+        assert backward is not None and not backward.wide
+    window = _program("wide_win", "causal & window(512)")
+    varlen = _program("wide_vl", layout="varlen")
+    deepseek = compile_program(parse(spec_text("wide_ds_win", 192, "bf16", "causal & window(512)", head_dim_v=128,
+                                               direction="forward+backward")))
+    for program in (window, varlen, deepseek):
+        assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
+        assert warp_specialize.backward_refusal(program)
+
+
+def test_explain_says_which_backward_runs(capsys, tmp_path, monkeypatch):
+    spec = tmp_path / "wide.attn"
+    spec.write_text(spec_text("wide_explain", 256, "bf16", "causal", direction="forward+backward"))
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", False)
+    assert main(["explain", str(spec)]) == 0
+    assert ("the backward stays on the Triton kernels (head dim 256: the Gluon backward's wide path"
+            in capsys.readouterr().out)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    assert main(["explain", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert "the backward runs the Gluon kernel's wide path" in out and "wide" in out.split("gluon backward:")[1]
+
+
+def test_the_verifier_checks_the_wide_shape(monkeypatch):
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    program = _program("wide_verify")
+    verify(program, "test")
+    ws = program.warp_specialized
+    for bad in (dataclasses.replace(ws.backward.main, consumers=4),  # not 2 consumers
+                dataclasses.replace(ws.backward.main, block_n=128)):  # (short differs from main)
+        broken = dataclasses.replace(program, warp_specialized=dataclasses.replace(
+            ws, backward=dataclasses.replace(ws.backward, main=bad)))
+        with pytest.raises(InternalError, match="wide path"):
+            verify(broken, "test")
+    d128 = _program("wide_verify128", head_dim=128)
+    wide128 = dataclasses.replace(d128, warp_specialized=dataclasses.replace(
+        d128.warp_specialized, backward=dataclasses.replace(d128.warp_specialized.backward, wide=True)))
+    with pytest.raises(InternalError, match="wide path"):
+        verify(wide128, "test")
+
+
+def test_the_wide_backward_compiles_for_sm90(monkeypatch):
+    """Both masks, with dQ (the only form the wide path has), d=256 and (192, 128): 12 warps, one K and one V tile,
+    dQ by TMA reductions, dK and dV by TMA stores, within shared memory."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    paths = [str(attngen.load(spec_text(f"wide_sm90_{m}", 256, dt, m, direction="forward+backward")).path)
+             for m, dt in (("none", "bf16"), ("causal", "fp16"))]
+    paths += [str(attngen.load(spec_text(f"wide_sm90_ds_{m}", 192, "bf16", m, head_dim_v=128,
+                                         direction="forward+backward")).path) for m in ("none", "causal")]
+    jobs = [{"path": p, "gluon_ws": "backward"} for p in paths]
+    for job, result in zip(jobs, probe(jobs)):
+        assert "error" not in result, (job, result)
+        assert result["warps"] == 12 and result["wgmma"] > 0 and result["shared"] <= SHARED, result
+        assert result["tma_reduces"] > 0 and result["tma_stores"] > 0 and result["global_stores"] == 0, result
+
+
+def test_deepseeks_row_passes_take_o_and_do_128_wide(monkeypatch):
+    """The fused launcher's row passes at (192, 128) in the interpreter, the Gluon kernel stubbed out: delta =
+    rowsum(dO * O) over O's and dO's 128 columns (not the next row's), the 256-column accumulator zeroed, dQ written
+    in 192 columns only (zeros: the stub adds nothing)."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    m = attngen.load(spec_text("wide_ds_rows", 192, "bf16", "causal", head_dim_v=128,
+                               direction="forward+backward")).module
+    seen = {}
+    monkeypatch.setattr(m, "launch_attn_bwd_dkdv_ws", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(m, "ws_bwd_group_split", lambda *a: 1)  # (it asks the GPU for its multiprocessors)
+    B, H, n_q = 1, 2, 70
+    q, k = (torch.randn(B, H, n_q, 192).bfloat16() for _ in range(2))
+    v, out, do = (torch.randn(B, H, n_q, 128).bfloat16() for _ in range(3))
+    lse = torch.randn(B, H, n_q)
+    rows_of_200 = torch.full((B, H, n_q, 200), float("nan")).bfloat16()  # columns past 192 must stay unwritten
+    dq = rows_of_200[..., :192]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    m.launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, 0.5)
+    delta = (out.float() * do.float()).sum(-1)
+    assert seen["dq_acc"].shape[-1] == 256 and (seen["dq_acc"] == 0).all()
+    assert torch.allclose(seen["rows"][:, :, 1, :n_q], delta, atol=1e-3)
+    assert (dq == 0).all() and rows_of_200[..., 192:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
+@pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(2, 4, 4, 2049, 2049), Case(1, 8, 8, 1500, 1000),
+                                  Case(1, 4, 1, 1024, 1024)])
+def test_wide_backward_against_float64(mask, case, monkeypatch):
+    """The forward and the wide Gluon backward through the kernel's autograd path, dQ, dK and dV against
+    float64's (the tolerances of the other Gluon backward tests: compare_grads)."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"wide_gpu{heads}_{mask[:6]}{len(mask)}", 256, "bf16", mask,
+                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
+    m = kernel.module
+    assert m.WS_BWD_SHAPE.get("wide")
+    monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
+    called = []
+    launch = m.launch_attn_bwd_dkdv_ws
+    monkeypatch.setattr(m, "launch_attn_bwd_dkdv_ws", lambda *a, **kw: (called.append(1), launch(*a, **kw)))
+    q, do = (torch.randn(case.batch, case.heads, case.n_q, 256, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(case.batch, case.kv_heads, case.n_k, 256, device="cuda").bfloat16() for _ in range(2))
+    out, lse = _poisoned_run(kernel, q, k, v)
+    assert compare(kernel.spec, case, out, lse, q, k, v).ok
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    kernel.backward(q, k, v, out, lse, do, grads=grads)
+    assert called, "the wide Gluon backward did not run"
+    results = compare_grads(kernel.spec, q, k, v, do, grads)
+    assert all(r.ok for r in results), results
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
+@pytest.mark.parametrize("mask", ["none", "causal(top_left)"])
+@pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(1, 16, 16, 2049, 2049)])
+def test_wide_backward_192_128_against_float64(mask, case, monkeypatch):
+    """DeepSeek's (192, 128) through the wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"wide_gpu_ds{heads}_{mask[:6]}", 192, "bf16", mask, head_dim_v=128,
+                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
+    m = kernel.module
+    monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
+    monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
+    called = []
+    launch = m.launch_attn_bwd_dkdv_ws
+    monkeypatch.setattr(m, "launch_attn_bwd_dkdv_ws", lambda *a, **kw: (called.append(1), launch(*a, **kw)))
+    q, k = (torch.randn(case.batch, h, n, 192, device="cuda").bfloat16()
+            for h, n in ((case.heads, case.n_q), (case.kv_heads, case.n_k)))
+    v = torch.randn(case.batch, case.kv_heads, case.n_k, 128, device="cuda").bfloat16()
+    do = torch.randn(case.batch, case.heads, case.n_q, 128, device="cuda").bfloat16()
+    out = torch.full((case.batch, case.heads, case.n_q, 128), float("nan"), device="cuda").bfloat16()
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    m.forward(q, k, v, kernel.spec.softmax_scale, out=out, lse=lse)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    kernel.backward(q, k, v, out, lse, do, grads=grads)
+    assert called, "the wide Gluon backward did not run"
+    results = compare_grads(kernel.spec, q, k, v, do, grads)
+    assert all(r.ok for r in results), results
