@@ -364,9 +364,9 @@ def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision
 
 def _bytes_sent(device, shape, **arguments):
     """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
-    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed._post (the one
+    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed.ring._post (the one
     place messages are posted)."""
-    import attngen.distributed as cp
+    import attngen.distributed.ring as cp
 
     sent = []
 

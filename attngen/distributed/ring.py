@@ -1,0 +1,318 @@
+"""The execution of context-parallel attention's plan (`schedule`): the point-to-point exchanges over the group
+(`_Ring`, `_post`: batched isend/irecv posted before the step's kernels run), the kernels of a block or of a run of
+document pieces (`_Kernels`), and the forward and backward loops of the ring, the halo exchange and the documents'
+direct exchange, each step's partial (out, lse) merged in float32."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..api import sdpa, varlen
+from ..api.kvcache import merge_states
+from ..lang.builtin import NO_WINDOW
+from ..runtime.registry import resolve
+from .schedule import Block, Halo, Pieces, Visit
+
+
+class _Ring(NamedTuple):
+    """This rank's place in the group: P2P peers as global ranks."""
+    group: object
+    rank: int
+    world: int
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
+
+
+def _post(ring: _Ring, sends, receives):
+    """Post a send of each (group rank offset, tensor, tag) of `sends` and a receive of a tensor like the tensor of
+    each (offset, tensor, tag) of `receives`; returns (the receive buffers, the requests). Every message of a call
+    goes through here (the tests count the bytes sent by wrapping it). The tensors sent must be contiguous and
+    kept alive by the caller until the requests are waited on (an asynchronous send reads them until then)."""
+    buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for _, t, _ in receives]
+    ops = [dist.P2POp(dist.isend, t, ring.peer(o), ring.group, tag) for o, t, tag in sends]
+    ops += [dist.P2POp(dist.irecv, b, ring.peer(o), ring.group, tag) for (o, _, tag), b in zip(receives, buffers)]
+    return buffers, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _exchange(ring: _Ring, tensors, send_to: int, recv_from: int, tag: int):
+    """Post the sends of `tensors` to group rank offset `send_to` and the receives of tensors like them from
+    `recv_from`; returns (the receive buffers, the requests)."""
+    return _post(ring, [(send_to, t, tag + i) for i, t in enumerate(tensors)],
+                 [(recv_from, t, tag + i) for i, t in enumerate(tensors)])
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _Kernels:
+    """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call."""
+
+    def __init__(self, q, k, v, scale, softcap):
+        self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
+
+    def __call__(self, block: Block | Pieces):
+        if isinstance(block, Pieces):
+            return self.varlen(block)
+        mask = (block.causal, block.window)
+        if mask not in self.found:
+            q, k, v, scale = self.args
+            variant = None
+            if block.window != NO_WINDOW or self.softcap:
+                variant = sdpa._checked_variant(q, block.causal, block.window, self.softcap, None, None)
+            plan = sdpa._checked_plan(q, k, v, None, 0.0, block.causal, scale, True, variant)
+            self.found[mask] = resolve(plan.key), plan.scale
+        return self.found[mask]
+
+    def varlen(self, pieces: Pieces):
+        """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
+        cu = self.found.get(("cu_seqlens", pieces.offsets))
+        if cu is None:
+            cu = self.found[("cu_seqlens", pieces.offsets)] = torch.tensor(pieces.offsets, dtype=torch.int32,
+                                                                            device=self.args[0].device)
+        mask = ("varlen", pieces.causal)
+        if mask not in self.found:
+            q, k, v, scale = self.args
+            rows = slice(pieces.q_start, pieces.q_end)
+            longest = max(b - a for a, b in zip(pieces.offsets, pieces.offsets[1:]))
+            plan = varlen._checked_plan(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu, longest,
+                                        longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, None, None,
+                                        None, None)
+            self.found[mask] = resolve(plan.key), plan.scale
+        return (*self.found[mask], cu)
+
+
+def _packed(t, b: Block | Pieces, i: int):
+    """Batch entry i of t's rows of pieces b as varlen's packed (rows, heads, dim) view (no copy)."""
+    return t[i, :, b.q_start:b.q_end].transpose(0, 1)
+
+
+def _batched(parts):
+    """(B, ...) of B per-entry tensors (a view where B is 1)."""
+    return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+
+def _pieces_forward(kernels, b: Pieces, q, k, v):
+    """(out, lse) of pieces b as a block's kernel returns them: one varlen call a batch entry."""
+    kernel, scale, cu = kernels(b)
+    parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale)
+             for i in range(q.shape[0])]
+    return _batched([o.transpose(0, 1) for o, _ in parts]), _batched([lse for _, lse in parts])
+
+
+def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
+    """(dq, dk, dv) of pieces b's rows, as `_block_grads` returns a block's."""
+    kernel, scale, cu = kernels(b)
+    grads = [kernel.varlen_backward(*(_packed(t, b, i) for t in (q, k, v, out)),
+                                    lse[i, :, b.q_start:b.q_end].contiguous(), _packed(do, b, i), cu, cu, cu.diff(),
+                                    scale)[:3] for i in range(q.shape[0])]
+    return tuple(_batched([g[j].transpose(0, 1) for g in grads]) for j in range(3))
+
+
+def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
+    """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
+    and `lse` of this rank's queries."""
+    if isinstance(b, Pieces):
+        part, part_lse = _pieces_forward(kernels, b, q, k, v)
+    else:
+        kernel, scale = kernels(b)
+        part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
+                                        v[:, :, b.k_start:b.k_end], scale)
+    rows = slice(b.q_start, b.q_end)
+    merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
+                                      part.transpose(1, 2), part_lse)
+    out[:, :, rows] = merged.transpose(1, 2)
+    lse[:, :, rows] = merged_lse
+
+
+def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
+    """(dq, dk, dv) of block b's rows and keys, in their dtype."""
+    if isinstance(b, Pieces):
+        return _pieces_grads(kernels, b, q, k, v, out, lse, do)
+    kernel, scale = kernels(b)
+    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+    return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                 lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+
+
+def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
+    """Add block b's gradients to the float32 dq (of q's rows) and dk, dv (of k and v's rows)."""
+    g = _block_grads(kernels, b, q, k, v, out, lse, do)
+    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+    dq[:, :, rows] += g[0]
+    dk[:, :, keys] += g[1]
+    dv[:, :, keys] += g[2]
+
+
+def _ring_forward(ring, steps, kernels, q, k, v):
+    """(out float32, lse) of this rank's queries over every rank's keys."""
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+    kv = (k, v)
+    for step, blocks in enumerate(steps):
+        if step + 1 < len(steps):
+            following, requests = _exchange(ring, kv, 1, -1, 0)
+        for b in blocks:
+            _forward_block(kernels, b, q, *kv, out, lse)
+        if step + 1 < len(steps):
+            _wait(requests)
+            kv = tuple(following)
+    return out, lse
+
+
+def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
+    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank."""
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    kv = (k, v)
+    incoming = None  # (buffers, requests): the dk, dv the previous rank has summed for the keys this rank holds next
+    last = len(steps) - 1
+    for step, blocks in enumerate(steps):
+        if step < last:
+            following, requests = _exchange(ring, kv, 1, -1, 0)
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+        for b in blocks:
+            _backward_block(kernels, b, q, *kv, out, lse, do, dq, dk, dv)
+        if incoming is not None:
+            _wait(incoming[1])
+            dk += incoming[0][0]
+            dv += incoming[0][1]
+        if step < last:
+            # these keys go to the next rank: their gradient follows them there
+            incoming = _exchange(ring, (dk, dv), 1, -1, 2)
+            _wait(requests)
+            kv = tuple(following)
+    if last == 0:
+        return dq, dk, dv
+    # the keys held now are those of rank - last: their gradient goes home, ours comes from rank + last
+    (dk, dv), requests = _exchange(ring, (dk, dv), -last, last, 4)
+    _wait(requests)
+    return dq, dk, dv
+
+
+def _halo_forward(ring, halo: Halo, kernels, q, k, v):
+    """(out, lse, the received (k, v) rows before the shard or None, those after or None): the exchange is posted
+    before the shard's own block runs.
+
+    NOTE: out stays in q's dtype: the own block covers every row and writes it, and only the rows a neighbour's
+    keys reach merge (in float32, rounded once, as the ring's float32 accumulator would be), which spares the full
+    float32 copy of the shard the ring needs."""
+    n = k.shape[2]
+    sends = [(1, t[:, :, n - halo.to_next:].contiguous(), i) for i, t in enumerate((k, v)) if halo.to_next]
+    sends += [(-1, t[:, :, :halo.to_prev].contiguous(), 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
+    receives = [(-1, t[:, :, :halo.left], i) for i, t in enumerate((k, v)) if halo.left]
+    receives += [(1, t[:, :, :halo.right], 2 + i) for i, t in enumerate((k, v)) if halo.right]
+    buffers, requests = _post(ring, sends, receives)
+    kernel, scale = kernels(halo.own)
+    out, lse = kernel.forward(q, k, v, scale)
+    _wait(requests)
+    before = tuple(buffers[:2]) if halo.left else None
+    after = tuple(buffers[-2:]) if halo.right else None
+    for rows, blocks in ((before, halo.before), (after, halo.after)):
+        for b in blocks:
+            _forward_block(kernels, b, q, *rows, out, lse)
+    return out, lse, before, after
+
+
+def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, do):
+    """(dq, dk, dv) in q, k and v's dtype: the received rows' dK/dV go back to their ranks while the shard's own
+    block runs (each is one kernel's output, so its dtype loses nothing on the way)."""
+    n = k.shape[2]
+    sends, dq_parts = [], []
+    for rows, blocks, offset, tag in ((before, halo.before, -1, 0), (after, halo.after, 1, 2)):
+        if rows is None:
+            continue
+        grads = [torch.zeros_like(t) for t in rows]
+        for b in blocks:
+            g = _block_grads(kernels, b, q, *rows, out, lse, do)
+            dq_parts.append((slice(b.q_start, b.q_end), g[0]))
+            grads[0][:, :, b.k_start:b.k_end] += g[1]
+            grads[1][:, :, b.k_start:b.k_end] += g[2]
+        sends += [(offset, g, tag + i) for i, g in enumerate(grads)]
+    receives = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
+    receives += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
+    buffers, requests = _post(ring, sends, receives)
+    dq, dk, dv = _block_grads(kernels, halo.own, q, k, v, out, lse, do)
+    for rows, part in dq_parts:
+        dq[:, :, rows] += part
+    _wait(requests)
+    if halo.to_next:
+        dk[:, :, n - halo.to_next:] += buffers[0]
+        dv[:, :, n - halo.to_next:] += buffers[1]
+    if halo.to_prev:
+        dk[:, :, :halo.to_prev] += buffers[-2]
+        dv[:, :, :halo.to_prev] += buffers[-1]
+    return dq, dk, dv
+
+
+def _rows(t, ranges):
+    """t's rows (dim 2) in `ranges`, one after another in one contiguous tensor."""
+    return torch.cat([t[:, :, a:b] for a, b in ranges], 2) if len(ranges) > 1 else t[:, :, ranges[0][0]:ranges[0][1]]
+
+
+def _length(ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+def _post_visit(ring, visit: Visit, k, v):
+    """Post visit's exchange of K and V rows (receive buffers, requests, the sends kept alive until waited on),
+    tagged by its step (the ranks' lists of visits differ, the steps they meet at do not)."""
+    tag = 2 * visit.step
+    sends = [(visit.step, _rows(t, visit.send).contiguous(), tag + i) for i, t in enumerate((k, v)) if visit.send]
+    receives = [(-visit.step, t[:, :, :_length(visit.receive)], tag + i) for i, t in enumerate((k, v))
+                if visit.receive]
+    return (*_post(ring, sends, receives), sends)
+
+
+def _visits_forward(ring, visits, kernels, q, k, v):
+    """(out float32, lse, the K/V rows each visit received): each visit's exchange is posted before the previous
+    visit's kernels run."""
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+    received = []
+    posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
+    for i, visit in enumerate(visits):
+        kv = (k, v)
+        if i:
+            buffers, requests, _ = posted
+            _wait(requests)
+            kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
+            received.append(kv)
+            posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
+        for b in visit.blocks:
+            _forward_block(kernels, b, q, *kv, out, lse)
+    return out, lse, received
+
+
+def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
+    """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
+    the rows this rank sent come back with theirs."""
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    for b in visits[0].blocks:
+        _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    pending = []
+    for visit, rows in zip(visits[1:], received):
+        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        for b in visit.blocks:
+            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
+        tag = 2 * visit.step
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if visit.receive]
+        receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
+                    if visit.send]
+        pending.append((visit.send, *_post(ring, sends, receives), grads))
+    for ranges, buffers, requests, _ in pending:
+        _wait(requests)
+        offset = 0
+        for a, b in ranges:
+            dk[:, :, a:b] += buffers[0][:, :, offset:offset + b - a]
+            dv[:, :, a:b] += buffers[1][:, :, offset:offset + b - a]
+            offset += b - a
+    return dq, dk, dv
