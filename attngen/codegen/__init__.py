@@ -81,6 +81,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
     if program.attr("mixed"):
         constants["NARROW_CONFIG"] = dict(mixed.NARROW_LAUNCH)
+    gl_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, "")
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,
@@ -118,7 +119,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         if program.warp_specialized.decode else None,
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
-        gl_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.value, ""),
+        gl_dtype=gl_dtype,
+        # the Gluon decode kernel's ring: an FP8 cache's e4m3, else the queries' dtype
+        kv_gl_dtype="float8e4nv" if spec.fp8_cache else gl_dtype,
         # register tiles have power-of-two shapes: a Gluon kernel runs d=96 at its padded width (warp-specialize)
         ws_dim="HEAD_DIM" if spec.head_dim == spec.head_dim_padded else "HEAD_DIM_PADDED",
         tensors=_runtime_tensors(spec),
