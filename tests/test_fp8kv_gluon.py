@@ -27,8 +27,8 @@ FP8 = torch.float8_e4m3fn
 LAYOUTS = {"contiguous": "contiguous", "paged16": "paged(page_size = 16)"}
 
 
-def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_e4m3", head_dim=128):
-    return (f"kernel {name} {{\n    mask = {mask}\n    head_dim = {head_dim}\n    dtype = bf16\n"
+def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_e4m3", head_dim=128, dtype="bf16"):
+    return (f"kernel {name} {{\n    mask = {mask}\n    head_dim = {head_dim}\n    dtype = {dtype}\n"
             f"    kv_dtype = {kv_dtype}\n    split_kv = auto\n    kv_layout = {layout}\n}}\n")
 
 
@@ -58,8 +58,8 @@ def test_switched_on_an_fp8_cache_gets_the_gluon_decode(fp8_gluon, mask, layout)
     # the ring holds the cache's e4m3 bytes; the consumer widens both tiles to bf16 as wgmma's register A operand
     assert "k_smem = gl.allocate_shared_memory(gl.float8e4nv," in source
     assert "_WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)" in source
-    assert "k_tile = k_smem.index(s).load(a_op).to(gl.bfloat16)" in source
-    assert "v_tile = v_smem.index(s).permute((1, 0)).load(a_op).to(gl.bfloat16)" in source
+    assert "k_tile = _gl_e4m3_to_bf16(k_smem.index(s).load(a_op))" in source
+    assert "v_tile = _gl_e4m3_to_bf16(v_smem.index(s).permute((1, 0)).load(a_op))" in source
     # pass descale's math, from the IR: K's factor of (b, hkv) in the scale, V's on the output
     assert ("qk_scale = sm_scale * 1.4426950408889634 * gl.load(K_DESCALE + b.to(gl.int64) * stride_k_descale_0 "
             "+ hkv * stride_k_descale_1)") in source
@@ -85,8 +85,10 @@ def test_the_fp8_gluon_decode_compiles_for_sm90(fp8_gluon, tmp_path):
     jobs = []
     for name, mask, layout, rows in (("c_causal", "causal(bottom_right)", "contiguous", 8),
                                      ("p_causal", "causal(bottom_right)", "paged16", 8),
-                                     ("p_none", "none", "paged16", 16), ("c_d64", "none", "contiguous", 32)):
-        spec = parse(_text(f"gfp8_sm90_{name}", mask, LAYOUTS[layout], head_dim=64 if "d64" in name else 128))
+                                     ("p_none", "none", "paged16", 16), ("c_d64", "none", "contiguous", 32),
+                                     ("c_fp16", "causal(bottom_right)", "contiguous", 8)):
+        spec = parse(_text(f"gfp8_sm90_{name}", mask, LAYOUTS[layout], head_dim=64 if "d64" in name else 128,
+                           dtype="fp16" if "fp16" in name else "bf16"))
         path = tmp_path / f"gfp8_sm90_{name}.py"
         path.write_text(render(spec, compile_program(spec)))
         jobs.append({"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True})
