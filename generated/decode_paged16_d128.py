@@ -577,27 +577,33 @@ def multiprocessors(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=4096)  # called per decoding step: a few dictionary lookups, not ~30 us of Python
 def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
-    """Splits for a launch of `programs` (batch x heads x query blocks) over `key_blocks` key tiles.
+    """Splits for a decoding launch of `programs` (batch x K/V heads x query blocks) over `key_blocks` key tiles.
 
-    FlashAttention-2's rule: a launch that already fills 80% of the multiprocessors is not split.
-    Otherwise, among split counts up to the number of key blocks, the multiprocessors and
-    `max_splits`, take the smallest whose last wave is at least 85% as full as the best count's
-    (waves = programs * splits / sms; a split count that gives no split fewer blocks than a smaller
-    count does is skipped).
+    A decoding step reads the KV cache once and is bound by memory, not by the multiprocessors: FlashAttention-2's
+    rule (no split once the programs fill 80% of the SMs) left an FP8 cache, which has no tuned entries, at one
+    split from batch 16 (128 programs of 32/8 heads), where the tuned 16-bit kernels take 2 and 4. What a split
+    buys is a shorter serial chain of key tiles per program (more loads in flight on each SM); what it costs grows
+    with programs x splits (each split's prologue, partial output and the merge's read of it). Minimising
+    key_blocks / s + s x programs / (16 x sms) gives s = sqrt(key_blocks x sms / (16 x programs)), rounded to a
+    power of two. The constant 16 is fitted to the H200's tuned entries (attngen/tuned/nvidia-h200_sm90_triton-3.6
+    .json, decode_d128 and decode_paged16_d128, 32/8 heads, BLOCK_N = 128, 132 SMs), which this reproduces:
+
+        keys        1k   8k   32k
+        batch 1      4    8    16    (tuned: 8, 8, 16; 11 us at 1k either way)
+        batch 16     1    2     4    (tuned: 1, 2, 4)
+        batch 64     1    1     2    (tuned: 1, 1, 2)
+
+    The count is at most the key blocks, the SMs and `max_splits`, and is lowered while a split would get no
+    block (ceil(key_blocks / s) equal to the count below's).
     """
-    if programs <= 0 or key_blocks <= 1 or programs >= 0.8 * sms:
+    if programs <= 0 or key_blocks <= 1:
         return 1
     limit = max(1, min(max_splits, sms, key_blocks))
-
-    def efficiency(splits: int) -> float:
-        waves = programs * splits / sms
-        return waves / math.ceil(waves)
-
-    def eligible(splits: int) -> bool:
-        return splits == 1 or math.ceil(key_blocks / splits) != math.ceil(key_blocks / (splits - 1))
-
-    best = max(efficiency(s) for s in range(1, limit + 1) if eligible(s))
-    return next(s for s in range(1, limit + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
+    best = math.sqrt(key_blocks * sms / (16 * programs))
+    splits = min(limit, 1 << max(0, round(math.log2(best)))) if best >= 1 else 1
+    while splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
+        splits -= 1
+    return splits
 
 
 

@@ -16,13 +16,15 @@ Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
 sequences; a varlen module's forward and backward take their packed sequences' arguments; an FP8 module's forward its
 descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores":
-count, "global_stores": count}, and for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands.
+count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
+"shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -48,7 +50,7 @@ def _compile_gluon_ws(module, job):
     if job.get("gluon_ws") == "decode":  # the split-KV kernel: 2-D descriptors over the page pools or caches
         shape, fn = module.WSD_SHAPE, module.attn_fwd_wsd
         page = getattr(module, "PAGE_SIZE", shape["BLOCK_N"])  # a contiguous cache's loader ignores PAGE
-        pool = torch.empty(64 * page, 8 * d, dtype=module.DTYPE)
+        pool = torch.empty(64 * page, 8 * d, dtype=getattr(module, "KV_DTYPE", module.DTYPE))  # an FP8 cache's e4m3
         kv = native_specialize_impl(CUDABackend, module.GluonTensorDescriptor(
             pool, list(pool.shape), list(pool.stride()), module._WSD_BOX, module._WSD_LAYOUT), False, True, True)[0]
         descs = {"k_desc": kv, "v_desc": kv}
@@ -56,7 +58,8 @@ def _compile_gluon_ws(module, job):
                      PAGE=page, CAUSAL=module.WSD_CAUSAL, LOADER_REGS=shape["loader_regs"])
         ptrs = {"Q": _PTR[str(module.DTYPE).removeprefix("torch.")], "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32",
                 "BT": "*i32"}
-        ptrs.update({p: "*fp32" for p in ("SINKS", "ALIBI_SLOPES") if p in fn.arg_names})  # a variant's tensors
+        # a variant's tensors, an FP8 cache's descale factors
+        ptrs.update({p: "*fp32" for p in ("SINKS", "ALIBI_SLOPES", "K_DESCALE", "V_DESCALE") if p in fn.arg_names})
         sig = {arg: "constexpr" if arg in const else descs.get(arg, ptrs.get(arg, "fp32" if arg == "sm_scale" else "i32"))
                for arg in fn.arg_names}
         attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
@@ -68,7 +71,8 @@ def _compile_gluon_ws(module, job):
                 f.write(ptx)
         return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
                 "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
-                f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16")}
+                f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16"),
+                "shared_loads": len(re.findall(r"\bld\.shared\.", ptx)), **(_ptxas(ptx) if job.get("ptxas") else {})}
     if job.get("gluon_ws") == "backward":  # the dK/dV kernel (job "dq_atomic": with dQ, default the shape's)
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
@@ -151,6 +155,25 @@ def _compile_gluon_ws(module, job):
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
             "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global"),
             "wgmma_e4m3": ptx.count(".f32.e4m3.e4m3")}
+
+
+def _ptxas(ptx: str) -> dict:
+    """ptxas -v's resource use of a kernel's PTX for sm_90a: {"registers": the most any function uses, "spill_stores",
+    "spill_loads": bytes}."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    text = done.stdout + done.stderr
+    return {"registers": max(int(n) for n in re.findall(r"Used (\d+) registers", text)),
+            "spill_stores": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", text)),
+            "spill_loads": sum(int(n) for n in re.findall(r"(\d+) bytes spill loads", text))}
 
 
 def _compile(job):

@@ -5,6 +5,8 @@ Fresh random inputs, outputs poisoned with NaN first, lengths that are 0 or not 
 page size, block tables with pages out of order and shared between sequences.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -172,11 +174,39 @@ def test_split_counts_agree_and_scale_is_used():
 def test_auto_split_heuristic():
     from attngen.policy.splits import choose_num_splits
 
-    assert choose_num_splits(programs=512, key_blocks=512, sms=132) == 1     # the batch fills the GPU
     assert choose_num_splits(programs=8, key_blocks=1, sms=132) == 1         # nothing to split
-    s = choose_num_splits(programs=8, key_blocks=512, sms=132)
-    assert 8 < s <= 128 and 8 * s / 132 >= 0.8  # one wave, at least 80% full
+    assert choose_num_splits(programs=0, key_blocks=64, sms=132) == 1
     assert choose_num_splits(programs=8, key_blocks=4, sms=132) <= 4         # no split without a block
+    assert choose_num_splits(programs=8, key_blocks=3, sms=132, max_splits=2) <= 2
+    # a split count that gives no split fewer blocks than the count below is lowered: 6 blocks in 4 splits are
+    # 2 + 2 + 2 + 0, as many a split as in 3
+    assert choose_num_splits(programs=3, key_blocks=6, sms=132) == 3
+
+
+def test_auto_split_rule_at_the_tuned_points():
+    """The rule reproduces the split counts the H200's tuned decode entries chose (32/8 heads, BLOCK_N = 128, 132
+    SMs; attngen/tuned/nvidia-h200_sm90_triton-3.6.json) from batch 16, where FP8 caches, untuned, need them."""
+    import json
+
+    from attngen.policy.splits import choose_num_splits
+
+    tuned = json.loads((Path(attngen.__file__).parent / "tuned" / "nvidia-h200_sm90_triton-3.6.json").read_text())
+    points = 0
+    for problem in tuned["problems"].values():
+        if not problem["specs"][0] in ("decode_d128", "decode_paged16_d128"):
+            continue
+        for bucket in problem["buckets"].values():
+            shape, config = bucket["shape"], bucket["config"]
+            if shape["B"] < 16 or config["BLOCK_N"] != 128:
+                continue
+            programs, blocks = shape["B"] * shape["H_KV"], shape["N_K"] // config["BLOCK_N"]
+            assert choose_num_splits(programs, blocks, 132) == config["num_splits"], (problem["specs"], shape)
+            points += 1
+    assert points == 10  # batch 16 at 1k, 8k and 32k, batch 64 at 8k and 32k (1k's BLOCK_N is 64), in both specs
+    # batch 16 and 64 at 8k and 32k
+    assert [choose_num_splits(b * 8, n // 128, 132) for b in (16, 64) for n in (8192, 32768)] == [2, 4, 1, 2]
+    # and batch 1, where the tuned tables take 8 and 16
+    assert [choose_num_splits(8, n // 128, 132) for n in (8192, 32768)] == [8, 16]
 
 
 def test_merge_states_against_float64():

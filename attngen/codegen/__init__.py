@@ -81,6 +81,7 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
     if program.attr("mixed"):
         constants["NARROW_CONFIG"] = dict(mixed.NARROW_LAUNCH)
+    gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "float8e4nv"}.get(spec.dtype.value, "")
     context = dict(
         generator=f"attngen {__version__}",
         spec_name=spec.name,
@@ -118,7 +119,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         if program.warp_specialized.decode else None,
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
-        gl_dtype={"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "float8e4nv"}.get(spec.dtype.value, ""),
+        gl_dtype=gl_dtype,
+        # the Gluon decode kernel's ring: an FP8 cache's e4m3, else the queries' dtype
+        kv_gl_dtype="float8e4nv" if spec.fp8_cache else gl_dtype,
         # FP8 inputs (the Gluon forward): P V's operand as the IR rounds P, and the output's dtype
         fp8=spec.dtype.fp8,
         gl_p_dtype=_GL_DTYPES.get(_p_operand_dtype(program.kernel("attn_fwd"))) if spec.dtype.fp8 else "",

@@ -27,7 +27,9 @@ merge are the Triton path's; the tuned BLOCK_N, warps and stages serve the Trito
 Applies to decoding specs with a contiguous cache or a paged cache of pages of at least 16 tokens (a
 TMA copy of fewer rows would cut through the shared tiles' swizzle pattern), split-KV, GQA packing, no
 mask or a causal one aligned bottom-right, 16-bit inputs, a head dim of 64 or 128 and the tile keys
-left `auto`; and to the variants (issue 48) the Gluon forward takes (`warp_specialize.variant_supported`: windows,
+left `auto`; an FP8 cache (`kv_dtype = fp8_e4m3`) too, without a variant, while policy hopper.FP8_DECODE_GLUON is
+on (its ring holds the e4m3 bytes, `hopper.DECODE_FP8`, and its consumer widens each tile in registers;
+`fp8_refusal` says why one keeps the Triton kernel); and to the variants (issue 48) the Gluon forward takes (`warp_specialize.variant_supported`: windows,
 chunks, prefixes, softcap, ALiBi, sinks): each split visits the key blocks of the IR's partial kernel over the
 group's rows (split-kv's slice narrowed to the window, causal-skip's loops), masks those outside the unmasked
 loop with the IR's predicates, modifies its scores as the IR does (ALiBi's slope per packed row's query head)
@@ -58,17 +60,24 @@ def applies(program: ir.Program) -> bool:
             and (plain(program) or (warp_specialize.is_variant(program)
                                     and warp_specialize.variant_supported(program, DECODE_SCALARS)))
             and not program.attr("fixed_tiles", False) and program.attr("dtype") in ("fp16", "bf16")
-            and program.attr("kv_dtype") is None  # (`fp8_refusal` says why)
+            and fp8_refusal(program) is None
             and program.attr("head_dim") == program.attr("head_dim_padded") in hopper.DECODE_HEAD_DIMS
             and program.attr("head_dim_v") is None)  # the Gluon template takes one head dim for K and V
 
 
 def fp8_refusal(program: ir.Program) -> str | None:
-    """Why an FP8 cache keeps the Triton kernel (None for a 16-bit one): `attngen explain` prints it."""
-    if program.attr("kv_dtype") is None:
+    """Why an FP8 cache keeps the Triton kernel (None for a 16-bit one, and for an FP8 one the Gluon kernel takes):
+    `attngen explain` prints it."""
+    kv_dtype = program.attr("kv_dtype")
+    if kv_dtype is None:
         return None
-    return (f"kv_dtype = {program.attr('kv_dtype')}: the Gluon template's TMA ring and wgmma operands are 16-bit; "
-            "the Triton kernel reads the e4m3 tiles and widens them in registers")
+    if not hopper.FP8_DECODE_GLUON:
+        return (f"kv_dtype = {kv_dtype}: the Gluon kernel's e4m3 ring is switched off (policy hopper.FP8_DECODE_GLUON "
+                "until its GPU test passes); the Triton kernel reads the e4m3 tiles and widens them in registers")
+    if not plain(program):
+        return (f"kv_dtype = {kv_dtype} with a variant: the Gluon kernel's e4m3 ring takes no mask but a causal one "
+                "and no score modifier or sink")
+    return None
 
 
 def plain(program: ir.Program) -> bool:
@@ -80,4 +89,5 @@ def plain(program: ir.Program) -> bool:
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    return replace(program, warp_specialized=replace(program.warp_specialized, decode=hopper.decode()))
+    return replace(program, warp_specialized=replace(program.warp_specialized,
+                                                     decode=hopper.decode(program.attr("kv_dtype"))))

@@ -412,7 +412,7 @@ ran the bench's 8 documents at 250 TFLOP/s against the Triton varlen backward's 
 pointer (a TMA load of them faulted where a sequence starts at a row not a multiple of 4; benchmarks/NOTES.md,
 varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -443,6 +443,21 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM)
 
 
-def decode() -> ir.GluonDecode:
-    """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS)."""
-    return DECODE
+FP8_DECODE_GLUON = False
+"""Whether a decoding spec with an FP8 cache (`kv_dtype = fp8_e4m3`) takes the Gluon decode kernel (its e4m3 ring,
+`DECODE_FP8`). Off until its first GPU run passes (tests/test_fp8kv_gluon.py): the Triton split-KV kernel reads
+the cache meanwhile (`warp_specialize_decode.fp8_refusal` says so)."""
+
+DECODE_FP8 = ir.GluonDecode(block_n=128, stages=3, rows=32, loader_regs=40)
+"""The Gluon decode kernel's shape over an e4m3 cache: an e4m3 block of 128 keys is as many bytes as a 16-bit block
+of 64, so a stage holds twice the keys in the same 96 KB ring at d=128 and a program waits on half the barriers
+per byte. The consumer widens each K and V tile to 16 bits in registers (wgmma's A operand from registers,
+64 registers a tile at d=128), so it takes at most 32 query rows per K/V head: at 64 (wgmma's N = 64) ptxas spills
+836 bytes at d=128 and 80 at d=64 (none at 32; the 16-bit kernel spills 68 at 64), and more rows go to the Triton
+kernel. DECODE's stages and loader registers, not measured on this ring yet."""
+
+
+def decode(kv_dtype: str | None = None) -> ir.GluonDecode:
+    """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS) over a cache of `kv_dtype`
+    (None: the queries' 16-bit dtype)."""
+    return DECODE if kv_dtype is None else DECODE_FP8
