@@ -202,10 +202,8 @@ def _print_passes(program: ir.Program) -> None:
 def _gluon_backward_line(program: ir.Program) -> str:
     """What explain says of a varlen program's backward under warp-specialize."""
     if program.warp_specialized.backward is None:
-        if program.attr("backward", False) and not hopper.VARLEN_BACKWARD:
-            return ("the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off: the Gluon "
-                    "varlen backward stopped with an illegal instruction on its first GPU run)")
-        return "the backward stays on the Triton kernels"
+        why = warp_specialize.varlen_backward_refusal(program) if program.attr("backward", False) else None
+        return "the backward stays on the Triton kernels" + (f" ({why})" if why else "")
     rows = ("lse and delta by TMA from the rows' copy shifted by q_start % 4, at a row that is a multiple of 4"
             if program.warp_specialized.backward.rows_smem else
             "lse and delta by pointer (policy/hopper.py VARLEN_ROWS_SMEM is off)")

@@ -31,8 +31,10 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton._C.libtriton import ir as triton_ir
+from triton.experimental.gluon.language._core import builtin as gluon_builtin
 
 SPEC_NAME = "gemma_d256_train"
 SPEC_HASH = "e50553191aae69d0"
@@ -906,6 +908,581 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     )
 
 
+# -- the warp-specialised Hopper backward (pass warp-specialize), in Gluon ----------------------------
+# One program = BLOCK_N keys of one (batch, K/V head); each of the consumer warpgroups owns BLOCK_N /
+# consumers of them (its K and V rows stay in shared memory) and keeps its dK and dV accumulators in
+# registers. A loader warp streams the blocks of BLOCK_M queries of every query head of the group (Q and
+# dO, and with ROWS_SMEM the rows' lse and delta) into a ring of STAGES shared buffers by TMA. Per block
+# a consumer recomputes S^T = K Q^T and dP^T = V dO^T, forms P^T = exp2(S^T * scale * log2(e) - lse) and
+# dS^T = P^T (dP^T - delta), and adds P^T dO into dV and dS^T Q into dK. With DQ_ATOMIC it also writes
+# dS^T to shared memory (two buffers); once every consumer's is there (an mbarrier), each computes its
+# HEAD_DIM / consumers columns of the block's dQ = dS K over all the program's keys and adds them into a
+# float32 accumulator by a TMA reduction, FlashAttention 3's scheme. With DQ_LOCAL instead each consumer
+# computes every column of dQ over its own keys only (dS^T from its own buffer, its own K) and adds that
+# partial sum by its own reduction: twice the reduction traffic, but no consumer waits for another's dS
+# (a constexpr: the launch takes it from dq_local_rows query rows on). With DQ_CLAIM (up to dq_claim_keys
+# keys) the accumulator is not zeroed: the first warpgroup to claim a tile (a compare-and-swap on a word per
+# tile and warpgroup column block) stores its part, announces it once written, and the others add theirs
+# after the announcement; a claim is made after the S^T wait and read at the step's end, an announcement
+# made in the owner's next step after its S^T wait, where it waits on no other program (no deadlock: what an
+# owner waits for between its claim and its store was claimed earlier). A consumer waits for all its
+# products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
+# wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
+# the next block's lse and delta during this block; with ROWS_SMEM, LATE_ROWS (1: delta, 2: lse too) reads
+# them from shared memory where they are used rather than before the step's waits. A buffer is freed
+# once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf
+# (P = 0); keys past N_K are computed and clipped at the TMA store. A causal program starts at the first
+# query block that sees its first key and masks the blocks on the diagonal.
+# Calls of at most short_keys keys take the shape for short sequences (SHORT_BLOCK_N, SHORT_STAGES,
+# SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg: the same keys per consumer, so the same descriptors;
+# CONSUMERS a constexpr, one binary per shape): at causal d=64 one consumer warpgroup at 128 registers, so
+# that two programs share a multiprocessor and one's start and drain run beside the other's steps.
+
+@gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared memory `src` into `tensor_desc`'s tile at `coord` by a TMA reduction
+    (cp.reduce.async.bulk.tensor .add), clipped at the tensor's bounds like a TMA store; Triton 3.6's
+    Gluon builder has the operation but its hopper.tma module no wrapper. tma.store_wait covers it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_CLAIM_ANNOUNCED = gl.constexpr(1 << 30)
+"""DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below: the owner's id)."""
+
+
+@gluon.jit
+def _ws_bwd_claim(ptr, my_id):
+    """DQ_CLAIM: lane 0 of each warp tries to claim the tile whose claim word is at `ptr` for `my_id` (compare
+    and swap 0 -> my_id); returns the word it found in lane 0, 0 in the others (see _ws_bwd_lane0): so every
+    warp of the winning warpgroup finds 0 or its own id. Issued after a step's S^T wait and read at its end.
+    Relaxed, not acquire: an acquire holds the thread's later memory accesses until the answer comes (the kernel
+    +8-9% at N >= 1024, NOTES.md v29). Found announced, the reduction that follows needs no other ordering: the
+    owner announced only once its store was written to L2, where the reduction is performed."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0;\n\t"
+        "@p atom.relaxed.gpu.global.cas.b32 $0, [$1], 0, $2; }", "=r,l,r", [ptr, my_id], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_lane0(x):
+    """x as lane 0 of this thread's warp holds it."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_peek(ptr):
+    """The claim word at `ptr` (acquire; DQ_CLAIM's wait for an announcement)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_async_after(x):
+    """Order what this thread acquired (generic proxy) before its later TMA operations (async proxy)."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_announce(ptr, x):
+    """DQ_CLAIM, in the step after an owner's store: wait for the store to be written (cp.async.bulk.wait_group
+    without .read, which tma.store_wait waits for), then set the tile's announced bit (release), so that the
+    warpgroups that found it claimed add into it."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
+                              [x], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()  # (every thread's stores written, whichever thread issued them)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;\n\t"
+        "@p red.release.gpu.global.or.b32 [$1], 1073741824; mov.u32 $0, $2; }", "=r,l,r", [ptr, x],
+        dtype=gl.int32, is_pure=False, pack=1)  # (the bit: _CLAIM_ANNOUNCED)
+
+
+@gluon.jit
+def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+                  stride_delta_h, stride_delta_n, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Step t's query block (of the program's query heads from h0): its first row, and its rows' lse (log2 units;
+    +inf where P must be 0: rows past N_Q, rows that saw no key) and delta."""
+    h = h0 + t // n_m
+    start_m = m_start + (t % n_m) * BLOCK_M
+    cols = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    lse = gl.load(LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + cols * stride_lse_n,
+                  mask=cols < N_Q, other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = gl.load(DELTA + b.to(gl.int64) * stride_delta_b + h.to(gl.int64) * stride_delta_h + cols * stride_delta_n,
+                    mask=cols < N_Q, other=0.0)
+    return start_m, lse, delta
+
+
+@gluon.jit
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                    BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr,
+                    LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr):
+    # The wide form (d=256): every consumer on the program's BN keys. Warpgroup WG computes S^T and dP^T for query
+    # rows [WG * QH, (WG + 1) * QH) of each step and writes its columns of P^T and dS^T into the step's shared
+    # [BN, BLOCK_M] tiles; once every consumer's are there (an mbarrier), it adds P^T dO and dS^T Q into its
+    # columns [WG * DC, (WG + 1) * DC) of dK and dQ = dS K and [WG * DCV, (WG + 1) * DCV) of dV (V and dO are
+    # HEAD_DIM_V wide: DeepSeek's 128 beside Q's and K's 256-wide tiles).
+    gl.static_assert(DQ_ATOMIC and ROWS_SMEM and not (AHEAD or DQ_LOCAL or DQ_CLAIM or PARTIAL),
+                     "the wide form makes dQ here, reads the rows by TMA, and nothing else")
+    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]  # V's and dO's width (head_dim_v); Q's and K's is HEAD_DIM
+    QH: gl.constexpr = BLOCK_M // CONSUMERS
+    DC: gl.constexpr = HEAD_DIM // CONSUMERS
+    DCV: gl.constexpr = HEAD_DIM_V // CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QH, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DC, 16])
+    ov_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DCV, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = sm_scale * 1.4426950408889634
+    k = k_smem.index(0).reshape([BN, HEAD_DIM])
+    v = v_smem.index(0).reshape([BN, HEAD_DIM_V])
+    zero_s = gl.zeros([BN, QH], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([BLOCK_M, DC], gl.float32, layout=o_layout)
+    dk = gl.zeros([BN, DC], gl.float32, layout=o_layout)
+    dv = gl.zeros([BN, DCV], gl.float32, layout=ov_layout)
+    done_bar = ds_bar.index(2)  # every consumer has done its last product (phase 0), stored its columns (1)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_h * n_m):
+        s = t % STAGES
+        start_m = m_start + (t % n_m) * BLOCK_M
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM_V])
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        st = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
+        rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        lse = rows_s.slice(WG * QH, QH).load(col_s)
+        if CAUSAL:
+            cols = start_m + WG * QH + gl.arange(0, QH, layout=col_s)
+            if start_m + WG * QH + offset < start_n + BN - 1:  # on the diagonal: key r sees query c when c + offset >= r
+                rows = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+                st = gl.where((rows[:, None] <= (cols + offset)[None, :]), st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        delta = rows_s.slice(BLOCK_M + WG * QH, QH).load(col_s)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        # this warpgroup's columns of P^T and dS^T (buffers j: a consumer writes them again two steps on, after
+        # the other has passed the next step's barrier, so after its products over them are done)
+        j = t % 2
+        pt_all = ds_smem.index(2 * j)
+        ds_all = ds_smem.index(2 * j + 1)
+        pt_all.slice(WG * QH, QH, dim=1).store(pt.to(dtype))
+        ds_all.slice(WG * QH, QH, dim=1).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_bar.index(j), count=1)
+        mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
+        dv = warpgroup_mma(pt_all, do.slice(WG * DCV, DCV, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_all, q.slice(WG * DC, DC, dim=1), dk, is_async=True)
+        dq = warpgroup_mma(ds_all.permute((1, 0)), k.slice(WG * DC, DC, dim=1), zero_q, use_acc=False, is_async=True)
+        dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s), count=1)  # Q and dO read: the loader refills the stage while dQ is made
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        # this warpgroup's columns of the step's dQ, added into the float32 accumulator by a TMA reduction
+        tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
+        dq_smem.index(WG).reshape([BLOCK_M, DC]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [b, h0 + t // n_m, start_m, WG * DC], dq_smem.index(WG))
+    # dK and dV leave through the K and V buffers, each warpgroup's columns, once every product that reads them is
+    # done; one warpgroup's TMA stores take the whole tiles once both have written theirs
+    mbarrier.arrive(done_bar, count=1)
+    mbarrier.wait(done_bar, 0)
+    v.slice(WG * DCV, DCV, dim=1).store(dv.to(dtype))
+    k.slice(WG * DC, DC, dim=1).store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(done_bar, count=1)
+    mbarrier.wait(done_bar, 1)
+    if WG == 0:
+        tma.async_copy_shared_to_global(dk_desc, [b, hkv, start_n, 0], k_smem.index(0))
+        tma.async_copy_shared_to_global(dv_desc, [b, hkv, start_n, 0], v_smem.index(0))
+    tma.store_wait(0)
+
+
+
+
+
+
+@gluon.jit
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
+    """Consumer warpgroup 0: query rows [0 * BLOCK_M, 1 * BLOCK_M) / CONSUMERS of each step's S^T and dP^T,
+    columns [0 * HEAD_DIM, 1 * HEAD_DIM) / CONSUMERS of dK, dV and dQ."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 0)
+
+
+@gluon.jit
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
+    """Consumer warpgroup 1: query rows [1 * BLOCK_M, 2 * BLOCK_M) / CONSUMERS of each step's S^T and dP^T,
+    columns [1 * HEAD_DIM, 2 * HEAD_DIM) / CONSUMERS of dK, dV and dQ."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 1)
+
+
+@gluon.jit
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                   start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
+                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
+    mbarrier.expect(kv_bar, 1 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(1):
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, start_n + c * BN, 0], kv_bar, v_smem.index(c))
+    for t in range(n_h * n_m):
+        s = t % STAGES
+        h = h0 + t // n_m
+        start_m = m_start + (t % n_m) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
+        if ROWS_SMEM:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + rows_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(rows_desc, [b, h, 0, start_m], ready.index(s), rows_smem.index(s))
+        else:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
+                              "stride_delta_n", "GROUP", "N_Q", "N_K"])
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP,
+                     SPLIT, N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                     DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                     ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
+    """one program per (block of BLOCK_N keys, K/V head and part of its group, batch): a TMA loader warp,
+    CONSUMERS consumer warpgroups of BLOCK_N / CONSUMERS keys each; with DQ_ATOMIC also adds the program's dS K
+    into dq_desc's float32 dQ accumulator (DQ_LOCAL: each consumer its own keys' partial sum, every column;
+    dq_desc's block is then HEAD_DIM wide). SPLIT programs share a group's query heads, part p taking heads
+    GROUP * p // SPLIT to GROUP * (p + 1) // SPLIT; with PARTIAL (SPLIT > 1) each stores its float32 sums into
+    DK_PART (contiguous (2, B, H_KV * SPLIT, N_K, HEAD_DIM)) instead of dK and dV"""
+    BN: gl.constexpr = BLOCK_N  # (wide: every consumer on all the program's keys)
+    gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
+    gl.static_assert(not DQ_CLAIM or (DQ_ATOMIC and not DQ_LOCAL), "DQ_CLAIM claims DQ_ATOMIC's tiles per warpgroup")
+    gl.static_assert(not (DQ_CLAIM and PARTIAL), "DQ_CLAIM numbers its tiles by the unsplit grid")
+    start_n = gl.program_id(0) * BLOCK_N  # causal: the first keys are seen by the most queries, and start first
+    hkv = gl.program_id(1) // SPLIT
+    part = gl.program_id(1) % SPLIT
+    h0 = hkv * GROUP + GROUP * part // SPLIT  # the program's query heads: h0 ... h0 + n_h - 1
+    n_h = GROUP * (part + 1) // SPLIT - GROUP * part // SPLIT
+    b = gl.program_id(2)
+    offset = 0  # query i sees keys up to i + offset
+    m_start = gl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+    n_m = gl.cdiv(gl.maximum(N_Q - m_start, 0), BLOCK_M)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)  # (a power of two)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if DQ_ATOMIC:  # P^T and dS^T of the step, double-buffered (each consumer writes its query columns: a 64-byte
+        # swizzle, so that a consumer's 32 columns are whole swizzle atoms); each consumer's float32 dQ tile
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BN, BLOCK_M], gl.NVMMASharedLayout(
+            swizzle_byte_width=64, element_bitwidth=dtype.primitive_bitwidth, rank=2))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        ds_smem = q_smem
+        dq_smem = q_smem
+    if ROWS_SMEM:  # each stage's lse (log2 units) and delta rows
+        rows_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + rows_desc.block_type.shape, rows_desc.layout)
+    else:
+        rows_smem = q_smem
+    ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # dS buffers 0, 1; done
+    for i in gl.static_range(3):
+        mbarrier.init(ds_bar.index(i), count=CONSUMERS)
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                              DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                              ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
+                              stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                              BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
+                              ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+        ], [4, 1], [240, 24])
+    else:  # (a count the module was not rendered with would launch no partition at all)
+        gl.static_assert(False, "CONSUMERS: 2")
+
+
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 64, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 1, 'PREFETCH': False, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 16, 'LATE_ROWS': 0, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 1, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'wide': True}
+_WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
+_WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM], gl.bfloat16)
+_WS_BWD_DQ_LAYOUTS = {cols: gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], gl.float32)
+                      for cols in (HEAD_DIM, HEAD_DIM // 2)}
+"""The float32 dQ accumulator's layout by a consumer's columns: HEAD_DIM / consumers, or with DQ_LOCAL (a
+consumer's whole partial dQ) HEAD_DIM."""
+_WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
+_WS_BWD_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)  # unswizzled
+
+
+def ws_bwd_ready(q, k, v, do, dk, dv):
+    """Whether `attn_bwd_dkdv_ws` runs these tensors: CUDA tensors on an sm_90 GPU, at least one query,
+    WS_BWD_SHAPE["min_keys"] keys (and one), WS_BWD_SHAPE["min_scores"] scores B * H * N_Q * N_K, and
+    layouts TMA can read and write."""
+    B, H, N_Q, _ = q.shape
+    N_K = k.shape[2]
+    if (not q.is_cuda or N_Q == 0 or N_K < max(WS_BWD_SHAPE["min_keys"], 1)
+            or B * H * N_Q * N_K < WS_BWD_SHAPE["min_scores"]):
+        return False
+    return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
+
+
+def ws_bwd_dq_local(n_q):
+    """Whether each consumer adds dQ over its own keys (DQ_LOCAL) for n_q query rows: from
+    WS_BWD_SHAPE["dq_local_rows"] rows on (0: never)."""
+    return 0 < WS_BWD_SHAPE["dq_local_rows"] <= n_q
+
+
+def ws_bwd_shape(n_k):
+    """The prefix of WS_BWD_SHAPE's keys for a call with n_k keys: "SHORT_" up to WS_BWD_SHAPE["short_keys"] keys
+    (the shape for short sequences), else "" (BLOCK_N, STAGES, consumers, consumer_regs, maxnreg differ)."""
+    return "SHORT_" if n_k <= WS_BWD_SHAPE["short_keys"] else ""
+
+
+def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=None, rows=None, claims=None,
+                            split=None):
+    """Launch `attn_bwd_dkdv_ws`: dk, dv (B, H_KV, N_K, D) from q, do (B, H, N_Q, D), k, v, lse and delta
+    (B, H, N_Q); check `ws_bwd_ready` first. With `dq_acc` (float32 (B, H, N_Q, D), zeroed) the kernel
+    also adds dS K into it (DQ_ATOMIC; dQ is then sm_scale * dq_acc); with `rows` too (`attn_bwd_prep_ws`'s
+    lse and delta rows) and WS_BWD_SHAPE["ROWS_SMEM"], it reads lse and delta from there by TMA. With
+    `claims` too (int32, zeroed, a word per consumer of each (batch, head, block of BLOCK_M queries); not with
+    DQ_LOCAL) dq_acc need be zeroed only in the query blocks that no program sees: the first warpgroup to
+    reach each tile stores it (DQ_CLAIM). `split` programs share each group's query heads (None: with dq_acc
+    `ws_bwd_group_split`'s count, else 1; not with `claims`); with more than one, each adds its part's dK and dV
+    into a float32 workspace that attn_bwd_dkdv_sum_ws sums into dk and dv."""
+    B, H, N_Q, _ = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    if split is None:
+        # NOTE: the kernel without dQ (deterministic algorithms) is not split: its float32 stores from registers
+        # spill (d=128 without a mask: 104 -> 272 bytes, ptxas), where the one with dQ spills none
+        split = ws_bwd_group_split(B, H_KV, H // H_KV, N_K, q.device) if dq_acc is not None else 1
+    parts = None if split == 1 else torch.empty((2, B, H_KV * split, N_K, HEAD_DIM), device=q.device,
+                                                dtype=torch.float32)  # (as wide as the kernel's tiles)
+    short = ws_bwd_shape(N_K)
+    block_n, consumers = WS_BWD_SHAPE[short + "BLOCK_N"], WS_BWD_SHAPE[short + "consumers"]
+    q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM]
+    kv_block = [1, 1, block_n, HEAD_DIM]  # (wide: the consumers share the program's keys)
+    kv = [_gluon_desc(t, kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
+    # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
+    dq_local = dq_acc is not None and ws_bwd_dq_local(N_Q)
+    if dq_acc is None:
+        dq = kv[2]
+    else:  # a consumer's columns, or with DQ_LOCAL its whole partial dQ
+        cols = HEAD_DIM if dq_local else HEAD_DIM // consumers
+        dq = _gluon_desc(dq_acc, [1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], _WS_BWD_DQ_LAYOUTS[cols])
+    rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
+    rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
+    attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV * split, B)](
+        _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3], dq,
+        rows_desc, lse, delta, lse if claims is None else claims, lse if parts is None else parts, *lse.stride(),
+        *delta.stride(), H // H_KV, split, N_Q, N_K, sm_scale,
+        BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
+        STAGES=WS_BWD_SHAPE[short + "STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,
+        DQ_ATOMIC=dq_acc is not None, DQ_LOCAL=dq_local, LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"],
+        DQ_CLAIM=claims is not None, ROWS_SMEM=rows_smem,
+        CAUSAL=WS_CAUSAL, CONSUMERS=consumers, PARTIAL=parts is not None, num_warps=4,
+        maxnreg=WS_BWD_SHAPE[short + "maxnreg"],
+    )
+    if parts is not None:
+        attn_bwd_dkdv_sum_ws[(cdiv(N_K, WS_BWD_SHAPE["ROW_BLOCK"]), H_KV, B)](
+            parts, dk, dv, *dk.stride(), *dv.stride(), split, N_K, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+            HEAD_DIM=HEAD_DIM, num_warps=4)
+
+
+# -- how many programs share a GQA group's query heads: from shapes and the multiprocessor count only
+# (attngen/policy/hopper.py) --
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+def ws_bwd_group_split(B, H_KV, GROUP, N_K, device):
+    """How many programs share each GQA group's query heads in a backward launch on `device` (`group_split` over
+    the dK/dV grid's programs at the call's shape, its multiprocessors and WS_BWD_SHAPE["max_group_split"])."""
+    programs = B * H_KV * cdiv(N_K, WS_BWD_SHAPE[ws_bwd_shape(N_K) + "BLOCK_N"])
+    return group_split(programs, GROUP, _ws_device(device)[1], WS_BWD_SHAPE["max_group_split"])
+
+
+@triton.jit(do_not_specialize=["stride_dk_b", "stride_dk_h", "stride_dv_b", "stride_dv_h", "N_K"])
+def attn_bwd_dkdv_sum_ws(PARTS, DK, DV, stride_dk_b, stride_dk_h, stride_dk_n, stride_dk_d, stride_dv_b, stride_dv_h,
+                         stride_dv_n, stride_dv_d, SPLIT, N_K, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV (in their dtype) of BLOCK keys of one (batch, K/V head): the sums, part by part in order (the
+    same bits every run), of the SPLIT float32 partial sums in PARTS (contiguous (2, B, H_KV * SPLIT, N_K,
+    HEAD_DIM): dK's parts, then dV's)"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hkv = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_K)[:, None]
+    dv_parts = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * SPLIT * N_K * HEAD_DIM
+    first = (b * tl.num_programs(1) + hkv) * SPLIT  # the (batch, K/V head)'s first part
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for p in range(SPLIT):
+        at = ((first + p) * N_K + rows[:, None]) * HEAD_DIM + cols[None, :]
+        dk += tl.load(PARTS + at, mask=mask)
+        dv += tl.load(PARTS + dv_parts + at, mask=mask)
+    tl.store(DK + b * stride_dk_b + hkv * stride_dk_h + rows[:, None] * stride_dk_n + cols[None, :] * stride_dk_d,
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * stride_dv_b + hkv * stride_dv_h + rows[:, None] * stride_dv_n + cols[None, :] * stride_dv_d,
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
+def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
+                     stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
+                     ZERO_ROWS, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CLAIMS: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """For BLOCK rows of one (batch, head): ROWS (float32, contiguous (B, H, 2, N_PAD)) gets lse in log2
+    units (+inf where P must be 0: rows past N_Q, rows that saw no key) and delta = rowsum(dO * O);
+    their rows of DQ_ACC (float32, contiguous (B, H, N_Q, HEAD_DIM)) get zeros. With CLAIMS (> 0, DQ_CLAIM:
+    the kernel stores each tile's first part) only rows below ZERO_ROWS do, and CLAIM (int32, contiguous
+    (B, H, N_PAD / BLOCK_M, CLAIMS)) gets zeros in the blocks of BLOCK_M rows that start here."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    live = rows < N_Q
+    mask = live[:, None]
+    o = tl.load(O + b * stride_o_b + h * stride_o_h + rows[:, None] * stride_o_n + cols[None, :] * stride_o_d,
+                mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_do_b + h * stride_do_h + rows[:, None] * stride_do_n + cols[None, :] * stride_do_d,
+                 mask=mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + rows * stride_lse_n, mask=live, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    out = ROWS + (b * H + h) * 2 * N_PAD + rows
+    tl.store(out, lse, mask=rows < N_PAD)
+    tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)
+    if CLAIMS:
+        tl.static_assert(BLOCK_M % BLOCK == 0)
+        if tl.program_id(0) * BLOCK % BLOCK_M == 0:
+            c = ((b * H + h) * (N_PAD // BLOCK_M) + tl.program_id(0) * BLOCK // BLOCK_M) * CLAIMS + tl.arange(0, CLAIMS)
+            tl.store(CLAIM + c, tl.zeros([CLAIMS], tl.int32))
+        if tl.program_id(0) * BLOCK < ZERO_ROWS:  # (bottom-right causal, N_Q > N_K: rows no key block reaches)
+            tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                     tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask & (rows < ZERO_ROWS)[:, None])
+    else:
+        tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_dq_b", "N_Q"])  # one binary for all lengths
+def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_d, H, N_Q, sm_scale,
+                   BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ = sm_scale * DQ_ACC for BLOCK rows of one (batch, head), in DQ's dtype"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_Q)[:, None]
+    acc = tl.load(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :], mask=mask)
+    tl.store(DQ + b * stride_dq_b + h * stride_dq_h + rows[:, None] * stride_dq_n + cols[None, :] * stride_dq_d,
+             (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+def ws_bwd_dq_claim(B, H_KV, N_Q, N_K):
+    """Whether the fused backward's kernel claims its dQ tiles (DQ_CLAIM): up to WS_BWD_SHAPE["dq_claim_keys"]
+    keys (0: never), not with DQ_LOCAL, and every warpgroup's id under the claim word's announced bit."""
+    short = ws_bwd_shape(N_K)
+    ids = B * H_KV * cdiv(N_K, WS_BWD_SHAPE[short + "BLOCK_N"]) * WS_BWD_SHAPE[short + "consumers"]
+    return (N_K <= WS_BWD_SHAPE["dq_claim_keys"] and not ws_bwd_dq_local(N_Q)
+            and ids < _CLAIM_ANNOUNCED.value)
+
+
+def ws_bwd_fused():
+    """Whether the Gluon kernel also makes dQ (DQ_ATOMIC): the shape has it and PyTorch is not asked
+    for deterministic algorithms (its float32 reductions into dQ land in any order)."""
+    return WS_BWD_SHAPE["DQ_ATOMIC"] and not torch.are_deterministic_algorithms_enabled()
+
+
+def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale):
+    """The whole backward in one Gluon kernel (DQ_ATOMIC) between two passes over the rows: lse, delta
+    and a zeroed float32 dQ accumulator before, dQ in its dtype after; check `ws_bwd_ready` first."""
+    B, H, N_Q, _ = q.shape
+    n_pad = cdiv(N_Q, WS_BWD_SHAPE["BLOCK_M"]) * WS_BWD_SHAPE["BLOCK_M"]
+    rows = torch.empty((B, H, 2, n_pad), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((B, H, N_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
+    grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, B)  # (ROW_BLOCK divides BLOCK_M)
+    claims, zero_rows = None, 0
+    consumers = WS_BWD_SHAPE[ws_bwd_shape(k.shape[2]) + "consumers"]
+    split = ws_bwd_group_split(B, k.shape[1], H // k.shape[1], k.shape[2], q.device)
+    if split == 1 and ws_bwd_dq_claim(B, k.shape[1], N_Q, k.shape[2]):  # (claims number the unsplit grid's tiles)
+        claims = torch.empty((B, H, n_pad // WS_BWD_SHAPE["BLOCK_M"], consumers), device=q.device, dtype=torch.int32)
+    attn_bwd_prep_ws[grid](out, do, lse, rows, dq_acc, lse if claims is None else claims, *out.stride(), *do.stride(),
+                           *lse.stride(), H, N_Q, n_pad, zero_rows, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM,
+                           CLAIMS=0 if claims is None else consumers, BLOCK_M=WS_BWD_SHAPE["BLOCK_M"],
+                           num_warps=4)
+    # The pointer path (no ROWS_SMEM) reads the forward's lse and the rows' delta; with ROWS_SMEM the kernel
+    # reads both from `rows` by TMA and the delta argument is a placeholder (no view made: host time).
+    delta = lse if WS_BWD_SHAPE["ROWS_SMEM"] else rows[:, :, 1, :N_Q]
+    launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=dq_acc, rows=rows, claims=claims,
+                            split=split)
+    attn_bwd_dq_ws[grid](dq_acc, dq, *dq.stride(), H, N_Q, sm_scale, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+                         HEAD_DIM=HEAD_DIM, num_warps=4)
+
+
 
 
 def forward(q, k, v, sm_scale=None, out=None, lse=None, config=None):
@@ -944,10 +1521,20 @@ def backward(q, k, v, out, lse, do, sm_scale=None, dq=None, dk=None, dv=None, co
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     config = {name: dict(DEFAULT_BACKWARD_CONFIG[name], **(config or {}).get(name, {})) for name in DEFAULT_BACKWARD_CONFIG}
+    # The Gluon backward where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for the
+    # Triton kernels, which `config` tunes); the Triton kernels everywhere else. Deterministic
+    # algorithms: dQ from the Triton kernel, dK and dV from the Gluon one where WS_BWD_SHAPE["split"].
+    ws = config["attn_bwd_dkdv"].pop("warp_specialized", True) and ws_bwd_ready(q, k, v, do, dk, dv)
+    if ws and ws_bwd_fused():
+        launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, sm_scale)
+        return dq, dk, dv
     # dQ first: its programs also compute delta = rowsum(dO * O), which the dK/dV kernel reads.
     delta = torch.empty_like(lse)
     launch_attn_bwd_dq(q=q, k=k, v=v, o=out, do=do, lse=lse, delta=delta, dq=dq, sm_scale=sm_scale,
                        **config["attn_bwd_dq"])
+    if ws and WS_BWD_SHAPE["split"]:
+        launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale)
+        return dq, dk, dv
     launch_attn_bwd_dkdv(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dk=dk, dv=dv, sm_scale=sm_scale,
                          **config["attn_bwd_dkdv"])
     return dq, dk, dv

@@ -46,7 +46,7 @@ HEAD_DIM_ROPE_PADDED = 64
 PAGE_SIZE = 64
 MAX_BLOCK_N = 64
 COMBINE_BLOCK_S = 8
-DEFAULT_CONFIG = {'BLOCK_M': 64, 'BLOCK_N': 32, 'num_warps': 8, 'num_stages': 2}
+DEFAULT_CONFIG = {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2}
 
 
 def cdiv(a, b):

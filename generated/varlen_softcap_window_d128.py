@@ -35,8 +35,10 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton._C.libtriton import ir as triton_ir
+from triton.experimental.gluon.language._core import builtin as gluon_builtin
 
 SPEC_NAME = "varlen_softcap_window_d128"
 SPEC_HASH = "6983ce665e5d24ed"
@@ -1121,6 +1123,651 @@ def launch_attn_fwd_ws(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqlens_k, s
     )
 
 
+# -- the warp-specialised Hopper backward (pass warp-specialize), in Gluon ----------------------------
+# One program = BLOCK_N keys of one (batch, K/V head); each of the consumer warpgroups owns BLOCK_N /
+# consumers of them (its K and V rows stay in shared memory) and keeps its dK and dV accumulators in
+# registers. A loader warp streams the blocks of BLOCK_M queries of every query head of the group (Q and
+# dO, and with ROWS_SMEM the rows' lse and delta) into a ring of STAGES shared buffers by TMA. Per block
+# a consumer recomputes S^T = K Q^T and dP^T = V dO^T, forms P^T = exp2(S^T * scale * log2(e) - lse) and
+# dS^T = P^T (dP^T - delta), and adds P^T dO into dV and dS^T Q into dK. With DQ_ATOMIC it also writes
+# dS^T to shared memory (two buffers); once every consumer's is there (an mbarrier), each computes its
+# HEAD_DIM / consumers columns of the block's dQ = dS K over all the program's keys and adds them into a
+# float32 accumulator by a TMA reduction, FlashAttention 3's scheme. With DQ_LOCAL instead each consumer
+# computes every column of dQ over its own keys only (dS^T from its own buffer, its own K) and adds that
+# partial sum by its own reduction: twice the reduction traffic, but no consumer waits for another's dS
+# (a constexpr: the launch takes it from dq_local_rows query rows on). With DQ_CLAIM (up to dq_claim_keys
+# keys) the accumulator is not zeroed: the first warpgroup to claim a tile (a compare-and-swap on a word per
+# tile and warpgroup column block) stores its part, announces it once written, and the others add theirs
+# after the announcement; a claim is made after the S^T wait and read at the step's end, an announcement
+# made in the owner's next step after its S^T wait, where it waits on no other program (no deadlock: what an
+# owner waits for between its claim and its store was claimed earlier). A consumer waits for all its
+# products before the next block (AHEAD issues the next block's S^T first, but ptxas then serialises the
+# wgmma queue: an accumulator in flight across the loop's back edge); without ROWS_SMEM, PREFETCH loads
+# the next block's lse and delta during this block; with ROWS_SMEM, LATE_ROWS (1: delta, 2: lse too) reads
+# them from shared memory where they are used rather than before the step's waits. A buffer is freed
+# once both consumers' products that read it are done. Queries past N_Q read as zeros with lse = +inf
+# (P = 0); keys past N_K are computed and clipped at the TMA store. A causal program starts at the first
+# query block that sees its first key and masks the blocks on the diagonal.
+# Calls of at most short_keys keys take the shape for short sequences (SHORT_BLOCK_N, SHORT_STAGES,
+# SHORT_consumers, SHORT_consumer_regs, SHORT_maxnreg: the same keys per consumer, so the same descriptors;
+# CONSUMERS a constexpr, one binary per shape): at causal d=64 one consumer warpgroup at 128 registers, so
+# that two programs share a multiprocessor and one's start and drain run beside the other's steps.
+# Packed sequences (layout = varlen): the programs are the Triton varlen dK/dV kernel's key tiles, cdiv(TOTAL_K,
+# BLOCK_N) + B a K/V head, each finding its sequence by a binary search over CU_SEQLENS_K (_ws_bwd_key_tile); the
+# descriptors view the packed tensors as (1, H, TOTAL, D), so a block's rows past its sequence's end are the next
+# sequence's. Queries past n_q are masked by the IR's query bound in the masked blocks (the last partial block is
+# one; their delta is zeroed there), so their dS is 0 and dQ's reductions add zeros into those rows; K and V rows past
+# n_k are zeroed in shared memory (dQ = dS K reads K's); a warpgroup whose keys end past n_k stores dK and dV
+# through registers, row-masked, never over the next sequence's rows. No DQ_CLAIM: a claimed tile is stored, not
+# added. With ROWS_SMEM the rows come by TMA from four copies of them, copy s shifted s rows down: a TMA box's
+# innermost coordinate must be 16-byte aligned (4 float32s) and a sequence's rows start anywhere, so the loader reads
+# a sequence's from copy q_start % 4 at row (q_start & ~3) + start_m; their delta past n_q is zeroed. The row passes
+# are the dense kernel's over (1, H, TOTAL_Q) views.
+
+@gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared memory `src` into `tensor_desc`'s tile at `coord` by a TMA reduction
+    (cp.reduce.async.bulk.tensor .add), clipped at the tensor's bounds like a TMA store; Triton 3.6's
+    Gluon builder has the operation but its hopper.tma module no wrapper. tma.store_wait covers it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_CLAIM_ANNOUNCED = gl.constexpr(1 << 30)
+"""DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below: the owner's id)."""
+
+
+@gluon.jit
+def _ws_bwd_claim(ptr, my_id):
+    """DQ_CLAIM: lane 0 of each warp tries to claim the tile whose claim word is at `ptr` for `my_id` (compare
+    and swap 0 -> my_id); returns the word it found in lane 0, 0 in the others (see _ws_bwd_lane0): so every
+    warp of the winning warpgroup finds 0 or its own id. Issued after a step's S^T wait and read at its end.
+    Relaxed, not acquire: an acquire holds the thread's later memory accesses until the answer comes (the kernel
+    +8-9% at N >= 1024, NOTES.md v29). Found announced, the reduction that follows needs no other ordering: the
+    owner announced only once its store was written to L2, where the reduction is performed."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0;\n\t"
+        "@p atom.relaxed.gpu.global.cas.b32 $0, [$1], 0, $2; }", "=r,l,r", [ptr, my_id], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_lane0(x):
+    """x as lane 0 of this thread's warp holds it."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_peek(ptr):
+    """The claim word at `ptr` (acquire; DQ_CLAIM's wait for an announcement)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_async_after(x):
+    """Order what this thread acquired (generic proxy) before its later TMA operations (async proxy)."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_bwd_announce(ptr, x):
+    """DQ_CLAIM, in the step after an owner's store: wait for the store to be written (cp.async.bulk.wait_group
+    without .read, which tma.store_wait waits for), then set the tile's announced bit (release), so that the
+    warpgroups that found it claimed add into it."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
+                              [x], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()  # (every thread's stores written, whichever thread issued them)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;\n\t"
+        "@p red.release.gpu.global.or.b32 [$1], 1073741824; mov.u32 $0, $2; }", "=r,l,r", [ptr, x],
+        dtype=gl.int32, is_pure=False, pack=1)  # (the bit: _CLAIM_ANNOUNCED)
+
+
+@gluon.jit
+def _ws_bwd_query_blocks(start_n, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The query blocks of the key tile from key start_n, as the IR's dK/dV query loops after causal-skip give
+    them: (lo, full_lo, full_hi, n): the tile visits blocks lo ... lo + n - 1 and masks those outside [full_lo,
+    full_hi). A tile no query sees visits none (its dK and dV are zeros)."""
+    lo = gl.cdiv(gl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M)
+    hi = gl.cdiv(gl.minimum(n_q, 4095 + n_q + start_n + BLOCK_N - n_k), BLOCK_M)
+    full_lo = gl.maximum(gl.cdiv(gl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M), gl.cdiv(gl.maximum(0, gl.minimum(-1 + n_q, -1 + n_q + start_n + BLOCK_N - n_k)), BLOCK_M))
+    full_hi = gl.minimum(gl.maximum(gl.maximum(gl.cdiv(gl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M), gl.cdiv(gl.maximum(0, gl.minimum(-1 + n_q, -1 + n_q + start_n + BLOCK_N - n_k)), BLOCK_M)), gl.minimum((n_q // BLOCK_M), (gl.maximum(0, 4096 + n_q + start_n - n_k) // BLOCK_M))), hi)
+    return lo, full_lo, full_hi, gl.maximum(hi - lo, 0)
+
+
+@gluon.jit
+def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b,
+                  stride_delta_h, stride_delta_n, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Step t's query block (of the program's query heads from h0): its first row, and its rows' lse (log2 units;
+    +inf where P must be 0: rows past N_Q, rows that saw no key) and delta."""
+    h = h0 + t // n_m
+    start_m = m_start + (t % n_m) * BLOCK_M
+    cols = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    lse = gl.load(LSE + b.to(gl.int64) * stride_lse_b + h.to(gl.int64) * stride_lse_h + cols * stride_lse_n,
+                  mask=cols < N_Q, other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = gl.load(DELTA + b.to(gl.int64) * stride_delta_b + h.to(gl.int64) * stride_delta_h + cols * stride_delta_n,
+                    mask=cols < N_Q, other=0.0)
+    return start_m, lse, delta
+
+
+@gluon.jit
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr,
+                    WG: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = sm_scale * 1.4426950408889634
+    row0 = start_n + WG * BN  # this warpgroup's first key
+    k = k_smem.index(WG).reshape([BN, HEAD_DIM])
+    v = v_smem.index(WG).reshape([BN, HEAD_DIM])
+    zero_s = gl.zeros([BN, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
+    dv = gl.zeros([BN, HEAD_DIM], gl.float32, layout=o_layout)
+    done_bar = ds_bar.index(2)  # DQ_ATOMIC: every consumer has done its last product
+    if DQ_ATOMIC:  # this warpgroup's columns of dQ over all the program's keys, or with DQ_LOCAL every column
+        # over its own keys (a partial sum it adds itself)
+        DQ_COLS: gl.constexpr = HEAD_DIM if DQ_LOCAL else HEAD_DIM // CONSUMERS
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DQ_COLS, 16])
+        zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
+    n_iters = n_h * n_m
+    _, full_lo, full_hi, _ = _ws_bwd_query_blocks(start_n, n_q, n_k, BLOCK_M, BN * CONSUMERS)
+    if DQ_CLAIM:  # the first warpgroup to claim a dQ tile stores it, the others add into it once it is there
+        my_id = 1 + ((b * gl.num_programs(1) + hkv) * gl.num_programs(0) + gl.program_id(0)) * CONSUMERS + WG
+        n_mb = gl.cdiv(n_q, BLOCK_M)
+        owned = my_id < 0  # the previous step stored its tile, not yet announced (its claim word at claim_ptr)
+        claim_ptr = CLAIM
+    mbarrier.wait(kv_bar, 0)
+    if row0 + BN > n_k:
+        # Keys past the sequence's are the next sequence's or memory no one wrote: zeroed, so that dQ = dS K adds
+        # nothing from them (dS is not 0 there) and no NaN of theirs reaches dS through dP^T = V dO^T. The other
+        # consumers read this K for dQ only after this warpgroup's first dS is announced (fenced below).
+        _ws_zero_rows(k, n_k - row0, BN, HEAD_DIM)
+        _ws_zero_rows(v, n_k - row0, BN, HEAD_DIM)
+        fence_async_shared()  # the generic proxy's stores before wgmma reads the tiles
+        gl.thread_barrier()  # (every warp's rows, before any warp of the warpgroup issues a product over them)
+    if PREFETCH:  # step t + 1's lse and delta load while step t computes
+        start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, 0, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
+                                            stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
+    if AHEAD:  # step t + 1's S^T is issued before step t waits for its dK and dV products
+        if n_iters > 0:
+            mbarrier.wait(ready.index(0), 0)
+        st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+    for t in range(n_iters):
+        s = t % STAGES
+        if ROWS_SMEM:  # lse and delta came with Q and dO (below, after the wait)
+            start_m = m_start + (t % n_m) * BLOCK_M
+        elif not PREFETCH:
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, t, n_q, m_start, n_m, stride_lse_b, stride_lse_h,
+                                                stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, BLOCK_M, col_s)
+        m_row = start_m  # (PREFETCH replaces start_m with the next step's before this step's dQ leaves)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        if not AHEAD:
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            st = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if ROWS_SMEM:
+            # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
+            rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M],
+                                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            if LATE_ROWS < 2:
+                lse = rows_s.slice(0, BLOCK_M).load(col_s)
+            if LATE_ROWS < 1:
+                delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        if DQ_CLAIM:
+            if owned:  # the previous step's store was issued most of a step ago: announce it (waits on no program)
+                _ws_bwd_announce(claim_ptr, my_id)
+                owned = my_id < 0
+            # this step's tile claimed now, the answer read at the step's end
+            # (b * H + h: the launch claims only unsplit groups, so num_programs(1) is H_KV)
+            tile = (b * gl.num_programs(1) * GROUP + h0 + t // n_m) * n_mb + m_row // BLOCK_M
+            claim_ptr = CLAIM + tile * CONSUMERS + WG
+            claim = _ws_bwd_claim(claim_ptr, my_id)
+        if ROWS_SMEM and LATE_ROWS >= 2:  # lse read where it is used (see LATE_ROWS)
+            lse = rows_s.slice(0, BLOCK_M).load(col_s)
+        # P^T of the scores as the IR modifies them; a block outside the unmasked range keeps the IR mask's pairs
+        # (P^T = 0 where it masks, as exp2 of its -inf would give)
+        cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+        rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        pt = gl.exp2((72.13475204444816*_gl_tanh(0.013862943611198907*(st * qk_scale))) - lse[None, :])
+        if (start_m < full_lo * BLOCK_M) | (start_m >= full_hi * BLOCK_M):
+            pt = gl.where((rows[:, None] <= cols[None, :] + (n_k - n_q)) & (-4095 + cols[None, :] + n_k - rows[:, None] - n_q <= 0) & (cols < n_q)[None, :], pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        # the score modifier's derivative joins P^T now, as the IR's pf_t: the raw scores die before dP^T is waited for
+        pt = pt * (1.0 - 1.0*(_gl_tanh(0.013862943611198907*(st * qk_scale)) * _gl_tanh(0.013862943611198907*(st * qk_scale))))
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        if ROWS_SMEM and LATE_ROWS >= 1:  # delta read where it is used
+            delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
+        if ROWS_SMEM and (start_m + BLOCK_M > n_q):
+            # rows past the sequence's: another sequence's delta, or that of rows no one wrote (P^T is 0 there, but 0
+            # times a NaN is not 0; the pointer path loads 0 there)
+            delta = gl.where(cols < n_q, delta, 0.0)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        if DQ_ATOMIC and DQ_LOCAL:  # dS^T to shared memory, where this warpgroup reads it for its part of dQ = dS K
+            ds_smem.index(WG).store(dst)
+            fence_async_shared()
+        elif DQ_ATOMIC:  # dS^T to shared memory, where both warpgroups read it for dQ = dS K
+            j = t % 2
+            ds_smem.index(j * CONSUMERS + WG).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(j), count=1)
+        if PREFETCH:
+            nxt = gl.minimum(t + 1, n_iters - 1)
+            start_m, lse, delta = _ws_bwd_block(LSE, DELTA, b, h0, nxt, n_q, m_start, n_m, stride_lse_b,
+                                                stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
+                                                BLOCK_M, col_s)
+        if AHEAD:  # the last step repeats its own S^T (its buffer is still held): one wasted product per program
+            nxt = gl.minimum(t + 1, n_iters - 1)
+            sn = nxt % STAGES
+            mbarrier.wait(ready.index(sn), (nxt // STAGES) & 1)
+            st = warpgroup_mma(k, q_smem.index(sn).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        elif DQ_ATOMIC:
+            if DQ_LOCAL:
+                dq = warpgroup_mma(ds_smem.index(WG).permute((1, 0)), k, zero_q, use_acc=False, is_async=True)
+            else:
+                mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
+                dq = zero_q
+                for c in gl.static_range(CONSUMERS):
+                    kc = k_smem.index(c).reshape([BN, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+                    dq = warpgroup_mma(ds_smem.index(j * CONSUMERS + c).permute((1, 0)), kc, dq, use_acc=c > 0,
+                                       is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            mbarrier.arrive(empty.index(s), count=1)
+            # this warpgroup's columns of the step's dQ (DQ_LOCAL: its keys' partial sum): added into the float32
+            # accumulator by a TMA reduction
+            tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
+            dq_smem.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+            fence_async_shared()
+            dq_coord = [0, h0 + t // n_m, q_start + m_row, 0 if DQ_LOCAL else WG * DQ_COLS]
+            if DQ_CLAIM:
+                found = _ws_bwd_lane0(claim)
+                if (found == 0) | (found == my_id):  # this warpgroup's claim won (one warp's swap, the others see it)
+                    tma.async_copy_shared_to_global(dq_desc, dq_coord, dq_smem.index(WG))
+                    owned = found >= 0  # (true, as the tensor the loop carries)
+                else:  # another's: add once its store is announced
+                    if (found & _CLAIM_ANNOUNCED) == 0:
+                        while (_ws_bwd_peek(claim_ptr) & _CLAIM_ANNOUNCED) == 0:
+                            pass
+                        _ws_bwd_async_after(found)
+                    _tma_reduce_add(dq_desc, dq_coord, dq_smem.index(WG))
+            else:
+                _tma_reduce_add(dq_desc, dq_coord, dq_smem.index(WG))
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        if not DQ_ATOMIC:
+            mbarrier.arrive(empty.index(s), count=1)
+    if AHEAD:
+        st = warpgroup_mma_wait(0, deps=(st, ))
+    if DQ_CLAIM:  # the last step's store
+        if owned:
+            _ws_bwd_announce(claim_ptr, my_id)
+    if DQ_ATOMIC:  # (the other warpgroups' dQ products read this K: the TMA path below waits for all of them)
+        mbarrier.arrive(done_bar, count=1)
+    if row0 + BN <= n_k:
+        # all its keys are the sequence's: dK and dV leave through this warpgroup's K and V buffers (its products
+        # are done; with DQ_ATOMIC the other warpgroups' dQ products read this K too, so K waits for all of them)
+        # and TMA stores
+        v.store(dv.to(dtype))
+        if DQ_ATOMIC:
+            mbarrier.wait(done_bar, 0)
+        k.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [0, hkv, k_start + row0, 0], k_smem.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [0, hkv, k_start + row0, 0], v_smem.index(WG))
+        tma.store_wait(0)
+    else:  # keys past n_k are the next sequence's: out from registers, row-masked
+        rows_o = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        mask = (rows_o < n_k)[:, None] & (cols_o < HEAD_DIM)[None, :]
+        at = (k_start + rows_o).to(gl.int64)[:, None]
+        gl.store(DV + hkv.to(gl.int64) * stride_dv_h + at * stride_dv_n + cols_o[None, :], dv.to(dtype), mask=mask)
+        gl.store(DK + hkv.to(gl.int64) * stride_dk_h + at * stride_dk_n + cols_o[None, :],
+                 (dk * sm_scale).to(dtype), mask=mask)
+
+
+
+@gluon.jit
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
+    """Consumer warpgroup 0: keys [0 * BN, 1 * BN) of the program's block."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 0)
+
+
+@gluon.jit
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                      ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr,
+                      BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr,
+                      DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+                      PARTIAL: gl.constexpr):
+    """Consumer warpgroup 1: keys [1 * BN, 2 * BN) of the program's block."""
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+                    hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
+                    PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 1)
+
+
+@gluon.jit
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                   start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
+                   stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, BLOCK_M: gl.constexpr, BN: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+                   DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
+                   ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
+    mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [0, hkv, k_start + start_n + c * BN, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [0, hkv, k_start + start_n + c * BN, 0], kv_bar, v_smem.index(c))
+    for t in range(n_h * n_m):
+        s = t % STAGES
+        h = h0 + t // n_m
+        start_m = m_start + (t % n_m) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
+        if ROWS_SMEM:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + rows_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(rows_desc, [q_start & 3, h, 0, (q_start & ~3) + start_m], ready.index(s), rows_smem.index(s))
+        else:
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [0, h, q_start + start_m, 0], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [0, h, q_start + start_m, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _ws_bwd_key_tile(tile, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                     stride_seqlens_k_0, BLOCK_N: gl.constexpr):
+    """Key tile `tile` of a K/V head's cdiv(TOTAL_K, BLOCK_N) + B, as the Triton varlen dK/dV kernel's grid numbers
+    them: sequence b's start at CU_SEQLENS_K[b] // BLOCK_N + b, a tile's sequence is the last b whose tiles start at
+    or before it (a binary search), and a tile from a key at or past the sequence's n_k is none. Returns (b, start_n,
+    q_start, n_q, k_start, n_k): the sequence, the tile's first key in it, the sequence's first rows in the packed q
+    and k, its query count and the keys it uses (SEQLENS_K)."""
+    lo = 0
+    hi = B
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gl.load(CU_SEQLENS_K + mid.to(gl.int64) * stride_cu_seqlens_k_0) // BLOCK_N + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = gl.load(CU_SEQLENS_Q + b.to(gl.int64) * stride_cu_seqlens_q_0)
+    n_q = gl.load(CU_SEQLENS_Q + (b + 1).to(gl.int64) * stride_cu_seqlens_q_0) - q_start
+    k_start = gl.load(CU_SEQLENS_K + b.to(gl.int64) * stride_cu_seqlens_k_0)
+    n_k = gl.load(SEQLENS_K + b.to(gl.int64) * stride_seqlens_k_0)
+    return b, (tile - b - k_start // BLOCK_N) * BLOCK_N, q_start, n_q, k_start, n_k
+
+
+@gluon.jit(do_not_specialize=["stride_lse_h", "stride_lse_n", "stride_delta_h", "stride_delta_n", "stride_dk_n",
+                              "stride_dk_h", "stride_dv_n", "stride_dv_h", "GROUP", "B"])
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK, DV,
+                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
+                     stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, GROUP, B,
+                     sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                     DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
+                     CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+    """one program per (key tile of packed sequences, K/V head): cdiv(TOTAL_K, BLOCK_N) + B tiles a head
+    (_ws_bwd_key_tile), the dense kernel's partitions over the sequence's rows: Q, dO, K, V and dQ through
+    descriptors over (1, H, TOTAL, D) views of the packed tensors, lse and delta (H, TOTAL_Q) from the sequence's
+    first row (stride_lse_b and stride_delta_b are 0), dK and dV (TOTAL_K, H_KV, D) also through DK and DV for a
+    warpgroup's keys that end past the sequence"""
+    BN: gl.constexpr = BLOCK_N // CONSUMERS
+    gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
+    gl.static_assert(not DQ_CLAIM, "DQ_CLAIM stores a claimed tile: its rows past a sequence are the next one's")
+    hkv = gl.program_id(1)
+    b, start_n, q_start, n_q, k_start, n_k = _ws_bwd_key_tile(gl.program_id(0), B, CU_SEQLENS_Q, stride_cu_seqlens_q_0,
+                                                              CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                                              stride_seqlens_k_0, BLOCK_N)
+    if start_n >= n_k:  # past the sequence's last tile
+        return
+    h0 = hkv * GROUP  # (every query head of the group: a packed grid's groups are not split)
+    n_h = GROUP
+    DK_PART = DK
+    PARTIAL: gl.constexpr = False
+    LSE += q_start.to(gl.int64) * stride_lse_n
+    DELTA += q_start.to(gl.int64) * stride_delta_n
+    offset = 0  # (the masks are the IR's predicates over positions)
+    lo, _, _, n_m = _ws_bwd_query_blocks(start_n, n_q, n_k, BLOCK_M, BLOCK_N)
+    m_start = lo * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)  # (a power of two)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if DQ_ATOMIC:  # dS^T of each consumer (double-buffered unless DQ_LOCAL); each consumer's float32 dQ tile
+        ds_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if DQ_LOCAL else 2 * CONSUMERS, BN, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BN, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        ds_smem = q_smem
+        dq_smem = q_smem
+    if ROWS_SMEM:  # each stage's lse (log2 units) and delta rows
+        rows_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + rows_desc.block_type.shape, rows_desc.layout)
+    else:
+        rows_smem = q_smem
+    ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # dS buffers 0, 1; done
+    for i in gl.static_range(3):
+        mbarrier.init(ds_bar.index(i), count=CONSUMERS)
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                 stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                                 stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                                 DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                                 CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                                 stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                                 stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                                 DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
+                              DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+                              ds_bar, b, hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m, stride_lse_b,
+                              stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
+                              CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                              stride_seqlens_k_0, q_start, k_start, DK, DV, stride_dk_n, stride_dk_h, stride_dv_n,
+                              stride_dv_h, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS,
+                              DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+        ], [4, 1], [240, 24])
+    else:  # (a count the module was not rendered with would launch no partition at all)
+        gl.static_assert(False, "CONSUMERS: 2")
+
+
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1}
+_WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
+_WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
+    [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
+_WS_BWD_DQ_LAYOUTS = {cols: gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], gl.float32)
+                      for cols in (HEAD_DIM, HEAD_DIM // 2)}
+"""The float32 dQ accumulator's layout by a consumer's columns: HEAD_DIM / consumers, or with DQ_LOCAL (a
+consumer's whole partial dQ) HEAD_DIM."""
+_WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
+_WS_BWD_ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)  # unswizzled
+
+
+def ws_bwd_dq_local(n_q):
+    """Whether each consumer adds dQ over its own keys (DQ_LOCAL) for n_q query rows: from
+    WS_BWD_SHAPE["dq_local_rows"] rows on (0: never)."""
+    return 0 < WS_BWD_SHAPE["dq_local_rows"] <= n_q
+
+
+def ws_bwd_shape(n_k):
+    """The prefix of WS_BWD_SHAPE's keys for a call with n_k keys: "SHORT_" up to WS_BWD_SHAPE["short_keys"] keys
+    (the shape for short sequences), else "" (BLOCK_N, STAGES, consumers, consumer_regs, maxnreg differ)."""
+    return "SHORT_" if n_k <= WS_BWD_SHAPE["short_keys"] else ""
+
+
+@triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
+def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
+                     stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
+                     ZERO_ROWS, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CLAIMS: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """For BLOCK rows of one (batch, head): ROWS (float32, contiguous (B, H, 2, N_PAD)) gets lse in log2
+    units (+inf where P must be 0: rows past N_Q, rows that saw no key) and delta = rowsum(dO * O);
+    their rows of DQ_ACC (float32, contiguous (B, H, N_Q, HEAD_DIM)) get zeros. With CLAIMS (> 0, DQ_CLAIM:
+    the kernel stores each tile's first part) only rows below ZERO_ROWS do, and CLAIM (int32, contiguous
+    (B, H, N_PAD / BLOCK_M, CLAIMS)) gets zeros in the blocks of BLOCK_M rows that start here."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    live = rows < N_Q
+    mask = live[:, None]
+    o = tl.load(O + b * stride_o_b + h * stride_o_h + rows[:, None] * stride_o_n + cols[None, :] * stride_o_d,
+                mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_do_b + h * stride_do_h + rows[:, None] * stride_do_n + cols[None, :] * stride_do_d,
+                 mask=mask, other=0.0)
+    lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + rows * stride_lse_n, mask=live, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    out = ROWS + (b * H + h) * 2 * N_PAD + rows
+    tl.store(out, lse, mask=rows < N_PAD)
+    tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)
+    if CLAIMS:
+        tl.static_assert(BLOCK_M % BLOCK == 0)
+        if tl.program_id(0) * BLOCK % BLOCK_M == 0:
+            c = ((b * H + h) * (N_PAD // BLOCK_M) + tl.program_id(0) * BLOCK // BLOCK_M) * CLAIMS + tl.arange(0, CLAIMS)
+            tl.store(CLAIM + c, tl.zeros([CLAIMS], tl.int32))
+        if tl.program_id(0) * BLOCK < ZERO_ROWS:  # (bottom-right causal, N_Q > N_K: rows no key block reaches)
+            tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                     tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask & (rows < ZERO_ROWS)[:, None])
+    else:
+        tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_dq_b", "N_Q"])  # one binary for all lengths
+def attn_bwd_dq_ws(DQ_ACC, DQ, stride_dq_b, stride_dq_h, stride_dq_n, stride_dq_d, H, N_Q, sm_scale,
+                   BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ = sm_scale * DQ_ACC for BLOCK rows of one (batch, head), in DQ's dtype"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_Q)[:, None]
+    acc = tl.load(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :], mask=mask)
+    tl.store(DQ + b * stride_dq_b + h * stride_dq_h + rows[:, None] * stride_dq_n + cols[None, :] * stride_dq_d,
+             (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+def ws_bwd_fused():
+    """Whether the Gluon kernel also makes dQ (DQ_ATOMIC): the shape has it and PyTorch is not asked
+    for deterministic algorithms (its float32 reductions into dQ land in any order)."""
+    return WS_BWD_SHAPE["DQ_ATOMIC"] and not torch.are_deterministic_algorithms_enabled()
+
+
+def ws_bwd_ready(q, k, v, do, dk, dv, batch):
+    """Whether `attn_bwd_dkdv_ws` runs these packed tensors of `batch` sequences (q, do (TOTAL_Q, H, D), k, v,
+    dk, dv (TOTAL_K, H_KV, D)): CUDA tensors on an sm_90 GPU, at least one query row, on average
+    WS_BWD_SHAPE["min_keys"] keys (and one) a sequence and WS_BWD_SHAPE["min_scores"] scores H * TOTAL_Q * TOTAL_K
+    / batch (the lengths are on the GPU: the sequences counted as equally long), and layouts TMA can read and
+    write."""
+    TOTAL_Q, H, _ = q.shape
+    keys = k.shape[0] // max(batch, 1)
+    if (not q.is_cuda or TOTAL_Q == 0 or keys < max(WS_BWD_SHAPE["min_keys"], 1)
+            or H * TOTAL_Q * keys < WS_BWD_SHAPE["min_scores"]):
+        return False
+    return _ws_hopper(q.device) and tma_layouts(q, k, v, do, dk, dv)
+
+
+def _ws_bwd_shifted_rows(flat, H, n_pad):
+    """Four copies (4, H, 2, n_pad) of the rows (lse, delta) that `flat` holds as (1, H, 2, n_pad) and 3 values
+    more, copy s shifted s rows down (copy s's row j is row j + s), so that TMA reads a sequence's rows from copy
+    q_start % 4 at a row that is a multiple of 4. A copy's last rows come from the next row, or from past the rows:
+    no sequence's (a copy's row j + s < TOTAL_Q <= n_pad is its own)."""
+    return flat.as_strided((4, H, 2, n_pad), (1, 2 * n_pad, n_pad, 1)).contiguous()
+
+
+def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqlens_k, sm_scale):
+    """The whole backward of packed sequences in one Gluon kernel (DQ_ATOMIC) between the dense kernel's two
+    passes over the rows, which run on (1, H, TOTAL_Q) views: lse, delta and a zeroed float32 dQ accumulator
+    before, dQ in its dtype after. q, out, do, dq (TOTAL_Q, H, D), k, v, dk, dv (TOTAL_K, H_KV, D), lse (H,
+    TOTAL_Q), the sequences' offsets and lengths (cu_seqlens_q, cu_seqlens_k, seqlens_k, int32); check
+    `ws_bwd_ready` and `ws_bwd_fused` first. Key rows past seqlens_k[b] get no gradient written."""
+    TOTAL_Q, H, _ = q.shape
+    B, H_KV = seqlens_k.shape[0], k.shape[1]
+    block_m, block_n, consumers = WS_BWD_SHAPE["BLOCK_M"], WS_BWD_SHAPE["BLOCK_N"], WS_BWD_SHAPE["consumers"]
+    q4, o4, do4, dq4 = (_ws_heads_first(t) for t in (q, out, do, dq))
+    lse3 = lse.unsqueeze(0)
+    n_pad = cdiv(TOTAL_Q, block_m) * block_m
+    flat = torch.empty(H * 2 * n_pad + 3, device=q.device, dtype=torch.float32)  # (3 more: _ws_bwd_shifted_rows)
+    rows = flat[:H * 2 * n_pad].view(1, H, 2, n_pad)
+    dq_acc = torch.empty((1, H, TOTAL_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
+    grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, 1)  # (ROW_BLOCK divides BLOCK_M)
+    attn_bwd_prep_ws[grid](o4, do4, lse3, rows, dq_acc, lse3, *o4.stride(), *do4.stride(), *lse3.stride(), H, TOTAL_Q,
+                           n_pad, 0, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, CLAIMS=0, BLOCK_M=block_m,
+                           num_warps=4)
+    # A consumer's columns of dQ, or with DQ_LOCAL its whole partial dQ (by the average sequence's rows). With
+    # ROWS_SMEM the kernel reads lse and delta by TMA from shifted copies of `rows` (_ws_bwd_shifted_rows: a TMA
+    # box's innermost coordinate must be 16-byte aligned, and a sequence starts at any row; an unaligned one faulted
+    # with "illegal instruction" on the H200) and the delta argument is a placeholder; the pointer path reads lse
+    # and the rows' delta from the sequence's first row.
+    dq_local = ws_bwd_dq_local(TOTAL_Q // max(B, 1))
+    cols = HEAD_DIM if dq_local else HEAD_DIM // consumers
+    rows_smem = WS_BWD_SHAPE["ROWS_SMEM"]
+    delta = lse if rows_smem else rows[0, :, 1, :TOTAL_Q]
+    q_block = [1, 1, block_m, HEAD_DIM]
+    kv_block = [1, 1, block_n // consumers, HEAD_DIM]
+    kv = [_gluon_desc(_ws_heads_first(t), kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
+    attn_bwd_dkdv_ws[(cdiv(k.shape[0], block_n) + B, H_KV)](
+        _gluon_desc(q4, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do4, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3],
+        _gluon_desc(dq_acc, [1, 1, block_m, cols], _WS_BWD_DQ_LAYOUTS[cols]),
+        _gluon_desc(_ws_bwd_shifted_rows(flat, H, n_pad), _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2],
+        lse, delta, lse, dk, dv, 0, *lse.stride(), 0, *delta.stride(), dk.stride(0), dk.stride(1), dv.stride(0),
+        dv.stride(1), H // H_KV, B, sm_scale, cu_seqlens_q, *cu_seqlens_q.stride(), cu_seqlens_k, *cu_seqlens_k.stride(), seqlens_k, *seqlens_k.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"],
+        PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem, DQ_ATOMIC=True, DQ_LOCAL=dq_local,
+        LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"], DQ_CLAIM=False, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL,
+        CONSUMERS=consumers, num_warps=4, maxnreg=WS_BWD_SHAPE["maxnreg"],
+    )
+    attn_bwd_dq_ws[grid](dq_acc, dq4, *dq4.stride(), H, TOTAL_Q, sm_scale, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"],
+                         HEAD_DIM=HEAD_DIM, num_warps=4)
+
+
 
 
 
@@ -1170,6 +1817,14 @@ def backward_varlen(q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k
     dk = torch.zeros_like(k) if dk is None else dk
     dv = torch.zeros_like(v) if dv is None else dv
     config = {name: dict(DEFAULT_BACKWARD_CONFIG[name], **(config or {}).get(name, {})) for name in DEFAULT_BACKWARD_CONFIG}
+    # The Gluon backward where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for the
+    # Triton kernels, which `config` tunes); the Triton kernels everywhere else, and under deterministic
+    # algorithms (the Gluon kernel's float32 reductions into dQ land in any order).
+    ws = config["attn_bwd_dkdv"].pop("warp_specialized", True)
+    if ws and ws_bwd_fused() and seqlens_k.shape[0] and ws_bwd_ready(q, k, v, do, dk, dv, seqlens_k.shape[0]):
+        launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqlens_k=seqlens_k,
+                           sm_scale=sm_scale)
+        return dq, dk, dv
     # dQ first: its programs also compute delta = rowsum(dO * O), which the dK/dV kernel reads.
     delta = torch.empty_like(lse)
     if q.shape[0] and seqlens_k.shape[0]:

@@ -281,12 +281,18 @@ def test_kv_dtype_spec_key():
         parse(spec_text(dtype="bf16", head_dim=576, v="k[:512]", kv_dtype="fp8_e4m3", split_kv="auto"))
 
 
-def test_explain_says_why_the_gluon_decode_is_not_used(capsys):
+def test_explain_says_the_fp8_cache_takes_the_gluon_decode(capsys, monkeypatch):
     from attngen.cli import main
+    from attngen.policy import hopper
 
     assert main(["explain", "specs/decode_fp8kv_d128.attn"]) == 0
     printed = capsys.readouterr().out
-    assert "warp-specialize-decode: no Hopper Gluon kernel (kv_dtype = fp8_e4m3" in printed
+    shape = hopper.DECODE_FP8
+    assert f"gluon decode: {shape.block_n}-key blocks, {shape.stages} stages" in printed
+    assert "no Hopper Gluon kernel" not in printed
+    monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", False)
+    assert main(["explain", "specs/decode_fp8kv_d128.attn"]) == 0
+    assert "warp-specialize-decode: no Hopper Gluon kernel (kv_dtype = fp8_e4m3" in capsys.readouterr().out
     # pass descale applies the cache's factors, as it does an FP8 spec's; q and P stay 16-bit
     summary = printed.split("=== fp8: where values are quantised and descaled (pass descale) ===")[1]
     assert "e4m3 inputs: K (fp8_e4m3), V (fp8_e4m3)" in summary and "load K_DESCALE[b, h_kv]" in summary

@@ -23,19 +23,20 @@ SHARED = 232448  # an sm_90 program's shared memory
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_d256_takes_the_gluon_forward_and_the_triton_backward(mask):
+def test_d256_takes_the_gluon_forward_and_the_wide_backward(mask):
     """d=256: the forward at FA3's 128-row tile with 64-key blocks, one program per tile (a second Q buffer would
-    not fit beside the K/V ring); the backward stays on the Triton kernels (a consumer's dK and dV accumulators
-    alone are 256 registers a thread)."""
+    not fit beside the K/V ring); the backward on the wide path (BWD_WIDE: both consumers on 64 keys, each half of
+    dK's and dV's columns: a consumer's whole dK and dV accumulators would be 256 registers a thread)."""
     text = spec_text(f"hd256_{mask}", 256, "bf16", mask, direction="forward+backward")
     program = compile_program(parse(text))
     assert warp_specialize.applies(program)
     forward = program.warp_specialized.forward
     assert forward.main == hopper.FORWARD_MAIN[256] and (forward.main.block_m, forward.main.block_n) == (128, 64)
     assert not forward.persistent and not forward.balance and forward.short_keys == 0
-    assert program.warp_specialized.backward is None and 256 not in hopper.BWD_HEAD_DIMS
+    backward = program.warp_specialized.backward
+    assert backward.wide and backward.main == hopper.BWD_WIDE and 256 not in hopper.BWD_HEAD_DIMS
     module = attngen.load(text).module
-    assert hasattr(module, "attn_fwd_ws") and not hasattr(module, "attn_bwd_dkdv_ws")
+    assert hasattr(module, "attn_fwd_ws") and hasattr(module, "attn_bwd_dkdv_ws") and module.WS_BWD_SHAPE["wide"]
     assert module.WS_SHAPE["PERSISTENT"] is False
 
 
@@ -74,16 +75,15 @@ def test_other_head_dims_stay_on_the_triton_kernels(head_dim):
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_deepseek_192_128_takes_the_gluon_forward_and_the_triton_backward(mask):
+def test_deepseek_192_128_takes_the_gluon_forward_and_the_wide_backward(mask):
     """q.k over 192 (tiles 256 wide), v over 128: the forward at SPLIT_FORWARD's shape on a persistent grid; the
-    backward's template takes one head dim, so it stays on the Triton kernels; a pair not in the table, or varlen,
-    takes no Gluon kernel."""
+    backward on the wide path (V, dO and dV 128 wide); a pair not in the table, or varlen, takes no Gluon kernel."""
     text = spec_text(f"hd192_{mask}", 192, "bf16", mask, head_dim_v=128, direction="forward+backward")
     program = compile_program(parse(text))
     assert warp_specialize.applies(program)
     forward = program.warp_specialized.forward
     assert forward.main == forward.short == hopper.SPLIT_FORWARD[(192, 128)] and forward.persistent
-    assert program.warp_specialized.backward is None
+    assert program.warp_specialized.backward.wide
     module = attngen.load(text).module
     assert module.HEAD_DIM_PADDED == 256 and module.HEAD_DIM_V == 128
     assert module._WS_V_LAYOUT == module.gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], module.gl.bfloat16)

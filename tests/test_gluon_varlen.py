@@ -43,6 +43,10 @@ SPECS_VARLEN = {
     "sinks": {"mask": "causal & window(200)", "sinks": "true"},
 }
 
+GLUON_BACKWARD_VARIANTS = sorted(v for v in SPECS_VARLEN if v != "sinks")
+"""The variants whose varlen backward the Gluon kernel takes (sinks keep the Triton kernels:
+`warp_specialize.varlen_backward_refusal`)."""
+
 
 def _text(name, variant, head_dim=128, dtype="bf16", **more):
     extra = dict(SPECS_VARLEN[variant], **more)
@@ -82,8 +86,21 @@ def test_varlen_forwards_get_the_gluon_kernel(variant):
     assert "launch_attn_fwd_ws(q, k, v, out, lse," in source.split("def forward_varlen(")[1]
 
 
+def test_a_varlen_backward_with_sinks_keeps_the_triton_kernels(capsys):
+    """Sinks: the Gluon varlen backward's dQ of 1- and 3-query sequences missed the GPU test's tolerance (H200), so
+    their backward stays on the Triton kernels, and explain says why."""
+    from attngen.cli import main
+    from attngen.passes import warp_specialize
+
+    text = _text("gvlb_sinks", "sinks", direction="forward+backward")
+    program = compile_program(parse(text))
+    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
+    assert "sinks" in warp_specialize.varlen_backward_refusal(program)
+    assert not hasattr(attngen.load(text).module, "launch_attn_bwd_ws")
+
+
 @pytest.mark.usefixtures("gluon_varlen_backward")
-@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
+@pytest.mark.parametrize("variant", GLUON_BACKWARD_VARIANTS)
 def test_varlen_backwards_get_the_gluon_kernel(variant):
     spec, program = _program(_text(f"gvlb_{variant}", variant, direction="forward+backward"))
     masked = SPECS_VARLEN[variant]["mask"] != "none"
@@ -119,7 +136,7 @@ def test_paged_varlen_stays_on_triton_and_explain_says_why(capsys):
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
     text = capsys.readouterr().out
     assert "warp-specialize: on Hopper the forward runs the Gluon kernel" in text
-    assert "the backward stays on the Triton kernels (policy/hopper.py VARLEN_BACKWARD is off" in text
+    assert "the backward runs the Gluon kernel" in text
 
 
 @pytest.mark.usefixtures("gluon_varlen_backward")
@@ -216,7 +233,7 @@ def test_the_backward_key_tile_search_visits_every_sequence_key_tile_once(block_
 
 
 @pytest.mark.usefixtures("gluon_varlen_backward")
-@pytest.mark.parametrize("variant", ["causal", "none", "softcap_window", "sinks"])
+@pytest.mark.parametrize("variant", ["causal", "none", "softcap_window", "alibi"])
 def test_each_key_tile_visits_the_triton_varlen_kernels_query_blocks(variant):
     """A sequence's key tile visits exactly the query blocks the Triton varlen dK/dV kernel's loops give it (its
     `_ws_bwd_query_blocks` over the sequence's n_q and n_k), and the last partial query block is among the masked
@@ -283,33 +300,30 @@ def test_forward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
 @pytest.mark.usefixtures("gluon_varlen_backward")
 def test_backward_varlen_hands_its_sequences_to_the_gluon_launch(monkeypatch):
     """Where ws_bwd_ready and ws_bwd_fused say the Gluon kernel runs, backward_varlen launches it with the packed
-    tensors, the sequences' offsets and lengths and the modifier's tensors, and returns the sinks' gradient from the
-    delta it gives back; config["attn_bwd_dkdv"]["warp_specialized"] = False, or deterministic algorithms, keep
-    the Triton kernels."""
-    module = attngen.load(_text("gvlb_launch", "alibi", 64, "fp16", sinks="true",
-                                direction="forward+backward")).module
+    tensors, the sequences' offsets and lengths and the modifier's tensors; config["attn_bwd_dkdv"]
+    ["warp_specialized"] = False, or deterministic algorithms, keep the Triton kernels."""
+    module = attngen.load(_text("gvlb_launch", "alibi", 64, "fp16", direction="forward+backward")).module
     q, k, v, o, do = (torch.randn(9, 2, 64, device=DEVICE).half() for _ in range(5))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
     used = torch.tensor([4, 5], dtype=torch.int32, device=DEVICE)
-    lse, delta = torch.randn(2, 9, device=DEVICE), torch.randn(2, 9, device=DEVICE)
-    slopes, sinks = torch.rand(2, device=DEVICE), torch.randn(2, device=DEVICE)
+    lse = torch.randn(2, 9, device=DEVICE)
+    slopes = torch.rand(2, device=DEVICE)
     assert list(inspect.signature(module.launch_attn_bwd_ws).parameters) == [
         "q", "k", "v", "out", "do", "lse", "dq", "dk", "dv", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
         "seqlens_k", "sm_scale"]
     calls, ready = [], []
     monkeypatch.setattr(module, "ws_bwd_ready", lambda *a: ready.append(a) or True)
     monkeypatch.setattr(module, "ws_bwd_fused", lambda: True)
-    monkeypatch.setattr(module, "launch_attn_bwd_ws", lambda *a, **kw: (calls.append((a, kw)), delta)[1])
-    dq, dk, dv, dsinks = module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks)
+    monkeypatch.setattr(module, "launch_attn_bwd_ws", lambda *a, **kw: calls.append((a, kw)))
+    dq, dk, dv = module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes)
     ((args, kwargs),) = calls
     assert args == (q, k, v, o, do, lse, dq, dk, dv) and ready[0][6] == 2
     assert kwargs["cu_seqlens_q"] is cu and kwargs["cu_seqlens_k"] is cu and kwargs["seqlens_k"] is used
     assert kwargs["alibi_slopes"].shape == (2, 2) and kwargs["sm_scale"] == 64 ** -0.5
-    assert torch.allclose(dsinks, -(torch.exp(sinks[:, None] - lse) * delta).sum(dim=1))
-    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks,
+    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes,
                            config={"attn_bwd_dkdv": {"warp_specialized": False}})
     monkeypatch.setattr(module, "ws_bwd_fused", lambda: False)
-    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes, sinks=sinks)
+    module.backward_varlen(q, k, v, o, lse, do, cu, cu, used, alibi_slopes=slopes)
     assert len(calls) == 1  # the Triton kernels ran
 
 
@@ -441,11 +455,11 @@ def _ptxas_spills(ptx_path):
     return int(out.split("bytes spill stores")[0].rsplit(",", 1)[1])
 
 
-VARLEN_BWD_SPILLS = {"causal": 268, "gqa": 268, "softcap_window": 760, "alibi": 100, "sinks": 0, "none": 0}
+VARLEN_BWD_SPILLS = {"causal": 268, "gqa": 268, "softcap_window": 760, "alibi": 100, "none": 0}
 """Bytes a thread of the varlen Gluon backward spills (ptxas -v, sm_90a), by SPECS_VARLEN entry, as measured with lse
 and delta read by TMA from the rows' shifted copies (ROWS_SMEM, as the dense kernel reads them; by pointer, with
-hopper.VARLEN_ROWS_SMEM off: 676, 676, 1212, 36, 0, 0); its dense form's (the same spec's variant kernel over
-rectangular batches) were 96, 96, 352, 72, 0, 0, and the plain dense causal d=128 kernel's 16. Most of the excess is
+hopper.VARLEN_ROWS_SMEM off: 676, 676, 1212, 36, 0); its dense form's (the same spec's variant kernel over
+rectangular batches) were 96, 96, 352, 72, 0, and the plain dense causal d=128 kernel's 16. Most of the excess is
 the sequence's sizes and offsets (n_q, n_k, q_start, k_start), loaded from memory, so held in registers through the
 loop, where the dense kernel rematerialises its sizes from its arguments (with them taken from arguments instead, 140
 bytes at causal d=128, before the varlen epilogue, K/V zeroing and the masked delta were added)."""
@@ -456,7 +470,7 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
     """The Gluon varlen backward compiles for sm_90 (TMA loads and dQ reductions, row-masked dK and dV stores where
     the dense kernel has none), and ptxas spills no more than VARLEN_BWD_SPILLS in it."""
     cases = [("causal", 128, "bf16"), ("gqa", 128, "bf16"), ("softcap_window", 128, "bf16"), ("alibi", 64, "fp16"),
-             ("sinks", 64, "bf16"), ("none", 64, "fp16")]
+             ("none", 64, "fp16")]
     jobs = []
     for variant, d, dtype in cases:
         for layout in ("varlen", "dense"):
@@ -668,7 +682,7 @@ def _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=None, tens
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
-@pytest.mark.parametrize("variant", sorted(SPECS_VARLEN))
+@pytest.mark.parametrize("variant", GLUON_BACKWARD_VARIANTS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monkeypatch):
     """dq, dk, dv per sequence against float64 at real sizes (unequal lengths, 0 and 1, seq_q != seq_k both ways, or

@@ -152,7 +152,7 @@ def test_explain_says_which_gluon_kernels_run(capsys, tmp_path):
     assert main(["explain", os.path.join(SPECS, "deepseek_192_128.attn")]) == 0
     out = capsys.readouterr().out
     assert ("the forward runs the Gluon kernel, Q and K tiles 256 columns wide (head_dim = 192), V and the output 128 "
-            "(head_dim_v); the backward stays on the Triton kernels") in out
+            "(head_dim_v); the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE)") in out
     assert "head_dim 192, head_dim_v 128, bf16" in out and "2*(d + d_v) per kept score, /2 causal" in out
     other = tmp_path / "other.attn"
     other.write_text(spec_text("other", head_dim=128, head_dim_v=64, dtype="bf16"))
@@ -290,8 +290,9 @@ def test_attention_with_kvcache_takes_a_v_cache_of_another_head_dim():
             out = torch.full((2, 3, 4, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
             attngen.attention_with_kvcache(q, kc, vc, lens, bt, causal=True, out=out, num_splits=2)
             _close(out, ref[0] if isinstance(ref, tuple) else ref, 2e-2)
-            fresh = attngen.attention_with_kvcache(q, kc, vc, lens, bt, causal=True)
-            assert fresh.shape == (2, 3, 4, 32) and torch.equal(fresh, out)
+            fresh = attngen.attention_with_kvcache(q, kc, vc, lens, bt, causal=True)  # (its own split count)
+            assert fresh.shape == (2, 3, 4, 32)
+            _close(fresh, ref[0] if isinstance(ref, tuple) else ref, 2e-2)
 
 
 def test_flash_attn_varlen_func_takes_v_of_another_head_dim():

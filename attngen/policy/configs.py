@@ -118,9 +118,10 @@ def decode_heuristic(spec: Spec, interpreter: bool = False) -> dict[str, int]:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if spec.v_from_k:
         # MLA (v = k[:512]): 16-128 query heads share the latent head, so BLOCK_M 64 reaches wgmma's rows; the
-        # 64 x 512 fp32 accumulator over 8 warps is 128 registers a thread, and two stages of 32 x 576 K tiles
-        # with the 64 x 576 Q tile fit sm_90's shared memory. Not measured yet (`attngen tune specs/mla_decode.attn`).
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        # 64 x 512 fp32 accumulator over 8 warps is 128 registers a thread. benchmarks/mla_sweep.py on the H200
+        # (batch 64 x 8k, 2026-11-28): 64-key tiles, 2 stages, 8 warps: 16 heads 3,518 GB/s (4 warps 3,674),
+        # 128 heads 245 TFLOP/s, against 2,379 and 168 with 32-key tiles (NOTES.md, MLA decode).
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     d = max(spec.head_dim_padded, spec.head_dim_v_padded)  # the wider of the two head dims sizes the tiles
     if d > 128:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}

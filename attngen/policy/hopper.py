@@ -147,11 +147,12 @@ and dV [64, 256] float32 accumulators are 256 registers a thread alone. ptxas (s
 two consumers of 64 keys spill 4524 bytes (and need 296 KB of shared memory at one stage), one consumer of 64 keys
 at 255 registers spills 5720 (214 KB); d=128 spills 68. d=256 takes BWD_WIDE instead."""
 
-WIDE_BACKWARD = False
-"""Whether a d=256 program's backward takes the Gluon kernel's wide path (BWD_WIDE). Off until it passes its GPU
-test (tests/test_gluon_wide_backward.py, marked gpu): it was written and compiled for sm_90a on a machine without a
-GPU; while off, the Triton kernels run and `attngen explain` says why. It covers d=256 and DeepSeek's (192, 128)
-(SPLIT_FORWARD: Q and K tiles 256 wide, V, dO and dV 128).""" 
+WIDE_BACKWARD = True
+"""Whether a d=256 program's backward takes the Gluon kernel's wide path (BWD_WIDE); it covers d=256 and DeepSeek's
+(192, 128) (SPLIT_FORWARD: Q and K tiles 256 wide, V, dO and dV 128). Its GPU tests pass (H200, 2026-11-28,
+tests/test_gluon_wide_backward.py); `attngen bench --suite shapes` backward: d=256 B=1 H=8 N=8192 causal 258
+TFLOP/s (Triton 204; cuDNN 417), 192/128 B=1 H=128 N=4096 causal 282 (Triton 199; cuDNN 425). Off: the Triton
+kernels, and `attngen explain` says why.""" 
 
 BWD_WIDE = ir.GluonShape(block_m=64, block_n=64, stages=1, consumers=2, consumer_regs=240, maxnreg=168)
 """The Gluon backward's shape at d=256 (`GluonBackward.wide`), FlashAttention 3's split for hdim 256: both consumer
@@ -347,10 +348,11 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
 
 
 FP8_GLUON = False
-"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`). Off: it compiles for sm_90 on the
-CPU (tests/test_gluon_fp8.py: e4m3 wgmma, ptxas registers) but has not run on a GPU yet; while off,
-warp-specialize leaves FP8 specs on the Triton kernel and `attngen explain` says why (`fp8_refusal`). The GPU
-test (tests/test_gluon_fp8.py, marked gpu) turns it on for its own specs; turn it on here once that passes."""
+"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`). Off: its GPU tests pass (H200,
+2026-11-28, tests/test_gluon_fp8.py) but it runs no faster than the Triton FP8 kernel (B=1 H=16 d=128, TFLOP/s,
+N=4096 / 16384: 684 / 727 without a mask against 718 / 764, causal 609 / 688 against 581 / 696), ~1.1x the bf16
+forward where the issue asks 1.5x; while off, warp-specialize leaves FP8 specs on the Triton kernel and
+`attngen explain` says why (`fp8_refusal`)."""
 
 FP8_HEAD_DIMS = (64, 128)
 
@@ -406,11 +408,11 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     return replace(backward(head_dim, masked), dq_claim_keys=0)
 
 
-VARLEN_BACKWARD = False
-"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`). Off: on the H200 (2026-11-28) it
-ran the bench's 8 documents at 250 TFLOP/s against the Triton varlen backward's 311, with lse and delta read by
-pointer (a TMA load of them faulted where a sequence starts at a row not a multiple of 4; benchmarks/NOTES.md,
-varlen)."""
+VARLEN_BACKWARD = True
+"""Whether a varlen program's backward takes the Gluon kernel (`backward_varlen`; not with sinks, see
+`warp_specialize.varlen_backward_refusal`). Measured on the H200 (2026-11-28, the bench's 8 documents in 16k tokens,
+causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, varlen_attn 253), with lse and delta
+by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
@@ -443,10 +445,12 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM)
 
 
-FP8_DECODE_GLUON = False
+FP8_DECODE_GLUON = True
 """Whether a decoding spec with an FP8 cache (`kv_dtype = fp8_e4m3`) takes the Gluon decode kernel (its e4m3 ring,
-`DECODE_FP8`). Off until its first GPU run passes (tests/test_fp8kv_gluon.py): the Triton split-KV kernel reads
-the cache meanwhile (`warp_specialize_decode.fp8_refusal` says so)."""
+`DECODE_FP8`). Its GPU tests pass (H200, 2026-11-28, tests/test_fp8kv_gluon.py); `benchmarks/fp8_decode.py`
+(32/8 heads, d=128, CUDA graphs): 1.06-1.12x bf16's time at batch 16 and 64 x 8k and 32k keys, contiguous and
+paged 16 alike (paged 0.97x of contiguous; the Triton kernel's paged FP8 0.85-0.92x). Both read ~2.1-2.4 TB/s of
+e4m3 against bf16's ~4: the widening in the consumer, not the bytes, bounds them (NOTES.md, decode)."""
 
 DECODE_FP8 = ir.GluonDecode(block_n=128, stages=3, rows=32, loader_regs=40)
 """The Gluon decode kernel's shape over an e4m3 cache: an e4m3 block of 128 keys is as many bytes as a 16-bit block
