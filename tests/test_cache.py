@@ -116,6 +116,7 @@ def test_a_policy_switch_turned_at_run_time_gets_its_own_module(monkeypatch):
     import attngen
     from attngen import policy
     from attngen.policy import hopper
+    from attngen.runtime.registry import resolve
 
     from attngen.lang.spec import parse
 
@@ -129,3 +130,4 @@ def test_a_policy_switch_turned_at_run_time_gets_its_own_module(monkeypatch):
     assert hasattr(on.module, "launch_attn_bwd_ws") and not hasattr(off.module, "launch_attn_bwd_ws")
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", False)
     assert attngen.load(spec) is off
+    assert resolve(off.key) is off  # (the ops' registry follows: both modules share the spec's key)

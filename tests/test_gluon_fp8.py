@@ -38,7 +38,7 @@ def _program(name, head_dim=128, mask="causal", **extra):
 
 @pytest.fixture
 def fp8_gluon(monkeypatch):
-    """The FP8 Gluon forward switched on (off by default until its GPU test passes). The tests that build modules
+    """The FP8 Gluon forward switched on (off by default: no faster than the Triton kernel yet). The tests that build modules
     under it render them into their own files, or load them under spec names and a kernel cache of their own: a
     module cached meanwhile under a name the API shares would keep the kernel."""
     monkeypatch.setattr(hopper, "FP8_GLUON", True)

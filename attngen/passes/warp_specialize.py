@@ -116,8 +116,8 @@ def fp8_refusal(program: ir.Program) -> str | None:
     if program.attr("dtype") != "fp8_e4m3":
         return None
     if not hopper.FP8_GLUON:
-        return ("policy/hopper.py FP8_GLUON is off: the FP8 Gluon forward compiles for sm_90 but has not run on a "
-                "GPU yet; the Triton kernel runs")
+        return ("policy/hopper.py FP8_GLUON is off: the FP8 Gluon forward runs no faster than the Triton kernel yet "
+                "(H200), which runs")
     d = program.attr("head_dim")
     if (d not in hopper.FP8_HEAD_DIMS or program.attr("head_dim_padded") != d
             or program.attr("head_dim_v") is not None):
@@ -220,7 +220,7 @@ def backward_refusal(program: ir.Program) -> str | None:
         return None if d in hopper.BWD_HEAD_DIMS else f"head dim {d}: not in policy/hopper.py BWD_HEAD_DIMS"
     if not hopper.WIDE_BACKWARD:
         return (f"head dim {d}: the Gluon backward's wide path (both consumer warpgroups on 64 keys, each half of "
-                "dK's and dV's columns) is off until its GPU test passes (policy/hopper.py WIDE_BACKWARD)")
+                "dK's and dV's columns) is switched off (policy/hopper.py WIDE_BACKWARD)")
     if is_variant(program) or program.attr("varlen"):
         return f"head dim {d}: the Gluon backward's wide path takes the plain masks (none, causal) only"
     return None

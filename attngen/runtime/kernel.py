@@ -110,7 +110,9 @@ def load(spec_or_text: "Spec | str | os.PathLike", *, autotune: bool | None = No
                 launch.install(module)
             kernel = Kernel(spec, source, path, module, program_box.get("program"))
             _LOADED[keyed + mode] = kernel
-            registry.register(kernel)
+        # (registered on every load that gets here: modules of one spec under other switch settings share its
+        # key, and the ops must resolve the one the switches now choose)
+        registry.register(kernel)
         if autotune is None:
             if spec is spec_or_text:
                 if len(_BY_ID) > 256:
