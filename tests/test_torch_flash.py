@@ -70,10 +70,11 @@ def test_activate_and_restore_round_trip():
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") == before
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_flash_op_forward_and_backward_against_float64(cpu_ops, causal):
+@pytest.mark.parametrize("causal, n_k", [(False, 40), (True, 40), (False, 29)])
+def test_sdpa_flash_op_forward_and_backward_against_float64(cpu_ops, causal, n_k):
     b, h, n, d = 2, 2, 40, 16
-    q, k, v, do = (rand(b, h, n, d) for _ in range(4))
+    q, do = rand(b, h, n, d), rand(b, h, n, d)
+    k, v = rand(b, h, n_k, d), rand(b, h, n_k, d)
     before = dict(torch_flash.calls)
     out, lse, cum_q, cum_k, max_q, max_k, rng, philox, debug = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal)
@@ -84,7 +85,7 @@ def test_sdpa_flash_op_forward_and_backward_against_float64(cpu_ops, causal):
     assert (out.double() - ref).abs().max() < 2e-3
     assert lse.shape == (b, h, n) and lse.dtype == torch.float32
     assert (lse.double() - ref_lse).abs().max() < 2e-3
-    assert (max_q, max_k) == (n, n) and rng.shape == (2,) and philox.shape == () and debug.numel() == 0
+    assert (max_q, max_k) == (n, n_k) and rng.shape == (2,) and philox.shape == () and debug.numel() == 0
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng, philox)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(ref, (q64, k64, v64), do.double())):

@@ -14,7 +14,8 @@ takes arguments this module does not know makes activation fail with a message n
 keys have one length or nothing is masked, else the varlen kernels, which align causal masks and windows
 bottom-right as flash-attn does; varlen calls (cum_seq_q/cum_seq_k, seqused_k, block_table) run
 `flash_attn_varlen_func`'s. The outputs are the schemas' own: the log-sum-exp (B, H, N) dense or (H, total_q)
-varlen in float32, zero rng state and philox tensors, an empty debug mask. dropout_p > 0, return_debug_mask and
+varlen in float32, rng state and philox tensors left unset (as torch's own kernel leaves them without dropout),
+an empty debug mask. dropout_p > 0, return_debug_mask and
 anything else attngen cannot do raise an error naming the argument. `calls` counts the ops that reached attngen.
 """
 
@@ -152,6 +153,31 @@ def _dense_plan(q, k, v, is_causal: bool, window, scale, alibi_slopes):
     return plan, (variant.tensors if variant is not None else ())
 
 
+def _dense_forward(q, k, v, o, is_causal: bool, scale, window, alibi_slopes) -> torch.Tensor:
+    """The log-sum-exp (B, H, N) of attention()'s kernels on (B, H, N, D) views, the output written into `o`."""
+    plan, tensors = _dense_plan(q, k, v, is_causal, window, scale, alibi_slopes)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    if tensors or o.stride() != q.stride():  # (a replay holds q, k and v's layouts, and out laid out as q)
+        resolve(plan.key).forward(q, k, v, plan.scale, out=o, lse=lse, tensors=tensors)
+    else:
+        autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, o)
+    return lse
+
+
+def _dense_backward(op, q, k, v, o, logsumexp, do, is_causal: bool, scale, window):
+    """(dq, dk, dv) of attention()'s kernels on (B, H, N, D) views."""
+    plan, _ = _dense_plan(q, k, v, is_causal, window, scale, None)
+    if o.shape != q.shape or logsumexp.shape != q.shape[:3] or logsumexp.dtype != torch.float32:
+        raise KernelInputError(f"attngen's aten::{op}: out {tuple(o.shape)} and logsumexp "
+                               f"{tuple(logsumexp.shape)} are not what its forward returned for a query of "
+                               f"(batch, heads, seq, dim) {tuple(q.shape)}")
+    # (q, k, v, out and the log-sum-exp are what the forward took and returned, saved by torch's autograd: only the
+    # output gradient is checked, and the launches replayed, as attention()'s backward does; without the replays a
+    # short backward waited on the host: 0.64x attention()'s throughput at N=1024 on the H100)
+    return autograd.replayed_backward(plan.training, plan.key, plan.scale, False, q, k, v, o,
+                                      logsumexp.contiguous(), do)
+
+
 def _packed(q, k, v):
     """A dense (B, N, H, D) call as varlen: (B * N, H, D) tensors and uniform cu_seqlens."""
     (b, n_q), n_k = q.shape[:2], k.shape[1]
@@ -169,13 +195,7 @@ def _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causa
         out = torch.empty_like(query) if out is None else out
         if _dense_ok(query.shape[1], key.shape[1], is_causal, window, alibi_slopes):
             q, k, v, o = (t.transpose(1, 2) for t in (query, key, value, out))
-            plan, tensors = _dense_plan(q, k, v, is_causal, window, scale, alibi_slopes)
-            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-            if tensors or o.stride() != q.stride():  # (a replay holds q, k and v's layouts, and out laid out as q)
-                resolve(plan.key).forward(q, k, v, plan.scale, out=o, lse=lse, tensors=tensors)
-            else:
-                autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, o)
-            return out, lse
+            return out, _dense_forward(q, k, v, o, is_causal, scale, window, alibi_slopes)
         q, k, v, cu_q, cu_k = _packed(query, key, value)
         flat, lse = _varlen(q, k, v, cu_q, cu_k, query.shape[1], key.shape[1], is_causal, scale, window, None,
                             alibi_slopes, None)
@@ -203,18 +223,8 @@ def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
     if cum_seq_q is None:
         if _dense_ok(query.shape[1], key.shape[1], is_causal, window, None):
             q, k, v, o, do = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
-            plan, _ = _dense_plan(q, k, v, is_causal, window, scale, None)
-            if o.shape != q.shape or logsumexp.shape != q.shape[:3] or logsumexp.dtype != torch.float32:
-                raise KernelInputError(f"attngen's aten::{op}: out {tuple(out.shape)} and logsumexp "
-                                       f"{tuple(logsumexp.shape)} are not what its forward returned for query "
-                                       f"{tuple(query.shape)}")
-            # (q, k, v, out and the log-sum-exp are what the forward took and returned, saved by torch's
-            # autograd: only the output gradient is checked, and the launches replayed, as attention()'s
-            # backward does; without the replays a short backward waited on the host: 0.64x attention()'s
-            # throughput at N=1024 on the H100)
-            dq, dk, dv = autograd.replayed_backward(plan.training, plan.key, plan.scale, False, q, k, v, o,
-                                                    logsumexp.contiguous(), do)
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+            return tuple(g.transpose(1, 2) for g in _dense_backward(op, q, k, v, o, logsumexp, do, is_causal, scale,
+                                                                    window))
         q, k, v, cu_q, cu_k = _packed(query, key, value)
         lse = logsumexp.transpose(0, 1).reshape(query.shape[2], -1)  # (B, H, N) as (H, B * N)
         grads = _varlen_grads(q, k, v, out.reshape(q.shape), lse, grad_out.reshape(q.shape), cu_q, cu_k,
@@ -267,9 +277,11 @@ def _forward_op(op, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 
 
 
 def _auxiliary(query):
-    """The rng state, philox offset and debug mask of a call without dropout, as torch's FA4 provider makes them."""
-    return (torch.zeros((2,), dtype=torch.uint64, device=query.device),
-            torch.zeros((), dtype=torch.uint64, device=query.device),
+    """The rng state, philox offset and debug mask of a call without dropout: unset, as torch's own flash kernel
+    leaves them without dropout (its backward ignores them then, and so does attngen's). torch's FA4 provider fills
+    them with zeros: two fill launches a call, host time that a short call cannot hide."""
+    return (torch.empty((2,), dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device),
             torch.empty(0, dtype=query.dtype, device=query.device))
 
 
@@ -308,9 +320,13 @@ def _scaled_dot_product_flash_attention(query, key, value, dropout_p=0.0, is_cau
     _count(op)
     _unsupported(op, dropout_p, return_debug_mask)
     out = torch.empty_like(query)  # (B, H, N, D), laid out as query
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    _, lse = _forward(op, q, k, v, None, None, None, None, is_causal, scale, _window(is_causal, None, None), None,
-                      None, None, out.transpose(1, 2))
+    window = _window(is_causal, None, None)
+    if _dense_ok(query.shape[2], key.shape[2], is_causal, window, None):  # (no round trip through (B, N, H, D) views)
+        lse = _dense_forward(query, key, value, out, is_causal, scale, window, None)
+    else:
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        _, lse = _forward(op, q, k, v, None, None, None, None, is_causal, scale, window, None, None, None,
+                          out.transpose(1, 2))
     return (out, lse, None, None, query.shape[2], key.shape[2], *_auxiliary(query))
 
 
@@ -323,9 +339,11 @@ def _scaled_dot_product_flash_attention_backward(grad_out, query, key, value, ou
     op = "_scaled_dot_product_flash_attention_backward"
     _count(op)
     _unsupported(op, dropout_p)
+    window = _window(is_causal, None, None)
+    if _dense_ok(query.shape[2], key.shape[2], is_causal, window, None):
+        return _dense_backward(op, query, key, value, out, logsumexp, grad_out, is_causal, scale, window)
     q, k, v, o, do = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
-    grads = _backward(op, do, q, k, v, o, logsumexp, None, None, max_q, max_k, is_causal, scale,
-                      _window(is_causal, None, None))
+    grads = _backward(op, do, q, k, v, o, logsumexp, None, None, max_q, max_k, is_causal, scale, window)
     return tuple(g.transpose(1, 2) for g in grads)
 
 
