@@ -43,9 +43,8 @@ SPECS_VARLEN = {
     "sinks": {"mask": "causal & window(200)", "sinks": "true"},
 }
 
-GLUON_BACKWARD_VARIANTS = sorted(v for v in SPECS_VARLEN if v != "sinks")
-"""The variants whose varlen backward the Gluon kernel takes (sinks keep the Triton kernels:
-`warp_specialize.varlen_backward_refusal`)."""
+GLUON_BACKWARD_VARIANTS = sorted(SPECS_VARLEN)
+"""The variants whose varlen backward the Gluon kernel takes: all of these."""
 
 
 def _text(name, variant, head_dim=128, dtype="bf16", **more):
@@ -84,19 +83,6 @@ def test_varlen_forwards_get_the_gluon_kernel(variant):
     source = render(spec, program)
     assert "def _ws_sequence_tile(" in source and "def attn_fwd_ws(" in source
     assert "launch_attn_fwd_ws(q, k, v, out, lse," in source.split("def forward_varlen(")[1]
-
-
-def test_a_varlen_backward_with_sinks_keeps_the_triton_kernels(capsys):
-    """Sinks: the Gluon varlen backward's dQ of 1- and 3-query sequences missed the GPU test's tolerance (H200), so
-    their backward stays on the Triton kernels, and explain says why."""
-    from attngen.cli import main
-    from attngen.passes import warp_specialize
-
-    text = _text("gvlb_sinks", "sinks", direction="forward+backward")
-    program = compile_program(parse(text))
-    assert program.warp_specialized.forward is not None and program.warp_specialized.backward is None
-    assert "sinks" in warp_specialize.varlen_backward_refusal(program)
-    assert not hasattr(attngen.load(text).module, "launch_attn_bwd_ws")
 
 
 @pytest.mark.usefixtures("gluon_varlen_backward")

@@ -119,3 +119,34 @@ def test_gpu_real_sizes(dtype, head_dim, mask):
     kernel = attngen.load(spec_text(f"gpu_{dtype}_{head_dim}_{mask}", head_dim, dtype, mask))
     for result in validate(kernel, [Case(2, 8, 8, 4096, 4096), Case(1, 4, 4, 4093, 4099)], device="cuda"):
         assert result.ok, result
+
+
+def test_the_backward_formula_floor_is_flash_attentions_change_exactly():
+    """accuracy._delta_floor: the float64 gradients of FlashAttention's backward formula with delta = dO . O taken from
+    the output rounded to bf16 (written out by hand here, sinks as one more logit per row) are the float64
+    reference's plus the floor; on ordinary rows the floor is far below the gradient tolerance (it loosens nothing),
+    and beside a sink with a single key it is what a kernel of that design cannot avoid."""
+    from attngen.lang.spec import parse
+    from attngen.testing import accuracy
+
+    spec = parse(spec_text("floor_sinks", 64, "bf16", "none", sinks="true"))
+    g = torch.Generator().manual_seed(5)
+    for n_q, n_k in ((37, 23), (1, 1)):
+        q, k, v, do = (torch.randn(2, 3, n, 64, generator=g).bfloat16() for n in (n_q, n_k, n_k, n_q))
+        sinks = torch.randn(3, generator=g) * 2
+        scale = spec.softmax_scale
+        refs = accuracy._variant_grads(spec, q, k, v, do, scale, {"sinks": sinks}, torch.float64)
+        floor = accuracy._delta_floor(spec, q, k, v, do, scale, {"sinks": sinks})
+        q64, k64, v64, do64 = (t.double() for t in (q, k, v, do))
+        s = torch.cat([q64 @ k64.transpose(-1, -2) * scale, sinks.double()[None, :, None, None].expand(2, 3, n_q, 1)], -1)
+        p = torch.softmax(s, -1)
+        pk = p[..., :-1]
+        out = pk @ v64
+        delta = (do64 * out.bfloat16().double()).sum(-1, keepdim=True)
+        ds = pk * (do64 @ v64.transpose(-1, -2) - delta)
+        by_hand = (ds @ k64 * scale, ds.transpose(-1, -2) @ q64 * scale, pk.transpose(-1, -2) @ do64)
+        for ref, fl, want in zip(refs, floor, by_hand):
+            assert torch.allclose(ref + fl, want, atol=1e-10, rtol=1e-9)
+        dq_floor = (floor[0].norm() / refs[0].norm()).item()
+        if n_q > 1:
+            assert dq_floor * accuracy.FUDGE < accuracy.GRAD_REL_TOL[spec.dtype] / 4
