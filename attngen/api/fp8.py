@@ -40,8 +40,9 @@ def quantize_fp8_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per: str
     q_descale, k_descale and v_descale.
 
     rotate=True multiplies q and k by the same orthonormal Hadamard matrix along head_dim first (`hadamard`, in
-    float32): the scores q k^T are unchanged, but a few outlier channels no longer set the range every element of
-    q and k is quantised in. Both or neither: a rotation of one alone would change the scores."""
+    float32): the scores q k^T are unchanged, but a score's large terms, once concentrated in a few outlier
+    channels, are spread over all of them, where their independent e4m3 roundings (each 2^-4 of itself) partly
+    cancel. Both or neither: a rotation of one alone would change the scores."""
     q, k, v = _checked("q", q), _checked("k", k), _checked("v", v)
     if q.shape[-1] != k.shape[-1]:
         raise KernelInputError(f"q and k must have the same head_dim; got {q.shape[-1]} and {k.shape[-1]}")

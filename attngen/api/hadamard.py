@@ -1,5 +1,6 @@
 """The orthonormal Walsh-Hadamard transform along a tensor's last axis: the rotation of q and k that spreads an outlier
-channel's energy over many channels before FP8 quantisation (QuaRot, SpinQuant; FA3's "incoherent processing").
+channel's energy over many channels before FP8 quantisation (QuaRot, SpinQuant; FA3's "incoherent processing"), so
+that a score's rounding errors come from many comparable terms, which partly cancel, instead of a few large ones.
 
 For the last axis of size d = 2^m * r (r odd) the matrix is block-diagonal: r copies of H_b / sqrt(b), b = 2^m the
 largest power of two dividing d, H_b Sylvester's Hadamard matrix (H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]).
