@@ -6,12 +6,13 @@
     out = attngen.attention(q, k, v, is_causal=True)      # drop-in for F.scaled_dot_product_attention
     q8, q_descale = attngen.quantize_fp8(q)               # FP8: attention(q8, k8, v8, q_descale=..., k_descale=...,
                                                           #      v_descale=...) -> bf16, forward only
+    q8, k8, v8, descales = attngen.quantize_fp8_qkv(q, k, v, per="head", rotate=True)  # q, k Hadamard-rotated
     out = attngen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)  # flash-attn's
     out = attngen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # flash-attn's
     torch.nn.attention.activate_flash_attention_impl("attngen")  # SDPA's flash backend and varlen_attn run attngen
 """
 
-from .api.fp8 import quantize_fp8
+from .api.fp8 import quantize_fp8, quantize_fp8_qkv
 from .api.kvcache import attention_with_kvcache, merge_states
 from .api.sdpa import attention
 from .api.varlen import flash_attn_varlen_func
@@ -27,7 +28,7 @@ from .version import __version__
 __all__ = [
     "AttnGenError", "Kernel", "KernelInputError", "Spec", "SpecError", "UnsupportedError",
     "PagedKVCache", "__version__", "attention", "attention_with_kvcache", "flash_attn_varlen_func", "load",
-    "merge_states", "parse", "quantize_fp8",
+    "merge_states", "parse", "quantize_fp8", "quantize_fp8_qkv",
 ]
 
 

@@ -666,8 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all: prefill and decode; variants: masks and score modifiers against FlexAttention; "
                         "varlen: packed variable-length batches and SDPA through the flash-attention slot; "
                         "shapes: issue 51's head shapes (d=96, 256, GQA 28/4, d=64 odd lengths, 192/128) "
-                        "against cuDNN, FlexAttention and FA2; fp8: the FP8 forward against attngen's bf16 "
-                        "forward and cuDNN at d=128, with each one's error against float64")
+                        "against cuDNN, FlexAttention and FA2; fp8: the FP8 forward (also with q and k "
+                        "Hadamard-rotated) against attngen's bf16 forward and cuDNN at d=128, with each one's error "
+                        "against float64")
     p.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     p.add_argument("--lengths", default=None, metavar="512,1024,...", help="prefill sequence lengths")
     p.add_argument("--head-dims", default=None, metavar="64,128")

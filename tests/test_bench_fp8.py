@@ -18,17 +18,29 @@ def test_arguments_parse_and_unknown_providers_are_a_usage_error(capsys):
 def test_check_runs_the_attngen_rows_in_the_interpreter(capsys):
     assert main(["bench", "--suite", "fp8", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "attngen_fp8_vt" in out and "outliers" in out and "err" not in out.split("d=128", 1)[1]
+    assert "attngen_fp8_vt" in out and "attngen_fp8_rot" in out and "err" not in out.split("d=128", 1)[1]
+    # each cell: "ok (relative error against float64 of the unquantised inputs)"; rotation cuts it with outliers.
+    # (Summed over the two outlier rows: at this size one draw's ratio spreads from 1.0 to 10; the sum's was >= 2.1
+    # over 100 fresh pairs.)
+    header, *lines = out.split("d=128\n", 1)[1].splitlines()
+    errors = {"attngen_fp8_rot": 0.0, "attngen_fp8_vt": 0.0}
+    for line in (line for line in lines if "outliers" in line):
+        cells = dict(zip(header.split()[3:], line.split("ok")[1:]))
+        for name in errors:
+            errors[name] += float(cells[name].strip(" ()"))
+    assert errors["attngen_fp8_rot"] * 1.5 < errors["attngen_fp8_vt"], out
 
 
 def test_a_check_catches_a_wrong_output():
     gen = torch.Generator().manual_seed(0)
     q, k, v = fp8._inputs(1, 2, 37, 128, False, "cpu", gen)
-    runs, *quantized = fp8._runs(True, q, k, v)
-    out = runs["attngen_fp8"]()
-    assert fp8._check("attngen_fp8", out, q, k, v, quantized, True) is None
-    assert "relative error" in fp8._check("attngen_fp8", out * 1.1, q, k, v, quantized, True)
-    assert "relative error" in fp8._check("attngen_fp8", out, q, k, v, quantized, False)  # another mask
+    runs, given = fp8._runs(True, q, k, v)
+    for name in ("attngen_fp8", "attngen_fp8_rot"):
+        out = runs[name]()
+        assert fp8._check(name, out, q, k, v, given, True) is None
+        assert "relative error" in fp8._check(name, out * 1.1, q, k, v, given, True)
+        assert "relative error" in fp8._check(name, out, q, k, v, given, False)  # another mask
+
 
 
 def test_table_shows_the_speedup_and_the_errors():

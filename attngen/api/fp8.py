@@ -1,4 +1,5 @@
-"""FP8 (e4m3) inputs for `attngen.attention`: quantising a tensor, and checking the descales a call passes.
+"""FP8 (e4m3) inputs for `attngen.attention`: quantising a tensor (or q, k and v together, q and k optionally rotated
+by a Hadamard matrix first), and checking the descales a call passes.
 
 The convention is FA3's: an e4m3 tensor `x8` with its float32 `descale` stands for `x8 * descale`, the descale
 (1,) for the whole tensor or (batch, kv_heads) per head (q's per K/V head: the query heads of a GQA group share
@@ -12,6 +13,7 @@ import torch
 from ..errors import KernelInputError
 from ..lang.spec import FP8_MIN_REDUCTION
 from ..runtime.arguments import unit_descale
+from .hadamard import hadamard
 
 FP8 = torch.float8_e4m3fn
 # e4m3's largest finite value: amax / E4M3_MAX is the descale that uses e4m3's whole range without saturating.
@@ -28,12 +30,44 @@ def quantize_fp8(x: torch.Tensor, per: str = "tensor", kv_heads: int | None = No
     per="tensor": one descale (1,) from the tensor's largest magnitude. per="head": one per (batch, head) from
     that head's largest magnitude, (batch, heads); for q under GQA pass `kv_heads` (k's heads): the heads of a
     group share one, (batch, kv_heads), as the kernel takes q_descale. The largest magnitude maps to 448."""
+    return _quantized(_checked("x", x), per, kv_heads)
+
+
+def quantize_fp8_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per: str = "tensor",
+                     rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(q8, k8, v8, descales) for `attention(q8, k8, v8, **descales)`: each of q, k, v quantised as `quantize_fp8`
+    does (`per` "tensor" or "head"; q's per-head descales per K/V head under GQA), descales the dict of
+    q_descale, k_descale and v_descale.
+
+    rotate=True multiplies q and k by the same orthonormal Hadamard matrix along head_dim first (`hadamard`, in
+    float32): the scores q k^T are unchanged, but a score's large terms, once concentrated in a few outlier
+    channels, are spread over all of them, where their independent e4m3 roundings (each 2^-4 of itself) partly
+    cancel. Both or neither: a rotation of one alone would change the scores."""
+    q, k, v = _checked("q", q), _checked("k", k), _checked("v", v)
+    if q.shape[-1] != k.shape[-1]:
+        raise KernelInputError(f"q and k must have the same head_dim; got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise KernelInputError(f"k's {k.shape[1]} heads do not divide q's {q.shape[1]}")
+    if rotate:
+        q, k = hadamard(q), hadamard(k)
+    (q8, qd), (k8, kd), (v8, vd) = (_quantized(q, per, k.shape[1]), _quantized(k, per, None),
+                                    _quantized(v, per, None))
+    return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def _checked(name: str, x) -> torch.Tensor:
+    """`x` if it is a tensor quantize_fp8 takes; a TypeError or KernelInputError naming it if not."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, not {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(x).__name__}")
     if x.dim() != 4:
-        raise KernelInputError(f"x must be (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+        raise KernelInputError(f"{name} must be (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
     if not x.is_floating_point() or x.dtype == FP8:
-        raise KernelInputError(f"x must be a float16, bfloat16 or float32 tensor; got {x.dtype}")
+        raise KernelInputError(f"{name} must be a float16, bfloat16 or float32 tensor; got {x.dtype}")
+    return x
+
+
+def _quantized(x: torch.Tensor, per: str, kv_heads: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 of a checked `x`."""
     if per not in ("tensor", "head"):
         raise KernelInputError(f"per must be 'tensor' or 'head'; got {per!r}")
     batch, heads = x.shape[:2]

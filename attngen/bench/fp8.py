@@ -6,6 +6,8 @@ with three channels of q and k 20x larger, at N=4096). Providers (forward only):
   V in the usual (batch, heads, seq, head_dim) layout, so the timing includes the copy to the keys-contiguous
   layout Hopper's FP8 P V takes (attngen/api/fp8.py `value_for_fp8`);
 - `attngen_fp8_vt`: the same with V already keys-contiguous (no copy: what a caller that keeps V so pays);
+- `attngen_fp8_rot`: `attngen_fp8_vt` with q and k rotated by a Hadamard matrix before quantising
+  (`attngen.quantize_fp8_qkv(..., rotate=True)`, outside the timing): the same kernel on other e4m3 inputs;
 - `attngen_bf16`: `attngen.attention` on the bf16 inputs;
 - `sdpa_cudnn`: SDPA's cuDNN backend on the bf16 inputs;
 - `torch_fp8`: torch's experimental FP8 SDPA (`torch.nn.attention.experimental._scaled_dot_product_attention_quantized`,
@@ -18,7 +20,7 @@ unquantised inputs (so an FP8 row's error includes its inputs' quantisation), an
 error there. TFLOP/s by the FlashAttention convention (`analysis.cost.fa_flops`). `--check` runs the attngen
 providers at a tiny size (in Triton's interpreter without a GPU) and holds each to its dtype's relative error
 against float64 instead of timing: 2^-4 + 2^-8 for FP8 (testing/accuracy.py's REL_TOL, here on the dequantised
-inputs), CHECK_REL for bf16.
+inputs, rotated for `attngen_fp8_rot`), CHECK_REL for bf16; its rows carry `extra` too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import contextlib
 import torch
 
 from ..analysis.cost import evaluate, fa_flops
-from ..api.fp8 import quantize_fp8
+from ..api.fp8 import quantize_fp8_qkv
 from ..api.sdpa import attention
 from ..lang.spec import DType, Mask
 from ..testing import reference
@@ -37,10 +39,10 @@ from .common import Row, error_text
 from .prefill import run_suite
 from .varlen import CHECK_REL, _timed
 
-PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "attngen_bf16", "sdpa_cudnn", "torch_fp8")
+PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "attngen_fp8_rot", "attngen_bf16", "sdpa_cudnn", "torch_fp8")
 LENGTHS = (4096, 8192, 16384)
 HEAD_DIM, HEADS, TOKENS = 128, 16, 16384
-FP8_PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "torch_fp8")
+FP8_PROVIDERS = ("attngen_fp8", "attngen_fp8_vt", "attngen_fp8_rot", "torch_fp8")
 
 
 def _inputs(batch, heads, n, d, outliers, device, generator):
@@ -52,15 +54,16 @@ def _inputs(batch, heads, n, d, outliers, device, generator):
     return q, k, v
 
 
-def _runs(causal: bool, q, k, v) -> tuple:
-    """(name -> f() -> out, then the per-head quantised (q8, q_descale), (k8, k_descale), (v8, v_descale)), the
-    quantisation done here, outside the timing."""
-    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, "head") for t in (q, k, v))
-    v8t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
-    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+def _runs(causal: bool, q, k, v) -> tuple[dict, dict]:
+    """(name -> f() -> out, and name -> what an FP8 provider is given: its e4m3 (q8, k8, v8) and their per-head
+    descales), the quantisation done here, outside the timing."""
+    q8, k8, v8, fp8 = quantize_fp8_qkv(q, k, v, per="head")
+    r8, rk8, rv8, rotated = quantize_fp8_qkv(q, k, v, per="head", rotate=True)
+    v8t, rv8t = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (v8, rv8))
     runs = {
         "attngen_fp8": lambda: attention(q8, k8, v8, is_causal=causal, **fp8),
         "attngen_fp8_vt": lambda: attention(q8, k8, v8t, is_causal=causal, **fp8),
+        "attngen_fp8_rot": lambda: attention(r8, rk8, rv8t, is_causal=causal, **rotated),
         "attngen_bf16": lambda: attention(q, k, v, is_causal=causal),
     }
     if q.is_cuda:
@@ -78,7 +81,8 @@ def _runs(causal: bool, q, k, v) -> tuple:
             return _scaled_dot_product_attention_quantized(q8, k8, v8, is_causal=causal, **fp8)
 
         runs.update(sdpa_cudnn=cudnn, torch_fp8=torch_fp8)
-    return runs, (q8, qd), (k8, kd), (v8, vd)
+    plain, turned = ((q8, k8, v8), fp8), ((r8, rk8, rv8), rotated)
+    return runs, {name: turned if name == "attngen_fp8_rot" else plain for name in FP8_PROVIDERS}
 
 
 @contextlib.contextmanager
@@ -113,11 +117,13 @@ def _errors(out, q, k, v, causal) -> tuple[float, float]:
     return diff.abs().max().item(), (diff.norm() / ref.norm()).item()
 
 
-def _check(name, out, q, k, v, quantized, causal) -> str | None:
-    """A check's verdict: FP8 against float64 of its dequantised inputs, bf16 against float64 of its own."""
+def _check(name, out, q, k, v, given, causal) -> str | None:
+    """A check's verdict: FP8 against float64 of its dequantised inputs (`given[name]`, from `_runs`), bf16 against
+    float64 of its own."""
     if name in FP8_PROVIDERS:
-        (q8, qd), (k8, kd), (v8, vd) = quantized
-        q, k, v = (x.double() * d[:, :, None, None] for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        tensors, descales = given[name]
+        q, k, v = (x.double() * descales[d][:, :, None, None]
+                   for x, d in zip(tensors, ("q_descale", "k_descale", "v_descale")))
         limit = REL_TOL[DType.FP8_E4M3]
     else:
         limit = CHECK_REL
@@ -141,18 +147,18 @@ def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> 
         params = dict(batch=batch, heads=heads, seqlen=size, head_dim=d, causal=causal,
                       inputs="outliers" if outliers else "normal")
         q, k, v = _inputs(batch, heads, size, d, outliers, device, generator)
-        runs, *quantized = _runs(causal, q, k, v)
+        runs, given = _runs(causal, q, k, v)
         for name in (n_ for n_ in names if n_ in runs and (not check or n_.startswith("attngen"))):
             fn = runs[name]
             row = Row("fp8", "forward", name, dict(params, dtype="fp8_e4m3" if name in FP8_PROVIDERS else "bf16"))
             try:
                 with torch.no_grad(), _fa3() if name == "torch_fp8" else contextlib.nullcontext():
                     out = fn()
+                err, rel = _errors(out, q, k, v, causal)
+                row.extra.update(err=err, rel=rel)
                 if check:
-                    row.error = _check(name, out, q, k, v, quantized, causal)
+                    row.error = _check(name, out, q, k, v, given, causal)
                 else:
-                    err, rel = _errors(out, q, k, v, causal)
-                    row.extra.update(err=err, rel=rel)
                     out = None
                     with _fa3() if name == "torch_fp8" else contextlib.nullcontext():
                         row.ms = _timed(fn, (), "forward")
@@ -164,15 +170,15 @@ def bench_fp8(names=PROVIDERS, lengths=LENGTHS, check=False, progress=print) -> 
                     torch.cuda.empty_cache()
             rows.append(row)
         progress(f"fp8 N={n} causal={causal}{' outliers' if outliers else ''} done")
-        q = k = v = runs = quantized = None  # (freed before the next case)
+        q = k = v = runs = given = None  # (freed before the next case)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    """TFLOP/s (or the check's verdict) and the relative error against float64 per provider, one line per case, and
-    attngen FP8's speed-up over attngen bf16."""
+    """TFLOP/s (or the check's verdict) and the relative error against float64 of the unquantised inputs per
+    provider, one line per case, and attngen FP8's speed-up over attngen bf16."""
     names = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
     lines = ["fp8 forward TFLOP/s (relative error against float64), d=128",
              f"{'N':>6} {'causal':>6} {'inputs':>8} " + " ".join(f"{p:>22}" for p in names) + f" {'fp8/bf16':>8}"]
@@ -187,8 +193,8 @@ def table(rows: list[Row]) -> str:
                 cell = "err"
             elif r.tflops:
                 cell = f"{r.tflops:.1f} ({r.extra['rel']:.1e})"
-            else:
-                cell = "ok"
+            else:  # a check's
+                cell = f"ok ({r.extra['rel']:.1e})"
             cells.append(f"{cell:>22}")
         fp8, bf16 = found.get("attngen_fp8"), found.get("attngen_bf16")
         ratio = f"{fp8.tflops / bf16.tflops:8.2f}" if fp8 and bf16 and fp8.tflops and bf16.tflops else f"{'':>8}"
