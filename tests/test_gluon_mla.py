@@ -125,6 +125,22 @@ def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, tmp_path):
     assert result["spill_stores"] <= 128 and result["spill_loads"] <= 128, result
 
 
+def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_time_the_wrong_kernel():
+    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), and where the Gluon kernel
+    cannot run (here: no GPU) it says so instead of timing the Triton kernel under the Gluon kernel's name."""
+    import importlib.util
+
+    path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
+    loaded = importlib.util.spec_from_file_location("mla_sweep_gluon", path)
+    sweep = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(sweep)
+    before = hopper.MLA_GLUON
+    with pytest.raises(RuntimeError, match="wsm_ready"):
+        sweep.gluon_against_triton(16, 1, 64, device="cpu")
+    assert hopper.MLA_GLUON is before
+    assert sweep.describe({"warp_specialized": 1, "num_splits": 4}) == "gluon MLA kernel num_splits=4"
+
+
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
 
 
