@@ -151,7 +151,8 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
 def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
     """DeepSeek-V3's decode at batch 4 x up to 4k keys (a full sequence, N_Q keys, odd lengths), 576/512 bf16,
     64-token pages shuffled over a pool whose other slots are NaN, at the rule's split count, one split and 3; the
-    Gluon kernel runs (the Triton partial kernel would raise) and its launches are counted."""
+    Gluon kernel runs (the Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay
+    gives the eager result."""
     from test_mla import _within
 
     module = attngen.load(MLA_SPEC).module
@@ -183,3 +184,10 @@ def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
         reference_pool = torch.nan_to_num(pool, nan=0.0)  # (slots past a sequence are masked: any value will do)
         _within(out.transpose(1, 2), q, reference_pool, lens, table, 512)
     assert len(launches) == 3
+    # captured in a CUDA graph (no host sync in the launch), the replay gives the eager call's result
+    graph, captured = torch.cuda.CUDAGraph(), torch.empty_like(out)
+    with torch.cuda.graph(graph):
+        module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=captured, num_splits=3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
