@@ -31,7 +31,8 @@ from .codegen import render
 from .env import interpreting
 from .errors import AttnGenError, InternalError, SpecError
 from .lang.spec import load_file
-from .passes import PASS_NAMES, applied_passes, compile_program, warp_specialize, warp_specialize_decode
+from .passes import (PASS_NAMES, applied_passes, compile_program, warp_specialize, warp_specialize_decode,
+                     warp_specialize_mla)
 from .policy import hopper
 from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
@@ -197,6 +198,21 @@ def _print_passes(program: ir.Program) -> None:
         if program.attr("pack_gqa"):
             print("pack-gqa: the GROUP query heads of a K/V head fill one program's rows (GROUP x N_Q rows, BLOCK_M "
                   "at a time), so each tile read serves all of them")
+        print("warp-specialize-mla: " + _mla_line(program))
+
+
+def _mla_line(program: ir.Program) -> str:
+    """What explain says of a latent decode's Gluon kernel: the tile it runs, or why the Triton kernel runs."""
+    mla = program.warp_specialized.mla
+    if mla is None:
+        return "no Hopper Gluon kernel (" + warp_specialize_mla.refusal(program) + ")"
+    d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
+    return (f"on Hopper the Gluon MLA kernel runs: {mla.rows} packed query rows x {mla.block_n} keys a tile (16 heads' "
+            f"rows padded to {mla.rows}, 128 heads in {128 // mla.rows} programs), Q [{mla.rows}, {d}] resident in "
+            f"shared memory, a TMA ring of {mla.stages} latent tiles [{mla.block_n}, {d}] (V = its first {d_v} "
+            f"columns, no second load); {mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} "
+            f"of the keys over all {d} columns (S once), exchanging row maxima, each adding P V into "
+            f"{d_v // mla.consumers} of the {d_v} value columns; the split count and merge are the Triton path's")
 
 
 def _gluon_backward_line(program: ir.Program) -> str:

@@ -10,7 +10,8 @@ head count: the config, ms, GB/s of the latent cache read once (issue 51's bandw
 heads) and TFLOP/s at 2 x (576 + 512) a score (target: 500 at 128 heads), fastest first, the default marked.
 Candidates the resource model rejects (`infeasible`) are skipped before compiling. `num_splits` 0 is the
 run-time heuristic (attngen/policy/splits.py). About 3 minutes on an H200 (`--wide`: more candidates, longer).
-GPU only.
+`--gluon`: instead, the Gluon MLA kernel (policy hopper.MLA_GLUON, turned on in this process for its own module) at
+0, 2, 4 and 8 splits beside the Triton kernel's default config, the same inputs and checks. GPU only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import attngen
 from attngen.analysis.resources import infeasible
 from attngen.bench.decode import bench_graph
+from attngen.policy import hopper
 from attngen.runtime.keys import Shape
 from attngen.tuning.adapt import tunable
 
@@ -51,25 +53,60 @@ def candidates(spec, space: dict) -> list[dict]:
     return [c for c in found if infeasible(spec, {k: v for k, v in c.items() if k != "num_splits"}) is None]
 
 
-def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cuda", timer=bench_graph) -> list[dict]:
-    """Every candidate of `spaces[BLOCK_M]` (BLOCK_M: the part's for `heads`; else the nearest key's) and the
-    default config at one head count: its config, and ms, GB/s, TFLOP/s and float64 error, or why it failed.
-    `timer(fn)`: ms a call."""
+def _setup(kernel, heads: int, batch: int, seqlen: int, device):
+    """The tuner's view of the kernel, its inputs at one head count (every sequence full) and the default config."""
     tuner = tunable(kernel.part("kvcache"))
     shape = Shape(batch, heads, 1, 1, seqlen)
     generator = torch.Generator(device=device).manual_seed(0)
     _, inputs = tuner.tuning_variants(tuner.tuning_inputs(shape, device, generator))[0]  # every sequence full
-    spec, block_m = tuner.spec, tuner.part.block_m(shape)
     default = dict(tuner.part.config(shape, uniform=True), num_splits=0)
+    default.pop("warp_specialized", None)  # (the Triton kernel: a tuned entry says 0, an untuned one nothing)
+    return tuner, inputs, default, tuner.part.block_m(shape)
+
+
+def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cuda", timer=bench_graph) -> list[dict]:
+    """Every candidate of `spaces[BLOCK_M]` (BLOCK_M: the part's for `heads`; else the nearest key's) and the
+    default config at one head count: its config, and ms, GB/s, TFLOP/s and float64 error, or why it failed.
+    `timer(fn)`: ms a call."""
+    tuner, inputs, default, block_m = _setup(kernel, heads, batch, seqlen, device)
     nearest = min(spaces, key=lambda rows: abs(rows - block_m))  # other head counts: the nearer space's values
-    configs = candidates(spec, dict(spaces[nearest], BLOCK_M=(block_m,)))
+    configs = candidates(tuner.spec, dict(spaces[nearest], BLOCK_M=(block_m,)))
     if not any(all(c[k] == default[k] for k in c) for c in configs):
         configs.insert(0, default)
+    return measure(tuner, inputs, configs, heads, default, timer)
+
+
+def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8), device="cuda",
+                         timer=bench_graph) -> list[dict]:
+    """The Gluon MLA kernel (templates/gluon_mla_decode.py.j2) at each split count of `splits` (0: the run-time
+    rule) beside the Triton kernel at its default config, in one module: policy hopper.MLA_GLUON is turned on for
+    the load (the switch is part of the kernel cache's key, so this is a module of its own) and back after; a
+    config's warp_specialized picks the kernel. Rows as `sweep`'s."""
+    previous, hopper.MLA_GLUON = hopper.MLA_GLUON, True
+    try:
+        kernel = attngen.load(SPEC)
+    finally:
+        hopper.MLA_GLUON = previous
+    if not kernel.part("kvcache").has_gluon():
+        raise RuntimeError(f"{SPEC} has no Gluon MLA kernel with hopper.MLA_GLUON on: explain says why")
+    tuner, inputs, default, _ = _setup(kernel, heads, batch, seqlen, device)
+    if not kernel.module.wsm_ready(inputs["q"].transpose(1, 2), inputs["k"], inputs["out"].transpose(1, 2)):
+        raise RuntimeError("the Gluon MLA kernel cannot run these inputs here (wsm_ready): it needs an sm_90 GPU")
+    configs = [dict(default, warp_specialized=0)] + [dict(default, num_splits=s, warp_specialized=1) for s in splits]
+    return measure(tuner, inputs, configs, heads, dict(default, warp_specialized=0), timer)
+
+
+def measure(tuner, inputs: dict, configs: list[dict], heads: int, default: dict, timer) -> list[dict]:
+    """Each config checked against float64 (outputs poisoned first) and timed: ms, GB/s, TFLOP/s and the error, or
+    why it failed; `default` marked."""
+    spec, shape = tuner.spec, inputs["shape"]
+    batch, seqlen = shape.batch, shape.n_k
     cache_bytes = batch * seqlen * spec.head_dim * spec.dtype.bytes  # the latent cache, read once
     flops = 2.0 * batch * heads * seqlen * (spec.head_dim + spec.head_dim_v)
     rows = []
     for config in configs:
-        row = {"heads": heads, "config": config, "default": all(config[k] == default.get(k) for k in config)}
+        row = {"heads": heads, "config": config, "default": all(config[k] == default.get(k) for k in config)
+               and all(default[k] == config.get(k) for k in default)}
         try:
             outputs = tuner.tuning_run(inputs, config, poison=True)
             result = tuner.tuning_check(inputs, outputs)
@@ -85,6 +122,8 @@ def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cud
 
 
 def describe(config: dict) -> str:
+    if config.get("warp_specialized"):  # the Gluon kernel's tiles are its own (hopper.MLA_DECODE)
+        return f"gluon MLA kernel num_splits={config['num_splits']}"
     return " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits"))
 
 
@@ -103,6 +142,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--wide", action="store_true", help="a larger space (several times longer)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="the Gluon MLA kernel (hopper.MLA_GLUON) at 0, 2, 4, 8 splits against the Triton default")
     parser.add_argument("-o", "--output", default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -112,7 +153,10 @@ def main() -> None:
     print(f"{SPEC} on {torch.cuda.get_device_name()}, batch {args.batch} x {args.seqlen} tokens", flush=True)
     for heads in args.heads:
         print(f"-- {heads} heads", flush=True)
-        rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
+        if args.gluon:
+            rows = gluon_against_triton(heads, args.batch, args.seqlen)
+        else:
+            rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
         print(table(rows), flush=True)
         everything += rows
     print(f"{time.perf_counter() - start:.0f} s in all")

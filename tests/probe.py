@@ -18,6 +18,8 @@ sequences; a varlen module's forward and backward take their packed sequences' a
 descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores":
 count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
 "shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").
+{"gluon_ws": "mla"}: the Gluon MLA decode kernel, `attn_fwd_wsm`, as its launcher launches it, with "wgmma_s" and
+"wgmma_pv" (its m64n32 score and m64n256 P V instructions) and "ptxas" as a decode job's.
 """
 
 from __future__ import annotations
@@ -60,19 +62,13 @@ def _compile_gluon_ws(module, job):
                 "BT": "*i32"}
         # a variant's tensors, an FP8 cache's descale factors
         ptrs.update({p: "*fp32" for p in ("SINKS", "ALIBI_SLOPES", "K_DESCALE", "V_DESCALE") if p in fn.arg_names})
-        sig = {arg: "constexpr" if arg in const else descs.get(arg, ptrs.get(arg, "fp32" if arg == "sm_scale" else "i32"))
-               for arg in fn.arg_names}
-        attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        ptx = compiled.asm["ptx"]
-        if job.get("ptx_to"):
-            with open(job["ptx_to"], "w") as f:
-                f.write(ptx)
+        compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4)
         return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
                 "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
                 f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16"),
                 "shared_loads": len(re.findall(r"\bld\.shared\.", ptx)), **(_ptxas(ptx) if job.get("ptxas") else {})}
+    if job.get("gluon_ws") == "mla":  # the MLA decode kernel: two 2-D descriptors over the latent page pool
+        return _compile_gluon_mla(module, job)
     if job.get("gluon_ws") == "backward":  # the dK/dV kernel (job "dq_atomic": with dQ, default the shape's)
         shape, fn = module.WS_BWD_SHAPE, module.attn_bwd_dkdv_ws
         short = "SHORT_" if job.get("short", False) else ""  # the launch's shape for short sequences (short_keys)
@@ -155,6 +151,52 @@ def _compile_gluon_ws(module, job):
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
             "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global"),
             "wgmma_e4m3": ptx.count(".f32.e4m3.e4m3")}
+
+
+def _compile_split_kv(fn, descs, ptrs, const, job, **options):
+    """A Gluon split-KV kernel compiled for sm_90: `descs` its descriptors' specialisations, `ptrs` its pointers'
+    types (16-byte aligned), `const` its constexprs, every other argument an i32 but sm_scale; (compiled, its PTX)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {arg: "constexpr" if arg in const else descs.get(arg, ptrs.get(arg, "fp32" if arg == "sm_scale" else "i32"))
+           for arg in fn.arg_names}
+    attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    if job.get("ptx_to"):  # for a look at the code (ptxas -v: spills, serialised wgmma)
+        with open(job["ptx_to"], "w") as f:
+            f.write(ptx)
+    return compiled, ptx
+
+
+def _compile_gluon_mla(module, job):
+    """`attn_fwd_wsm` compiled as `launch_attn_fwd_wsm` launches it (a pool of 64 pages of one latent head)."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    shape, fn = module.WSM_SHAPE, module.attn_fwd_wsm
+    pool = torch.empty(64 * module.PAGE_SIZE, module.HEAD_DIM, dtype=module.DTYPE)
+
+    def desc(cols, layout):
+        made = module.GluonTensorDescriptor(pool, list(pool.shape), list(pool.stride()), [shape["BLOCK_N"], cols], layout)
+        return native_specialize_impl(CUDABackend, made, False, True, True)[0]
+
+    descs = {"kv_desc": desc(module.HEAD_DIM_V // 2, module._WSM_KV_LAYOUT),
+             "rope_desc": desc(module.HEAD_DIM - module.HEAD_DIM_V, module._WSM_ROPE_LAYOUT)}
+    const = dict(ROWS=shape["ROWS"], BLOCK_N=shape["BLOCK_N"], STAGES=shape["STAGES"], PAGE=module.PAGE_SIZE,
+                 CAUSAL=module.WSM_CAUSAL, CONSUMER_REGS=shape["consumer_regs"], LOADER_REGS=shape["loader_regs"])
+    ptrs = {"Q": _PTR[str(module.DTYPE).removeprefix("torch.")], "OP": "*fp32", "LP": "*fp32", "SEQLENS": "*i32",
+            "BT": "*i32"}
+    compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4, maxnreg=shape["maxnreg"])
+    return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
+            "wgmma_s": ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
+            "wgmma_pv": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
+            **(_ptxas(ptx) if job.get("ptxas") else {})}
 
 
 def _ptxas(ptx: str) -> dict:

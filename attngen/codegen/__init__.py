@@ -115,8 +115,9 @@ def render(spec: Spec, program: ir.Program) -> str:
         if program.warp_specialized.backward else None,
         dq_hooks=score_hooks(program.kernel("attn_bwd_dq"), _gluon_scope(program))
         if program.warp_specialized.backward else None,
+        gluon_mla=program.warp_specialized.mla,
         decode_hooks=score_hooks(program.kernel("attn_fwd"), ("qk_scale", "n_k", "split"))
-        if program.warp_specialized.decode else None,
+        if program.warp_specialized.decode or program.warp_specialized.mla else None,
         decode_variant=bool(program.warp_specialized.decode) and bool(spec.variant),
         causal={"causal(top_left)": "top_left", "causal(bottom_right)": "bottom_right"}.get(spec.mask.value, ""),
         gl_dtype=gl_dtype,

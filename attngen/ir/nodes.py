@@ -502,15 +502,36 @@ class GluonDecode:
 
 
 @dataclass(frozen=True, slots=True)
+class GluonMlaDecode:
+    """The Gluon MLA decode kernel (templates/gluon_mla_decode.py.j2): programs of `rows` packed query rows of one
+    latent head over one split's keys in blocks of `block_n` (a ring of `stages` whole latent tiles), `consumers`
+    warpgroups of `consumer_regs` registers beside a loader warp of `loader_regs`, launched at `maxnreg`."""
+
+    block_n: int
+    stages: int
+    rows: int
+    consumers: int
+    consumer_regs: int
+    loader_regs: int
+    maxnreg: int
+
+    def constants(self) -> dict:
+        """The generated module's WSM_SHAPE: what its launcher reads at run time."""
+        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "consumers": self.consumers,
+                "consumer_regs": self.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": self.maxnreg}
+
+
+@dataclass(frozen=True, slots=True)
 class WarpSpecialized:
     """Which Hopper Gluon kernels a program has beside its Triton ones, with their shapes; None: none."""
 
     forward: GluonForward | None = None
     backward: GluonBackward | None = None
     decode: GluonDecode | None = None
+    mla: GluonMlaDecode | None = None
 
     def __bool__(self) -> bool:
-        return any(k is not None for k in (self.forward, self.backward, self.decode))
+        return any(k is not None for k in (self.forward, self.backward, self.decode, self.mla))
 
 
 @dataclass(frozen=True, slots=True)
@@ -865,6 +886,10 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         d = ws.decode
         out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
                    f"loader {d.loader_regs} regs")
+    if ws.mla is not None:
+        m = ws.mla
+        out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "
+                   f"{m.consumers} consumers x {m.consumer_regs} regs (maxnreg {m.maxnreg}), loader {m.loader_regs} regs")
     return out
 
 

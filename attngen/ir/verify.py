@@ -256,6 +256,32 @@ _GLUON_HEAD_DIMS = {64: 64, 96: 128, 128: 128, 256: 256}
 _GLUON_SPLIT_HEAD_DIMS = {(192, 128): 256}  # (head dim, head_dim_v): the forward's Q and K tiles' width
 
 
+_GLUON_MLA_HEAD_DIMS = ((576, 512),)  # (head dim, head_dim_v): the MLA template's Q and latent tiles (512 + 64)
+
+
+def _mla_ok(program: ir.Program, fail, regs_ok) -> None:
+    """The Gluon MLA decode kernel's shape: a latent paged cache whose pages hold whole blocks, wgmma's M rows a
+    program, each consumer's value columns one wgmma N (at most 256)."""
+    ws, m = program.warp_specialized, program.warp_specialized.mla
+    if ws.forward is not None or ws.backward is not None or ws.decode is not None:
+        fail("MLA decode beside another Gluon kernel: a latent program has only the decode kernel")
+    page = program.attr("page_size")
+    if not (program.attr("v_from_k") and program.attr("kvcache", False) and program.attr("split_kv") is not None
+            and page is not None):
+        fail("MLA decode on a program without a paged split-KV latent cache (v = k[:N])")
+    if (program.attr("head_dim"), program.attr("head_dim_v")) not in _GLUON_MLA_HEAD_DIMS:
+        fail(f"MLA decode for (head_dim, head_dim_v) ({program.attr('head_dim')}, {program.attr('head_dim_v')}); the "
+             f"template takes {_GLUON_MLA_HEAD_DIMS}")
+    if m.rows != 64 or m.consumers != 2 or m.block_n % 32 or page % m.block_n or m.stages < 1:
+        fail(f"MLA decode: {m.rows} rows, {m.consumers} consumers, {m.block_n}-key blocks in pages of {page}, "
+             f"{m.stages} stages (64 rows: wgmma's M; 2 consumers, each half a block's keys' scores and half the "
+             "value columns; blocks a multiple of 32 within a page)")
+    regs_ok("MLA decode consumers", m.consumer_regs)
+    regs_ok("MLA decode loader", m.loader_regs)
+    if not 0 < m.maxnreg <= 255:
+        fail(f"MLA decode: maxnreg {m.maxnreg}")
+
+
 def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
     """The Hopper kernels' shapes: what wgmma, setmaxnreg and the templates' descriptors need of them."""
     ws = program.warp_specialized
@@ -281,6 +307,9 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             if getattr(k, name) < 0:
                 fail(f"{what}: {name} {getattr(k, name)} is negative")
 
+    if ws.mla is not None:
+        _mla_ok(program, fail, regs_ok)
+        return
     d, padded, dv = program.attr("head_dim"), program.attr("head_dim_padded"), program.attr("head_dim_v")
     width = _GLUON_HEAD_DIMS.get(d) if dv is None else _GLUON_SPLIT_HEAD_DIMS.get((d, dv))
     if ws and width != padded:

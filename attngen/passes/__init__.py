@@ -21,6 +21,8 @@
     tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
     warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward (and backward) also as Hopper Gluon kernels
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, one head dim 64/128) also as a Hopper Gluon kernel
+    warp-specialize-mla (MLA decode 576/512, pages of 64k tokens, policy hopper.MLA_GLUON on) also as a Hopper Gluon
+                    kernel: S computed once by two consumer warpgroups, each adding P V into half the value columns
 
 The passes marked with a condition are no-ops for specs that do not ask for them.
 Every pass but `lower` is a pure function Program -> Program in its own module, with a NAME.
@@ -34,10 +36,11 @@ from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
 from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, latent_kv, lower, mixed, online_softmax, pack_gqa,
-               paged, recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode)
+               paged, recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode,
+               warp_specialize_mla)
 
 PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, mixed,
-            causal_skip, paged, latent_kv, tma, warp_specialize, warp_specialize_decode)
+            causal_skip, paged, latent_kv, tma, warp_specialize, warp_specialize_decode, warp_specialize_mla)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

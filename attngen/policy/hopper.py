@@ -414,7 +414,7 @@ VARLEN_BACKWARD = True
 causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, varlen_attn 253), with lse and delta
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -465,3 +465,24 @@ def decode(kv_dtype: str | None = None) -> ir.GluonDecode:
     """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS) over a cache of `kv_dtype`
     (None: the queries' 16-bit dtype)."""
     return DECODE if kv_dtype is None else DECODE_FP8
+
+
+MLA_GLUON = False
+"""Whether an MLA decoding spec (`v = k[:N]`, (576, 512), paged by a multiple of MLA_DECODE's blocks) takes the Gluon
+MLA decode kernel (`MLA_DECODE`, pass warp-specialize-mla). Off until its GPU test passes and `benchmarks/mla_sweep.py
+--gluon` shows it faster: the Triton split-KV kernel runs (H200, batch 64 x 8k: 16 heads 3,518 GB/s, 128 heads 245
+TFLOP/s, where issue 51 asks 500), and `attngen explain` says why (`warp_specialize_mla.refusal`)."""
+
+MLA_DECODE = ir.GluonMlaDecode(block_n=64, stages=2, rows=64, consumers=2, consumer_regs=240, loader_regs=24,
+                               maxnreg=168)
+"""The Gluon MLA decode kernel's shape, FlashMLA's: a program takes 64 packed query rows (heads x N_Q; 16 heads' rows
+padded to wgmma's M = 64, 128 heads in two programs) of one latent head and one split's keys. Q (64 x 576: 72 KB)
+stays in shared memory; each stage of the ring holds a whole latent tile of 64 keys x 576 (72 KB: three TMA copies,
+two 256-column boxes and the 64-column rotary one, TMA's boxes being at most 256 wide), of which V is the first 512
+columns (no second load). Two stages, Q and the [64, 64] P tile fill 224 KB of the 227. The Triton kernel computes
+S = Q K^T in both warpgroups' halves of its rows (a 64 x 576 tile cannot be shared between two consumers there);
+here each consumer warpgroup computes S for half the block's keys over all 576 columns ([64, 32]: the scores are
+computed once), the two exchange their row maxima through shared memory, each writes its keys' half of P into the
+shared P tile, and each then adds P V into its 256 of the 512 value columns ([64, 256] float32: 128 of its 240
+registers). Not measured."""
+

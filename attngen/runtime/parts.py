@@ -161,8 +161,9 @@ class KVCachePart:
         return problem_text(self.spec, "kvcache", ignore=("direction",))
 
     def has_gluon(self) -> bool:
-        """Whether the spec has the Gluon decode kernel (pass warp-specialize-decode)."""
-        return self.kernel.program.warp_specialized.decode is not None
+        """Whether the spec has a Gluon decode kernel (pass warp-specialize-decode, or warp-specialize-mla)."""
+        ws = self.kernel.program.warp_specialized
+        return ws.decode is not None or ws.mla is not None
 
     def gluon_runs_here(self) -> bool:
         """Whether this process can run it: compiled mode on an sm_90 GPU."""

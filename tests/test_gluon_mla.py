@@ -1,0 +1,193 @@
+"""The Hopper Gluon MLA decode kernel (templates/gluon_mla_decode.py.j2, passes/warp_specialize_mla.py behind policy
+hopper.MLA_GLUON).
+
+On the CPU: which latent specs get the Gluon kernel with the switch on and off and why the others keep the Triton
+kernel (`attngen explain` says it), that the generated source takes the math from the IR and dispatches to the kernel,
+that the switch-off source is the golden one, and that the kernel compiles for sm_90 (Triton's compiler and ptxas, in
+a subprocess): two consumer warpgroups and a loader warp, the scores once (m64n32 wgmma over the block's two halves of
+keys), P V on m64n256, shared memory within sm_90's 227 KB and as the resource model counts it. On a Hopper GPU
+(`gpu`): the kernel against float64 at real sizes with tests/test_mla.py's tolerance, its launches counted.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+import attngen
+from attngen.analysis.resources import SHARED_LIMIT, shared_bytes_mla
+from attngen.cli import main
+from attngen.codegen import render
+from attngen.lang.spec import load_file, parse
+from attngen.passes import applied_passes, compile_program, warp_specialize_mla
+from attngen.policy import hopper
+from conftest import HAS_GPU, SPECS, spec_text
+from probe import probe
+
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+MLA_SPEC = os.path.join(SPECS, "mla_decode.attn")
+GOLDEN = os.path.join(SPECS, "..", "generated", "mla_decode.py")
+
+
+@pytest.fixture
+def mla_gluon(monkeypatch):
+    """The switch on, as the lead turns it on once the GPU test and timing pass."""
+    monkeypatch.setattr(hopper, "MLA_GLUON", True)
+
+
+def _latent(head_dim=576, head_dim_v=512, page_size=64, **extra):
+    layout = {"kv_layout": f"paged(page_size = {page_size})"} if page_size else {}
+    return spec_text(head_dim=head_dim, dtype="bf16", mask="causal(bottom_right)", head_dim_v=head_dim_v,
+                     v=f"k[:{head_dim_v}]", split_kv="auto", **layout, **extra)
+
+
+def test_switched_off_the_mla_spec_keeps_the_triton_kernel_and_its_golden_source(monkeypatch, capsys):
+    monkeypatch.setattr(hopper, "MLA_GLUON", False)
+    assert "MLA_GLUON" in hopper.SWITCHES  # kernel caches key on it
+    spec = load_file(MLA_SPEC)
+    program = compile_program(spec)
+    assert program.warp_specialized.mla is None and not program.warp_specialized
+    assert "hopper.MLA_GLUON" in warp_specialize_mla.refusal(program)
+    assert warp_specialize_mla.NAME not in applied_passes(program)
+    source = render(spec, program)
+    assert "attn_fwd_wsm" not in source and "gluon" not in source
+    with open(GOLDEN) as f:
+        assert source == f.read()
+    assert main(["explain", MLA_SPEC]) == 0
+    assert "warp-specialize-mla: no Hopper Gluon kernel (the Gluon MLA kernel is switched off (policy hopper.MLA_GLUON)" \
+        in capsys.readouterr().out
+
+
+def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
+    spec = load_file(MLA_SPEC)
+    program = compile_program(spec)
+    assert warp_specialize_mla.refusal(program) is None and warp_specialize_mla.NAME in applied_passes(program)
+    assert program.warp_specialized.mla == hopper.MLA_DECODE
+    assert (hopper.MLA_DECODE.rows, hopper.MLA_DECODE.block_n, hopper.MLA_DECODE.consumers) == (64, 64, 2)
+    assert program.warp_specialized.decode is None and program.warp_specialized.forward is None
+    source = render(spec, program)
+    compile(source, "mla_gluon.py", "exec")
+    # the dispatch: the Gluon kernel where it runs, the Triton kernel otherwise, the same split count and merge
+    assert "ws = config.pop(\"warp_specialized\", True) and wsm_ready(q, k_cache, out)" in source
+    assert "launch_attn_fwd_wsm(q, k_cache, o_part, lse_part, cache_seqlens, block_table, sm_scale)" in source
+    assert "launch_attn_fwd_wsm(q, k_cache, out.unsqueeze(1), lse.unsqueeze(1)" in source
+    # the IR's math through the hooks: the scale, the bottom-right diagonal over packed rows, the mask, the epilogue
+    assert "qk_scale = sm_scale * 1.4426950408889634" in source
+    assert "diag = n_k - N_Q + s_rows // GROUP" in source
+    assert "keep = (keys[None, :] <= diag[:, None]) & (keys < n_k)[None, :]" in source
+    assert "p = gl.exp2(sc * qk_scale - m_use[:, None])" in source
+    assert "out = acc / l_o[:, None]" in source and "(m_i + gl.log2(l_safe)) * 0.6931471805599453" in source
+    # V is the latent tile's first columns: the P V operand is the same shared buffer the scores read
+    assert "v = kv_smem.index(2 * s + WG)" in source and not re.search(r"\bv_(smem|desc)\b", source.split("# -- the warp")[-1])
+    assert main(["explain", MLA_SPEC]) == 0
+    text = capsys.readouterr().out
+    assert "gluon MLA decode: 64x64 tiles (packed query rows x keys), 2 stages, 2 consumers x 240 regs" in text
+    assert "warp-specialize-mla: on Hopper the Gluon MLA kernel runs: 64 packed query rows x 64 keys a tile" in text
+
+
+@pytest.mark.parametrize("text,words", [
+    (_latent(page_size=None), "a contiguous cache"),
+    (_latent(page_size=16), "a page of 16 tokens"),
+    (_latent(head_dim=80, head_dim_v=64, page_size=16), "(head_dim, head_dim_v) = (80, 64)"),
+    (_latent().replace("causal(bottom_right)", "window(100)"), "no mask or a causal one"),
+], ids=["contiguous", "paged16", "80-64", "window"])
+def test_other_latent_specs_keep_the_triton_kernel_and_say_why(mla_gluon, text, words):
+    program = compile_program(parse(text))
+    assert program.warp_specialized.mla is None
+    assert words in warp_specialize_mla.refusal(program)
+
+
+def test_a_spec_without_a_latent_cache_is_not_the_pass_s(mla_gluon):
+    program = compile_program(parse(spec_text(head_dim=128, dtype="bf16", mask="causal(bottom_right)",
+                                              split_kv="auto", kv_layout="paged(page_size = 64)")))
+    assert warp_specialize_mla.refusal(program) is None and not warp_specialize_mla.applies(program)
+    assert program.warp_specialized.mla is None and program.warp_specialized.decode is not None
+
+
+def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, tmp_path):
+    """ptxas (sm_90a) on the kernel as its launcher launches it: 12 warps (two consumer warpgroups and the loader
+    padded to one), the scores once (36 m64n32k16 a warpgroup: 576 columns over two consumers of 32 keys each),
+    P V on m64n256k16 (4 a warpgroup: 64 keys), three TMA copies a block, the resource model's shared memory (within
+    sm_90's 232,448 bytes), at most maxnreg registers and a few spilled bytes."""
+    spec = load_file(MLA_SPEC)
+    path = tmp_path / "mla_gluon_sm90.py"
+    path.write_text(render(spec, compile_program(spec)))
+    (result,) = probe([{"path": str(path), "gluon_ws": "mla", "ptxas": True}])
+    assert "error" not in result, result
+    m = hopper.MLA_DECODE
+    assert result["warps"] == 12 and result["wgmma_s"] == 2 * 36 and result["wgmma_pv"] == 2 * 4, result
+    assert result["wgmma"] == result["wgmma_s"] + result["wgmma_pv"] and result["tma_loads"] >= 3, result
+    model = shared_bytes_mla(576, 2, m.rows, m.block_n, m.stages)
+    assert model <= result["shared"] <= model + 1024 and result["shared"] <= SHARED_LIMIT[(9, 0)], (model, result)
+    assert result["registers"] <= m.maxnreg, result
+    # NOTE: ptxas reports 56 bytes of spill stores (52 of loads) at maxnreg 168; the bound catches a regression
+    assert result["spill_stores"] <= 128 and result["spill_loads"] <= 128, result
+
+
+def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_time_the_wrong_kernel():
+    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), and where the Gluon kernel
+    cannot run (here: no GPU) it says so instead of timing the Triton kernel under the Gluon kernel's name."""
+    import importlib.util
+
+    path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
+    loaded = importlib.util.spec_from_file_location("mla_sweep_gluon", path)
+    sweep = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(sweep)
+    before = hopper.MLA_GLUON
+    with pytest.raises(RuntimeError, match="wsm_ready"):
+        sweep.gluon_against_triton(16, 1, 64, device="cpu")
+    assert hopper.MLA_GLUON is before
+    assert sweep.describe({"warp_specialized": 1, "num_splits": 4}) == "gluon MLA kernel num_splits=4"
+
+
+# -- on a Hopper GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel is sm_90's")
+@pytest.mark.parametrize("n_q", [1, 2])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
+    """DeepSeek-V3's decode at batch 4 x up to 4k keys (a full sequence, N_Q keys, odd lengths), 576/512 bf16,
+    64-token pages shuffled over a pool whose other slots are NaN, at the rule's split count, one split and 3; the
+    Gluon kernel runs (the Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay
+    gives the eager result."""
+    from test_mla import _within
+
+    module = attngen.load(MLA_SPEC).module
+    assert hasattr(module, "attn_fwd_wsm")
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton partial kernel ran: the Gluon MLA kernel should have")
+
+    launches = []
+    gluon = module.launch_attn_fwd_wsm
+    monkeypatch.setattr(module, "launch_attn_fwd", no_triton)
+    monkeypatch.setattr(module, "launch_attn_fwd_wsm", lambda *a, **k: (launches.append(1), gluon(*a, **k))[1])
+    gen = torch.Generator("cuda").manual_seed(51)
+    batch, pages_per_seq, page = 4, 64, 64
+    q = (torch.randn(batch, n_q, heads, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+    pool = torch.full((batch * pages_per_seq + 5, page, 1, 576), float("nan"), device="cuda").bfloat16()
+    order = torch.randperm(batch * pages_per_seq + 5, generator=gen, device="cuda")[: batch * pages_per_seq]
+    lens = torch.tensor([pages_per_seq * page, n_q, 2049, 3001], dtype=torch.int32, device="cuda")
+    for b in range(batch):  # each sequence's keys on its shuffled pages; slots past its length stay NaN
+        keys = torch.randn(int(lens[b]), 576, generator=gen, device="cuda").bfloat16()
+        rows = order.view(batch, pages_per_seq)[b]
+        flat = pool[rows].view(-1, 576)
+        flat[: int(lens[b])] = keys
+        pool[rows] = flat.view(pages_per_seq, page, 1, 576)
+    table = order.view(batch, pages_per_seq).to(torch.int32)
+    for num_splits in (0, 1, 3):
+        out = torch.full((batch, heads, n_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=out, num_splits=num_splits)
+        reference_pool = torch.nan_to_num(pool, nan=0.0)  # (slots past a sequence are masked: any value will do)
+        _within(out.transpose(1, 2), q, reference_pool, lens, table, 512)
+    assert len(launches) == 3
+    # captured in a CUDA graph (no host sync in the launch), the replay gives the eager call's result
+    graph, captured = torch.cuda.CUDAGraph(), torch.empty_like(out)
+    with torch.cuda.graph(graph):
+        module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=captured, num_splits=3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
