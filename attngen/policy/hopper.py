@@ -167,13 +167,16 @@ ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the
 consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
 written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
 kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
-columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Not
-measured."""
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Two
+stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
 
 
 WIDE_BACKWARD_STAGES = False
-"""Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one). Not measured on a GPU
-yet: off until its H200 run."""
+"""Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one). Written and compiled
+without a GPU (ptxas, sm_90a: 168 registers, spill stores / loads in bytes d=256 120 / 112 without a mask and
+128 / 120 causal, against BWD_WIDE's 312 / 304 and 336 / 328; (192, 128) none, against 24 / 16 and 32 / 24), not
+yet run: off until its GPU tests pass and the shapes bench says it is faster (tests/test_gluon_wide_backward.py,
+benchmarks/wide_backward.py)."""
 
 BWD_WIDE_STAGED = replace(BWD_WIDE, stages=2)
 """The wide path with two stages of Q and dO, so that the loader fetches the next step's while the consumers work on
