@@ -237,7 +237,10 @@ def _gluon_dense_backward_line(program: ir.Program) -> str:
     if backward.wide:
         return ("the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE): both consumer "
                 "warpgroups on the program's keys, each holding half of dK's and dV's columns and computing S^T and "
-                "dP^T for half of a step's query rows, P^T and dS^T exchanged through shared memory")
+                "dP^T for half of a step's query rows, P^T and dS^T exchanged through shared memory"
+                + (f"; {backward.main.stages} stages of Q and dO, each held in the consumers' float32 dQ tiles until "
+                   "its dQ is made (policy/hopper.py BWD_WIDE_STAGED)" if backward.main.stages > 1 else
+                   "; one stage of Q and dO"))
     return "the backward runs the Gluon kernel (dQ, dK and dV in one kernel, dQ added by TMA reductions)"
 
 

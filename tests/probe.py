@@ -150,7 +150,7 @@ def _compile_gluon_ws(module, job):
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
             "tma_stores": ptx.count("cp.async.bulk.tensor.4d.global.shared"),
             "tma_reduces": ptx.count("cp.reduce.async.bulk.tensor.4d"), "global_stores": ptx.count("st.global"),
-            "wgmma_e4m3": ptx.count(".f32.e4m3.e4m3")}
+            "wgmma_e4m3": ptx.count(".f32.e4m3.e4m3"), **(_ptxas(ptx) if job.get("ptxas") else {})}
 
 
 def _compile_split_kv(fn, descs, ptrs, const, job, **options):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attngen
+from attngen.analysis.resources import wide_backward_shared_bytes
 from attngen.cli import main
 from attngen.errors import InternalError
 from attngen.ir.verify import verify
@@ -120,6 +121,85 @@ def test_the_wide_backward_compiles_for_sm90(monkeypatch):
         assert result["tma_reduces"] > 0 and result["tma_stores"] > 0 and result["global_stores"] == 0, result
 
 
+@pytest.mark.parametrize("dims", [(256, None), (192, 128)])
+def test_the_stages_switch_decides_the_wide_shape(dims, monkeypatch):
+    """WIDE_BACKWARD_STAGES picks BWD_WIDE_STAGED (two Q/dO stages) over BWD_WIDE; it is one of the switches kernel
+    caches key on, so a module loaded under each setting is its own, and explain says which runs."""
+    d, dv = dims
+    keys = {"head_dim_v": dv} if dv else {}
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    assert "WIDE_BACKWARD_STAGES" in hopper.SWITCHES
+    shapes, modules = {}, {}
+    for staged in (False, True):
+        monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
+        backward = _program(f"wide_stages_{d}", head_dim=d, **keys).warp_specialized.backward
+        assert backward.wide and backward.main == backward.short
+        shapes[staged] = backward.main
+        modules[staged] = attngen.load(spec_text(f"wide_stages_{d}", d, "bf16", "causal",
+                                                 direction="forward+backward", **keys))
+        assert modules[staged].module.WS_BWD_SHAPE["STAGES"] == shapes[staged].stages
+    assert shapes == {False: hopper.BWD_WIDE, True: hopper.BWD_WIDE_STAGED}
+    assert shapes[False].stages == 1 and shapes[True].stages == 2
+    assert dataclasses.replace(shapes[True], stages=1) == shapes[False]  # (only the stages differ)
+    assert modules[False].path != modules[True].path
+    assert "_ws_bwd_stage(" in modules[True].path.read_text()
+    assert "_ws_bwd_stage(" not in modules[False].path.read_text()
+
+
+def test_explain_says_how_many_stages_the_wide_path_takes(capsys, tmp_path, monkeypatch):
+    spec = tmp_path / "wide_stages.attn"
+    spec.write_text(spec_text("wide_stages_explain", 256, "bf16", "causal", direction="forward+backward"))
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    for staged, says in ((False, "one stage of Q and dO"), (True, "2 stages of Q and dO")):
+        monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
+        assert main(["explain", str(spec)]) == 0
+        assert says in capsys.readouterr().out
+
+
+def test_the_shared_memory_model_of_the_wide_path():
+    """Two stages fit at d=256 and (192, 128) only because each stage is the consumers' dQ tiles; a third fits
+    neither, nor two with separate dQ tiles."""
+    limit = SHARED
+    for dv in (256, 128):
+        assert wide_backward_shared_bytes(hopper.BWD_WIDE, 256, dv) <= limit
+        assert wide_backward_shared_bytes(hopper.BWD_WIDE_STAGED, 256, dv) <= limit
+        third = dataclasses.replace(hopper.BWD_WIDE_STAGED, stages=3)
+        assert wide_backward_shared_bytes(third, 256, dv) > limit
+        # one stage's Q, dO and dQ tiles, and a second Q and dO: what two stages would take without sharing
+        one = wide_backward_shared_bytes(hopper.BWD_WIDE, 256, dv)
+        assert one + 2 * 64 * (256 + dv) > limit
+    assert wide_backward_shared_bytes(hopper.BWD_WIDE_STAGED, 256, 256) == 230480  # K, V 64 KB, stages 128, P^T/dS^T 32
+    assert wide_backward_shared_bytes(hopper.BWD_WIDE_STAGED, 256, 128) == 214096
+
+
+def test_the_staged_wide_backward_compiles_for_sm90_with_fewer_spills(monkeypatch):
+    """The kernel at BWD_WIDE_STAGED and at BWD_WIDE, d=256 both masks and (192, 128) causal, compiled for sm_90a:
+    within shared memory, as the resource model counts it (Triton adds at most 512 bytes of alignment), 12 warps,
+    dQ by TMA reductions from the stages, and ptxas spills no more than the one-stage kernel's."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    cases = [(256, None, "none", "bf16"), (256, None, "causal", "fp16"), (192, 128, "causal", "bf16")]
+    jobs, shapes = [], []
+    for staged in (False, True):
+        monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
+        for d, dv, mask, dtype in cases:
+            keys = {"head_dim_v": dv} if dv else {}
+            kernel = attngen.load(spec_text(f"wide_spill_{d}_{mask}", d, dtype, mask, direction="forward+backward",
+                                            **keys))
+            jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptxas": True})
+            shapes.append((hopper.backward(d, mask != "none").main, dv or 256))
+    results = probe(jobs)
+    for job, result, (shape, dv) in zip(jobs, results, shapes):
+        assert "error" not in result, (job, result)
+        model = wide_backward_shared_bytes(shape, 256, dv)
+        assert model <= result["shared"] <= min(model + 512, SHARED), (job, result, model)
+        assert result["warps"] == 12 and result["tma_reduces"] > 0 and result["global_stores"] == 0, result
+    one, two = results[:len(cases)], results[len(cases):]
+    for case, before, after in zip(cases, one, two):
+        assert after["spill_stores"] <= before["spill_stores"] and after["spill_loads"] <= before["spill_loads"], (
+            case, before, after)
+        assert after["registers"] <= 168, (case, after)
+
+
 def test_deepseeks_row_passes_take_o_and_do_128_wide(monkeypatch):
     """The fused launcher's row passes at (192, 128) in the interpreter, the Gluon kernel stubbed out: delta =
     rowsum(dO * O) over O's and dO's 128 columns (not the next row's), the 256-column accumulator zeroed, dQ written
@@ -148,16 +228,19 @@ def test_deepseeks_row_passes_take_o_and_do_128_wide(monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
 @pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
 @pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(2, 4, 4, 2049, 2049), Case(1, 8, 8, 1500, 1000),
-                                  Case(1, 4, 1, 1024, 1024)])
-def test_wide_backward_against_float64(mask, case, monkeypatch):
+                                  Case(1, 4, 1, 1024, 1024), Case(1, 16, 2, 4097, 4097)])
+@pytest.mark.parametrize("staged", [False, True], ids=["one_stage", "two_stages"])
+def test_wide_backward_against_float64(mask, case, staged, monkeypatch):
     """The forward and the wide Gluon backward through the kernel's autograd path, dQ, dK and dV against
-    float64's (the tolerances of the other Gluon backward tests: compare_grads)."""
+    float64's (the tolerances of the other Gluon backward tests: compare_grads), at BWD_WIDE and BWD_WIDE_STAGED
+    (WIDE_BACKWARD_STAGES); the last case's programs take 8 heads x 65 query blocks, the stages' ring many times."""
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"wide_gpu{heads}_{mask[:6]}{len(mask)}", 256, "bf16", mask,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
-    assert m.WS_BWD_SHAPE.get("wide")
+    assert m.WS_BWD_SHAPE.get("wide") and m.WS_BWD_SHAPE["STAGES"] == (2 if staged else 1)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
     called = []
@@ -178,14 +261,18 @@ def test_wide_backward_against_float64(mask, case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
 @pytest.mark.parametrize("mask", ["none", "causal(top_left)"])
-@pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(1, 16, 16, 2049, 2049)])
-def test_wide_backward_192_128_against_float64(mask, case, monkeypatch):
-    """DeepSeek's (192, 128) through the wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's."""
+@pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(1, 16, 16, 2049, 2049), Case(2, 8, 2, 3001, 3001)])
+@pytest.mark.parametrize("staged", [False, True], ids=["one_stage", "two_stages"])
+def test_wide_backward_192_128_against_float64(mask, case, staged, monkeypatch):
+    """DeepSeek's (192, 128) through the wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's, at
+    BWD_WIDE and BWD_WIDE_STAGED (dO then fills half of its stage's tile)."""
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"wide_gpu_ds{heads}_{mask[:6]}", 192, "bf16", mask, head_dim_v=128,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
+    assert m.WS_BWD_SHAPE["STAGES"] == (2 if staged else 1)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
     called = []

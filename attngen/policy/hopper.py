@@ -167,8 +167,25 @@ ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the
 consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
 written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
 kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
-columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Not
-measured."""
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Two
+stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
+
+
+WIDE_BACKWARD_STAGES = False
+"""Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one). Written and compiled
+without a GPU (ptxas, sm_90a: 168 registers, spill stores / loads in bytes d=256 120 / 112 without a mask and
+128 / 120 causal, against BWD_WIDE's 312 / 304 and 336 / 328; (192, 128) none, against 24 / 16 and 32 / 24), not
+yet run: off until its GPU tests pass and the shapes bench says it is faster (tests/test_gluon_wide_backward.py,
+benchmarks/wide_backward.py)."""
+
+BWD_WIDE_STAGED = replace(BWD_WIDE, stages=2)
+"""The wide path with two stages of Q and dO, so that the loader fetches the next step's while the consumers work on
+this one's (BWD_WIDE's one stage waits for the refill at every step). Beside two stages, separate dQ tiles do not fit
+(d=256: K and V 64 KB, two stages 128 KB, P^T and dS^T 32 KB, the dQ tiles 64 KB: 288 KB), so each stage is the two
+consumers' float32 [64, 128] dQ tiles (64 KB): Q lives in the first and dO in the second (at (192, 128) dO fills
+half of its tile) until both consumers' products over them are done (an mbarrier a step), then consumer c's dQ
+takes tile c, and the stage is released in the next step once its TMA reduction has read it. Shared memory
+(`analysis.resources.wide_backward_shared_bytes`): d=256 224 KB, (192, 128) 208 KB; a third stage fits neither."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +401,8 @@ def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
     then 128 wide)."""
     head_dim = tile_dim(head_dim)
     if head_dim == 256:
-        return ir.GluonBackward(main=BWD_WIDE, short=BWD_WIDE, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
+        wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES else BWD_WIDE
+        return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
                                 min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True)
@@ -414,7 +432,8 @@ VARLEN_BACKWARD = True
 causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, varlen_attn 253), with lse and delta
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
+            "WIDE_BACKWARD_STAGES")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
