@@ -371,11 +371,42 @@ shared memory). Not measured on a GPU: a third stage at d=128 (+32 KB), d=64 at 
 spills either), and FA3's 176- and 160-key blocks (not powers of two) are the first things to try."""
 
 
+FP8_FORWARD_ALTERNATIVES = {
+    "n256": ir.GluonShape(block_m=128, block_n=256, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+    "stages3": ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
+}
+"""Shapes for the d=128 FP8 Gluon forward to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one,
+in a process and kernel cache of its own: the cache keys on SWITCHES, not on the tables). e4m3 halves a block's bytes,
+so the ring holds more keys: "n256", 256-key blocks (FA3's FP8 kernel takes 176 keys at d=128, which a register tile
+of power-of-two shape cannot; 192 neither), half the barriers and row-max reductions per key, 32 KB a K or V stage,
+192 KB with the two Q buffers; its [64, 256] float32 scores are 128 registers a consumer thread beside the
+accumulator's 64. "stages3": a third stage of 128-key blocks (160 KB). ptxas (sm_90a, CPU) in
+tests/test_gluon_fp8.py::test_fp8_alternative_shapes_compile. Not measured on a GPU."""
+
+
+FP8_EXP2_EMULATION = False
+"""Whether the FP8 Gluon forward computes part of each key block's exponentials on the FMA pipe
+(`GluonForward.exp2_fma`, FP8_EXP2_FMA's share of its columns; codegen/exp2_fma.py). At d=128 a score costs 512 FLOPs
+of the two products: the H200's dense e4m3 rate (~1,979 TFLOP/s) makes ~3.9e12 scores/s, and its exp2 units
+(MUFU.EX2: 132 SMs x 16 a clock x ~1.83 GHz) ~3.9e12/s too, so with every exponential on them the softmax takes as
+long as the products and the kernel cannot pass about half the e4m3 peak. An emulated exp2 is ~10 FP32/integer
+instructions (Cody-Waite: 2^x = 2^round(x) * 2^f, 2^f by a degree-3 polynomial, round(x) added into the exponent
+bits), on pipes 8x as wide as MUFU's. Off until measured (H200: FP8_GLUON off / on / on with this)."""
+
+FP8_EXP2_FMA = {64: 0.25, 128: 0.25}
+"""The share of each key block's columns whose exp2 runs on the FMA pipe where FP8_EXP2_EMULATION is on, by head dim:
+1/2^k (the tile is halved k times by its columns, and the last part emulated). A quarter leaves MUFU three quarters of
+the exponentials, ~0.75 of the products' time; a half (the other setting to try) 0.5, for ~5 more FP32 instructions a
+score. Not measured."""
+
+
 def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for an FP8 program (head dim in FP8_HEAD_DIMS, no variant): the
-    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length."""
+    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length, and with
+    FP8_EXP2_EMULATION the share FP8_EXP2_FMA of the exponentials on the FMA pipe."""
     shape = FP8_FORWARD[head_dim]
-    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0)
+    exp2_fma = FP8_EXP2_FMA[head_dim] if FP8_EXP2_EMULATION else 0.0
+    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0, exp2_fma=exp2_fma)
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
@@ -414,7 +445,8 @@ VARLEN_BACKWARD = True
 causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, varlen_attn 253), with lse and delta
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON",
+            "FP8_EXP2_EMULATION")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
