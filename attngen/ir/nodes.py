@@ -865,7 +865,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
             continue
         flags = [f.name for f in fields(k) if isinstance(getattr(k, f.name), bool) and getattr(k, f.name)]
         numbers = [f"{f.name}={getattr(k, f.name)}" for f in fields(k)
-                   if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")]
+                   if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")
+                   or type(getattr(k, f.name)) is float and getattr(k, f.name)]  # (a share: where set)
         out += [f"gluon {name}: {_format_shape(k.main)}, loader {k.loader_regs} regs",
                 f"  short (<= {k.short_keys} keys): {_format_shape(k.short)}" if k.short_keys else "  short: never",
                 f"  runs from {k.min_keys} keys and {k.min_scores} scores; " + ", ".join(flags + numbers)]

@@ -372,16 +372,15 @@ spills either), and FA3's 176- and 160-key blocks (not powers of two) are the fi
 
 
 FP8_FORWARD_ALTERNATIVES = {
-    "n256": ir.GluonShape(block_m=128, block_n=256, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
     "stages3": ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
 }
-"""Shapes for the d=128 FP8 Gluon forward to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one,
-in a process and kernel cache of its own: the cache keys on SWITCHES, not on the tables). e4m3 halves a block's bytes,
-so the ring holds more keys: "n256", 256-key blocks (FA3's FP8 kernel takes 176 keys at d=128, which a register tile
-of power-of-two shape cannot; 192 neither), half the barriers and row-max reductions per key, 32 KB a K or V stage,
-192 KB with the two Q buffers; its [64, 256] float32 scores are 128 registers a consumer thread beside the
-accumulator's 64. "stages3": a third stage of 128-key blocks (160 KB). ptxas (sm_90a, CPU) in
-tests/test_gluon_fp8.py::test_fp8_alternative_shapes_compile. Not measured on a GPU."""
+"""Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
+of its own: the cache keys on SWITCHES, not on the tables). e4m3 halves a block's bytes, so the ring can hold more
+keys. "stages3": a third stage of 128-key blocks, 164,312 bytes of shared memory (ptxas, sm_90a: 168 registers,
+8-20 bytes spilled, as at 2 stages; with FP8_EXP2_EMULATION the same). Wider blocks: FA3's FP8 kernel takes 176 keys
+at d=128, which a register tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill
+1,572-1,740 bytes a consumer thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the
+accumulator's 64) and ptxas serialises their wgmma: not worth a GPU run. Not measured on a GPU."""
 
 
 FP8_EXP2_EMULATION = False
@@ -391,7 +390,11 @@ of the two products: the H200's dense e4m3 rate (~1,979 TFLOP/s) makes ~3.9e12 s
 (MUFU.EX2: 132 SMs x 16 a clock x ~1.83 GHz) ~3.9e12/s too, so with every exponential on them the softmax takes as
 long as the products and the kernel cannot pass about half the e4m3 peak. An emulated exp2 is ~10 FP32/integer
 instructions (Cody-Waite: 2^x = 2^round(x) * 2^f, 2^f by a degree-3 polynomial, round(x) added into the exponent
-bits), on pipes 8x as wide as MUFU's. Off until measured (H200: FP8_GLUON off / on / on with this)."""
+bits), on pipes 8x as wide as MUFU's. Compiled for sm_90a (ptxas, CPU; tests/test_gluon_fp8.py): at a quarter, MUFU.EX2
+260 -> 196 in the d=128 kernel's SASS (64 -> 48 a block and consumer thread, the rows' rescaling kept), d=64 198 ->
+150; the same registers and spills (8 bytes causal d=128, none at d=64), no shuffles added (the tile is split by
+its columns' register bits), the wgmma not serialised. Off until measured (benchmarks/fp8_exp2.py: FP8_GLUON off /
+on / on with this, in one process)."""
 
 FP8_EXP2_FMA = {64: 0.25, 128: 0.25}
 """The share of each key block's columns whose exp2 runs on the FMA pipe where FP8_EXP2_EMULATION is on, by head dim:
