@@ -170,6 +170,18 @@ def test_the_exp2_switch_sets_the_share_and_nothing_else(fp8_gluon, monkeypatch)
         assert (f_on.overlap, f_on.pingpong) == (bf16.overlap, bf16.pingpong) and f_on.overlap
 
 
+def test_a_spec_loaded_with_the_exp2_switch_on_is_another_module(fp8_gluon, monkeypatch, tmp_path):
+    """Turned at run time (the lead's A/B in one process), the switch gets its own module: the cache keys on it."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    text = spec_text("gf8_exp2_load", 128, "fp8_e4m3", "causal", direction="forward")
+    off = attngen.load(text)
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+    on = attngen.load(text)
+    assert on is not off and on.path != off.path
+    assert "EXP2_FMA" not in off.module.WS_SHAPE and on.module.WS_SHAPE["EXP2_FMA"] == hopper.FP8_EXP2_FMA[128]
+    assert hasattr(on.module, "_exp2_fma") and not hasattr(off.module, "_exp2_fma")
+
+
 def test_the_exp2_switch_leaves_other_sources_alone(monkeypatch):
     """On, it changes neither a 16-bit program nor an FP8 one on the Triton kernel (FP8_GLUON off)."""
     monkeypatch.setattr(hopper, "FP8_GLUON", False)

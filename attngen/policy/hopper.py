@@ -398,9 +398,13 @@ on / on with this, in one process)."""
 
 FP8_EXP2_FMA = {64: 0.25, 128: 0.25}
 """The share of each key block's columns whose exp2 runs on the FMA pipe where FP8_EXP2_EMULATION is on, by head dim:
-1/2^k (the tile is halved k times by its columns, and the last part emulated). A quarter leaves MUFU three quarters of
-the exponentials, ~0.75 of the products' time; a half (the other setting to try) 0.5, for ~5 more FP32 instructions a
-score. Not measured."""
+1/2^k (the tile is halved k times by its columns, and the last part emulated). Why a quarter, per multiprocessor and
+clock at d=128: the e4m3 products make 16 scores (~1,979 TFLOP/s / 512 FLOPs / 132 SMs / 1.83 GHz), MUFU 16
+exponentials, and the 4 schedulers issue 128 thread-instructions, of which a score takes ~4.5 besides the emulation
+(the scale's FFMA, the max, the sum, half an e4m3 pack, its MUFU issue). Emulating a share s costs ~9 more a score:
+MUFU's time (1 - s) / 16 meets the issue's (4.5 + 9 s) / 128 near s = 0.2, both then ~0.05 clocks a score, under
+the products' 0.0625. A half (the other setting to try: ptxas gives it the same registers and spills) would be
+issue-bound at ~0.07. Not measured."""
 
 
 def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
