@@ -177,7 +177,7 @@ def _print_passes(program: ir.Program) -> None:
         print("warp-specialize: on Hopper the forward runs the Gluon kernel on e4m3 tiles (wgmma k32), V read as "
               "V^T tiles through its (B, H_KV, D, N_K) view where its keys are contiguous (attention() copies V so; "
               "a V with its head dim contiguous runs the Triton kernel), qk_scale and V's descale loaded per tile, "
-              "the bf16 output stored through its Q buffers")
+              "the bf16 output stored through its Q buffers" + _fp8_exp2_line(program.warp_specialized.forward))
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
@@ -213,6 +213,14 @@ def _mla_line(program: ir.Program) -> str:
             f"columns, no second load); {mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} "
             f"of the keys over all {d} columns (S once), exchanging row maxima, each adding P V into "
             f"{d_v // mla.consumers} of the {d_v} value columns; the split count and merge are the Triton path's")
+
+
+def _fp8_exp2_line(forward) -> str:
+    """The FP8 Gluon forward's exponentials, where part of them leave MUFU (policy/hopper.py FP8_EXP2_EMULATION)."""
+    if not forward.exp2_fma:
+        return ""
+    return (f"; exp2 of the last 1/{2 ** forward.exp2_fma_halvings} of each key block's columns on the FMA pipe "
+            "(a degree-3 polynomial, codegen/exp2_fma.py), the rest on MUFU")
 
 
 def _gluon_backward_line(program: ir.Program) -> str:

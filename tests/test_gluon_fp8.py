@@ -17,7 +17,7 @@ import torch
 
 import attngen
 from attngen.cli import main
-from attngen.codegen import render
+from attngen.codegen import exp2_fma, render
 from attngen.errors import InternalError
 from attngen.ir.verify import verify
 from attngen.lang.spec import parse
@@ -148,6 +148,148 @@ def test_fp8_gluon_forward_compiles_to_e4m3_wgmma(fp8_gluon, tmp_path, head_dim,
     assert spills <= max(2 * spills_bf16, 64) and spills <= 1024
 
 
+# -- exp2 on the FMA pipe (FP8_EXP2_EMULATION) ------------------------------------------------------------
+
+
+def test_the_exp2_switch_sets_the_share_and_nothing_else(fp8_gluon, monkeypatch):
+    """FP8_EXP2_EMULATION is a switch the kernel caches key on; on, the FP8 forward's decision carries the policy's
+    share of each key block's exponentials for the FMA pipe and is otherwise the same; off, none. The FP8 forward keeps
+    the 16-bit kernel's overlap of a block's softmax with the previous block's P V (OVERLAP) and its ping-pong
+    setting (PINGPONG)."""
+    assert "FP8_EXP2_EMULATION" in hopper.SWITCHES and hopper.FP8_EXP2_EMULATION is False
+    for head_dim in hopper.FP8_HEAD_DIMS:
+        monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", False)
+        _, off = _program(f"gf8_exp2_off_{head_dim}", head_dim)
+        monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+        _, on = _program(f"gf8_exp2_on_{head_dim}", head_dim)
+        f_off, f_on = off.warp_specialized.forward, on.warp_specialized.forward
+        assert f_off.exp2_fma == 0.0 and f_on.exp2_fma == hopper.FP8_EXP2_FMA[head_dim] > 0
+        assert replace(f_on, exp2_fma=0.0) == f_off
+        assert "EXP2_FMA" not in f_off.constants() and f_on.constants()["EXP2_FMA"] == f_on.exp2_fma
+        bf16 = hopper.forward(head_dim, True)
+        assert (f_on.overlap, f_on.pingpong) == (bf16.overlap, bf16.pingpong) and f_on.overlap
+
+
+def test_a_spec_loaded_with_the_exp2_switch_on_is_another_module(fp8_gluon, monkeypatch, tmp_path):
+    """Turned at run time (the lead's A/B in one process), the switch gets its own module: the cache keys on it."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    text = spec_text("gf8_exp2_load", 128, "fp8_e4m3", "causal", direction="forward")
+    off = attngen.load(text)
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+    on = attngen.load(text)
+    assert on is not off and on.path != off.path
+    assert "EXP2_FMA" not in off.module.WS_SHAPE and on.module.WS_SHAPE["EXP2_FMA"] == hopper.FP8_EXP2_FMA[128]
+    assert hasattr(on.module, "_exp2_fma") and not hasattr(off.module, "_exp2_fma")
+
+
+def test_the_exp2_switch_leaves_other_sources_alone(monkeypatch):
+    """On, it changes neither a 16-bit program nor an FP8 one on the Triton kernel (FP8_GLUON off)."""
+    monkeypatch.setattr(hopper, "FP8_GLUON", False)
+    for dtype in ("bf16", "fp8_e4m3"):
+        spec = parse(spec_text(f"gf8_exp2_{dtype}", 128, dtype, "causal", direction="forward"))
+        monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", False)
+        off = compile_program(spec)
+        monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+        on = compile_program(spec)
+        assert off == on and render(spec, off) == render(spec, on) and "_exp2_fma" not in render(spec, on)
+
+
+def test_the_source_takes_the_emulated_exp2_for_the_share(fp8_gluon, monkeypatch):
+    """The scores' exponential is _ws_exp2 (k halvings of the tile, the last part on _exp2_fma, codegen/exp2_fma.py's
+    text), the rows' rescaling factor still gl.exp2; off, no trace of it."""
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+    monkeypatch.setitem(hopper.FP8_EXP2_FMA, 128, 0.25)
+    spec, program = _program("gf8_exp2_source")
+    source = render(spec, program)
+    assert exp2_fma.helper("gl") in source
+    softmax = source[source.index("def _ws_softmax("):source.index("def _ws_release_q(")]
+    assert softmax.count("p = _ws_exp2(") == 2 and "alpha = gl.exp2(m_i - m_new)" in softmax
+    split = source[source.index("def _ws_exp2("):source.index("def _ws_softmax(")]
+    assert split.count("_ws_halves(") == 2 and split.count("_ws_joined(gl.exp2(") == 2
+    assert "p = _exp2_fma(fma1)" in split and "assert_trivial=True" in split
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", False)
+    assert "_exp2_fma" not in render(*_program("gf8_exp2_source"))
+
+
+@pytest.mark.parametrize("share", [0.3, 1.0, 1 / 32])
+def test_the_verifier_holds_the_share_to_halvings_of_the_key_block(fp8_gluon, share):
+    """1/2^k of the key block, at least 8 columns (a halving splits the tile by a register's column bit)."""
+    _, program = _program("gf8_exp2_verify")
+    odd = replace(program.warp_specialized.forward, exp2_fma=share)
+    with pytest.raises(InternalError, match="exp2_fma"):
+        verify(replace(program, warp_specialized=replace(program.warp_specialized, forward=odd)), "test")
+
+
+def test_the_verifier_refuses_the_emulated_exp2_on_16_bit_inputs():
+    spec = parse(spec_text("gf8_exp2_bf16", 128, "bf16", "causal", direction="forward"))
+    program = compile_program(spec)
+    odd = replace(program.warp_specialized.forward, exp2_fma=0.25)
+    with pytest.raises(InternalError, match="16-bit inputs"):
+        verify(replace(program, warp_specialized=replace(program.warp_specialized, forward=odd)), "test")
+
+
+def _sass_ex2(ptx_path) -> tuple[int, int, bool]:
+    """(MUFU.EX2 count in the SASS, spill store bytes, whether ptxas serialised the wgmma) of the PTX file's kernel."""
+    import triton
+
+    bin_dir = f"{triton.__path__[0]}/backends/nvidia/bin"
+    cubin = str(ptx_path) + ".cubin"
+    done = subprocess.run([f"{bin_dir}/ptxas", "-arch=sm_90a", "-v", str(ptx_path), "-o", cubin],
+                          capture_output=True, text=True, check=True)
+    sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    spills = re.search(r"(\d+) bytes spill stores", done.stderr)
+    return sass.count("MUFU.EX2"), int(spills.group(1)) if spills else 0, "serializ" in done.stderr
+
+
+@pytest.mark.parametrize("head_dim, mask", [(128, "causal"), (64, "none")])
+def test_the_emulated_exp2_takes_a_share_of_mufu_off_without_spills(fp8_gluon, monkeypatch, tmp_path, head_dim, mask):
+    """Compiled for sm_90 (tests/probe.py), the switch on against off: the share of the scores' ex2.approx (PTX)
+    and MUFU.EX2 (SASS) gone, the rows' rescaling ones left, no data moved between threads for the split (the
+    tile's halves are a thread's registers: as many shuffles), no more spills, the wgmma not serialised, and the
+    softmax still overlapping the previous block's P V (a wait for all but the last wgmma group in the loop)."""
+    jobs, ptx = [], {}
+    for on in (False, True):
+        monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", on)
+        spec, program = _program(f"gf8_exp2_sm90_{head_dim}_{int(on)}", head_dim, mask)
+        path = tmp_path / f"{spec.name}.py"
+        path.write_text(render(spec, program))
+        ptx[on] = tmp_path / f"{spec.name}.ptx"
+        jobs.append({"path": str(path), "gluon_ws": True, "ptx_to": str(ptx[on])})
+    off_result, on_result = probe(jobs)
+    assert "error" not in on_result, on_result
+    assert on_result["shared"] == off_result["shared"] and on_result["wgmma"] == off_result["wgmma"]
+    shape, share = hopper.FP8_FORWARD[head_dim], hopper.FP8_EXP2_FMA[head_dim]
+    per_tile = shape.block_m // shape.consumers * shape.block_n // 128  # a consumer thread's scores of a block
+    text = {on: ptx[on].read_text() for on in (False, True)}
+    ex2 = {on: text[on].count("ex2.approx") for on in (False, True)}
+    sites = ex2[False] // per_tile  # the softmax's inlined copies (the rows' alpha: fewer a thread than a tile's scores)
+    assert ex2[False] - ex2[True] == share * per_tile * sites > 0
+    (mufu_off, spills_off, serial_off), (mufu_on, spills_on, serial_on) = _sass_ex2(ptx[False]), _sass_ex2(ptx[True])
+    print(f"d={head_dim} {mask}: MUFU.EX2 {mufu_off} -> {mufu_on}, spills {spills_off} -> {spills_on} bytes")
+    assert mufu_off - mufu_on == ex2[False] - ex2[True]
+    assert spills_on <= spills_off and not serial_on and not serial_off
+    assert text[True].count("shfl.sync") == text[False].count("shfl.sync")
+    assert text[True].count("wgmma.wait_group.sync.aligned 1;") == text[False].count("wgmma.wait_group.sync.aligned 1;") > 0
+
+
+@pytest.mark.parametrize("name", sorted(hopper.FP8_FORWARD_ALTERNATIVES))
+def test_fp8_alternative_shapes_compile(fp8_gluon, monkeypatch, tmp_path, name):
+    """The shapes FP8_FORWARD_ALTERNATIVES offers for the d=128 A/B compile for sm_90 within shared memory and
+    spill no more than FP8_FORWARD[128] may (test_fp8_gluon_forward_compiles_to_e4m3_wgmma's bound)."""
+    shape = hopper.FP8_FORWARD_ALTERNATIVES[name]
+    monkeypatch.setitem(hopper.FP8_FORWARD, 128, shape)
+    spec, program = _program(f"gf8_alt_{name}")
+    assert program.warp_specialized.forward.main == shape
+    path = tmp_path / f"{spec.name}.py"
+    path.write_text(render(spec, program))
+    (result,) = probe([{"path": str(path), "gluon_ws": True, "ptx_to": str(tmp_path / "alt.ptx")}])
+    assert "error" not in result, result
+    assert result["shared"] <= SHARED and result["wgmma_e4m3"] == result["wgmma"] > 0
+    regs, spills = _ptxas(tmp_path / "alt.ptx")
+    print(f"{name}: {result['shared']} bytes of shared memory, {regs} registers, {spills} bytes spilled")
+    assert regs <= shape.maxnreg and spills <= 64
+
+
 # -- real sizes (GPU) -----------------------------------------------------------------------------------
 
 
@@ -155,14 +297,19 @@ def test_fp8_gluon_forward_compiles_to_e4m3_wgmma(fp8_gluon, tmp_path, head_dim,
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("outliers", [False, True])
-def test_gpu_fp8_gluon_forward_against_float64(fp8_gluon, monkeypatch, tmp_path, head_dim, causal, outliers):
+@pytest.mark.parametrize("exp2_emulation", [False, True])
+def test_gpu_fp8_gluon_forward_against_float64(fp8_gluon, monkeypatch, tmp_path, head_dim, causal, outliers,
+                                               exp2_emulation):
     """The Gluon kernel (asserted taken: `ws_ready`) at N_Q = 4096, N_K = 4096 + 128 (and 4000 x 4096 without a
     mask: a partial last row block), GQA 16/4, within test_fp8.py's element-wise e4m3 bound of float64 on the
-    dequantised inputs, its output poisoned first; level with the FP8 Triton kernel on the same inputs."""
+    dequantised inputs, its output poisoned first; level with the FP8 Triton kernel on the same inputs. With
+    FP8_EXP2_EMULATION, part of each block's exponentials on the FMA pipe, held to the same bounds."""
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
-    name = f"gf8_gpu_{head_dim}_{int(causal)}"
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", exp2_emulation)
+    name = f"gf8_gpu_{head_dim}_{int(causal)}_{int(exp2_emulation)}"
     kernel = attngen.load(spec_text(name, head_dim, "fp8_e4m3", "causal" if causal else "none",
                                     direction="forward"))
+    assert kernel.module.WS_SHAPE.get("EXP2_FMA", 0.0) == (hopper.FP8_EXP2_FMA[head_dim] if exp2_emulation else 0.0)
     n_q, n_k = (4096, 4096) if causal else (4000, 4096 + 128)
     gen = torch.Generator(device="cuda").manual_seed(2)
     _, (q8, qd), (k8, kd), (v8, vd) = quantized(2, 16, 4, n_q, n_k, head_dim, outliers, gen)
@@ -184,13 +331,18 @@ def test_gpu_fp8_gluon_forward_against_float64(fp8_gluon, monkeypatch, tmp_path,
     assert torch.isfinite(lse).all()
 
 
-def test_explain_describes_the_switched_on_kernel(fp8_gluon, tmp_path, capsys):
+def test_explain_describes_the_switched_on_kernel(fp8_gluon, monkeypatch, tmp_path, capsys):
     path = tmp_path / "gf8_explain.attn"
     path.write_text(spec_text("gf8_explain", 128, "fp8_e4m3", "causal", direction="forward"))
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
     assert "warp-specialize: on Hopper the forward runs the Gluon kernel on e4m3 tiles (wgmma k32)" in out
-    assert "no Hopper Gluon kernel" not in out
+    assert "no Hopper Gluon kernel" not in out and "FMA pipe" not in out
+    monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
+    monkeypatch.setitem(hopper.FP8_EXP2_FMA, 128, 0.25)
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "exp2 of the last 1/4 of each key block's columns on the FMA pipe" in out and "exp2_fma=0.25" in out
 
 
 def test_the_verifier_holds_an_fp8_forward_to_e4m3s_k_step(fp8_gluon):

@@ -25,6 +25,7 @@ from ..passes.lower import descale_buffers
 from ..policy import hopper, mixed, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
+from . import exp2_fma
 from .emit import KernelEmitter
 from .hooks import score_hooks
 
@@ -126,6 +127,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         # FP8 inputs (the Gluon forward): P V's operand as the IR rounds P, and the output's dtype
         fp8=spec.dtype.fp8,
         gl_p_dtype=_GL_DTYPES.get(_p_operand_dtype(program.kernel("attn_fwd"))) if spec.dtype.fp8 else "",
+        exp2_fma_helper=exp2_fma.helper("gl") if program.warp_specialized.forward
+        and program.warp_specialized.forward.exp2_fma else "",
         gl_out_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype.output.value, "") if spec.dtype.fp8 else "",
         # register tiles have power-of-two shapes: a Gluon kernel runs d=96 at its padded width (warp-specialize)
         ws_dim="HEAD_DIM" if spec.head_dim == spec.head_dim_padded else "HEAD_DIM_PADDED",

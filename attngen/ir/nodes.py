@@ -435,9 +435,16 @@ class GluonForward:
     min_keys: int
     short_keys: int
     min_scores: int
+    exp2_fma: float = 0.0  # share of a key block's columns whose exp2 runs on the FMA pipe (1/2^k; 0: none)
+
+    @property
+    def exp2_fma_halvings(self) -> int:
+        """k of exp2_fma = 1/2^k: how many times the score tile is halved (its last part emulated); 0: none."""
+        return 0 if not self.exp2_fma else round(1 / self.exp2_fma).bit_length() - 1
 
     def constants(self) -> dict:
-        """The generated module's WS_SHAPE: what its launcher reads at run time."""
+        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA only where set: the
+        other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
                 "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
@@ -445,7 +452,8 @@ class GluonForward:
                 "maxnreg": m.maxnreg, "SHORT_BLOCK_M": s.block_m, "SHORT_BLOCK_N": s.block_n,
                 "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers, "SHORT_consumer_regs": s.consumer_regs,
                 "SHORT_maxnreg": s.maxnreg, "min_keys": self.min_keys, "short_keys": self.short_keys,
-                "min_scores": self.min_scores, "BALANCE": self.balance}
+                "min_scores": self.min_scores, "BALANCE": self.balance,
+                **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -878,7 +886,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
             continue
         flags = [f.name for f in fields(k) if isinstance(getattr(k, f.name), bool) and getattr(k, f.name)]
         numbers = [f"{f.name}={getattr(k, f.name)}" for f in fields(k)
-                   if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")]
+                   if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")
+                   or type(getattr(k, f.name)) is float and getattr(k, f.name)]  # (a share: where set)
         out += [f"gluon {name}: {_format_shape(k.main)}, loader {k.loader_regs} regs",
                 f"  short (<= {k.short_keys} keys): {_format_shape(k.short)}" if k.short_keys else "  short: never",
                 f"  runs from {k.min_keys} keys and {k.min_scores} scores; " + ", ".join(flags + numbers)]

@@ -340,6 +340,12 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("forward: the short shape changes the rows a consumer takes")
         regs_ok("forward loader", f.loader_regs)
         counts_ok("forward", f)
+        if f.exp2_fma and not fp8:
+            fail("forward: exp2 on the FMA pipe for 16-bit inputs (only the FP8 kernel is bound by the exponentials)")
+        if f.exp2_fma and (f.exp2_fma != 2.0 ** -f.exp2_fma_halvings or f.exp2_fma_halvings < 1
+                           or any(s.block_n * f.exp2_fma < 8 for s in (f.main, f.short))):
+            # a halving splits the tile by its columns' top bit, a thread's registers only down to 8 columns
+            fail(f"forward: exp2_fma {f.exp2_fma} is not 1/2^k of the key blocks in parts of at least 8 columns")
     if ws.backward is not None:
         b = ws.backward
         if ws.forward is None or not any(k.name == "attn_bwd_dkdv" for k in program.kernels):

@@ -388,11 +388,49 @@ shared memory). Not measured on a GPU: a third stage at d=128 (+32 KB), d=64 at 
 spills either), and FA3's 176- and 160-key blocks (not powers of two) are the first things to try."""
 
 
+FP8_FORWARD_ALTERNATIVES = {
+    "stages3": ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
+}
+"""Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
+of its own: the cache keys on SWITCHES, not on the tables). e4m3 halves a block's bytes, so the ring can hold more
+keys. "stages3": a third stage of 128-key blocks, 164,312 bytes of shared memory (ptxas, sm_90a: 168 registers,
+8-20 bytes spilled, as at 2 stages; with FP8_EXP2_EMULATION the same). Wider blocks: FA3's FP8 kernel takes 176 keys
+at d=128, which a register tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill
+1,572-1,740 bytes a consumer thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the
+accumulator's 64) and ptxas serialises their wgmma: not worth a GPU run. Not measured on a GPU."""
+
+
+FP8_EXP2_EMULATION = False
+"""Whether the FP8 Gluon forward computes part of each key block's exponentials on the FMA pipe
+(`GluonForward.exp2_fma`, FP8_EXP2_FMA's share of its columns; codegen/exp2_fma.py). At d=128 a score costs 512 FLOPs
+of the two products: the H200's dense e4m3 rate (~1,979 TFLOP/s) makes ~3.9e12 scores/s, and its exp2 units
+(MUFU.EX2: 132 SMs x 16 a clock x ~1.83 GHz) ~3.9e12/s too, so with every exponential on them the softmax takes as
+long as the products and the kernel cannot pass about half the e4m3 peak. An emulated exp2 is ~10 FP32/integer
+instructions (Cody-Waite: 2^x = 2^round(x) * 2^f, 2^f by a degree-3 polynomial, round(x) added into the exponent
+bits), on pipes 8x as wide as MUFU's. Compiled for sm_90a (ptxas, CPU; tests/test_gluon_fp8.py): at a quarter, MUFU.EX2
+260 -> 196 in the d=128 kernel's SASS (64 -> 48 a block and consumer thread, the rows' rescaling kept), d=64 198 ->
+150; the same registers and spills (8 bytes causal d=128, none at d=64), no shuffles added (the tile is split by
+its columns' register bits), the wgmma not serialised. Off until measured (benchmarks/fp8_exp2.py: FP8_GLUON off /
+on / on with this, in one process)."""
+
+FP8_EXP2_FMA = {64: 0.25, 128: 0.25}
+"""The share of each key block's columns whose exp2 runs on the FMA pipe where FP8_EXP2_EMULATION is on, by head dim:
+1/2^k (the tile is halved k times by its columns, and the last part emulated). Why a quarter, per multiprocessor and
+clock at d=128: the e4m3 products make 16 scores (~1,979 TFLOP/s / 512 FLOPs / 132 SMs / 1.83 GHz), MUFU 16
+exponentials, and the 4 schedulers issue 128 thread-instructions, of which a score takes ~4.5 besides the emulation
+(the scale's FFMA, the max, the sum, half an e4m3 pack, its MUFU issue). Emulating a share s costs ~9 more a score:
+MUFU's time (1 - s) / 16 meets the issue's (4.5 + 9 s) / 128 near s = 0.2, both then ~0.05 clocks a score, under
+the products' 0.0625. A half (the other setting to try: ptxas gives it the same registers and spills) would be
+issue-bound at ~0.07. Not measured."""
+
+
 def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for an FP8 program (head dim in FP8_HEAD_DIMS, no variant): the
-    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length."""
+    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length, and with
+    FP8_EXP2_EMULATION the share FP8_EXP2_FMA of the exponentials on the FMA pipe."""
     shape = FP8_FORWARD[head_dim]
-    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0)
+    exp2_fma = FP8_EXP2_FMA[head_dim] if FP8_EXP2_EMULATION else 0.0
+    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0, exp2_fma=exp2_fma)
 
 
 def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
@@ -433,7 +471,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
