@@ -207,8 +207,9 @@ def _mla_line(program: ir.Program) -> str:
     if mla is None:
         return "no Hopper Gluon kernel (" + warp_specialize_mla.refusal(program) + ")"
     d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
-    return (f"on Hopper the Gluon MLA kernel runs: {mla.rows} packed query rows x {mla.block_n} keys a tile (16 heads' "
-            f"rows padded to {mla.rows}, 128 heads in {128 // mla.rows} programs), Q [{mla.rows}, {d}] resident in "
+    return (f"on Hopper the Gluon MLA kernel runs calls of at least {mla.min_rows} packed query rows (heads x N_Q; "
+            f"fewer keep the Triton kernel): {mla.rows} rows x {mla.block_n} keys a tile "
+            f"(128 heads in {128 // mla.rows} programs), Q [{mla.rows}, {d}] resident in "
             f"shared memory, a TMA ring of {mla.stages} latent tiles [{mla.block_n}, {d}] (V = its first {d_v} "
             f"columns, no second load); {mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} "
             f"of the keys over all {d} columns (S once), exchanging row maxima, each adding P V into "

@@ -3,7 +3,7 @@ Triton FP8 kernel, the Gluon FP8 kernel (policy hopper.FP8_GLUON), the Gluon one
 exponentials on the FMA pipe (hopper.FP8_EXP2_EMULATION, at FP8_EXP2_FMA's share and at a half), its shapes from
 hopper.FP8_FORWARD_ALTERNATIVES, and the bf16 Gluon forward for the ratio. B x 16 heads x N = 16k tokens, d=128,
 GQA off, no mask and causal, TFLOP/s by triton.testing.do_bench (median), each module launched directly through
-its `forward` (the Triton kernel by config warp_specialized=False).
+its `forward` (the Triton kernel: the module generated with FP8_GLUON off).
 
     python benchmarks/fp8_exp2.py                       N = 4096 and 16384
     python benchmarks/fp8_exp2.py --lengths 4096,8192,16384 --settings gluon,gluon_exp2
@@ -82,14 +82,15 @@ def main() -> None:
             v8 = v8.transpose(-1, -2).contiguous().transpose(-1, -2)  # keys contiguous: the Gluon kernel's V^T view
             fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
             flops = 4 * b * H * n * n * D / (2 if causal else 1)
-            reference, _ = module_for("triton", causal).forward(q8, k8, v8, config={"warp_specialized": False}, **fp8)
+            # (the "triton" setting's module is generated with FP8_GLUON off: it has the Triton kernel only)
+            reference, _ = module_for("triton", causal).forward(q8, k8, v8, **fp8)
             cells, bf16_tflops = [], None
             for setting in settings:
                 module = module_for(setting, causal)
                 if setting == "bf16":
                     call = lambda: module.forward(q, k, v)  # noqa: E731
                 elif setting == "triton":
-                    call = lambda: module.forward(q8, k8, v8, config={"warp_specialized": False}, **fp8)  # noqa: E731
+                    call = lambda: module.forward(q8, k8, v8, **fp8)  # noqa: E731
                 elif not module.ws_ready(q8, k8, v8, torch.empty_like(q)):
                     cells.append(f"{setting} not taken")
                     continue

@@ -947,6 +947,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
+@gluon.jit
+def _ws_bwd_stage(stage_smem, s, i: gl.constexpr, desc):
+    """Tile i of stage s (the wide form's staged buffers, 2 a stage, float32 [BLOCK_M, HEAD_DIM / 2]): Q's
+    (i = 0) or dO's (1) tile as `desc` lays it out. Consumer warpgroup i makes the step's dQ in tile i once both
+    consumers' products over Q and dO are done, so the stage holds no separate dQ tiles: two stages then fit."""
+    return stage_smem.index(2 * s + i)._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
 _CLAIM_ANNOUNCED = gl.constexpr(1 << 30)
 """DQ_CLAIM: the bit of a dQ tile's claim word that says its owner's store is in memory (below: the owner's id)."""
 
@@ -1030,6 +1038,9 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     # [BN, BLOCK_M] tiles; once every consumer's are there (an mbarrier), it adds P^T dO and dS^T Q into its
     # columns [WG * DC, (WG + 1) * DC) of dK and dQ = dS K and [WG * DCV, (WG + 1) * DCV) of dV (V and dO are
     # HEAD_DIM_V wide: DeepSeek's 128 beside Q's and K's 256-wide tiles).
+    # Staged: a stage's Q and dO are its tiles 0 and 1, which take the two warpgroups' dQ once both have done their
+    # dK and dV products over them (mbarrier 3 + j), so the stage is released only after its dQ reductions have
+    # read it, in the next step.
     gl.static_assert(DQ_ATOMIC and ROWS_SMEM and not (AHEAD or DQ_LOCAL or DQ_CLAIM or PARTIAL),
                      "the wide form makes dQ here, reads the rows by TMA, and nothing else")
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]  # V's and dO's width (head_dim_v); Q's and K's is HEAD_DIM
@@ -1053,11 +1064,14 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     for t in range(n_h * n_m):
         s = t % STAGES
         start_m = m_start + (t % n_m) * BLOCK_M
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM_V])
+        q = _ws_bwd_stage(q_smem, s, 0, q_desc).reshape([BLOCK_M, HEAD_DIM])
+        do = _ws_bwd_stage(do_smem, s, 1, do_desc).reshape([BLOCK_M, HEAD_DIM_V])
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if t > 0:  # the previous step's dQ reduction has read its stage (its dQ tiles): the loader may refill it
+            tma.store_wait(0)
+            mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
         # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
         rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         st = warpgroup_mma_wait(1, deps=(st, ))
@@ -1085,13 +1099,16 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         dk = warpgroup_mma(ds_all, q.slice(WG * DC, DC, dim=1), dk, is_async=True)
         dq = warpgroup_mma(ds_all.permute((1, 0)), k.slice(WG * DC, DC, dim=1), zero_q, use_acc=False, is_async=True)
         dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
-        mbarrier.arrive(empty.index(s), count=1)  # Q and dO read: the loader refills the stage while dQ is made
+        # both consumers' products over this stage's Q and dO are done: its tile WG takes this warpgroup's dQ
+        mbarrier.arrive(ds_bar.index(3 + j), count=1)
+        mbarrier.wait(ds_bar.index(3 + j), (t // 2) & 1)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        # this warpgroup's columns of the step's dQ, added into the float32 accumulator by a TMA reduction
-        tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
-        dq_smem.index(WG).reshape([BLOCK_M, DC]).store(dq)
+        # this warpgroup's columns of the step's dQ, added into the float32 accumulator by a TMA reduction (the
+        # stage is released in the next step, once the reduction has read it)
+        dq_tile = q_smem.index(2 * s + WG)
+        dq_tile.reshape([BLOCK_M, DC]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [b, h0 + t // n_m, start_m, WG * DC], dq_smem.index(WG))
+        _tma_reduce_add(dq_desc, [b, h0 + t // n_m, start_m, WG * DC], dq_tile)
     # dK and dV leave through the K and V buffers, each warpgroup's columns, once every product that reads them is
     # done; one warpgroup's TMA stores take the whole tiles once both have written theirs
     mbarrier.arrive(done_bar, count=1)
@@ -1170,8 +1187,9 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
             tma.async_copy_global_to_shared(rows_desc, [b, h, 0, start_m], ready.index(s), rows_smem.index(s))
         else:
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s), do_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), _ws_bwd_stage(q_smem, s, 0, q_desc))
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s),
+                                        _ws_bwd_stage(do_smem, s, 1, do_desc))
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
@@ -1202,8 +1220,11 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     m_start = gl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
     n_m = gl.cdiv(gl.maximum(N_Q - m_start, 0), BLOCK_M)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    # each stage: the two consumers' float32 dQ tiles, holding Q and dO until both consumers' products over them are
+    # done (_ws_bwd_stage)
+    gl.static_assert(DQ_ATOMIC and CONSUMERS == 2, "the staged wide form's stages are its two consumers' dQ tiles")
+    q_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 2] + dq_desc.block_type.shape, dq_desc.layout)
+    do_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)  # (a power of two)
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1213,7 +1234,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         # swizzle, so that a consumer's 32 columns are whole swizzle atoms); each consumer's float32 dQ tile
         ds_smem = gl.allocate_shared_memory(dtype, [4, BN, BLOCK_M], gl.NVMMASharedLayout(
             swizzle_byte_width=64, element_bitwidth=dtype.primitive_bitwidth, rank=2))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_smem = q_smem  # (the stages' tiles)
     else:
         ds_smem = q_smem
         dq_smem = q_smem
@@ -1221,8 +1242,9 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         rows_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + rows_desc.block_type.shape, rows_desc.layout)
     else:
         rows_smem = q_smem
-    ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # dS buffers 0, 1; done
-    for i in gl.static_range(3):
+    # P^T and dS^T buffers 0, 1; done; Q and dO of step j (mod 2) read by every consumer
+    ds_bar = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(5):
         mbarrier.init(ds_bar.index(i), count=CONSUMERS)
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
@@ -1253,7 +1275,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 64, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 1, 'PREFETCH': False, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 16, 'LATE_ROWS': 0, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 1, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'wide': True}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 64, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 16, 'LATE_ROWS': 0, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'wide': True}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_DQ_LAYOUTS = {cols: gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], gl.float32)

@@ -34,7 +34,7 @@ def test_d256_takes_the_gluon_forward_and_the_wide_backward(mask):
     assert forward.main == hopper.FORWARD_MAIN[256] and (forward.main.block_m, forward.main.block_n) == (128, 64)
     assert not forward.persistent and not forward.balance and forward.short_keys == 0
     backward = program.warp_specialized.backward
-    assert backward.wide and backward.main == hopper.BWD_WIDE and 256 not in hopper.BWD_HEAD_DIMS
+    assert backward.wide and backward.main == hopper.BWD_WIDE_STAGED and 256 not in hopper.BWD_HEAD_DIMS
     module = attngen.load(text).module
     assert hasattr(module, "attn_fwd_ws") and hasattr(module, "attn_bwd_dkdv_ws") and module.WS_BWD_SHAPE["wide"]
     assert module.WS_SHAPE["PERSISTENT"] is False

@@ -32,7 +32,7 @@ GOLDEN = os.path.join(SPECS, "..", "generated", "mla_decode.py")
 
 @pytest.fixture
 def mla_gluon(monkeypatch):
-    """The switch on, as the lead turns it on once the GPU test and timing pass."""
+    """The switch on (the policy's default since its H200 run; tests that need it say so)."""
     monkeypatch.setattr(hopper, "MLA_GLUON", True)
 
 
@@ -42,7 +42,7 @@ def _latent(head_dim=576, head_dim_v=512, page_size=64, **extra):
                      v=f"k[:{head_dim_v}]", split_kv="auto", **layout, **extra)
 
 
-def test_switched_off_the_mla_spec_keeps_the_triton_kernel_and_its_golden_source(monkeypatch, capsys):
+def test_switched_off_the_mla_spec_keeps_the_triton_kernel(monkeypatch, capsys):
     monkeypatch.setattr(hopper, "MLA_GLUON", False)
     assert "MLA_GLUON" in hopper.SWITCHES  # kernel caches key on it
     spec = load_file(MLA_SPEC)
@@ -52,14 +52,13 @@ def test_switched_off_the_mla_spec_keeps_the_triton_kernel_and_its_golden_source
     assert warp_specialize_mla.NAME not in applied_passes(program)
     source = render(spec, program)
     assert "attn_fwd_wsm" not in source and "gluon" not in source
-    with open(GOLDEN) as f:
-        assert source == f.read()
     assert main(["explain", MLA_SPEC]) == 0
     assert "warp-specialize-mla: no Hopper Gluon kernel (the Gluon MLA kernel is switched off (policy hopper.MLA_GLUON)" \
         in capsys.readouterr().out
 
 
 def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
+    assert hopper.MLA_GLUON  # (the policy's default: the golden source is the switched-on one)
     spec = load_file(MLA_SPEC)
     program = compile_program(spec)
     assert warp_specialize_mla.refusal(program) is None and warp_specialize_mla.NAME in applied_passes(program)
@@ -68,6 +67,8 @@ def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
     assert program.warp_specialized.decode is None and program.warp_specialized.forward is None
     source = render(spec, program)
     compile(source, "mla_gluon.py", "exec")
+    with open(GOLDEN) as f:
+        assert source == f.read()
     # the dispatch: the Gluon kernel where it runs, the Triton kernel otherwise, the same split count and merge
     assert "ws = config.pop(\"warp_specialized\", True) and wsm_ready(q, k_cache, out)" in source
     assert "launch_attn_fwd_wsm(q, k_cache, o_part, lse_part, cache_seqlens, block_table, sm_scale)" in source
@@ -83,7 +84,8 @@ def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
     assert main(["explain", MLA_SPEC]) == 0
     text = capsys.readouterr().out
     assert "gluon MLA decode: 64x64 tiles (packed query rows x keys), 2 stages, 2 consumers x 240 regs" in text
-    assert "warp-specialize-mla: on Hopper the Gluon MLA kernel runs: 64 packed query rows x 64 keys a tile" in text
+    assert ("warp-specialize-mla: on Hopper the Gluon MLA kernel runs calls of at least 64 packed query rows "
+            "(heads x N_Q; fewer keep the Triton kernel): 64 rows x 64 keys a tile") in text
 
 
 @pytest.mark.parametrize("text,words", [
@@ -157,6 +159,8 @@ def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
 
     module = attngen.load(MLA_SPEC).module
     assert hasattr(module, "attn_fwd_wsm")
+    # (calls of fewer packed rows than MIN_ROWS keep the Triton kernel: the padded tile is tested here all the same)
+    monkeypatch.setitem(module.WSM_SHAPE, "MIN_ROWS", 1)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton partial kernel ran: the Gluon MLA kernel should have")
@@ -191,3 +195,28 @@ def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel is sm_90's")
+def test_gpu_calls_of_fewer_rows_than_min_rows_keep_the_triton_kernel(mla_gluon, monkeypatch):
+    """16 heads x 1 query (16 packed rows) take the Triton kernel's 16-row tiles, 128 heads the Gluon kernel
+    (MLA_DECODE.min_rows = 64), both against float64."""
+    from test_mla import _within
+
+    module = attngen.load(MLA_SPEC).module
+    assert module.WSM_SHAPE["MIN_ROWS"] == hopper.MLA_DECODE.min_rows == 64
+    launches = []
+    gluon = module.launch_attn_fwd_wsm
+    monkeypatch.setattr(module, "launch_attn_fwd_wsm", lambda *a, **k: (launches.append(1), gluon(*a, **k))[1])
+    gen = torch.Generator("cuda").manual_seed(7)
+    pool = torch.randn(40, 64, 1, 576, generator=gen, device="cuda").bfloat16()
+    table = torch.randperm(40, generator=gen, device="cuda")[:36].view(2, 18).to(torch.int32)
+    lens = torch.tensor([1100, 777], dtype=torch.int32, device="cuda")
+    for heads, expected in ((16, 0), (128, 1)):
+        q = (torch.randn(2, 1, heads, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+        before = len(launches)
+        out = torch.full((2, heads, 1, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=out)
+        _within(out.transpose(1, 2), q, pool, lens, table, 512)
+        assert len(launches) - before == expected, heads

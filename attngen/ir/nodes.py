@@ -513,7 +513,8 @@ class GluonDecode:
 class GluonMlaDecode:
     """The Gluon MLA decode kernel (templates/gluon_mla_decode.py.j2): programs of `rows` packed query rows of one
     latent head over one split's keys in blocks of `block_n` (a ring of `stages` whole latent tiles), `consumers`
-    warpgroups of `consumer_regs` registers beside a loader warp of `loader_regs`, launched at `maxnreg`."""
+    warpgroups of `consumer_regs` registers beside a loader warp of `loader_regs`, launched at `maxnreg`; taken by
+    calls with at least `min_rows` packed query rows a latent head (fewer: the Triton kernel's narrower tiles)."""
 
     block_n: int
     stages: int
@@ -522,11 +523,13 @@ class GluonMlaDecode:
     consumer_regs: int
     loader_regs: int
     maxnreg: int
+    min_rows: int = 1
 
     def constants(self) -> dict:
         """The generated module's WSM_SHAPE: what its launcher reads at run time."""
         return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "consumers": self.consumers,
-                "consumer_regs": self.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": self.maxnreg}
+                "consumer_regs": self.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": self.maxnreg,
+                "MIN_ROWS": self.min_rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -898,7 +901,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
     if ws.mla is not None:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "
-                   f"{m.consumers} consumers x {m.consumer_regs} regs (maxnreg {m.maxnreg}), loader {m.loader_regs} regs")
+                   f"{m.consumers} consumers x {m.consumer_regs} regs (maxnreg {m.maxnreg}), loader {m.loader_regs} regs, "
+                   f"from {m.min_rows} packed rows")
     return out
 
 

@@ -276,6 +276,8 @@ def _mla_ok(program: ir.Program, fail, regs_ok) -> None:
         fail(f"MLA decode: {m.rows} rows, {m.consumers} consumers, {m.block_n}-key blocks in pages of {page}, "
              f"{m.stages} stages (64 rows: wgmma's M; 2 consumers, each half a block's keys' scores and half the "
              "value columns; blocks a multiple of 32 within a page)")
+    if m.min_rows < 1:
+        fail(f"MLA decode from {m.min_rows} packed rows (at least 1)")
     regs_ok("MLA decode consumers", m.consumer_regs)
     regs_ok("MLA decode loader", m.loader_regs)
     if not 0 < m.maxnreg <= 255:

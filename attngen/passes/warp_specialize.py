@@ -257,6 +257,6 @@ def run(program: ir.Program) -> ir.Program:
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     if program.attr("dtype") == "fp8_e4m3":  # (forward only: the spec refuses a backward)
         return replace(program, warp_specialized=replace(program.warp_specialized, forward=hopper.forward_fp8(d, causal)))
-    backward = hopper.backward(d, causal) if has_backward else None
+    backward = hopper.backward(d, causal, dv) if has_backward else None
     decision = replace(program.warp_specialized, forward=hopper.forward(d, causal, dv), backward=backward)
     return replace(program, warp_specialized=decision)

@@ -171,12 +171,19 @@ columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same s
 stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
 
 
-WIDE_BACKWARD_STAGES = False
-"""Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one). Written and compiled
-without a GPU (ptxas, sm_90a: 168 registers, spill stores / loads in bytes d=256 120 / 112 without a mask and
-128 / 120 causal, against BWD_WIDE's 312 / 304 and 336 / 328; (192, 128) none, against 24 / 16 and 32 / 24), not
-yet run: off until its GPU tests pass and the shapes bench says it is faster (tests/test_gluon_wide_backward.py,
-benchmarks/wide_backward.py)."""
+WIDE_BACKWARD_STAGES = True
+"""Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one), for the head-dim pairs of
+BWD_WIDE_STAGED_PAIRS. ptxas (sm_90a, 168 registers): spill stores / loads in bytes d=256 120 / 112 without a mask and
+128 / 120 causal, against BWD_WIDE's 312 / 304 and 336 / 328; (192, 128) none, against 24 / 16 and 32 / 24. Its GPU
+tests pass (H200, 2026-11-28, tests/test_gluon_wide_backward.py); `benchmarks/wide_backward.py` (H200, TFLOP/s of the
+backward, cuDNN in the same process): d=256 B=1 H=8 N=8192 causal 367 against one stage's 258 (cuDNN 414: 0.89x),
+without a mask 363 against 266 (cuDNN 368: 0.99x); (192, 128) B=1 H=128 N=4096 lost: causal 263 against 281,
+without a mask 277 against 309."""
+
+BWD_WIDE_STAGED_PAIRS = frozenset({(256, 256)})
+"""The (q.k, v) head dims whose wide backward takes BWD_WIDE_STAGED while WIDE_BACKWARD_STAGES is on: d=256, which it
+speeds up 1.36-1.42x; not DeepSeek's (192, 128), which it slows 6-10% (WIDE_BACKWARD_STAGES): there the dQ tiles that
+hold a stage are half filled by dO, and one stage's refill already hid behind the shorter dV products."""
 
 BWD_WIDE_STAGED = replace(BWD_WIDE, stages=2)
 """The wide path with two stages of Q and dO, so that the loader fetches the next step's while the consumers work on
@@ -433,13 +440,14 @@ def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
     return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0, exp2_fma=exp2_fma)
 
 
-def backward(head_dim: int, causal: bool) -> ir.GluonBackward:
+def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
     one whose tiles are 256 wide (BWD_WIDE: d=256, and d=192 of a (192, 128) pair in SPLIT_FORWARD, V, dO and dV
-    then 128 wide)."""
+    then 128 wide; `head_dim_v` the pair's v, None: head_dim)."""
+    pair = (head_dim, head_dim if head_dim_v is None else head_dim_v)
     head_dim = tile_dim(head_dim)
     if head_dim == 256:
-        wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES else BWD_WIDE
+        wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES and pair in BWD_WIDE_STAGED_PAIRS else BWD_WIDE
         return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
@@ -524,14 +532,17 @@ def decode(kv_dtype: str | None = None) -> ir.GluonDecode:
     return DECODE if kv_dtype is None else DECODE_FP8
 
 
-MLA_GLUON = False
-"""Whether an MLA decoding spec (`v = k[:N]`, (576, 512), paged by a multiple of MLA_DECODE's blocks) takes the Gluon
-MLA decode kernel (`MLA_DECODE`, pass warp-specialize-mla). Off until its GPU test passes and `benchmarks/mla_sweep.py
---gluon` shows it faster: the Triton split-KV kernel runs (H200, batch 64 x 8k: 16 heads 3,518 GB/s, 128 heads 245
-TFLOP/s, where issue 51 asks 500), and `attngen explain` says why (`warp_specialize_mla.refusal`)."""
+MLA_GLUON = True
+"""Whether an MLA decoding spec (`v = k[:N]`, (576, 512), paged by a multiple of MLA_DECODE's blocks) has the Gluon
+MLA decode kernel (`MLA_DECODE`, pass warp-specialize-mla); off: the Triton split-KV kernel only, and `attngen explain`
+says why (`warp_specialize_mla.refusal`). Its GPU tests pass (H200, 2026-11-28, tests/test_gluon_mla.py);
+`benchmarks/mla_sweep.py --gluon` (H200, batch 64 x 8k keys in pages of 64, CUDA-graph replays): 128 heads 398
+TFLOP/s at 2 splits, 361-372 at the split rule's and at 4, against the Triton kernel's 245 (1.5-1.6x); 16 heads
+3,493 GB/s at 2 splits, 3,331 at the rule's, against the Triton kernel's 3,526: calls with fewer packed rows than
+MLA_DECODE.min_rows keep the Triton kernel."""
 
 MLA_DECODE = ir.GluonMlaDecode(block_n=64, stages=2, rows=64, consumers=2, consumer_regs=240, loader_regs=24,
-                               maxnreg=168)
+                               maxnreg=168, min_rows=64)
 """The Gluon MLA decode kernel's shape, FlashMLA's: a program takes 64 packed query rows (heads x N_Q; 16 heads' rows
 padded to wgmma's M = 64, 128 heads in two programs) of one latent head and one split's keys. Q (64 x 576: 72 KB)
 stays in shared memory; each stage of the ring holds a whole latent tile of 64 keys x 576 (72 KB: three TMA copies,
@@ -541,5 +552,6 @@ S = Q K^T in both warpgroups' halves of its rows (a 64 x 576 tile cannot be shar
 here each consumer warpgroup computes S for half the block's keys over all 576 columns ([64, 32]: the scores are
 computed once), the two exchange their row maxima through shared memory, each writes its keys' half of P into the
 shared P tile, and each then adds P V into its 256 of the 512 value columns ([64, 256] float32: 128 of its 240
-registers). Not measured."""
+registers). min_rows 64: a call's rows fill the tile; 16 heads' padded rows ran 1-6% slower than the Triton kernel's
+16-row tiles (MLA_GLUON)."""
 
