@@ -64,7 +64,9 @@ def _compile_gluon_ws(module, job):
                for arg in fn.arg_names}
         attrs = {(fn.arg_names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
         src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        # four warps a consumer warpgroup (WSD_SHAPE has "CONSUMERS" where more than one)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4 * shape.get("CONSUMERS", 1)))
         ptx = compiled.asm["ptx"]
         if job.get("ptx_to"):
             with open(job["ptx_to"], "w") as f:

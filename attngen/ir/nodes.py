@@ -489,16 +489,22 @@ class GluonBackward:
 @dataclass(frozen=True, slots=True)
 class GluonDecode:
     """The Gluon KV-cache decode kernel (templates/gluon_decode.py.j2): blocks of `block_n` keys in a ring of
-    `stages`, at most `rows` query rows per K/V head."""
+    `stages`, at most `rows` query rows per K/V head, `consumers` warpgroups sharing each block (each its
+    block_n / consumers keys of S^T and head_dim / consumers rows of O^T), an FP8 cache's e4m3 widened by
+    sign-extending byte permutes where `widen_by_sign` (else by masks)."""
 
     block_n: int
     stages: int
     rows: int
     loader_regs: int
+    consumers: int = 1
+    widen_by_sign: bool = False
 
     def constants(self) -> dict:
-        """The generated module's WSD_SHAPE: what its launcher reads at run time."""
-        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs}
+        """The generated module's WSD_SHAPE: what its launcher reads at run time ("CONSUMERS" only where more than
+        one: the other modules' constants stay as they were)."""
+        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs,
+                **({"CONSUMERS": self.consumers} if self.consumers > 1 else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -864,7 +870,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
     if ws.decode is not None:
         d = ws.decode
         out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
-                   f"loader {d.loader_regs} regs")
+                   f"loader {d.loader_regs} regs" + (f", {d.consumers} consumer warpgroups" if d.consumers > 1 else "")
+                   + (", e4m3 widened by sign" if d.widen_by_sign else ""))
     return out
 
 

@@ -346,4 +346,10 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("decode on a program without a split-KV KV cache")
         if d.block_n % 16 or d.stages < 1 or d.rows & (d.rows - 1) or not 8 <= d.rows <= 256:
             fail(f"decode: {d.block_n}-key blocks, {d.stages} stages, {d.rows} rows (wgmma's N: a power of two, 8-256)")
+        # each consumer warpgroup's wgmma takes M = 64 of a block's keys (S^T) and of the head dim's rows (O^T)
+        if d.consumers not in (1, 2) or d.block_n % (64 * d.consumers) or program.attr("head_dim") % (64 * d.consumers):
+            fail(f"decode: {d.consumers} consumer warpgroups over {d.block_n}-key blocks at head dim "
+                 f"{program.attr('head_dim')} (each takes 64 keys and 64 rows of O^T a block, or a multiple)")
+        if (d.consumers > 1 or d.widen_by_sign) and program.attr("kv_dtype") is None:
+            fail("decode: consumer warpgroups and the widening by sign are the FP8 cache's (a 16-bit ring keeps one)")
         regs_ok("decode loader", d.loader_regs)

@@ -414,7 +414,7 @@ VARLEN_BACKWARD = True
 causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, varlen_attn 253), with lse and delta
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
-SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON")
+SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "FP8_DECODE_2WG")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -461,7 +461,24 @@ per byte. The consumer widens each K and V tile to 16 bits in registers (wgmma's
 kernel. DECODE's stages and loader registers, not measured on this ring yet."""
 
 
-def decode(kv_dtype: str | None = None) -> ir.GluonDecode:
-    """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS) over a cache of `kv_dtype`
-    (None: the queries' 16-bit dtype)."""
-    return DECODE if kv_dtype is None else DECODE_FP8
+FP8_DECODE_2WG = False
+"""Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
+of one (`DECODE_FP8`). Off until its GPU tests pass and `benchmarks/fp8_decode.py --fp8-2wg` shows it faster."""
+
+DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True)
+"""The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
+tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
+reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
+(the column max meets through shared memory) and 64 of the head dim's 128 rows of O^T += V^T P^T (over all the
+block's keys, P^T shared), which halves each thread's registers for the tiles and needs no merge at the end. e4m3
+is widened with a sign-extending byte permute, a shift and a mask a pair (`widen_by_sign`: 4 instructions for 2
+values where the masks took 5). d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma). DECODE_FP8's ring
+(3 stages of 128 keys, 96 KB at d=128); not measured on a GPU."""
+
+
+def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
+    """The Gluon decode kernel's shape for a head dim in DECODE_HEAD_DIMS over a cache of `kv_dtype` (None: the
+    queries' 16-bit dtype)."""
+    if kv_dtype is None:
+        return DECODE
+    return DECODE_FP8_2WG if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0 else DECODE_FP8
