@@ -12,6 +12,8 @@ Each spec here has a name of its own: a module compiled with the switch on must 
 shares through the disk cache.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -123,7 +125,8 @@ def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypat
     program = compile_program(parse(_text("g2wg_on")))
     assert program.warp_specialized.decode == hopper.DECODE_FP8_2WG == hopper.decode("fp8_e4m3", 128)
     assert program.warp_specialized.decode.constants()["CONSUMERS"] == 2
-    assert "2 consumer warpgroups, e4m3 widened by sign" in "\n".join(ir.format_warp_specialized(program.warp_specialized))
+    printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
+    assert "2 consumer warpgroups, e4m3 widened by sign, V widened in shared memory" in printed
     assert compile_program(parse(_text("g2wg_d64", head_dim=64))).warp_specialized.decode == hopper.DECODE_FP8
     # the 16-bit kernel's source is the golden one with the switch on too (test_golden renders with it off)
     for name in ("decode_paged16_d128", "decode_d128"):
@@ -146,57 +149,76 @@ def test_two_consumer_warpgroups_source(two_wg):
     loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
     assert loop.index("p = gl.exp2(") < loop.index("mbarrier.arrive(k_empty.index(s), count=1)")
     assert loop.count("mbarrier.arrive(k_empty") == 1 and loop.count("mbarrier.arrive(v_empty") == 1
-    assert (loop.index("acc = warpgroup_mma_wait(0") < loop.index("gl.thread_barrier()")
-            < loop.index("mbarrier.arrive(v_empty.index(s), count=1)"))
+    assert loop.index("gl.thread_barrier()") < loop.index("mbarrier.arrive(v_empty.index(s), count=1)")
     # e4m3 widened by a sign-extending permute; the same math from the IR (descales, epilogue)
     assert "prmt.b32 lo, $2, 0, 0x9180;" in source and "and.b32 $0, lo, 0x87F087F0;" in source
     assert "0x07F007F0" not in source
     assert "gl.convert_layout(acc * v_descale / l_safe[None, :], out_t)" in source
+    # V widened into a 16-bit shared tile, its rows past n_k zeroed on the way, wgmma's A operand from there
+    assert "v_wide = _gl_e4m3_to_bf16(v_smem.index(s).load(wide))" in loop
+    assert "vw_smem.store(v_wide)" in loop and "v_tile" not in loop
+    assert "acc = warpgroup_mma(vw_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)" in loop
+    assert loop.index("gl.thread_barrier()") < loop.index("acc = warpgroup_mma(vw_smem")
 
 
 def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch):
     """Beside the one-warpgroup FP8 kernel: twelve warps (two consumer warpgroups and the loader's), half the wgmma
-    instructions a warpgroup issues (each takes 64 of a block's keys and 64 of O^T's rows), the same shared memory, no
-    spills up to the most rows the shape takes (ptxas -v's registers in the message)."""
+    instructions a warpgroup issues (each takes 64 of a block's keys and 64 of O^T's rows), no spills up to the most
+    rows the shape takes (ptxas -v's registers in the message); V^T as a register operand (stage_v off) the same shared
+    memory, staged 32 KB more and under half the shared loads."""
+    shapes = {"1wg": None, "2wg_regs": replace(hopper.DECODE_FP8_2WG, stage_v=False), "2wg": hopper.DECODE_FP8_2WG}
     jobs = []
-    for on in (False, True):
-        monkeypatch.setattr(hopper, "FP8_DECODE_2WG", on)
+    for key, shape in shapes.items():
+        monkeypatch.setattr(hopper, "FP8_DECODE_2WG", shape is not None)
+        monkeypatch.setattr(hopper, "DECODE_FP8_2WG", shape or hopper.DECODE_FP8_2WG)
         for name, mask, layout in (("c_causal", "causal(bottom_right)", "contiguous"),
                                    ("p_none", "none", "paged16")):
-            spec = parse(_text(f"g2wg_sm90_{name}_{on}", mask, LAYOUTS[layout]))
-            path = tmp_path / f"g2wg_sm90_{name}_{on}.py"
+            spec = parse(_text(f"g2wg_sm90_{name}_{key}", mask, LAYOUTS[layout]))
+            path = tmp_path / f"g2wg_sm90_{name}_{key}.py"
             path.write_text(render(spec, compile_program(spec)))
             jobs.append({"path": str(path), "gluon_ws": "decode", "rows": hopper.DECODE_FP8_2WG.rows, "ptxas": True})
     results = probe(jobs)
     for job, result in zip(jobs, results):
         assert "error" not in result, (job, result)
         assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (job, result)
-    one, two = results[:2], results[2:]
-    for a, b in zip(one, two):
-        assert (a["warps"], b["warps"]) == (8, 12), results
-        assert b["wgmma"] * 2 == a["wgmma"] and b["tma_loads"] == a["tma_loads"], results
-        assert b["shared"] == a["shared"], results
-        # half the tile a thread: fewer shared loads of the e4m3 bytes
-        assert b["shared_loads"] < a["shared_loads"], results
+    one, regs, staged = results[:2], results[2:4], results[4:]
+    for a, b, c in zip(one, regs, staged):
+        assert (a["warps"], b["warps"], c["warps"]) == (8, 12, 12), results
+        assert b["wgmma"] * 2 == a["wgmma"] == c["wgmma"] * 2 and a["tma_loads"] == b["tma_loads"] == c["tma_loads"]
+        # half the tile a thread: fewer shared loads of the e4m3 bytes; staged, 16 bytes a load for V
+        assert b["shared"] == a["shared"] and b["shared_loads"] < a["shared_loads"], results
+        assert c["shared"] == a["shared"] + 128 * 128 * 2 and 2 * c["shared_loads"] < b["shared_loads"], results
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
 
+# the FP8 kernels the GPU tests run: DECODE_FP8 (one consumer warpgroup), DECODE_FP8_2WG, and it with V^T as a register
+# operand (stage_v off); each under spec names of its own (the kernel caches key on the switches, not on the shapes)
+SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False}}
+
+
+def _take_shape(monkeypatch, name) -> int:
+    """Switch the policy to SHAPES[name]; its consumer warpgroups."""
+    fields = SHAPES[name]
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", fields is not None)
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, **(fields or {})))
+    return 1 if fields is None else 2
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90's")
-@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, consumers):
+def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, shape):
     """B = 16, 32/8 heads, d = 128, up to 8k keys (odd lengths), shuffled 16-token pages, per-(sequence, head)
     descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split, with
-    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG)."""
+    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG; V staged in shared memory and not)."""
     from test_fp8kv import _check, _dequantized, _descale
 
-    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", consumers == 2)
+    consumers = _take_shape(monkeypatch, shape)
     mask = "causal(bottom_right)" if causal else "none"
-    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{consumers}wg", mask, LAYOUTS[layout])).module
+    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout])).module
     assert hasattr(module, "attn_fwd_wsd") and module.WSD_SHAPE.get("CONSUMERS", 1) == consumers
 
     def no_triton(*args, **kwargs):
@@ -234,12 +256,12 @@ def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, caus
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90's")
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_gpu_every_e4m3_byte_widens_exactly(fp8_gluon, monkeypatch, consumers):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gpu_every_e4m3_byte_widens_exactly(fp8_gluon, monkeypatch, shape):
     """One key a sequence: the softmax's weight is exactly 1, so the output is V's widened values times v_descale = 1,
     bit for bit, for every finite e4m3 byte (subnormals, both zeros, the largest) in every head and column."""
-    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", consumers == 2)
-    module = attngen.load(_text(f"gfp8_gpu_bytes_{consumers}wg", "none", "contiguous")).module
+    _take_shape(monkeypatch, shape)
+    module = attngen.load(_text(f"gfp8_gpu_bytes_{shape}", "none", "contiguous")).module
     monkeypatch.setattr(module, "launch_attn_fwd", None)  # (a call would raise: the Gluon kernel must run)
     batch, heads, kv_heads, d, n = 2, 32, 8, 128, 256
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 of them

@@ -465,15 +465,19 @@ FP8_DECODE_2WG = False
 """Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
 of one (`DECODE_FP8`). Off until its GPU tests pass and `benchmarks/fp8_decode.py --fp8-2wg` shows it faster."""
 
-DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True)
+DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True, stage_v=True)
 """The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
 tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
 reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
 (the column max meets through shared memory) and 64 of the head dim's 128 rows of O^T += V^T P^T (over all the
-block's keys, P^T shared), which halves each thread's registers for the tiles and needs no merge at the end. e4m3
-is widened with a sign-extending byte permute, a shift and a mask a pair (`widen_by_sign`: 4 instructions for 2
-values where the masks took 5). d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma). DECODE_FP8's ring
-(3 stages of 128 keys, 96 KB at d=128); not measured on a GPU."""
+block's keys, P^T shared), which halves each thread's registers for the tiles and needs no merge at the end.
+widen_by_sign: e4m3 widened by a sign-extending byte permute, a shift and a mask a pair (4 PTX instructions for 2 values
+where the masks took 6). stage_v: V's block read 16 bytes a thread, widened and stored into a 16-bit tile (32 KB)
+that wgmma reads transposed, where V^T as a register operand is read a byte an element (ld.shared.b8) and packed by
+three byte permutes each 4 values: 48 shared loads a thread a block instead of 116 (ptxas, sm_90a: 12 warps, 168
+registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows). DECODE_FP8's ring (3 stages of 128 keys, 96
+KB at d=128), which leaves room for a fourth stage. d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
+Not measured on a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --stages-2wg 4 for the A/Bs)."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
