@@ -161,12 +161,29 @@ def test_two_consumer_warpgroups_source(two_wg):
     assert loop.index("gl.thread_barrier()") < loop.index("acc = warpgroup_mma(vw_smem")
 
 
+def test_staged_k_source(two_wg, monkeypatch):
+    """stage_k: K widened into kw_smem (wgmma's A operand from there), its slot released once the tile is there."""
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, stage_k=True))
+    spec = parse(_text("g2wg_k_src"))
+    source = render(spec, compile_program(spec))
+    compile(source, "g2wg_k.py", "exec")
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert "kw_smem.store(_gl_e4m3_to_bf16(k_smem.index(s).load(wide)))" in loop and "k_tile" not in loop
+    assert loop.count("mbarrier.arrive(k_empty") == 1
+    assert (loop.index("kw_smem.store(") < loop.index("gl.thread_barrier()")
+            < loop.index("sc = warpgroup_mma(kw_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)")
+            < loop.index("mbarrier.arrive(k_empty") < loop.index("sc = warpgroup_mma_wait(0"))
+    assert "K widened in shared memory, V widened in shared memory" in "\n".join(
+        ir.format_warp_specialized(compile_program(spec).warp_specialized))
+
+
 def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch):
     """Beside the one-warpgroup FP8 kernel: twelve warps (two consumer warpgroups and the loader's), half the wgmma
     instructions a warpgroup issues (each takes 64 of a block's keys and 64 of O^T's rows), no spills up to the most
     rows the shape takes (ptxas -v's registers in the message); V^T as a register operand (stage_v off) the same shared
-    memory, staged 32 KB more and under half the shared loads."""
-    shapes = {"1wg": None, "2wg_regs": replace(hopper.DECODE_FP8_2WG, stage_v=False), "2wg": hopper.DECODE_FP8_2WG}
+    memory, staged 32 KB more and under half the shared loads; K staged too (stage_k) 32 KB more again."""
+    shapes = {"1wg": None, "2wg_regs": replace(hopper.DECODE_FP8_2WG, stage_v=False), "2wg": hopper.DECODE_FP8_2WG,
+              "2wg_k": replace(hopper.DECODE_FP8_2WG, stage_k=True)}
     jobs = []
     for key, shape in shapes.items():
         monkeypatch.setattr(hopper, "FP8_DECODE_2WG", shape is not None)
@@ -181,20 +198,22 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
     for job, result in zip(jobs, results):
         assert "error" not in result, (job, result)
         assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (job, result)
-    one, regs, staged = results[:2], results[2:4], results[4:]
-    for a, b, c in zip(one, regs, staged):
+    one, regs, staged, staged_k = results[:2], results[2:4], results[4:6], results[6:]
+    for a, b, c, k in zip(one, regs, staged, staged_k):
         assert (a["warps"], b["warps"], c["warps"]) == (8, 12, 12), results
         assert b["wgmma"] * 2 == a["wgmma"] == c["wgmma"] * 2 and a["tma_loads"] == b["tma_loads"] == c["tma_loads"]
         # half the tile a thread: fewer shared loads of the e4m3 bytes; staged, 16 bytes a load for V
         assert b["shared"] == a["shared"] and b["shared_loads"] < a["shared_loads"], results
         assert c["shared"] == a["shared"] + 128 * 128 * 2 and 2 * c["shared_loads"] < b["shared_loads"], results
+        assert k["shared"] == c["shared"] + 128 * 128 * 2 and k["shared_loads"] < c["shared_loads"], results
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
 
-# the FP8 kernels the GPU tests run: DECODE_FP8 (one consumer warpgroup), DECODE_FP8_2WG, and it with V^T as a register
-# operand (stage_v off); each under spec names of its own (the kernel caches key on the switches, not on the shapes)
-SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False}}
+# the FP8 kernels the GPU tests run: DECODE_FP8 (one consumer warpgroup), DECODE_FP8_2WG, it with V^T as a register
+# operand (stage_v off) and with K staged too (stage_k); each under spec names of its own (the kernel caches key on the
+# switches, not on the shapes)
+SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False}, "2wg_k": {"stage_k": True}}
 
 
 def _take_shape(monkeypatch, name) -> int:
@@ -213,7 +232,7 @@ def _take_shape(monkeypatch, name) -> int:
 def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, shape):
     """B = 16, 32/8 heads, d = 128, up to 8k keys (odd lengths), shuffled 16-token pages, per-(sequence, head)
     descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split, with
-    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG; V staged in shared memory and not)."""
+    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG; V staged in shared memory and not, K too)."""
     from test_fp8kv import _check, _dequantized, _descale
 
     consumers = _take_shape(monkeypatch, shape)

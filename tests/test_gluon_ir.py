@@ -62,6 +62,8 @@ def test_the_passes_set_the_policy_tables_values():
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, rows=48)), "a power of two"),
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, consumers=2, block_n=128)), "the FP8 cache's"),
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, widen_by_sign=True)), "the FP8 cache's"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_v=True)), "the FP8 cache's"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_k=True)), "the FP8 cache's"),
     ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=4)), "4 consumer warpgroups"),
     ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=2, block_n=64)), "64-key blocks"),
     ("decode_d128", lambda ws: dict(forward=hopper.forward(128, True)), "forward on a KV-cache program"),

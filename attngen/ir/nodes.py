@@ -491,8 +491,8 @@ class GluonDecode:
     """The Gluon KV-cache decode kernel (templates/gluon_decode.py.j2): blocks of `block_n` keys in a ring of
     `stages`, at most `rows` query rows per K/V head, `consumers` warpgroups sharing each block (each its
     block_n / consumers keys of S^T and head_dim / consumers rows of O^T), an FP8 cache's e4m3 widened by
-    sign-extending byte permutes where `widen_by_sign` (else by masks), and its V tiles widened into a 16-bit
-    shared tile that wgmma reads where `stage_v` (else wgmma's A operand in registers)."""
+    sign-extending byte permutes where `widen_by_sign` (else by masks), and its K and V tiles widened into 16-bit
+    shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers)."""
 
     block_n: int
     stages: int
@@ -500,6 +500,7 @@ class GluonDecode:
     loader_regs: int
     consumers: int = 1
     widen_by_sign: bool = False
+    stage_k: bool = False
     stage_v: bool = False
 
     def constants(self) -> dict:
@@ -874,7 +875,7 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
                    f"loader {d.loader_regs} regs" + (f", {d.consumers} consumer warpgroups" if d.consumers > 1 else "")
                    + (", e4m3 widened by sign" if d.widen_by_sign else "")
-                   + (", V widened in shared memory" if d.stage_v else ""))
+                   + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on))
     return out
 
 

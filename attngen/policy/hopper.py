@@ -477,7 +477,9 @@ that wgmma reads transposed, where V^T as a register operand is read a byte an e
 three byte permutes each 4 values: 48 shared loads a thread a block instead of 116 (ptxas, sm_90a: 12 warps, 168
 registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows). DECODE_FP8's ring (3 stages of 128 keys, 96
 KB at d=128), which leaves room for a fourth stage. d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
-Not measured on a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --stages-2wg 4 for the A/Bs)."""
+stage_k (off) stages K the same way: 20 shared loads a thread a block instead of 48 for 32 KB more (172 KB at 8 rows),
+K's two-byte loads and permutes against a 32 KB store and wgmma's 32 KB read of shared memory a block. Not measured on
+a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --stage-k 1, --stages-2wg 4 for the A/Bs)."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
