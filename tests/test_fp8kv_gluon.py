@@ -194,11 +194,16 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
             path = tmp_path / f"g2wg_sm90_{name}_{key}.py"
             path.write_text(render(spec, compile_program(spec)))
             jobs.append({"path": str(path), "gluon_ws": "decode", "rows": hopper.DECODE_FP8_2WG.rows, "ptxas": True})
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", shapes["2wg_k"])
+    fp16 = parse(_text("g2wg_sm90_fp16", dtype="fp16"))  # (K and V widened by `.to()`, both staged)
+    (tmp_path / "g2wg_sm90_fp16.py").write_text(render(fp16, compile_program(fp16)))
+    jobs.append({"path": str(tmp_path / "g2wg_sm90_fp16.py"), "gluon_ws": "decode", "rows": 32, "ptxas": True})
     results = probe(jobs)
     for job, result in zip(jobs, results):
         assert "error" not in result, (job, result)
         assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (job, result)
-    one, regs, staged, staged_k = results[:2], results[2:4], results[4:6], results[6:]
+    assert results[-1]["warps"] == 12
+    one, regs, staged, staged_k = results[:2], results[2:4], results[4:6], results[6:8]
     for a, b, c, k in zip(one, regs, staged, staged_k):
         assert (a["warps"], b["warps"], c["warps"]) == (8, 12, 12), results
         assert b["wgmma"] * 2 == a["wgmma"] == c["wgmma"] * 2 and a["tma_loads"] == b["tma_loads"] == c["tma_loads"]
