@@ -14,10 +14,10 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
 The switches are set on the policy object (an experiment's way: CONVENTIONS.md): FP8_DECODE_GLUON before anything
 compiles, FP8_DECODE_2WG before each FP8 call is first made and captured (the kernel caches key on it, so each setting
 gets its own module), and the kernels go to a fresh ATTNGEN_CACHE_DIR: a module the disk cache kept from a run with
-other settings, under the API's spec name, would be reused otherwise. Prints one line a shape and layout: each
-kernel's time, tokens/s (sequences decoded a second) and K/V bytes a second, FP8's tokens/s over bf16's, paged over
-contiguous, FP8's largest error against bf16 decoding of the dequantised cache, and how many FP8 modules have the
-Gluon kernel with one and with two consumer warpgroups.
+other settings, under the API's spec name, would be reused otherwise. Prints one line a shape, layout and kernel
+(bf16, then each FP8 kernel): its time, tokens/s (sequences decoded a second) and K/V bytes a second, its tokens/s
+over bf16's, paged over its contiguous, FP8's largest error against bf16 decoding of the dequantised cache; last, how
+many FP8 modules have the Gluon kernel with one and with two consumer warpgroups.
 """
 
 import argparse
