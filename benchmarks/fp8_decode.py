@@ -9,7 +9,8 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
                                                off, then on, for each call), beside bf16, in one process
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
-    python benchmarks/fp8_decode.py --fp8-2wg --stage-k 1       DECODE_FP8_2WG with K widened in shared memory too
+    python benchmarks/fp8_decode.py --fp8-2wg --permute-k 0     DECODE_FP8_2WG with K's fragments read as they lie
+    python benchmarks/fp8_decode.py --fp8-2wg --stage-k 1 --permute-k 0    with K widened in shared memory too
 
 The switches are set on the policy object (an experiment's way: CONVENTIONS.md): FP8_DECODE_GLUON before anything
 compiles, FP8_DECODE_2WG before each FP8 call is first made and captured (the kernel caches key on it, so each setting
@@ -79,13 +80,15 @@ def main() -> None:
     parser.add_argument("--stages-2wg", type=int, default=None, help="hopper.DECODE_FP8_2WG's stages")
     parser.add_argument("--stage-k", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_k")
     parser.add_argument("--stage-v", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_v")
+    parser.add_argument("--permute-k", type=int, choices=(0, 1), default=None,
+                        help="hopper.DECODE_FP8_2WG's permute_k")
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--contexts", default="8192,32768")
     args = parser.parse_args()
     hopper.FP8_DECODE_GLUON = args.gluon or hopper.FP8_DECODE_GLUON
     if args.stages_2wg:
         hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, stages=args.stages_2wg)
-    for name in ("stage_k", "stage_v"):
+    for name in ("stage_k", "stage_v", "permute_k"):
         if getattr(args, name) is not None:
             hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, **{name: bool(getattr(args, name))})
     # the FP8 kernels timed: (name, FP8_DECODE_2WG), each beside bf16

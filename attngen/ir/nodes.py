@@ -492,7 +492,8 @@ class GluonDecode:
     `stages`, at most `rows` query rows per K/V head, `consumers` warpgroups sharing each block (each its
     block_n / consumers keys of S^T and head_dim / consumers rows of O^T), an FP8 cache's e4m3 widened by
     sign-extending byte permutes where `widen_by_sign` (else by masks), and its K and V tiles widened into 16-bit
-    shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers)."""
+    shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers), K's register
+    operand read 16 bytes a load where `permute_k` (the head dim permuted in K and Q alike)."""
 
     block_n: int
     stages: int
@@ -502,6 +503,7 @@ class GluonDecode:
     widen_by_sign: bool = False
     stage_k: bool = False
     stage_v: bool = False
+    permute_k: bool = False
 
     def constants(self) -> dict:
         """The generated module's WSD_SHAPE: what its launcher reads at run time ("CONSUMERS" only where more than
@@ -875,7 +877,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
                    f"loader {d.loader_regs} regs" + (f", {d.consumers} consumer warpgroups" if d.consumers > 1 else "")
                    + (", e4m3 widened by sign" if d.widen_by_sign else "")
-                   + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on))
+                   + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on)
+                   + (", K's head dim permuted" if d.permute_k else ""))
     return out
 
 

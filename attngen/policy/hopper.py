@@ -465,7 +465,7 @@ FP8_DECODE_2WG = False
 """Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
 of one (`DECODE_FP8`). Off until its GPU tests pass and `benchmarks/fp8_decode.py --fp8-2wg` shows it faster."""
 
-DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True, stage_v=True)
+DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True, stage_v=True, permute_k=True)
 """The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
 tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
 reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
@@ -477,9 +477,12 @@ that wgmma reads transposed, where V^T as a register operand is read a byte an e
 three byte permutes each 4 values: 48 shared loads a thread a block instead of 116 (ptxas, sm_90a: 12 warps, 168
 registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows). DECODE_FP8's ring (3 stages of 128 keys, 96
 KB at d=128), which leaves room for a fourth stage. d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
-stage_k (off) stages K the same way: 20 shared loads a thread a block instead of 48 for 32 KB more (172 KB at 8 rows),
-K's two-byte loads and permutes against a 32 KB store and wgmma's 32 KB read of shared memory a block. Not measured on
-a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --stage-k 1, --stages-2wg 4 for the A/Bs)."""
+permute_k: K stays wgmma's register operand but is read 16 bytes a load (a 2-byte load and byte permutes to pack
+each 4 values before), the head dim permuted in K and Q alike (S^T sums over it; the template says how): 20 shared
+loads a thread a block with stage_v, no more shared memory. stage_k (off; excludes permute_k) stages K as V instead:
+the same 20 loads for 32 KB more (172 KB at 8 rows) and wgmma's 32 KB read of shared memory a block. Not measured on
+a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --permute-k 0, --stage-k 1, --stages-2wg 4 for the
+A/Bs)."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
