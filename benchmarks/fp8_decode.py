@@ -94,8 +94,9 @@ def main() -> None:
     # the FP8 kernels timed: (name, FP8_DECODE_2WG), each beside bf16
     fp8_kinds = [("fp8 1wg", False), ("fp8 2wg", True)] if args.fp8_2wg else [("fp8", hopper.FP8_DECODE_2WG)]
     gen = torch.Generator("cuda").manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}; "
-          f"{', '.join(f'{name}: FP8_DECODE_2WG = {on}' for name, on in fp8_kinds)}; DECODE_FP8_2WG = {hopper.DECODE_FP8_2WG}")
+    kinds = ", ".join(f"{name}: FP8_DECODE_2WG = {on}" for name, on in fp8_kinds)
+    print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}; {kinds}; "
+          f"DECODE_FP8_2WG = {hopper.DECODE_FP8_2WG}")
     print(f"{'B':>3} {'ctx':>6} {'layout':<10} {'kernel':<8} {'ms':>8} {'tokens/s':>9} {'GB/s':>6} {'x bf16':>7} "
           f"{'paged/contig':>12} {'err':>8}")
     for batch in (int(b) for b in args.batches.split(",")):
@@ -128,8 +129,8 @@ def main() -> None:
                 for name, ms, itemsize, err in rows:
                     contiguous.setdefault(name, ms)
                     gbps = 2 * batch * ctx * H_KV * D * itemsize / ms / 1e6
-                    print(f"{batch:>3} {ctx:>6} {layout:<10} {name:<8} {ms:>8.4f} {batch / ms * 1e3:>9.0f} {gbps:>6.0f} "
-                          f"{bf16_ms / ms:>7.2f} {contiguous[name] / ms:>12.3f} "
+                    print(f"{batch:>3} {ctx:>6} {layout:<10} {name:<8} {ms:>8.4f} {batch / ms * 1e3:>9.0f} "
+                          f"{gbps:>6.0f} {bf16_ms / ms:>7.2f} {contiguous[name] / ms:>12.3f} "
                           f"{'' if err is None else f'{err:.1e}':>8}", flush=True)
             del q, k, v, k8, v8, kp, vp, k8p, v8p, calls
             torch.cuda.empty_cache()

@@ -165,7 +165,7 @@ def test_two_consumer_warpgroups_source(two_wg):
     assert "k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)" in loop
     reshape = loop.split("k_tile = k_tile.")[1].split("\n")[0]
     assert reshape == "reshape([BLOCK_N, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([BLOCK_N, HEAD_DIM])"
-    q_dims = eval(source.split("q_dims = ")[1].split("  #")[0], {"cols": torch.arange(128)})
+    q_dims = eval(source.split("q_dims = ")[1].split("\n")[0], {"cols": torch.arange(128)})
     assert torch.equal(q_dims, torch.arange(128).reshape(2, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(128))
     assert "stride_q_n + q_dims[None, :])" in source
 
