@@ -231,8 +231,8 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
 SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
           "2wg_k": {"stage_k": True, "permute_k": False}, "2wg_unpermuted": {"permute_k": False}}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
-REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg") for layout in sorted(LAYOUTS) for causal in (True, False)]
-              + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_unpermuted")])
+REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg") for layout in sorted(LAYOUTS)
+               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_unpermuted")])
 
 
 def _take_shape(monkeypatch, name) -> int:
