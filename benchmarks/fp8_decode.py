@@ -5,16 +5,26 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
 
     python benchmarks/fp8_decode.py            the FP8 cache on the kernel the policy picks as shipped
     python benchmarks/fp8_decode.py --gluon    with policy hopper.FP8_DECODE_GLUON switched on
+    python benchmarks/fp8_decode.py --fp8-2wg  FP8 with one consumer warpgroup and with two (hopper.FP8_DECODE_2WG
+                                               off, then on, for each call), beside bf16, in one process
+    python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
+    python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
+    python benchmarks/fp8_decode.py --fp8-2wg --permute-k 0     DECODE_FP8_2WG with K's fragments read as they lie
+    python benchmarks/fp8_decode.py --fp8-2wg --stage-k 1 --permute-k 0    with K widened in shared memory too
 
-The switch is set on the policy object before anything compiles (an experiment's way: CONVENTIONS.md), and the
-kernels go to a fresh ATTNGEN_CACHE_DIR: a module the disk cache kept from a run with the switch off, under the
-API's spec name, would be reused otherwise. Prints one line a shape and layout: bf16's and FP8's time, FP8's K/V
-bytes a second, FP8's tokens/s over bf16's, paged over contiguous, and whether the FP8 module has the Gluon kernel.
+The switches are set on the policy object (an experiment's way: CONVENTIONS.md): FP8_DECODE_GLUON before anything
+compiles, FP8_DECODE_2WG before each FP8 call is first made and captured (the kernel caches key on it, so each setting
+gets its own module), and the kernels go to a fresh ATTNGEN_CACHE_DIR: a module the disk cache kept from a run with
+other settings, under the API's spec name, would be reused otherwise. Prints one line a shape, layout and kernel
+(bf16, then each FP8 kernel): its time, tokens/s (sequences decoded a second) and K/V bytes a second, its tokens/s
+over bf16's, paged over its contiguous, FP8's largest error against bf16 decoding of the dequantised cache; last, how
+many FP8 modules have the Gluon kernel with one and with two consumer warpgroups.
 """
 
 import argparse
 import os
 import tempfile
+from dataclasses import replace
 
 os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-fp8dec-")
 
@@ -23,31 +33,71 @@ import torch  # noqa: E402
 from attngen.api.kvcache import attention_with_kvcache  # noqa: E402
 from attngen.bench.decode import D, DTYPE, H, H_KV, bench_graph, paged_copy  # noqa: E402
 from attngen.policy import hopper  # noqa: E402
+from attngen.runtime.plans import PLANS  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
-def gluon_fp8_modules() -> int:
-    """Generated modules in this run's cache whose Gluon decode ring is e4m3."""
-    found = 0
+def gluon_fp8_modules() -> tuple[int, int]:
+    """Generated modules in this run's cache whose Gluon decode ring is e4m3: with one consumer warpgroup, with two."""
+    one = two = 0
     for root, _, files in os.walk(os.environ["ATTNGEN_CACHE_DIR"]):
         for name in files:
             if name.endswith(".py"):
                 with open(os.path.join(root, name)) as f:
-                    found += "gl.allocate_shared_memory(gl.float8e4nv" in f.read()
-    return found
+                    text = f.read()
+                if "gl.allocate_shared_memory(gl.float8e4nv" in text:
+                    two += "'CONSUMERS': 2" in text
+                    one += "'CONSUMERS': 2" not in text
+    return one, two
+
+
+_PLANNED_WITH = {"FP8_DECODE_2WG": None}  # the setting the plans in PLANS were made with
+
+
+def switched(call, two_wg: bool):
+    """`call` made with hopper.FP8_DECODE_2WG set to `two_wg` (the module is chosen, and the graph captured, then)."""
+    def run():
+        saved, hopper.FP8_DECODE_2WG = hopper.FP8_DECODE_2WG, two_wg
+        # NOTE: a call's plan (the module it runs) is kept by its arguments' signature, which holds no switch: the
+        # other setting's call of the same tensors would take its plan. Cleared only when the setting changes, so
+        # that bench_graph's captured call reuses its first call's plan (planning checks values on the host)
+        if _PLANNED_WITH["FP8_DECODE_2WG"] != two_wg:
+            PLANS.clear()
+            _PLANNED_WITH["FP8_DECODE_2WG"] = two_wg
+        try:
+            return call()
+        finally:
+            hopper.FP8_DECODE_2WG = saved
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gluon", action="store_true", help="switch hopper.FP8_DECODE_GLUON on")
+    parser.add_argument("--fp8-2wg", action="store_true",
+                        help="time FP8 with hopper.FP8_DECODE_2WG off and on (one and two consumer warpgroups)")
+    parser.add_argument("--stages-2wg", type=int, default=None, help="hopper.DECODE_FP8_2WG's stages")
+    parser.add_argument("--stage-k", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_k")
+    parser.add_argument("--stage-v", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_v")
+    parser.add_argument("--permute-k", type=int, choices=(0, 1), default=None,
+                        help="hopper.DECODE_FP8_2WG's permute_k")
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--contexts", default="8192,32768")
     args = parser.parse_args()
     hopper.FP8_DECODE_GLUON = args.gluon or hopper.FP8_DECODE_GLUON
+    if args.stages_2wg:
+        hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, stages=args.stages_2wg)
+    for name in ("stage_k", "stage_v", "permute_k"):
+        if getattr(args, name) is not None:
+            hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, **{name: bool(getattr(args, name))})
+    # the FP8 kernels timed: (name, FP8_DECODE_2WG), each beside bf16
+    fp8_kinds = [("fp8 1wg", False), ("fp8 2wg", True)] if args.fp8_2wg else [("fp8", hopper.FP8_DECODE_2WG)]
     gen = torch.Generator("cuda").manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}")
-    print(f"{'B':>3} {'ctx':>6} {'layout':<10} {'bf16 ms':>8} {'fp8 ms':>8} {'fp8 GB/s':>9} {'x bf16':>7} "
+    kinds = ", ".join(f"{name}: FP8_DECODE_2WG = {on}" for name, on in fp8_kinds)
+    print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}; {kinds}; "
+          f"DECODE_FP8_2WG = {hopper.DECODE_FP8_2WG}")
+    print(f"{'B':>3} {'ctx':>6} {'layout':<10} {'kernel':<8} {'ms':>8} {'tokens/s':>9} {'GB/s':>6} {'x bf16':>7} "
           f"{'paged/contig':>12} {'err':>8}")
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
@@ -68,17 +118,24 @@ def main() -> None:
             kp, vp, k8p, v8p = (paged_copy(t, 16, perm) for t in (k, v, k8, v8))
             calls["paged 16"] = (lambda: attention_with_kvcache(q, kp, vp, ctx, table),
                                  lambda: attention_with_kvcache(q, k8p, v8p, ctx, table, **scales))
-            fp8_contiguous = None
+            contiguous = {}  # each kernel's contiguous time
             for layout, (bf16_call, fp8_call) in calls.items():
-                err = (fp8_call().float() - want.float()).abs().max().item()
-                bf16_ms, fp8_ms = bench_graph(bf16_call), bench_graph(fp8_call)
-                fp8_contiguous = fp8_contiguous or fp8_ms
-                gbps = 2 * batch * ctx * H_KV * D * FP8.itemsize / fp8_ms / 1e6
-                print(f"{batch:>3} {ctx:>6} {layout:<10} {bf16_ms:>8.4f} {fp8_ms:>8.4f} {gbps:>9.0f} "
-                      f"{bf16_ms / fp8_ms:>7.2f} {fp8_contiguous / fp8_ms:>12.3f} {err:>8.1e}", flush=True)
+                bf16_ms = bench_graph(bf16_call)
+                rows = [("bf16", bf16_ms, DTYPE.itemsize, None)]
+                for name, two_wg in fp8_kinds:
+                    call = switched(fp8_call, two_wg)
+                    err = (call().float() - want.float()).abs().max().item()
+                    rows.append((name, bench_graph(call), FP8.itemsize, err))
+                for name, ms, itemsize, err in rows:
+                    contiguous.setdefault(name, ms)
+                    gbps = 2 * batch * ctx * H_KV * D * itemsize / ms / 1e6
+                    print(f"{batch:>3} {ctx:>6} {layout:<10} {name:<8} {ms:>8.4f} {batch / ms * 1e3:>9.0f} "
+                          f"{gbps:>6.0f} {bf16_ms / ms:>7.2f} {contiguous[name] / ms:>12.3f} "
+                          f"{'' if err is None else f'{err:.1e}':>8}", flush=True)
             del q, k, v, k8, v8, kp, vp, k8p, v8p, calls
             torch.cuda.empty_cache()
-    print(f"Gluon FP8 decode modules compiled: {gluon_fp8_modules()}")
+    one, two = gluon_fp8_modules()
+    print(f"Gluon FP8 decode modules compiled: {one} with one consumer warpgroup, {two} with two")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The Hopper Gluon decode kernel over an FP8 (e4m3) KV cache (templates/gluon_decode.py.j2 with `kv_gl_dtype`,
-passes/warp_specialize_decode.py behind policy hopper.FP8_DECODE_GLUON).
+passes/warp_specialize_decode.py behind policy hopper.FP8_DECODE_GLUON), with one consumer warpgroup or, behind
+hopper.FP8_DECODE_2WG, two (hopper.DECODE_FP8_2WG).
 
 On the CPU: which FP8-cache specs get the Gluon kernel with the switch on and off; that its generated source takes
 the descales from the IR (K's factor in the scale, V's on the output) and widens the e4m3 tiles in registers; that
@@ -11,12 +12,15 @@ Each spec here has a name of its own: a module compiled with the switch on must 
 shares through the disk cache.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import attngen
 from attngen.codegen import render
-from attngen.lang.spec import parse
+from attngen import ir
+from attngen.lang.spec import load_file, parse
 from attngen.passes import compile_program, warp_specialize_decode
 from attngen.policy import hopper
 from conftest import HAS_GPU
@@ -36,6 +40,12 @@ def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_
 def fp8_gluon(monkeypatch):
     """The switch on, as the lead turns it on once the GPU test passes."""
     monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", True)
+
+
+@pytest.fixture
+def two_wg(fp8_gluon, monkeypatch):
+    """The Gluon FP8 decode with two consumer warpgroups (hopper.FP8_DECODE_2WG on)."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", True)
 
 
 def test_by_default_an_fp8_cache_keeps_the_triton_kernel(monkeypatch):
@@ -103,21 +113,149 @@ def test_the_fp8_gluon_decode_compiles_for_sm90(fp8_gluon, tmp_path):
     assert results[1]["wgmma"] == 2 * results[-1]["wgmma"], results
 
 
+def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypatch):
+    """FP8_DECODE_2WG picks DECODE_FP8_2WG at d=128 (d=64's O^T is one warpgroup's M), keys the kernel caches, and
+    leaves the 16-bit kernel's shape and source alone; `explain` prints the consumers."""
+    assert "FP8_DECODE_2WG" in hopper.SWITCHES and hopper.FP8_DECODE_2WG is False
+    assert hopper.DECODE_FP8.consumers == 1 and not hopper.DECODE_FP8.widen_by_sign
+    assert "CONSUMERS" not in hopper.DECODE_FP8.constants()
+    shipped = compile_program(parse(_text("g2wg_off"))).warp_specialized.decode
+    assert shipped == hopper.DECODE_FP8
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", True)
+    program = compile_program(parse(_text("g2wg_on")))
+    assert program.warp_specialized.decode == hopper.DECODE_FP8_2WG == hopper.decode("fp8_e4m3", 128)
+    assert program.warp_specialized.decode.constants()["CONSUMERS"] == 2
+    printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
+    assert "2 consumer warpgroups, e4m3 widened by sign, V widened in shared memory" in printed
+    assert compile_program(parse(_text("g2wg_d64", head_dim=64))).warp_specialized.decode == hopper.DECODE_FP8
+    # the 16-bit kernel's source is the golden one with the switch on too (test_golden renders with it off)
+    for name in ("decode_paged16_d128", "decode_d128"):
+        spec = load_file(f"specs/{name}.attn")
+        program = compile_program(spec)
+        assert program.warp_specialized.decode == hopper.DECODE
+        with open(f"generated/{name}.py") as f:
+            assert render(spec, program) == f.read(), name
+
+
+def test_two_consumer_warpgroups_source(two_wg):
+    spec = parse(_text("g2wg_src", layout=LAYOUTS["paged16"]))
+    source = render(spec, compile_program(spec))
+    compile(source, "g2wg.py", "exec")
+    # eight consumer warps: the products' M split between the two warpgroups, launched as such
+    assert "warps_per_cta=[8, 1], instr_shape=[16, NQ, 16])" in source
+    assert "io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])" in source
+    assert "num_warps=8," in source and "'CONSUMERS': 2" in source
+    # a slot goes back once both warpgroups have read it: K's after the column max, V's after a barrier
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert loop.index("p = gl.exp2(") < loop.index("mbarrier.arrive(k_empty.index(s), count=1)")
+    assert loop.count("mbarrier.arrive(k_empty") == 1 and loop.count("mbarrier.arrive(v_empty") == 1
+    assert loop.index("gl.thread_barrier()") < loop.index("mbarrier.arrive(v_empty.index(s), count=1)")
+    # e4m3 widened by a sign-extending permute; the same math from the IR (descales, epilogue)
+    assert "prmt.b32 lo, $2, 0, 0x9180;" in source and "and.b32 $0, lo, 0x87F087F0;" in source
+    assert "0x07F007F0" not in source
+    assert "gl.convert_layout(acc * v_descale / l_safe[None, :], out_t)" in source
+    # V widened into a 16-bit shared tile, its rows past n_k zeroed on the way, wgmma's A operand from there
+    assert "v_wide = _gl_e4m3_to_bf16(v_smem.index(s).load(wide))" in loop
+    assert "vw_smem.store(v_wide)" in loop and "v_tile" not in loop
+    assert "acc = warpgroup_mma(vw_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)" in loop
+    assert loop.index("gl.thread_barrier()") < loop.index("acc = warpgroup_mma(vw_smem")
+    # K read in rows of 16 bytes and relabelled as wgmma's fragment in place, Q's columns in the same order: the
+    # generated order is the relabelling's (column k of the product holds K's and Q's column q_dims[k])
+    assert "k_tile = _gl_e4m3_to_bf16(k_smem.index(s).load(k_rows))" in loop
+    assert "k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)" in loop
+    reshape = loop.split("k_tile = k_tile.")[1].split("\n")[0]
+    assert reshape == "reshape([BLOCK_N, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([BLOCK_N, HEAD_DIM])"
+    q_dims = eval(source.split("q_dims = ")[1].split("\n")[0], {"cols": torch.arange(128)})
+    assert torch.equal(q_dims, torch.arange(128).reshape(2, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(128))
+    assert "stride_q_n + q_dims[None, :])" in source
+
+
+def test_staged_k_source(two_wg, monkeypatch):
+    """stage_k: K widened into kw_smem (wgmma's A operand from there), its slot released once the tile is there."""
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, stage_k=True, permute_k=False))
+    spec = parse(_text("g2wg_k_src"))
+    source = render(spec, compile_program(spec))
+    compile(source, "g2wg_k.py", "exec")
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert "kw_smem.store(_gl_e4m3_to_bf16(k_smem.index(s).load(wide)))" in loop and "k_tile" not in loop
+    assert loop.count("mbarrier.arrive(k_empty") == 1
+    assert (loop.index("kw_smem.store(") < loop.index("gl.thread_barrier()")
+            < loop.index("sc = warpgroup_mma(kw_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)")
+            < loop.index("mbarrier.arrive(k_empty") < loop.index("sc = warpgroup_mma_wait(0"))
+    assert "K widened in shared memory, V widened in shared memory" in "\n".join(
+        ir.format_warp_specialized(compile_program(spec).warp_specialized))
+
+
+def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch):
+    """Beside the one-warpgroup FP8 kernel: twelve warps (two consumer warpgroups and the loader's), half the wgmma
+    instructions a warpgroup issues (each takes 64 of a block's keys and 64 of O^T's rows), no spills up to the most
+    rows the shape takes (ptxas -v's registers in the message); both tiles register operands read as they lie (stage_v,
+    permute_k off) the same shared memory; DECODE_FP8_2WG (V staged, K permuted) 32 KB more and under half their
+    shared loads; K staged instead of permuted (stage_k) 32 KB more again."""
+    shapes = {"1wg": None, "2wg_regs": replace(hopper.DECODE_FP8_2WG, stage_v=False, permute_k=False),
+              "2wg": hopper.DECODE_FP8_2WG, "2wg_k": replace(hopper.DECODE_FP8_2WG, stage_k=True, permute_k=False)}
+    jobs = []
+    for key, shape in shapes.items():
+        monkeypatch.setattr(hopper, "FP8_DECODE_2WG", shape is not None)
+        monkeypatch.setattr(hopper, "DECODE_FP8_2WG", shape or hopper.DECODE_FP8_2WG)
+        for name, mask, layout in (("c_causal", "causal(bottom_right)", "contiguous"),
+                                   ("p_none", "none", "paged16")):
+            spec = parse(_text(f"g2wg_sm90_{name}_{key}", mask, LAYOUTS[layout]))
+            path = tmp_path / f"g2wg_sm90_{name}_{key}.py"
+            path.write_text(render(spec, compile_program(spec)))
+            jobs.append({"path": str(path), "gluon_ws": "decode", "rows": hopper.DECODE_FP8_2WG.rows, "ptxas": True})
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", shapes["2wg_k"])
+    fp16 = parse(_text("g2wg_sm90_fp16", dtype="fp16"))  # (K and V widened by `.to()`, both staged)
+    (tmp_path / "g2wg_sm90_fp16.py").write_text(render(fp16, compile_program(fp16)))
+    jobs.append({"path": str(tmp_path / "g2wg_sm90_fp16.py"), "gluon_ws": "decode", "rows": 32, "ptxas": True})
+    results = probe(jobs)
+    for job, result in zip(jobs, results):
+        assert "error" not in result, (job, result)
+        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (job, result)
+    assert results[-1]["warps"] == 12
+    one, regs, staged, staged_k = results[:2], results[2:4], results[4:6], results[6:8]
+    for a, b, c, k in zip(one, regs, staged, staged_k):
+        assert (a["warps"], b["warps"], c["warps"]) == (8, 12, 12), results
+        assert b["wgmma"] * 2 == a["wgmma"] == c["wgmma"] * 2 and a["tma_loads"] == b["tma_loads"] == c["tma_loads"]
+        # half the tile a thread: fewer shared loads of the e4m3 bytes; staged, 16 bytes a load for V
+        assert b["shared"] == a["shared"] and b["shared_loads"] < a["shared_loads"], results
+        assert c["shared"] == a["shared"] + 128 * 128 * 2 and 2 * c["shared_loads"] < b["shared_loads"], results
+        assert k["shared"] == c["shared"] + 128 * 128 * 2, results
+
+
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
+
+# the FP8 kernels the GPU tests run: DECODE_FP8 (one consumer warpgroup), DECODE_FP8_2WG, it with both tiles register
+# operands read as they lie, with K staged instead of permuted, with K read as it lies; each under spec names of its own
+# (the kernel caches key on the switches, not on the shapes)
+SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
+          "2wg_k": {"stage_k": True, "permute_k": False}, "2wg_unpermuted": {"permute_k": False}}
+# every layout and mask for the shipped shapes, one for the A/Bs' others
+REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg") for layout in sorted(LAYOUTS)
+               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_unpermuted")])
+
+
+def _take_shape(monkeypatch, name) -> int:
+    """Switch the policy to SHAPES[name]; its consumer warpgroups."""
+    fields = SHAPES[name]
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", fields is not None)
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, **(fields or {})))
+    return 1 if fields is None else 2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90's")
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal):
+@pytest.mark.parametrize("layout, causal, shape", REAL_SIZES)
+def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, shape):
     """B = 16, 32/8 heads, d = 128, up to 8k keys (odd lengths), shuffled 16-token pages, per-(sequence, head)
-    descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split."""
+    descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split, with
+    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG, and the A/Bs of its fields)."""
     from test_fp8kv import _check, _dequantized, _descale
 
+    consumers = _take_shape(monkeypatch, shape)
     mask = "causal(bottom_right)" if causal else "none"
-    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}", mask, LAYOUTS[layout])).module
-    assert hasattr(module, "attn_fwd_wsd")
+    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout])).module
+    assert hasattr(module, "attn_fwd_wsd") and module.WSD_SHAPE.get("CONSUMERS", 1) == consumers
 
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton partial kernel ran: the Gluon kernel should have")
@@ -150,3 +288,27 @@ def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, caus
                                k_descale=k_descale, v_descale=v_descale)
         # (the reference on the contiguous dequantised cache: the same values the pages hold)
         _check(out.transpose(1, 2), q, k64, v64, lens, None, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90's")
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gpu_every_e4m3_byte_widens_exactly(fp8_gluon, monkeypatch, shape):
+    """One key a sequence: the softmax's weight is exactly 1, so the output is V's widened values times v_descale = 1,
+    bit for bit, for every finite e4m3 byte (subnormals, both zeros, the largest) in every head and column."""
+    _take_shape(monkeypatch, shape)
+    module = attngen.load(_text(f"gfp8_gpu_bytes_{shape}", "none", "contiguous")).module
+    monkeypatch.setattr(module, "launch_attn_fwd", None)  # (a call would raise: the Gluon kernel must run)
+    batch, heads, kv_heads, d, n = 2, 32, 8, 128, 256
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 of them
+    v = finite[torch.arange(batch * kv_heads * d) % finite.numel()].view(batch, 1, kv_heads, d)
+    v = torch.cat([v, torch.zeros(batch, n - 1, kv_heads, d, dtype=torch.uint8)], 1).view(FP8).cuda()
+    k = torch.randn(batch, n, kv_heads, d).to(FP8).cuda()
+    ones = torch.ones(batch, kv_heads, device="cuda")
+    q = torch.randn(batch, heads, 1, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((batch, heads, 1, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lens = torch.ones(batch, dtype=torch.int32, device="cuda")
+    module.forward_kvcache(q, k.transpose(1, 2), v.transpose(1, 2), lens, None, out=out, num_splits=1,
+                           k_descale=ones, v_descale=ones)
+    want = v[:, 0].float().repeat_interleave(heads // kv_heads, dim=1).to(torch.bfloat16)  # (batch, heads, d)
+    assert torch.equal(out[:, :, 0], want)

@@ -60,6 +60,14 @@ def test_the_passes_set_the_policy_tables_values():
     ("train_causal_d64", lambda ws: dict(backward=replace(ws.backward, late_rows=3)), "late_rows 3"),
     ("train_causal_d64", lambda ws: dict(backward=replace(ws.backward, dq_claim_keys=-1)), "dq_claim_keys -1"),
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, rows=48)), "a power of two"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, consumers=2, block_n=128)), "the FP8 cache's"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, widen_by_sign=True)), "the FP8 cache's"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_v=True)), "the FP8 cache's"),
+    ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_k=True)), "the FP8 cache's"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=4)), "4 consumer warpgroups"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, permute_k=True)), "permute_k's layout"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(hopper.DECODE_FP8_2WG, stage_k=True)), "permute_k's layout"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=2, block_n=64)), "64-key blocks"),
     ("decode_d128", lambda ws: dict(forward=hopper.forward(128, True)), "forward on a KV-cache program"),
 ])
 def test_the_verifier_rejects_a_bad_decision(name, bad, message):

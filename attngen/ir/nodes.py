@@ -497,16 +497,27 @@ class GluonBackward:
 @dataclass(frozen=True, slots=True)
 class GluonDecode:
     """The Gluon KV-cache decode kernel (templates/gluon_decode.py.j2): blocks of `block_n` keys in a ring of
-    `stages`, at most `rows` query rows per K/V head."""
+    `stages`, at most `rows` query rows per K/V head, `consumers` warpgroups sharing each block (each its
+    block_n / consumers keys of S^T and head_dim / consumers rows of O^T), an FP8 cache's e4m3 widened by
+    sign-extending byte permutes where `widen_by_sign` (else by masks), and its K and V tiles widened into 16-bit
+    shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers), K's register
+    operand read 16 bytes a load where `permute_k` (the head dim permuted in K and Q alike)."""
 
     block_n: int
     stages: int
     rows: int
     loader_regs: int
+    consumers: int = 1
+    widen_by_sign: bool = False
+    stage_k: bool = False
+    stage_v: bool = False
+    permute_k: bool = False
 
     def constants(self) -> dict:
-        """The generated module's WSD_SHAPE: what its launcher reads at run time."""
-        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs}
+        """The generated module's WSD_SHAPE: what its launcher reads at run time ("CONSUMERS" only where more than
+        one: the other modules' constants stay as they were)."""
+        return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs,
+                **({"CONSUMERS": self.consumers} if self.consumers > 1 else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -897,7 +908,10 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
     if ws.decode is not None:
         d = ws.decode
         out.append(f"gluon decode: {d.block_n}-key blocks, {d.stages} stages, <= {d.rows} rows per K/V head, "
-                   f"loader {d.loader_regs} regs")
+                   f"loader {d.loader_regs} regs" + (f", {d.consumers} consumer warpgroups" if d.consumers > 1 else "")
+                   + (", e4m3 widened by sign" if d.widen_by_sign else "")
+                   + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on)
+                   + (", K's head dim permuted" if d.permute_k else ""))
     if ws.mla is not None:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "

@@ -383,4 +383,14 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("decode on a program without a split-KV KV cache")
         if d.block_n % 16 or d.stages < 1 or d.rows & (d.rows - 1) or not 8 <= d.rows <= 256:
             fail(f"decode: {d.block_n}-key blocks, {d.stages} stages, {d.rows} rows (wgmma's N: a power of two, 8-256)")
+        # each consumer warpgroup's wgmma takes M = 64 of a block's keys (S^T) and of the head dim's rows (O^T)
+        if d.consumers not in (1, 2) or d.block_n % (64 * d.consumers) or program.attr("head_dim") % (64 * d.consumers):
+            fail(f"decode: {d.consumers} consumer warpgroups over {d.block_n}-key blocks at head dim "
+                 f"{program.attr('head_dim')} (each takes 64 keys and 64 rows of O^T a block, or a multiple)")
+        if d.permute_k and (d.stage_k or (d.consumers, d.block_n, program.attr("head_dim")) != (2, 128, 128)):
+            fail("decode: permute_k's layout is two warpgroups' over 128 keys and 128 columns of K in registers")
+        fp8_only = d.consumers > 1 or d.widen_by_sign or d.stage_k or d.stage_v or d.permute_k
+        if fp8_only and program.attr("kv_dtype") is None:
+            fail("decode: consumer warpgroups and the widening by sign or in shared memory are the FP8 cache's (a "
+                 "16-bit ring keeps one consumer and reads V^T from the ring)")
         regs_ok("decode loader", d.loader_regs)

@@ -89,5 +89,5 @@ def plain(program: ir.Program) -> bool:
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    return replace(program, warp_specialized=replace(program.warp_specialized,
-                                                     decode=hopper.decode(program.attr("kv_dtype"))))
+    shape = hopper.decode(program.attr("kv_dtype"), program.attr("head_dim"))
+    return replace(program, warp_specialized=replace(program.warp_specialized, decode=shape))

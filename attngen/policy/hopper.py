@@ -479,7 +479,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -526,10 +526,36 @@ per byte. The consumer widens each K and V tile to 16 bits in registers (wgmma's
 kernel. DECODE's stages and loader registers, not measured on this ring yet."""
 
 
-def decode(kv_dtype: str | None = None) -> ir.GluonDecode:
-    """The Gluon decode kernel's shape (one for every head dim in DECODE_HEAD_DIMS) over a cache of `kv_dtype`
-    (None: the queries' 16-bit dtype)."""
-    return DECODE if kv_dtype is None else DECODE_FP8
+FP8_DECODE_2WG = False
+"""Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
+of one (`DECODE_FP8`). Off until its GPU tests pass and `benchmarks/fp8_decode.py --fp8-2wg` shows it faster."""
+
+DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True, stage_v=True, permute_k=True)
+"""The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
+tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
+reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
+(the column max meets through shared memory) and 64 of the head dim's 128 rows of O^T += V^T P^T (over all the
+block's keys, P^T shared), which halves each thread's registers for the tiles and needs no merge at the end.
+widen_by_sign: e4m3 widened by a sign-extending byte permute, a shift and a mask a pair (4 PTX instructions for 2 values
+where the masks took 6). stage_v: V's block read 16 bytes a thread, widened and stored into a 16-bit tile (32 KB)
+that wgmma reads transposed, where V^T as a register operand is read a byte an element (ld.shared.b8) and packed by
+three byte permutes each 4 values: 48 shared loads a thread a block instead of 116 (ptxas, sm_90a: 12 warps, 168
+registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows). DECODE_FP8's ring (3 stages of 128 keys, 96
+KB at d=128), which leaves room for a fourth stage. d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
+permute_k: K stays wgmma's register operand but is read 16 bytes a load (a 2-byte load and byte permutes to pack
+each 4 values before), the head dim permuted in K and Q alike (S^T sums over it; the template says how): 20 shared
+loads a thread a block with stage_v, no more shared memory. stage_k (off; excludes permute_k) stages K as V instead:
+the same 20 loads for 32 KB more (172 KB at 8 rows) and wgmma's 32 KB read of shared memory a block. Not measured on
+a GPU: `benchmarks/fp8_decode.py --fp8-2wg` (with --stage-v 0, --permute-k 0, --stage-k 1, --stages-2wg 4 for the
+A/Bs)."""
+
+
+def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
+    """The Gluon decode kernel's shape for a head dim in DECODE_HEAD_DIMS over a cache of `kv_dtype` (None: the
+    queries' 16-bit dtype)."""
+    if kv_dtype is None:
+        return DECODE
+    return DECODE_FP8_2WG if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0 else DECODE_FP8
 
 
 MLA_GLUON = True
