@@ -352,6 +352,10 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_sta
 # The cache is e4m3: the ring holds its bytes (a block of BLOCK_N keys is half a 16-bit one's), and the consumer
 # widens each K and V tile to bfloat16 in registers (exact: every e4m3 value is a bfloat16 one), wgmma's A
 # operand from registers; K's factor scales the scores with the softmax scale and V's the output (pass descale).
+# 2 consumer warpgroups share each block, the wgmma's M split between them: each widens and
+# multiplies BLOCK_N / 2 of its keys for S^T and HEAD_DIM / 2 rows of O^T over all its keys (P^T in
+# shared memory from all of them), so the column max and sum meet through shared memory and no merge is left for
+# the end; a ring slot is released once every warpgroup has read it.
 
 @gluon.jit
 def _gl_e4m3_to_bf16(x):
@@ -359,21 +363,20 @@ def _gl_e4m3_to_bf16(x):
     and mantissa moved to bf16's places (the sign kept), and the exponent bias (7 against 127) put back by a multiply
     by 2^120 (exact, subnormals included): integer and bf16x2 instructions (ptxas fuses the masks into lop3), where
     `.to(gl.bfloat16)` takes a cvt.f16x2.e4m3x2 and two cvt.bf16.f16 a pair, conversions of a quarter of the rate. Every finite value is exact; e4m3fn's NaN bytes read as +-480."""
+    # NOTE: prmt's selector nibbles 8-B replicate a byte's sign over a byte, so each 16-bit half is the byte
+    # sign-extended (s x 9, eeee, mmm); shifted left by 4 and masked by 0x87F0 it is bf16's s, 0000eeee, mmm0000:
+    # a permute, a shift and a mask a pair where the masks above take a shift and two masks
     return gl.inline_asm_elementwise(
         """{
         .reg .b32 lo, hi, scale, zero;
         mov.b32 scale, 0x7B807B80;
         mov.b32 zero, 0x80008000;
-        prmt.b32 lo, $2, 0, 0x1404;
-        prmt.b32 hi, $2, 0, 0x3424;
-        shr.b32 $0, lo, 4;
-        shr.b32 $1, hi, 4;
-        and.b32 $0, $0, 0x07F007F0;
-        and.b32 $1, $1, 0x07F007F0;
-        and.b32 lo, lo, 0x80008000;
-        and.b32 hi, hi, 0x80008000;
-        or.b32 $0, $0, lo;
-        or.b32 $1, $1, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 $0, lo, 0x87F087F0;
+        and.b32 $1, hi, 0x87F087F0;
         fma.rn.bf16x2 $0, $0, scale, zero;
         fma.rn.bf16x2 $1, $1, scale, zero;
         }""", "=r,=r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=4)
@@ -383,21 +386,33 @@ def _gl_e4m3_to_bf16(x):
 def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                   split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
                   stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p,
-                  qk_scale, v_descale, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  qk_scale, v_descale, vw_smem, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """The group's rows (row r: query head hkv * GROUP + r % GROUP, query r // GROUP) over key blocks
     [j0, j1), held as the NQ columns of transposed products: S^T = K Q^T, online softmax down the
     columns, O^T += V^T P^T; the partial output and log-sum-exp stored."""
-    # the keys fill wgmma's M (over the 4 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
+    # the keys fill wgmma's M (over the 8 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
     # and O^T [HEAD_DIM, NQ], a few registers a thread where rows padded to M = 64 took 16x as many
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-    # the widened K and V^T tiles as wgmma's A operand in registers (two 16-bit values a register)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, NQ, 16])
+    # the widened K tile as wgmma's A operand in registers (two 16-bit values a register)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # NOTE: wgmma's A fragment holds columns {2t, 2t+1, 2t+8, 2t+9} + 16c of a row (t = lane % 4), two bytes apart in
+    # K's rows. S^T = K Q^T sums over the head dim, so K and Q both take column 64g + 16t + 4c' + 2h + l where the
+    # product has 64g + 16c' + 8h + 2t + l (c = 4g + c'): `k_rows` then holds each thread's 16 values of a row as 16
+    # contiguous bytes (one load, no permutes to pack them), and reshapes relabel them as a_op's, in place
+    k_rows: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[],
+        shape=[BLOCK_N, HEAD_DIM])
+    # an e4m3 block read 16 bytes a thread along its rows, to be widened into a 16-bit tile
+    wide: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, io))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
+    # Q's columns in K's order (k_rows)
+    q_dims = (cols & 64) + ((cols >> 1) & 3) * 16 + ((cols >> 4) & 3) * 4 + ((cols >> 3) & 1) * 2 + (cols & 1)
     q_ptr = (Q + b.to(gl.int64) * stride_q_b + (hkv * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_q_h
-             + (rows // GROUP)[:, None] * stride_q_n + cols[None, :])
+             + (rows // GROUP)[:, None] * stride_q_n + q_dims[None, :])
     q_smem.store(gl.load(q_ptr, mask=(rows < GROUP * N_Q)[:, None], other=0.0))
     fence_async_shared()
     acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)
@@ -413,10 +428,11 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         s = (j - j0) % STAGES
         phase = ((j - j0) // STAGES) & 1
         mbarrier.wait(k_ready.index(s), phase)
-        k_tile = _gl_e4m3_to_bf16(k_smem.index(s).load(a_op))
+        k_tile = _gl_e4m3_to_bf16(k_smem.index(s).load(k_rows))
+        k_tile = k_tile.reshape([BLOCK_N, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([BLOCK_N, HEAD_DIM])
+        k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)  # (a relabelling: no data moves)
         sc = warpgroup_mma(k_tile, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
-        mbarrier.arrive(k_empty.index(s), count=1)
         if (j + 1) * BLOCK_N > first_limit:  # a block some row must not see all of
             keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             keep = (keys[:, None] <= diag[None, :]) & (keys < n_k)[:, None]
@@ -425,27 +441,32 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(sc * qk_scale - m_use[None, :])
+        # NOTE: the column max met in shared memory behind a barrier of the partition's warps, each past its wait
+        # for S^T: every warpgroup has read its K tile, and the slot goes back to the loader (one arrive a partition)
+        mbarrier.arrive(k_empty.index(s), count=1)
         l_acc = l_acc * alpha[None, :] + p
         m_i = m_new
         acc = acc * alpha[None, :]
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         mbarrier.wait(v_ready.index(s), phase)
+        # V's block widened into the 16-bit tile wgmma reads transposed: 16 e4m3 bytes a load and no byte permutes,
+        # where V^T as a register operand is read a byte an element
+        v_wide = _gl_e4m3_to_bf16(v_smem.index(s).load(wide))
         if (j + 1) * BLOCK_N > n_k:  # the sequence's last block: zero its V rows past n_k
-            # Those rows hold whatever the cache has there (unwritten slots, the next sequence's keys; zeros
-            # past the tensor's end): their P is 0, but 0 x NaN or Inf would still reach acc.
-            v_block = v_smem.index(s)
-            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
-            v_block.store(gl.where((v_keys < n_k)[:, None], v_block.load(io), 0.0))
-            fence_async_shared()
-        v_tile = _gl_e4m3_to_bf16(v_smem.index(s).permute((1, 0)).load(a_op))
-        acc = warpgroup_mma(v_tile, p_smem.permute((1, 0)), acc, is_async=True)
+            # Those slots hold whatever the cache has there: their P is 0, but 0 x NaN or Inf would still reach acc.
+            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide))
+            v_wide = gl.where((v_keys < n_k)[:, None], v_wide, 0.0)
+        vw_smem.store(v_wide)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp has read the slot and written its part of the tile
+        acc = warpgroup_mma(vw_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+        mbarrier.arrive(v_empty.index(s), count=1)  # (the slot's bytes are in vw_smem: the loader refills it)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(s), count=1)
     # rows that saw no key give 0 and a log-sum-exp of -inf
     l_i = gl.sum(l_acc, 0)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    out_t: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])  # O^T, the head dim contiguous
+    out_t: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [2, 4], [0, 1])  # O^T, the head dim contiguous
     out = gl.convert_layout(acc * v_descale / l_safe[None, :], out_t)
     o_rows = gl.arange(0, NQ, layout=gl.SliceLayout(0, out_t))
     o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_t))
@@ -461,7 +482,7 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
 @gluon.jit
 def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                 split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
-                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale,
+                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem,
                 NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """K and V blocks [j0, j1) of (sequence b, K/V head hkv) into the ring by TMA, one copy each: the cache seen
@@ -488,7 +509,7 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
                  stride_seqlens_b, stride_bt_b, stride_bt_p, sm_scale, K_DESCALE, stride_k_descale_0, stride_k_descale_1, V_DESCALE, stride_v_descale_0, stride_v_descale_1, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
-    """one program per (split, K/V head, sequence): a TMA loader warp, one consumer warpgroup"""
+    """one program per (split, K/V head, sequence): a TMA loader warp, 2 consumer warpgroups"""
     split = gl.program_id(0)
     hkv = gl.program_id(1)
     b = gl.program_id(2)
@@ -508,6 +529,8 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
+    wide_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    vw_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], wide_layout)  # V's block widened
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -521,15 +544,15 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
         (_wsd_consumer, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                           b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
                           stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                          stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+                          stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
         (_wsd_loader, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                         b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
                         stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                        stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+                        stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
     ], [1], [LOADER_REGS])
 
 
-WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 3, 'ROWS': 32, 'loader_regs': 40}
+WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 3, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2}
 WSD_CAUSAL = True
 _WSD_BOX = [WSD_SHAPE["BLOCK_N"], HEAD_DIM]  # rows of one TMA copy: a block of one head's keys
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)
@@ -581,7 +604,7 @@ def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_ta
         q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), seqlens.stride(0),
         *table_strides, sm_scale, k_descale, *k_descale.stride(), v_descale, *v_descale.stride(), NQ=_wsd_columns((H // H_KV) * N_Q), BLOCK_N=WSD_SHAPE["BLOCK_N"],
         HEAD_DIM=HEAD_DIM, STAGES=WSD_SHAPE["STAGES"], PAGE=page, CAUSAL=WSD_CAUSAL,
-        LOADER_REGS=WSD_SHAPE["loader_regs"], num_warps=4,
+        LOADER_REGS=WSD_SHAPE["loader_regs"], num_warps=8,
     )
 
 

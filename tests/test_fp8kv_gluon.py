@@ -38,8 +38,10 @@ def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_
 
 @pytest.fixture
 def fp8_gluon(monkeypatch):
-    """The switch on, as the lead turns it on once the GPU test passes."""
+    """The Gluon FP8 decode with one consumer warpgroup (hopper.FP8_DECODE_GLUON on, FP8_DECODE_2WG off: the tests
+    of DECODE_FP8's kernel; `two_wg` turns the second on)."""
     monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", True)
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", False)
 
 
 @pytest.fixture
@@ -113,10 +115,15 @@ def test_the_fp8_gluon_decode_compiles_for_sm90(fp8_gluon, tmp_path):
     assert results[1]["wgmma"] == 2 * results[-1]["wgmma"], results
 
 
+def test_the_policy_takes_two_consumer_warpgroups_by_default():
+    assert hopper.FP8_DECODE_GLUON and hopper.FP8_DECODE_2WG  # (on since their H200 runs)
+    assert compile_program(parse(_text("g2wg_default"))).warp_specialized.decode == hopper.DECODE_FP8_2WG
+
+
 def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypatch):
     """FP8_DECODE_2WG picks DECODE_FP8_2WG at d=128 (d=64's O^T is one warpgroup's M), keys the kernel caches, and
     leaves the 16-bit kernel's shape and source alone; `explain` prints the consumers."""
-    assert "FP8_DECODE_2WG" in hopper.SWITCHES and hopper.FP8_DECODE_2WG is False
+    assert "FP8_DECODE_2WG" in hopper.SWITCHES and hopper.FP8_DECODE_2WG is False  # (the fixture's)
     assert hopper.DECODE_FP8.consumers == 1 and not hopper.DECODE_FP8.widen_by_sign
     assert "CONSUMERS" not in hopper.DECODE_FP8.constants()
     shipped = compile_program(parse(_text("g2wg_off"))).warp_specialized.decode
@@ -128,7 +135,7 @@ def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypat
     printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
     assert "2 consumer warpgroups, e4m3 widened by sign, V widened in shared memory" in printed
     assert compile_program(parse(_text("g2wg_d64", head_dim=64))).warp_specialized.decode == hopper.DECODE_FP8
-    # the 16-bit kernel's source is the golden one with the switch on too (test_golden renders with it off)
+    # the 16-bit kernel's source is the golden one with the switch on (test_golden renders the policy's defaults)
     for name in ("decode_paged16_d128", "decode_d128"):
         spec = load_file(f"specs/{name}.attn")
         program = compile_program(spec)
