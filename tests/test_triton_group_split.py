@@ -59,6 +59,13 @@ def test_the_pass_leaves_these_alone(extra, why):
     assert all(k.name != group_split.KERNEL for k in program.kernels), why
 
 
+def test_the_policy_turns_it_off(monkeypatch):
+    monkeypatch.setattr(configs, "BWD_MAX_GROUP_SPLIT", 1)
+    program = _program("tgs_off", heads=28, kv_heads=4)
+    assert program.triton_backward == ir.TritonBackward()
+    assert [k.name for k in program.kernels] == ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"]
+
+
 def test_the_verifier_holds_the_field_to_the_kernel():
     program = _program("tgs_verify", heads=6, kv_heads=2)
     without = replace(program, kernels=tuple(k for k in program.kernels if k.name != group_split.KERNEL))

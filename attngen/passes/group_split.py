@@ -22,7 +22,7 @@ from dataclasses import replace
 from .. import ir
 from ..errors import InternalError
 from ..ir import DT, Buffer, Loop, LoopKind, Role, Space, Store, sym
-from ..policy.configs import BWD_MAX_GROUP_SPLIT, BWD_SUM_ELEMENTS
+from ..policy import configs
 from .grid import grid_path, rebuild
 from .recompute import g, hkv
 
@@ -36,7 +36,7 @@ GROUP_SPLIT = sym.size("GROUP_SPLIT")
 
 def applies(program: ir.Program) -> bool:
     return (any(k.name == "attn_bwd_dkdv" for k in program.kernels) and not program.attr("varlen")
-            and program.attr("head_dim_v") is None and BWD_MAX_GROUP_SPLIT > 1)
+            and program.attr("head_dim_v") is None and configs.BWD_MAX_GROUP_SPLIT > 1)
 
 
 def _part_buffer(buffer: Buffer) -> Buffer:
@@ -64,6 +64,8 @@ def _split_kernel(kernel: ir.KernelIR) -> ir.KernelIR:
     body = ir.map_stmts(path[-1].body, stmt)
     if len(found) != 1:
         raise InternalError(f"{NAME} expects one loop over the group's query heads in attn_bwd_dkdv")
+    # NOTE: four grid loops: codegen folds b and hkv into the launch's last axis (at most 65535 programs), which
+    # holds; the launcher splits only where B x H_KV x key tiles are fewer than the multiprocessors
     part_loop = Loop(part, sym.ZERO, GROUP_SPLIT, sym.ONE, (), LoopKind.GRID, "parts of the group")
     grid = rebuild(path[:2] + [part_loop, path[2]], body)
     symbols = []
@@ -82,5 +84,5 @@ def run(program: ir.Program) -> ir.Program:
         return program
     split = _split_kernel(program.kernel("attn_bwd_dkdv"))
     return replace(program, kernels=program.kernels + (split,),
-                   triton_backward=ir.TritonBackward(max_group_split=BWD_MAX_GROUP_SPLIT,
-                                                     sum_block=BWD_SUM_ELEMENTS // program.attr("head_dim_padded")))
+                   triton_backward=ir.TritonBackward(max_group_split=configs.BWD_MAX_GROUP_SPLIT,
+                                                     sum_block=configs.BWD_SUM_ELEMENTS // program.attr("head_dim_padded")))
