@@ -36,8 +36,7 @@ from .passes import (PASS_NAMES, applied_passes, compile_program, warp_specializ
 from .policy import hopper
 from .policy import mixed as mixed_policy
 from .policy.configs import backward_config, default_config
-from .policy.hopper import group_split
-from .policy.splits import choose_num_splits
+from .policy.splits import choose_num_splits, group_split
 from .policy.tma import reads_through_descriptors
 from .runtime.cache import write_atomic
 from .runtime.kernel import load
@@ -332,6 +331,8 @@ def cmd_explain(args) -> int:
     if spec.variant:
         _explain_variant(spec, sizes)
     _explain_group_split(last, sizes)
+    if spec.backward:
+        _explain_triton_group_split(last, sizes, backward_config(spec)["attn_bwd_dkdv"]["BLOCK_N"])
     if spec.dtype.fp8 or spec.fp8_cache:
         _explain_fp8(last)
     target = Target.current()
@@ -359,23 +360,37 @@ def cmd_explain(args) -> int:
 
 def _explain_group_split(program: ir.Program, sizes: dict) -> None:
     """How the Gluon backward's dense launch at these sizes shares each GQA group's query heads over programs
-    (hopper.group_split on an sm_90 with 132 multiprocessors)."""
+    (splits.group_split on an sm_90 with 132 multiprocessors)."""
     gluon = program.warp_specialized.backward
     if gluon is None or program.attr("varlen"):
         return
     shape = gluon.short if sizes["N_K"] <= gluon.short_keys else gluon.main
-    programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_K"] // shape.block_n)
-    split = group_split(programs, sizes["GROUP"], 132, gluon.max_group_split)
     print("=== Gluon backward grid (sm_90, 132 multiprocessors) ===")
-    line = (f"  {programs} dK/dV programs (B x H_KV x {shape.block_n}-key tiles) for groups of {sizes['GROUP']} "
-            f"query heads: ")
+    print(_group_split_line(sizes, shape.block_n, gluon.max_group_split, " (not under deterministic algorithms)"))
+
+
+def _explain_triton_group_split(program: ir.Program, sizes: dict, block_n: int) -> None:
+    """How the Triton backward's dK/dV launch (attn_bwd_dkdv, BLOCK_N keys a program: the default config) at these
+    sizes shares each GQA group's query heads over programs of attn_bwd_dkdv_split (pass group-split), on a GPU of
+    132 multiprocessors."""
+    most = program.triton_backward.max_group_split
+    print("=== Triton backward grid (132 multiprocessors) ===")
+    if most == 1:
+        print("  each dK/dV program walks its whole group (no attn_bwd_dkdv_split: pass group-split does not apply)")
+        return
+    print(_group_split_line(sizes, block_n, most, ""))
+
+
+def _group_split_line(sizes: dict, block_n: int, most: int, when: str) -> str:
+    """The line saying how many dK/dV programs of `block_n` keys a launch has and how its groups are split."""
+    programs = sizes["B"] * sizes["H_KV"] * -(-sizes["N_K"] // block_n)
+    split = group_split(programs, sizes["GROUP"], 132, most)
+    line = f"  {programs} dK/dV programs (B x H_KV x {block_n}-key tiles) for groups of {sizes['GROUP']} query heads: "
     if split == 1:
-        print(line + "each program walks its whole group")
-    else:
-        heads = [sizes["GROUP"] * (p + 1) // split - sizes["GROUP"] * p // split for p in range(split)]
-        print(line + f"each group split over {split} programs ({programs * split} in all; heads "
-              f"{', '.join(map(str, heads))}), their float32 dK and dV summed after (not under deterministic "
-              "algorithms)")
+        return line + "each program walks its whole group"
+    heads = [sizes["GROUP"] * (p + 1) // split - sizes["GROUP"] * p // split for p in range(split)]
+    return line + (f"each group split over {split} programs ({programs * split} in all; heads "
+                   f"{', '.join(map(str, heads))}), their float32 dK and dV summed after{when}")
 
 
 def _explain_fp8(program: ir.Program) -> None:

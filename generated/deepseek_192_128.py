@@ -528,6 +528,53 @@ def launch_attn_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, *, BLOCK_M, 
         num_stages=num_stages,
     )
 
+
+# -- how many programs share a GQA group's query heads: from shapes and the multiprocessor count only
+# (attngen/policy/splits.py) --
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). The Gluon backward's (hopper.BWD_MAX_GROUP_SPLIT) and
+    the Triton one's (configs.BWD_MAX_GROUP_SPLIT) rule. Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+@triton.jit(do_not_specialize=["stride_dk_b", "stride_dk_h", "stride_dv_b", "stride_dv_h", "N_K"])
+def attn_bwd_dkdv_sum_ws(PARTS, DK, DV, stride_dk_b, stride_dk_h, stride_dk_n, stride_dk_d, stride_dv_b, stride_dv_h,
+                         stride_dv_n, stride_dv_d, SPLIT, N_K, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr):
+    """dK and dV (in their dtype) of BLOCK keys of one (batch, K/V head): the sums, part by part in order (the
+    same bits every run), of the SPLIT float32 partial sums in PARTS (contiguous (2, B, H_KV * SPLIT, N_K,
+    HEAD_DIM): dK's parts, then dV's; the tensors' own columns D of the HEAD_DIM stored)"""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hkv = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (rows < N_K)[:, None] & (cols < D)[None, :]
+    dv_parts = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * SPLIT * N_K * HEAD_DIM
+    first = (b * tl.num_programs(1) + hkv) * SPLIT  # the (batch, K/V head)'s first part
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for p in range(SPLIT):
+        at = ((first + p) * N_K + rows[:, None]) * HEAD_DIM + cols[None, :]
+        dk += tl.load(PARTS + at, mask=mask)
+        dv += tl.load(PARTS + dv_parts + at, mask=mask)
+    tl.store(DK + b * stride_dk_b + hkv * stride_dk_h + rows[:, None] * stride_dk_n + cols[None, :] * stride_dk_d,
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * stride_dv_b + hkv * stride_dv_h + rows[:, None] * stride_dv_n + cols[None, :] * stride_dv_d,
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
 # -- the warp-specialised Hopper forward (pass warp-specialize), in Gluon ------------------------------
 # A tile = BLOCK_M query rows of one (batch, head). With PERSISTENT the grid has one program per
 # multiprocessor, and a program takes tiles in rounds (_ws_tile_index); else one program per tile. A
@@ -1368,56 +1415,11 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
             HEAD_DIM=HEAD_DIM_PADDED, D=HEAD_DIM, num_warps=4)
 
 
-# -- how many programs share a GQA group's query heads: from shapes and the multiprocessor count only
-# (attngen/policy/hopper.py) --
-
-def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
-    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
-    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
-    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
-    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
-    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
-    launch time; explain calls it at 132 multiprocessors."""
-    if group <= 1 or max_split <= 1 or programs >= sms:
-        return 1
-    best, best_cost = 1, group
-    for parts in range(2, min(group, max_split) + 1):
-        cost = -(-programs * parts // sms) * -(-group // parts)
-        if cost < best_cost:
-            best, best_cost = parts, cost
-    return best
-
-
 def ws_bwd_group_split(B, H_KV, GROUP, N_K, device):
     """How many programs share each GQA group's query heads in a backward launch on `device` (`group_split` over
     the dK/dV grid's programs at the call's shape, its multiprocessors and WS_BWD_SHAPE["max_group_split"])."""
     programs = B * H_KV * cdiv(N_K, WS_BWD_SHAPE[ws_bwd_shape(N_K) + "BLOCK_N"])
     return group_split(programs, GROUP, _ws_device(device)[1], WS_BWD_SHAPE["max_group_split"])
-
-
-@triton.jit(do_not_specialize=["stride_dk_b", "stride_dk_h", "stride_dv_b", "stride_dv_h", "N_K"])
-def attn_bwd_dkdv_sum_ws(PARTS, DK, DV, stride_dk_b, stride_dk_h, stride_dk_n, stride_dk_d, stride_dv_b, stride_dv_h,
-                         stride_dv_n, stride_dv_d, SPLIT, N_K, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr):
-    """dK and dV (in their dtype) of BLOCK keys of one (batch, K/V head): the sums, part by part in order (the
-    same bits every run), of the SPLIT float32 partial sums in PARTS (contiguous (2, B, H_KV * SPLIT, N_K,
-    HEAD_DIM): dK's parts, then dV's; the tensors' own columns D of the HEAD_DIM stored)"""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    hkv = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    cols = tl.arange(0, HEAD_DIM)
-    mask = (rows < N_K)[:, None] & (cols < D)[None, :]
-    dv_parts = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * SPLIT * N_K * HEAD_DIM
-    first = (b * tl.num_programs(1) + hkv) * SPLIT  # the (batch, K/V head)'s first part
-    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    for p in range(SPLIT):
-        at = ((first + p) * N_K + rows[:, None]) * HEAD_DIM + cols[None, :]
-        dk += tl.load(PARTS + at, mask=mask)
-        dv += tl.load(PARTS + dv_parts + at, mask=mask)
-    tl.store(DK + b * stride_dk_b + hkv * stride_dk_h + rows[:, None] * stride_dk_n + cols[None, :] * stride_dk_d,
-             dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + b * stride_dv_b + hkv * stride_dv_h + rows[:, None] * stride_dv_n + cols[None, :] * stride_dv_d,
-             dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])

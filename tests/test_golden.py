@@ -74,7 +74,8 @@ def test_generated_files_compile_for_sm90():
         if spec.dtype.fp8:  # an FP8 spec's descales, and its bf16 output
             variant_ptrs.update(Q_DESCALE="*fp32", K_DESCALE="*fp32", V_DESCALE="*fp32", O="*bf16")
         for kernel in kernels:
-            config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(kernel, module.DEFAULT_CONFIG))
+            launched_as = "attn_bwd_dkdv" if kernel == "attn_bwd_dkdv_split" else kernel  # (with its config)
+            config = dict(getattr(module, "DEFAULT_BACKWARD_CONFIG", {}).get(launched_as, module.DEFAULT_CONFIG))
             warps, stages = config.pop("num_warps"), config.pop("num_stages")
             args = getattr(module, kernel).arg_names
             values = dict(HEAD_DIM=module.HEAD_DIM, HEAD_DIM_PADDED=module.HEAD_DIM_PADDED, **config)
@@ -90,11 +91,16 @@ def test_generated_files_compile_for_sm90():
                               CLAIMS=shape["consumers"] if shape["dq_claim_keys"] else 0)
                 if "D" in args:  # a head dim the Gluon tiles pad (d=96): the rows' tiles that wide over D columns
                     values.update(HEAD_DIM=module.HEAD_DIM_PADDED, D=module.HEAD_DIM)
+            elif kernel == "attn_bwd_dkdv_sum_ws":  # the Triton backward's pass summing its group split's parts
+                values.update(BLOCK=module.TRITON_BWD_SHAPE["SUM_BLOCK"])
+                if "D" in args:  # (as wide as the tiles, over the D columns of the tensors)
+                    values.update(HEAD_DIM=module.HEAD_DIM_PADDED, D=module.HEAD_DIM)
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
                                          "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "DELTA": "*fp32",
                                          "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32", "PARTS": "*fp32",
+                                             "DK_PART": "*fp32", "DV_PART": "*fp32",
                                          "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
                                          **variant_ptrs}))
             names.append(f"{spec.name}.{kernel}")

@@ -26,7 +26,7 @@ def stages(text):
 def test_pipeline_order_is_visible():
     assert PASS_NAMES == ("lower", "tiling", "online-softmax", "recompute", "exp2", "fold-scale", "descale", "kv-lengths",
                           "varlen", "pack-gqa", "split-kv", "mixed", "causal-skip", "paged", "latent-kv", "tma",
-                          "warp-specialize", "warp-specialize-decode", "warp-specialize-mla")
+                          "group-split", "warp-specialize", "warp-specialize-decode", "warp-specialize-mla")
 
 
 def test_online_softmax_replaces_the_hbm_round_trip():

@@ -22,7 +22,7 @@ from ..analysis.resources import Target
 from ..lang.spec import Spec
 from ..passes import applied_passes
 from ..passes.lower import descale_buffers
-from ..policy import hopper, mixed, splits
+from ..policy import mixed, splits
 from ..policy.configs import backward_config, default_config
 from ..version import __version__
 from . import exp2_fma
@@ -82,6 +82,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         constants["COMBINE_BLOCK_S"] = program.attr("combine_block_s")
     if program.attr("mixed"):
         constants["NARROW_CONFIG"] = dict(mixed.NARROW_LAUNCH)
+    triton_split = program.triton_backward.max_group_split > 1
+    group_splits = triton_split or bool(program.warp_specialized.backward and not program.attr("varlen"))
     gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "float8e4nv"}.get(spec.dtype.value, "")
     context = dict(
         generator=f"attngen {__version__}",
@@ -101,10 +103,15 @@ def render(spec: Spec, program: ir.Program) -> str:
         entries=entries,
         backward_config=backward_config(spec) if backward else {},
         split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
+        imports_functools=program.attr("split_kv") == "auto" or triton_split,
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
-        # the run-time rule for splitting a GQA group's query heads (attngen/policy/hopper.py), pasted in
-        group_split=inspect.getsource(hopper.group_split).rstrip() if program.warp_specialized.backward else "",
+        # the run-time rule for splitting a GQA group's query heads (attngen/policy/splits.py), pasted in where a
+        # dense backward may split (the Gluon one, or the Triton one's attn_bwd_dkdv_split)
+        group_split=inspect.getsource(splits.group_split).rstrip() if group_splits else "",
+        triton_bwd=program.triton_backward,
+        multiprocessors=inspect.getsource(splits.multiprocessors).rstrip()
+        if triton_split and program.attr("split_kv") != "auto" else "",
         gluon_decode=program.warp_specialized.decode,
         fwd_hooks=score_hooks(program.kernel("attn_fwd"), _gluon_scope(program))
         if program.warp_specialized.forward else None,

@@ -23,7 +23,7 @@ from ..passes.grid import grid_path
 
 _DIM_LABELS = {"B": "b", "H": "h", "H_KV": "h", "N_Q": "n", "N_K": "n", "HEAD_DIM": "d", "HEAD_DIM_V": "d",
                "NUM_PAGES": "page", "PAGE_SIZE": "slot", "MAX_PAGES": "page", "SPLITS": "split",
-               "NUM_SPLITS": "split", "TOTAL_Q": "n", "TOTAL_K": "n", "B + 1": "b"}
+               "NUM_SPLITS": "split", "GROUP_SPLIT": "part", "TOTAL_Q": "n", "TOTAL_K": "n", "B + 1": "b"}
 
 _UNARY = {Op.EXP: "tl.exp", Op.EXP2: "tl.math.exp2", Op.LOG: "tl.log", Op.LOG2: "tl.math.log2"}
 _PREC = {Op.ADD: 1, Op.SUB: 1, Op.MUL: 2, Op.DIV: 2}

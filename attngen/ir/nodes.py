@@ -557,6 +557,20 @@ class WarpSpecialized:
 
 
 @dataclass(frozen=True, slots=True)
+class TritonBackward:
+    """What the Triton backward's launcher chooses at run time (pass group-split): at most `max_group_split`
+    programs of `attn_bwd_dkdv_split` share a GQA group's query heads (1: never split; no such kernel), whose
+    float32 parts a pass after sums in programs of `sum_block` key rows."""
+
+    max_group_split: int = 1
+    sum_block: int = 0
+
+    def constants(self) -> dict:
+        """The generated module's TRITON_BWD_SHAPE: what its launcher reads at run time."""
+        return {"max_group_split": self.max_group_split, "SUM_BLOCK": self.sum_block}
+
+
+@dataclass(frozen=True, slots=True)
 class Program:
     """Everything generated from one spec: its kernels, and facts the passes agreed on."""
 
@@ -565,6 +579,7 @@ class Program:
     kernels: tuple[KernelIR, ...]
     attrs: tuple[tuple[str, object], ...] = field(default=())
     warp_specialized: WarpSpecialized = WarpSpecialized()
+    triton_backward: TritonBackward = TritonBackward()
 
     def attr(self, key: str, default=None):
         return dict(self.attrs).get(key, default)
@@ -924,4 +939,7 @@ def format_program(p: Program) -> str:
     attrs = ", ".join(f"{k}={v}" for k, v in p.attrs)
     head = f"program {p.name} [{p.spec_hash}]" + (f" ({attrs})" if attrs else "")
     head = "\n".join([head] + format_warp_specialized(p.warp_specialized))
+    if p.triton_backward.max_group_split > 1:
+        t = p.triton_backward
+        head += f"\ntriton backward: max_group_split={t.max_group_split}, sum_block={t.sum_block}"
     return "\n\n".join([head] + [format_kernel(k) for k in p.kernels]) + "\n"

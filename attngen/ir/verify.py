@@ -207,7 +207,38 @@ def verify(program: ir.Program, stage: str) -> ir.Program:
         checkers.append(checker)
     _program_ok(program, stage, checkers)
     _warp_specialized_ok(program, stage)
+    _triton_backward_ok(program, stage)
     return program
+
+
+def _triton_backward_ok(program: ir.Program, stage: str) -> None:
+    """The Triton backward's group split: attn_bwd_dkdv_split exists exactly where it may be launched, and its
+    float32 parts are what the summing pass reads (one slice a part, one head dim)."""
+    split = program.triton_backward.max_group_split
+    kernel = next((k for k in program.kernels if k.name == "attn_bwd_dkdv_split"), None)
+
+    def fail(message: str) -> None:
+        raise InternalError(f"after pass '{stage}': triton backward {message}")
+
+    if split < 1:
+        fail(f"max_group_split {split} (1: groups never split)")
+    if (split > 1) != (kernel is not None):
+        fail(f"max_group_split {split} with{'' if kernel else 'out'} attn_bwd_dkdv_split")
+    if kernel is None:
+        return
+    block = program.triton_backward.sum_block
+    if block < 1 or block & (block - 1):
+        fail(f"sum_block {block}: the summing pass's rows are a power of two (tl.arange)")
+    if program.attr("varlen") or program.attr("head_dim_v") is not None:
+        fail("split for a varlen program or two head dims: the summing pass takes dense parts of one width")
+    parts = {p.name: p for p in kernel.params if p.name in ("DK_PART", "DV_PART")}
+    if set(parts) != {"DK_PART", "DV_PART"} or any(p.name in ("DK", "DV") for p in kernel.params):
+        fail(f"attn_bwd_dkdv_split writes {sorted(p.name for p in kernel.params if p.role is Role.OUTPUT)}; "
+             "it writes DK_PART and DV_PART only")
+    for p in parts.values():
+        if p.dtype is not ir.DT.F32 or len(p.shape) != 5 or p.shape[-1] != sym.HEAD_DIM:
+            fail(f"{p.name} is {ir.format_buffer_type(p)}; the parts are float32 (B, H_KV, GROUP_SPLIT, N_K, "
+                 "HEAD_DIM)")
 
 
 def _program_ok(program: ir.Program, stage: str, checkers: list[_Checker]) -> None:

@@ -19,6 +19,8 @@
     paged           (paged cache) K/V addresses through the block table
     latent-kv       (v = k[:N], MLA) one read of each K tile: V's columns feed both products, the rest only Q K^T
     tma             (training, no mask, 16-bit, head dim >= 64, not varlen) dK/dV's streamed Q and dO tiles via TMA descriptors
+    group-split     (dense backward, one head dim) a copy of the dK/dV kernel whose programs take a part of a GQA
+                    group's query heads, storing float32 parts that the launcher sums in order
     warp-specialize (prefill or varlen not paged, 16-bit, one head dim 64/128, auto tiles) the forward (and backward) also as Hopper Gluon kernels
     warp-specialize-decode (split-KV decoding, contiguous or pages >= 16, 16-bit, one head dim 64/128) also as a Hopper Gluon kernel
     warp-specialize-mla (MLA decode 576/512, pages of 64k tokens, policy hopper.MLA_GLUON on) also as a Hopper Gluon
@@ -35,12 +37,12 @@ from typing import Callable
 from .. import ir
 from ..ir.verify import verify as check
 from ..lang.spec import Spec
-from . import (causal_skip, descale, exp2, fold_scale, kv_lengths, latent_kv, lower, mixed, online_softmax, pack_gqa,
-               paged, recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode,
+from . import (causal_skip, descale, exp2, fold_scale, group_split, kv_lengths, latent_kv, lower, mixed, online_softmax,
+               pack_gqa, paged, recompute, split_kv, tiling, tma, varlen, warp_specialize, warp_specialize_decode,
                warp_specialize_mla)
 
 PIPELINE = (tiling, online_softmax, recompute, exp2, fold_scale, descale, kv_lengths, varlen, pack_gqa, split_kv, mixed,
-            causal_skip, paged, latent_kv, tma, warp_specialize, warp_specialize_decode, warp_specialize_mla)
+            causal_skip, paged, latent_kv, tma, group_split, warp_specialize, warp_specialize_decode, warp_specialize_mla)
 """The passes after `lower`, in order."""
 
 PASS_NAMES = (lower.NAME,) + tuple(p.NAME for p in PIPELINE)

@@ -77,7 +77,7 @@ kernel with the Triton dQ kernel had reached 1.00-1.09x). `backward` takes it un
 rules (sm_90, TMA-readable tensors, BWD_MIN_KEYS keys, BWD_MIN_SCORES scores), the Triton kernels
 elsewhere; calls of at most BWD_SHORT_KEYS keys take BWD_SHORT's shape (causal d=64: one consumer
 warpgroup of 64 keys, two programs a multiprocessor). Where its grid (batch x K/V heads x key tiles) leaves
-multiprocessors idle, up to `max_group_split` programs share a GQA group's query heads (hopper.group_split, at
+multiprocessors idle, up to `max_group_split` programs share a GQA group's query heads (policy/splits.py group_split, at
 launch), each storing its float32 dK and dV into a workspace that a pass after sums in order. The reductions land in any order, so under torch.use_deterministic_algorithms(True) dQ comes
 from the Triton dQ kernel (and dK, dV from the Gluon kernel without DQ_ATOMIC where that wins: d=128).
 """

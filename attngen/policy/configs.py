@@ -66,6 +66,19 @@ def default_config(spec: Spec, interpreter: bool = False, target=None) -> dict[s
     return config if interpreter else nearest_fit(spec, config, target)
 
 
+BWD_MAX_GROUP_SPLIT = 8
+"""At most how many programs of the Triton dK/dV kernel share the query heads of one GQA group (1: never split;
+pass group-split then adds no split kernel). Its grid has one program per (batch, K/V head, key tile), each walking
+every query head of its group: at B=1 with 4 K/V heads and 2049 keys (issue 51, d=128 GQA 28/4 causal, 128-key
+tiles) that is 68 programs on the H200's 132 multiprocessors. `splits.group_split`, the Gluon backward's rule, picks
+the count per launch; the cap, hopper.BWD_MAX_GROUP_SPLIT's, bounds the float32 workspace (parts x the dK and dV
+bytes x 2). Not measured yet."""
+
+BWD_SUM_ELEMENTS = 4096
+"""Elements a program of the pass that sums the split's parts takes: 4096 / the tiles' head dim rows, as the Gluon
+row passes' (hopper.BWD_ROW_ELEMENTS, measured there)."""
+
+
 def backward_config(spec: Spec, interpreter: bool = False) -> dict[str, dict[str, int]]:
     """Launch configs of the two backward kernels, by kernel name.
 

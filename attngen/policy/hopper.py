@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .. import ir
+from .splits import group_split  # noqa: F401 (the backward's split rule, shared with the Triton backward)
 
 HEAD_DIMS = (64, 96, 128, 256)
 
@@ -285,28 +286,11 @@ BWD_MAX_GROUP_SPLIT = 8
 """At most how many programs share the query heads of one GQA group in the Gluon backward (1: never split). The
 dK/dV grid has one program per (batch, K/V head, key tile), each walking every query head of its group: at B=1 with
 4 K/V heads and 2049 keys that is 68 programs on the H200's 132 multiprocessors, the backward at 0.49 of cuDNN
-(issue 51, d=128 GQA 28/4 causal). `group_split` picks the count per launch from the grid and the
-multiprocessors; each part's program adds its heads' dK and dV in float32 and a pass after sums the parts in
-order. Only the one-kernel backward (DQ_ATOMIC) is split: the dK/dV-only kernel of deterministic algorithms spills
+(issue 51, d=128 GQA 28/4 causal). `group_split` (policy/splits.py, the Triton backward's rule too) picks the count
+per launch from the grid and the multiprocessors; each part's program adds its heads' dK and dV in float32 and a
+pass after sums the parts in order. Only the one-kernel backward (DQ_ATOMIC) is split: the dK/dV-only kernel of deterministic algorithms spills
 more with the float32 stores from registers (d=128 without a mask: 104 -> 272 bytes, ptxas; with dQ: 68 -> 0).
 Not measured yet: the cap only bounds the float32 workspace (parts x the dK and dV bytes x 2)."""
-
-
-def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
-    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
-    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
-    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
-    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
-    heads: group x p // parts to group x (p + 1) // parts). Copied into the generated modules, which call it at
-    launch time; explain calls it at 132 multiprocessors."""
-    if group <= 1 or max_split <= 1 or programs >= sms:
-        return 1
-    best, best_cost = 1, group
-    for parts in range(2, min(group, max_split) + 1):
-        cost = -(-programs * parts // sms) * -(-group // parts)
-        if cost < best_cost:
-            best, best_cost = parts, cost
-    return best
 
 
 BWD_ROW_ELEMENTS = 4096

@@ -1,7 +1,8 @@
-"""How many key/value splits a decoding launch uses when the caller leaves it to attngen.
+"""How many programs share work that one would do alone: a decoding launch's key/value splits (when the caller
+leaves them to attngen), and a backward launch's parts of a GQA group's query heads.
 
-The functions here are copied verbatim into generated modules of `split_kv = auto` specs (the
-generated file needs only torch and triton), and are called from there at launch time. They look
+The functions here are copied verbatim into generated modules (of `split_kv = auto` specs; of specs with a
+backward) that call them at launch time (the generated file needs only torch and triton). They look
 only at tensor shapes and the device's multiprocessor count, never at tensor values, so choosing
 reads nothing back from the GPU and a decode step can be captured in a CUDA graph.
 """
@@ -51,3 +52,21 @@ def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int 
     while splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
         splits -= 1
     return splits
+
+
+def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
+    """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
+    `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
+    grid fills them or `max_split` is 1; else the count up to the group and `max_split` whose waves x heads a
+    program (ceil(programs x parts / sms) x ceil(group / parts)) are fewest, the smallest of equals (a part's
+    heads: group x p // parts to group x (p + 1) // parts). The Gluon backward's (hopper.BWD_MAX_GROUP_SPLIT) and
+    the Triton one's (configs.BWD_MAX_GROUP_SPLIT) rule. Copied into the generated modules, which call it at
+    launch time; explain calls it at 132 multiprocessors."""
+    if group <= 1 or max_split <= 1 or programs >= sms:
+        return 1
+    best, best_cost = 1, group
+    for parts in range(2, min(group, max_split) + 1):
+        cost = -(-programs * parts // sms) * -(-group // parts)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
