@@ -552,7 +552,7 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     ], [1], [LOADER_REGS])
 
 
-WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 3, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2}
+WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2}
 WSD_CAUSAL = True
 _WSD_BOX = [WSD_SHAPE["BLOCK_N"], HEAD_DIM]  # rows of one TMA copy: a block of one head's keys
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)

@@ -221,12 +221,15 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
         assert result["spill_stores"] == 0 and result["spill_loads"] == 0, (job, result)
     assert results[-1]["warps"] == 12
     one, regs, staged, staged_k = results[:2], results[2:4], results[4:6], results[6:8]
+    # (DECODE_FP8_2WG's ring may hold more stages of K and V's e4m3 blocks than DECODE_FP8's)
+    ring = (hopper.DECODE_FP8_2WG.stages - hopper.DECODE_FP8.stages) * 2 * hopper.DECODE_FP8_2WG.block_n * 128
     for a, b, c, k in zip(one, regs, staged, staged_k):
         assert (a["warps"], b["warps"], c["warps"]) == (8, 12, 12), results
         assert b["wgmma"] * 2 == a["wgmma"] == c["wgmma"] * 2 and a["tma_loads"] == b["tma_loads"] == c["tma_loads"]
         # half the tile a thread: fewer shared loads of the e4m3 bytes; staged, 16 bytes a load for V
-        assert b["shared"] == a["shared"] and b["shared_loads"] < a["shared_loads"], results
-        assert c["shared"] == a["shared"] + 128 * 128 * 2 and 2 * c["shared_loads"] < b["shared_loads"], results
+        # (a stage's mbarriers: a few bytes each)
+        assert 0 <= b["shared"] - a["shared"] - ring <= 64 and b["shared_loads"] < a["shared_loads"], results
+        assert c["shared"] == b["shared"] + 128 * 128 * 2 and 2 * c["shared_loads"] < b["shared_loads"], results
         assert k["shared"] == c["shared"] + 128 * 128 * 2, results
 
 

@@ -181,10 +181,13 @@ def test_split_groups_against_float64(mask, dtype, head_dim, deterministic, case
         (grid, kwargs), = spy.launches
         assert grid[1] == case.kv_heads * split and kwargs["PARTIAL"] and not kwargs["DQ_CLAIM"]
         assert len(sums.launches) == 1
-    else:  # the Gluon dK/dV kernel (d=128) or the Triton one, neither split
+    else:  # the Gluon dK/dV kernel (d=128), not split, or the Triton one, whose split sums in order too (pass group-split)
         assert [(grid[1], kwargs["PARTIAL"]) for grid, kwargs in spy.launches] == (
             [(case.kv_heads, False)] if m.WS_BWD_SHAPE["split"] else [])
-        assert not sums.launches
+        block_n = kernel.backward_config(q, k)["attn_bwd_dkdv"]["BLOCK_N"]
+        triton_split = 1 if m.WS_BWD_SHAPE["split"] else m.bwd_group_split(case.batch, case.kv_heads, group, case.n_k,
+                                                                          block_n, q.device)
+        assert len(sums.launches) == (1 if triton_split > 1 else 0)
     results = compare_grads(kernel.spec, q, k, v, do, grads)
     assert all(r.ok for r in results), results
     if deterministic:

@@ -513,11 +513,11 @@ kernel. DECODE's stages and loader registers, not measured on this ring yet."""
 FP8_DECODE_2WG = True
 """Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
 of one (`DECODE_FP8`). Its GPU tests pass (H200, 2026-11-28, tests/test_fp8kv_gluon.py); `benchmarks/fp8_decode.py
---fp8-2wg` (H200, 32/8 heads, batch 16 and 64 x 8k and 32k keys): tokens/s 1.17-1.22x bf16's against one warpgroup's
-1.04-1.11x, 2.35-2.73 TB/s of e4m3 read (bf16: 3.9-4.6 TB/s of its bytes), paged 16 within 2.4% of contiguous. The
-issue's 1.8x is not reached: the consumers are still the bound."""
+--fp8-2wg` (H200, 32/8 heads, batch 16 and 64 x 8k and 32k keys): tokens/s 1.17-1.22x bf16's at 3 stages, 1.23-1.29x
+at DECODE_FP8_2WG's 4, against one warpgroup's 1.04-1.11x; 2.4-2.9 TB/s of e4m3 read (bf16: 3.9-4.6 TB/s of its
+bytes), paged 16 within 3.2% of contiguous. The issue's 1.8x is not reached: the consumers are still the bound."""
 
-DECODE_FP8_2WG = replace(DECODE_FP8, consumers=2, widen_by_sign=True, stage_v=True, permute_k=True)
+DECODE_FP8_2WG = replace(DECODE_FP8, stages=4, consumers=2, widen_by_sign=True, stage_v=True, permute_k=True)
 """The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
 tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
 reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
@@ -527,14 +527,15 @@ widen_by_sign: e4m3 widened by a sign-extending byte permute, a shift and a mask
 where the masks took 6). stage_v: V's block read 16 bytes a thread, widened and stored into a 16-bit tile (32 KB)
 that wgmma reads transposed, where V^T as a register operand is read a byte an element (ld.shared.b8) and packed by
 three byte permutes each 4 values: 48 shared loads a thread a block instead of 116 (ptxas, sm_90a: 12 warps, 168
-registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows). DECODE_FP8's ring (3 stages of 128 keys, 96
-KB at d=128), which leaves room for a fourth stage. d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
+registers, no spills up to 64 rows; 139 KB of shared memory at 8 rows with 3 stages). A ring of 4 stages of 128 keys
+(128 KB at d=128; 171 KB in all): 1.23-1.29x bf16's tokens/s against 3 stages' 1.17-1.22x (H200, `benchmarks/
+fp8_decode.py --fp8-2wg --stages-2wg 4`, every row of FP8_DECODE_2WG's). d=64 keeps DECODE_FP8 (O^T's 64 rows are one warpgroup's wgmma).
 permute_k: K stays wgmma's register operand but is read 16 bytes a load (a 2-byte load and byte permutes to pack
 each 4 values before), the head dim permuted in K and Q alike (S^T sums over it; the template says how): 20 shared
 loads a thread a block with stage_v, no more shared memory. stage_k (off; excludes permute_k) stages K as V instead:
 the same 20 loads for 32 KB more (172 KB at 8 rows) and wgmma's 32 KB read of shared memory a block. Measured as a
-whole (FP8_DECODE_2WG); the A/Bs of its fields (`benchmarks/fp8_decode.py --fp8-2wg` with --stage-v 0, --permute-k 0,
---stage-k 1, --stages-2wg 4) are not run yet."""
+whole (FP8_DECODE_2WG); the A/Bs of its other fields (`benchmarks/fp8_decode.py --fp8-2wg` with --stage-v 0,
+--permute-k 0, --stage-k 1) are not run yet."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
