@@ -201,7 +201,7 @@ def _compile_gluon_mla(module, job):
 
 def _ptxas(ptx: str) -> dict:
     """ptxas -v's resource use of a kernel's PTX for sm_90a: {"registers": the most any function uses, "spill_stores",
-    "spill_loads": bytes}."""
+    "spill_loads": bytes, "wgmma_serialized": whether ptxas warned that it serialized the wgmma pipeline}."""
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
@@ -214,6 +214,7 @@ def _ptxas(ptx: str) -> dict:
                               capture_output=True, text=True, check=True)
     text = done.stdout + done.stderr
     return {"registers": max(int(n) for n in re.findall(r"Used (\d+) registers", text)),
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in text,
             "spill_stores": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", text)),
             "spill_loads": sum(int(n) for n in re.findall(r"(\d+) bytes spill loads", text))}
 

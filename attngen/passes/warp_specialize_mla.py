@@ -43,7 +43,7 @@ def refusal(program: ir.Program) -> str | None:
     if not program.attr("v_from_k"):
         return None
     shape, page = (program.attr("head_dim"), program.attr("head_dim_v")), program.attr("page_size")
-    block = hopper.MLA_DECODE.block_n
+    block = hopper.mla_decode().block_n
     if shape not in SHAPES:
         return f"(head_dim, head_dim_v) = {shape}: the Gluon MLA kernel's tiles are DeepSeek's {SHAPES[0]}"
     if page is None or page % block:
@@ -54,7 +54,7 @@ def refusal(program: ir.Program) -> str | None:
             and not program.attr("fixed_tiles", False)):
         return ("the Gluon MLA kernel takes split-KV, packed query heads, no mask or a causal one aligned "
                 "bottom-right, a 16-bit cache and `auto` tiles")
-    m, limit = hopper.MLA_DECODE, Target.default().shared_limit
+    m, limit = hopper.mla_decode(), Target.default().shared_limit
     need = shared_bytes_mla(program.attr("head_dim"), 2, m.rows, m.block_n, m.stages)
     if need > limit:
         return (f"the Gluon MLA kernel's Q, {m.stages} stages of [{m.block_n}, {shape[0]}] latent tiles and P need "
@@ -73,4 +73,4 @@ def applies(program: ir.Program) -> bool:
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    return replace(program, warp_specialized=replace(program.warp_specialized, mla=hopper.MLA_DECODE))
+    return replace(program, warp_specialized=replace(program.warp_specialized, mla=hopper.mla_decode()))
