@@ -561,10 +561,13 @@ each consumer issues the next block's S = Q K^T before this block's row maxima, 
 work through the three mbarrier exchanges of a block (off: every wgmma is waited for as it is issued). Off until it
 is timed against the serial schedule on the H200 (`benchmarks/mla_sweep.py --gluon --overlap`)."""
 
-MLA_DECODE_OVERLAP = replace(MLA_DECODE, overlap=True)
-"""The overlapped schedule's shape: MLA_DECODE's. The next block's tile must be in the ring when this block's
-softmax starts, so the loader's lead shrinks from a block's whole time to the time between a tile's release and
-the next iteration: two stages are what fits in shared memory beside Q (a third: 303,688 bytes)."""
+MLA_DECODE_OVERLAP = replace(MLA_DECODE, block_n=32, stages=4, overlap=True)
+"""The overlapped schedule's shape: blocks of 32 keys in a ring of 4 (the same 144 KB as MLA_DECODE's 2 x 64). The
+next block's tile must be in the ring when this block's softmax starts. In 2 stages of 64 that tile is the one the
+loader was only allowed to copy when the previous block's was released, just before: its copy's latency would stand
+in every block (a third stage of 64 needs 303,688 bytes of shared memory). In 4 stages of 32 its copy was asked for
+three blocks earlier. sm_90 compile: 226,160 bytes of shared memory, no spills (2 x 64: 124 bytes); the cost is the
+scores' wgmma at N = 16 (each warpgroup half of 32 keys), which read Q from shared memory twice as often a key."""
 
 
 def mla_decode() -> ir.GluonMlaDecode:
