@@ -192,8 +192,9 @@ def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, monkeypatch, tmp_path
 
 
 def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_time_the_wrong_kernel():
-    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), and where the Gluon kernel
-    cannot run (here: no GPU) it says so instead of timing the Triton kernel under the Gluon kernel's name."""
+    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), names each module's
+    schedule in its rows, and where the Gluon kernel cannot run (here: no GPU) it says so instead of timing the
+    Triton kernel under the Gluon kernel's name."""
     import importlib.util
 
     path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
@@ -205,6 +206,15 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
         sweep.gluon_against_triton(16, 1, 64, device="cpu")
     assert hopper.MLA_GLUON is before
     assert sweep.describe({"warp_specialized": 1, "num_splits": 4}) == "gluon MLA kernel num_splits=4"
+    assert (sweep.describe({"warp_specialized": 1, "num_splits": 2}, "overlapped 32x4")
+            == "gluon MLA kernel overlapped 32x4 num_splits=2")
+    # another shape for a schedule, through the policy objects, is a module of its own (caches key on the switches,
+    # not on the shapes) and leaves the policy as it was
+    policy = hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP
+    kernel, name = sweep.load_gluon(overlap=False, shape=(32, 4))
+    assert name == "serial 32x4" and (kernel.module.WSM_SHAPE["BLOCK_N"], kernel.module.WSM_SHAPE["STAGES"]) == (32, 4)
+    assert (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP) == policy
+    assert sweep.load_gluon(overlap=True)[1] == "overlapped 32x4" and sweep.load_gluon()[1] == "serial 64x2"
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
