@@ -11,9 +11,10 @@ their row maxima through shared memory, write their halves of P into one shared 
 256 of the 512 value columns, V being the first 512 columns of the same shared tile. The partial outputs and
 log-sum-exps go where the Triton kernel's go, and its merge and split count are kept.
 
-The pass records the decision and the kernel's shape on the program (`Program.warp_specialized.mla`, an
-`ir.GluonMlaDecode` from attngen/policy/hopper.py); the code generator then emits the Gluon kernel beside the
-Triton one, and `forward_kvcache` takes it where it can run (`wsm_ready`: sm_90, a page pool TMA can read).
+The pass records the decision and the kernel's shape on the program (`Program.warp_specialized.mla`, the
+`ir.GluonMlaDecode` of `hopper.mla_decode()`: the serial schedule, or the overlapped one where hopper.MLA_OVERLAP is
+on); the code generator then emits the Gluon kernel beside the Triton one, and `forward_kvcache` takes it where it
+can run (`wsm_ready`: sm_90, a page pool TMA can read).
 
 Applies, while policy hopper.MLA_GLUON is on, to latent decoding specs of DeepSeek's shape: (head_dim, head_dim_v)
 (576, 512), 16-bit, no mask or a causal one aligned bottom-right, split-KV, GQA packing, a paged cache whose pages
