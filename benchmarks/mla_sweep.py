@@ -1,6 +1,7 @@
 """MLA decode configs on one GPU: which tiles, warps, stages and split counts read the latent cache fastest.
 
-    python benchmarks/mla_sweep.py [--heads 16 128] [--batch 64] [--seqlen 8192] [--wide] [-o sweep.json]
+    python benchmarks/mla_sweep.py [--heads 16 128] [--batch 64] [--seqlen 8192] [--wide]
+                                   [--gluon [--overlap] [--shapes 64x2 32x4]] [-o sweep.json]
 
 specs/mla_decode.attn (576/512, `v = k[:512]`, pages of 64) at issue 51's bench shapes (batch 64, every sequence
 8,192 tokens, one new token, 16 and 128 query heads over one latent head), through the tuner's own view of the
@@ -11,7 +12,9 @@ heads) and TFLOP/s at 2 x (576 + 512) a score (target: 500 at 128 heads), fastes
 Candidates the resource model rejects (`infeasible`) are skipped before compiling. `num_splits` 0 is the
 run-time heuristic (attngen/policy/splits.py). About 3 minutes on an H200 (`--wide`: more candidates, longer).
 `--gluon`: instead, the Gluon MLA kernel (policy hopper.MLA_GLUON, turned on in this process for its own module) at
-0, 2, 4 and 8 splits beside the Triton kernel's default config, the same inputs and checks. GPU only.
+0, 2, 4 and 8 splits beside the Triton kernel's default config, the same inputs and checks; `--gluon --overlap`:
+also the overlapped schedule (policy hopper.MLA_OVERLAP, a module of its own) at the same split counts; `--shapes`:
+also both schedules at each block size x stages given (modules of their own, through the policy objects). GPU only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import itertools
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -76,36 +80,63 @@ def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cud
     return measure(tuner, inputs, configs, heads, default, timer)
 
 
-def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8), device="cuda",
-                         timer=bench_graph) -> list[dict]:
-    """The Gluon MLA kernel (templates/gluon_mla_decode.py.j2) at each split count of `splits` (0: the run-time
-    rule) beside the Triton kernel at its default config, in one module: policy hopper.MLA_GLUON is turned on for
-    the load (the switch is part of the kernel cache's key, so this is a module of its own) and back after; a
-    config's warp_specialized picks the kernel. Rows as `sweep`'s."""
-    previous, hopper.MLA_GLUON = hopper.MLA_GLUON, True
+def load_gluon(overlap: bool = False, shape: tuple[int, int] | None = None):
+    """The spec's kernel with the Gluon MLA kernel (policy hopper.MLA_GLUON on, hopper.MLA_OVERLAP as given) for the
+    load and the switches back after: both are part of the kernel cache's key, so each setting is a module of its
+    own and all can run in one process. `shape`: (block_n, stages) in place of the policy's for that schedule
+    (hopper.mla_decode()), an experiment through the policy objects; kernel caches key on the switches, not on the
+    shapes, so such a module is generated under a spec name of its own. Returns the kernel and its schedule's name
+    ("serial 64x2", "overlapped 32x4")."""
+    previous = hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP
+    hopper.MLA_GLUON, hopper.MLA_OVERLAP = True, overlap
+    spec = SPEC
+    if shape is not None:
+        block_n, stages = shape
+        hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP = (replace(m, block_n=block_n, stages=stages)
+                                                        for m in (hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP))
+        with open(SPEC) as f:
+            spec = f.read().replace("kernel mla_decode ", f"kernel mla_decode_{block_n}x{stages} ")
     try:
-        kernel = attngen.load(SPEC)
+        kernel, m = attngen.load(spec), hopper.mla_decode()
     finally:
-        hopper.MLA_GLUON = previous
+        hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP = previous
     if not kernel.part("kvcache").has_gluon():
         raise RuntimeError(f"{SPEC} has no Gluon MLA kernel with hopper.MLA_GLUON on: explain says why")
+    return kernel, f"{'overlapped' if m.overlap else 'serial'} {m.block_n}x{m.stages}"
+
+
+def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8), device="cuda",
+                         timer=bench_graph, overlap: bool = False, shapes=()) -> list[dict]:
+    """The Gluon MLA kernel (templates/gluon_mla_decode.py.j2) at each split count of `splits` (0: the run-time
+    rule) beside the Triton kernel at its default config, in one module (`load_gluon`); a config's warp_specialized
+    picks the kernel. `overlap`: also the overlapped schedule's module (hopper.MLA_OVERLAP) at the same split
+    counts; `shapes`: also both schedules at each (block_n, stages). Rows as `sweep`'s, each Gluon row with its
+    module's `schedule`."""
+    kernel, name = load_gluon()
     tuner, inputs, default, _ = _setup(kernel, heads, batch, seqlen, device)
     if not kernel.module.wsm_ready(inputs["q"].transpose(1, 2), inputs["k"], inputs["out"].transpose(1, 2)):
         raise RuntimeError("the Gluon MLA kernel cannot run these inputs here (wsm_ready): it needs an sm_90 GPU")
-    configs = [dict(default, warp_specialized=0)] + [dict(default, num_splits=s, warp_specialized=1) for s in splits]
-    return measure(tuner, inputs, configs, heads, dict(default, warp_specialized=0), timer)
+    triton = dict(default, warp_specialized=0)
+    gluon = [dict(default, num_splits=s, warp_specialized=1) for s in splits]
+    rows = measure(tuner, inputs, [triton], heads, triton, timer)
+    others = [load_gluon(overlap=True)] if overlap else []
+    others += [load_gluon(o, shape) for shape in shapes for o in (False, True)]
+    for other, other_name in [(kernel, name)] + others:  # the same inputs through each module's launcher
+        rows += measure(tunable(other.part("kvcache")), inputs, gluon, heads, triton, timer, other_name)
+    return rows
 
 
-def measure(tuner, inputs: dict, configs: list[dict], heads: int, default: dict, timer) -> list[dict]:
+def measure(tuner, inputs: dict, configs: list[dict], heads: int, default: dict, timer, schedule="") -> list[dict]:
     """Each config checked against float64 (outputs poisoned first) and timed: ms, GB/s, TFLOP/s and the error, or
-    why it failed; `default` marked."""
+    why it failed; `default` marked, and `schedule`: the Gluon MLA kernel's in the module that ran them."""
     spec, shape = tuner.spec, inputs["shape"]
     batch, seqlen = shape.batch, shape.n_k
     cache_bytes = batch * seqlen * spec.head_dim * spec.dtype.bytes  # the latent cache, read once
     flops = 2.0 * batch * heads * seqlen * (spec.head_dim + spec.head_dim_v)
     rows = []
     for config in configs:
-        row = {"heads": heads, "config": config, "default": all(config[k] == default.get(k) for k in config)
+        row = {"heads": heads, "config": config, "schedule": schedule,
+               "default": all(config[k] == default.get(k) for k in config)
                and all(default[k] == config.get(k) for k in default)}
         try:
             outputs = tuner.tuning_run(inputs, config, poison=True)
@@ -117,22 +148,22 @@ def measure(tuner, inputs: dict, configs: list[dict], heads: int, default: dict,
             rows.append(dict(row, error=f"{type(e).__name__}: {str(e).strip()[:120]}"))
             continue
         rows.append(dict(row, ms=ms, gbps=cache_bytes / ms / 1e6, tflops=flops / ms / 1e9, rel=result.rel))
-        print(f"  {describe(config)}: {ms:.4f} ms {rows[-1]['gbps']:.0f} GB/s", flush=True)
+        print(f"  {describe(config, schedule)}: {ms:.4f} ms {rows[-1]['gbps']:.0f} GB/s", flush=True)
     return rows
 
 
-def describe(config: dict) -> str:
-    if config.get("warp_specialized"):  # the Gluon kernel's tiles are its own (hopper.MLA_DECODE)
-        return f"gluon MLA kernel num_splits={config['num_splits']}"
+def describe(config: dict, schedule: str = "") -> str:
+    if config.get("warp_specialized"):  # the Gluon kernel's tiles are its own (hopper.mla_decode())
+        return f"gluon MLA kernel{' ' + schedule if schedule else ''} num_splits={config['num_splits']}"
     return " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits"))
 
 
 def table(rows: list[dict]) -> str:
     ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
     lines = [f"{'config':58s} {'ms':>8s} {'GB/s':>6s} {'TFLOP/s':>8s} {'rel err':>8s}"]
-    lines += [f"{describe(r['config']):58s} {r['ms']:8.4f} {r['gbps']:6.0f} {r['tflops']:8.1f} {r['rel']:8.1e}"
-              + ("  <- default" if r["default"] else "") for r in ok]
-    lines += [f"{describe(r['config']):58s} {r['error']}" for r in rows if "error" in r]
+    lines += [f"{describe(r['config'], r['schedule']):58s} {r['ms']:8.4f} {r['gbps']:6.0f} "
+              f"{r['tflops']:8.1f} {r['rel']:8.1e}" + ("  <- default" if r["default"] else "") for r in ok]
+    lines += [f"{describe(r['config'], r['schedule']):58s} {r['error']}" for r in rows if "error" in r]
     return "\n".join(lines)
 
 
@@ -144,6 +175,10 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="a larger space (several times longer)")
     parser.add_argument("--gluon", action="store_true",
                         help="the Gluon MLA kernel (hopper.MLA_GLUON) at 0, 2, 4, 8 splits against the Triton default")
+    parser.add_argument("--overlap", action="store_true",
+                        help="with --gluon: also the overlapped schedule (hopper.MLA_OVERLAP) at the same split counts")
+    parser.add_argument("--shapes", nargs="+", default=[], metavar="BLOCK_NxSTAGES",
+                        help="with --gluon: also both schedules at these shapes (e.g. 64x2 32x4), through the policy")
     parser.add_argument("-o", "--output", default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -154,7 +189,8 @@ def main() -> None:
     for heads in args.heads:
         print(f"-- {heads} heads", flush=True)
         if args.gluon:
-            rows = gluon_against_triton(heads, args.batch, args.seqlen)
+            shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
+            rows = gluon_against_triton(heads, args.batch, args.seqlen, overlap=args.overlap, shapes=shapes)
         else:
             rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
         print(table(rows), flush=True)

@@ -19,7 +19,7 @@ descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count
 count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
 "shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").
 {"gluon_ws": "mla"}: the Gluon MLA decode kernel, `attn_fwd_wsm`, as its launcher launches it, with "wgmma_s" and
-"wgmma_pv" (its m64n32 score and m64n256 P V instructions) and "ptxas" as a decode job's.
+"wgmma_pv" (its m64n(BLOCK_N / 2) score and m64n256 P V instructions) and "ptxas" as a decode job's.
 """
 
 from __future__ import annotations
@@ -195,14 +195,14 @@ def _compile_gluon_mla(module, job):
     compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4, maxnreg=shape["maxnreg"])
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
-            "wgmma_s": ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
+            "wgmma_s": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{shape['BLOCK_N'] // 2}k16"),
             "wgmma_pv": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
             **(_ptxas(ptx) if job.get("ptxas") else {})}
 
 
 def _ptxas(ptx: str) -> dict:
     """ptxas -v's resource use of a kernel's PTX for sm_90a: {"registers": the most any function uses, "spill_stores",
-    "spill_loads": bytes}."""
+    "spill_loads": bytes, "wgmma_serialized": whether ptxas warned that it serialized the wgmma pipeline}."""
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
@@ -215,6 +215,7 @@ def _ptxas(ptx: str) -> dict:
                               capture_output=True, text=True, check=True)
     text = done.stdout + done.stderr
     return {"registers": max(int(n) for n in re.findall(r"Used (\d+) registers", text)),
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in text,
             "spill_stores": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", text)),
             "spill_loads": sum(int(n) for n in re.findall(r"(\d+) bytes spill loads", text))}
 

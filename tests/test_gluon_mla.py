@@ -3,14 +3,17 @@ hopper.MLA_GLUON).
 
 On the CPU: which latent specs get the Gluon kernel with the switch on and off and why the others keep the Triton
 kernel (`attngen explain` says it), that the generated source takes the math from the IR and dispatches to the kernel,
-that the switch-off source is the golden one, and that the kernel compiles for sm_90 (Triton's compiler and ptxas, in
-a subprocess): two consumer warpgroups and a loader warp, the scores once (m64n32 wgmma over the block's two halves of
-keys), P V on m64n256, shared memory within sm_90's 227 KB and as the resource model counts it. On a Hopper GPU
-(`gpu`): the kernel against float64 at real sizes with tests/test_mla.py's tolerance, its launches counted.
+that the switch-off source is the golden one, the overlapped schedule behind hopper.MLA_OVERLAP (an IR field, the
+golden source unchanged with it off), and that the kernel compiles for sm_90 in both schedules (Triton's compiler and
+ptxas, in a subprocess): two consumer warpgroups and a loader warp, the scores once (m64n32 wgmma over the block's two
+halves of keys), P V on m64n256, shared memory within sm_90's 227 KB and as the resource model counts it, no wgmma
+serialised by ptxas. On a Hopper GPU (`gpu`): the kernel in both schedules against float64 at real sizes with
+tests/test_mla.py's tolerance, its launches counted.
 """
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ import attngen
 from attngen.analysis.resources import SHARED_LIMIT, shared_bytes_mla
 from attngen.cli import main
 from attngen.codegen import render
+from attngen.errors import InternalError
+from attngen.ir.verify import verify
 from attngen.lang.spec import load_file, parse
 from attngen.passes import applied_passes, compile_program, warp_specialize_mla
 from attngen.policy import hopper
@@ -79,6 +84,7 @@ def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
     assert "keep = (keys[None, :] <= diag[:, None]) & (keys < n_k)[None, :]" in source
     assert "p = gl.exp2(sc * qk_scale - m_use[:, None])" in source
     assert "out = acc / l_o[:, None]" in source and "(m_i + gl.log2(l_safe)) * 0.6931471805599453" in source
+    assert "_wsm_scores" not in source and "sc_next" not in source  # (the serial schedule: hopper.MLA_OVERLAP off)
     # V is the latent tile's first columns: the P V operand is the same shared buffer the scores read
     assert "v = kv_smem.index(2 * s + WG)" in source and not re.search(r"\bv_(smem|desc)\b", source.split("# -- the warp")[-1])
     assert main(["explain", MLA_SPEC]) == 0
@@ -86,6 +92,56 @@ def test_switched_on_the_mla_spec_gets_the_gluon_kernel(mla_gluon, capsys):
     assert "gluon MLA decode: 64x64 tiles (packed query rows x keys), 2 stages, 2 consumers x 240 regs" in text
     assert ("warp-specialize-mla: on Hopper the Gluon MLA kernel runs calls of at least 64 packed query rows "
             "(heads x N_Q; fewer keep the Triton kernel): 64 rows x 64 keys a tile") in text
+
+
+@pytest.fixture
+def mla_overlap(monkeypatch):
+    """The overlapped schedule (policy hopper.MLA_OVERLAP, off by default) with the Gluon kernel on."""
+    monkeypatch.setattr(hopper, "MLA_GLUON", True)
+    monkeypatch.setattr(hopper, "MLA_OVERLAP", True)
+
+
+def test_the_overlap_switch_puts_the_overlapped_schedule_in_the_ir_and_the_source(mla_overlap, capsys):
+    """hopper.MLA_OVERLAP selects MLA_DECODE_OVERLAP (ir.GluonMlaDecode.overlap), which the template turns into a
+    consumer that issues block j + 1's scores before block j's softmax and waits for them with block j's P V; kernel
+    caches key on the switch; explain says which schedule runs."""
+    assert "MLA_OVERLAP" in hopper.SWITCHES  # kernel caches key on it
+    spec = load_file(MLA_SPEC)
+    program = compile_program(spec)
+    m = program.warp_specialized.mla
+    assert m == hopper.MLA_DECODE_OVERLAP and m.overlap and (m.block_n, m.stages) == (32, 4)
+    assert replace(m, block_n=64, stages=2, overlap=False) == hopper.MLA_DECODE
+    source = render(spec, program)
+    compile(source, "mla_overlap.py", "exec")
+    with open(GOLDEN) as f:
+        assert source != f.read()
+    consume = source.split("def _wsm_consume(")[1].split("@gluon.jit")[0]
+    # the scores of the split's first block before the loop; in it, the next block's issued before this block's
+    # softmax and P V (`_wsm_block`: it issues P V without waiting) and both waited for at the block's end
+    assert consume.index("sc = warpgroup_mma_wait(0, deps=(_wsm_scores(") < consume.index("for j in range(j0, j1 - 1):")
+    loop = consume.split("for j in range(j0, j1 - 1):")[1].split("if j0 < j1:")[0]
+    assert (loop.index("sc_next = _wsm_scores(") < loop.index("= _wsm_block(sc, acc, l_i, m_i, j,")
+            < loop.index("sc, acc = warpgroup_mma_wait(0, deps=(sc_next, acc))") < loop.index("mbarrier.arrive(empty"))
+    assert "_wsm_block(sc, acc, l_i, m_i, j1 - 1," in consume  # the split's last block, with no next scores
+    block = source.split("def _wsm_block(")[1].split("@gluon.jit")[0]
+    assert "warpgroup_mma_wait" not in block and "is_async=True)\n    return acc, l_i, m_i" in block
+    # the math from the IR's hooks, as in the serial schedule
+    assert "keep = (keys[None, :] <= diag[:, None]) & (keys < n_k)[None, :]" in block
+    assert "p = gl.exp2(sc * qk_scale - m_use[:, None])" in block
+    assert main(["explain", MLA_SPEC]) == 0
+    text = capsys.readouterr().out
+    assert "gluon MLA decode: 64x32 tiles (packed query rows x keys), 4 stages" in text
+    assert "from 64 packed rows, the next block's S overlapped" in text
+    assert "each consumer issues the next block's S before this block's softmax and P V (hopper.MLA_OVERLAP)" in text
+
+
+def test_the_verifier_refuses_the_overlap_on_one_stage(mla_overlap):
+    """The next block's scores read a second tile of the ring while this block's P V reads the first."""
+    program = compile_program(load_file(MLA_SPEC))
+    verify(program, "test")
+    one = replace(program.warp_specialized.mla, stages=1)
+    with pytest.raises(InternalError, match="overlapped on 1 stage"):
+        verify(replace(program, warp_specialized=replace(program.warp_specialized, mla=one)), "test")
 
 
 @pytest.mark.parametrize("text,words", [
@@ -107,29 +163,38 @@ def test_a_spec_without_a_latent_cache_is_not_the_pass_s(mla_gluon):
     assert program.warp_specialized.mla is None and program.warp_specialized.decode is not None
 
 
-def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, monkeypatch, tmp_path, overlap):
     """ptxas (sm_90a) on the kernel as its launcher launches it: 12 warps (two consumer warpgroups and the loader
-    padded to one), the scores once (36 m64n32k16 a warpgroup: 576 columns over two consumers of 32 keys each),
-    P V on m64n256k16 (4 a warpgroup: 64 keys), three TMA copies a block, the resource model's shared memory (within
-    sm_90's 232,448 bytes), at most maxnreg registers and a few spilled bytes."""
+    padded to one), the scores once (36 m64n(BLOCK_N / 2)k16 a warpgroup: 576 columns over two consumers of half the
+    block's keys each), P V on m64n256k16 (BLOCK_N / 16 a warpgroup), three TMA copies a block, the resource model's
+    shared memory (within sm_90's 232,448 bytes), at most maxnreg registers, few spilled bytes and no wgmma
+    serialised. Serial: blocks of 64 keys; overlapped (hopper.MLA_OVERLAP): of 32 in 4 stages, and each product in
+    the code twice (the split's first block's scores before the loop, its last block's P V after it)."""
+    monkeypatch.setattr(hopper, "MLA_OVERLAP", overlap)
     spec = load_file(MLA_SPEC)
+    program = compile_program(spec)
     path = tmp_path / "mla_gluon_sm90.py"
-    path.write_text(render(spec, compile_program(spec)))
+    path.write_text(render(spec, program))
     (result,) = probe([{"path": str(path), "gluon_ws": "mla", "ptxas": True}])
     assert "error" not in result, result
-    m = hopper.MLA_DECODE
-    assert result["warps"] == 12 and result["wgmma_s"] == 2 * 36 and result["wgmma_pv"] == 2 * 4, result
+    m, copies = program.warp_specialized.mla, 2 if overlap else 1
+    assert m.overlap == overlap and m.block_n == (32 if overlap else 64) and result["warps"] == 12, result
+    assert result["wgmma_s"] == copies * 2 * 36 and result["wgmma_pv"] == copies * 2 * m.block_n // 16, result
     assert result["wgmma"] == result["wgmma_s"] + result["wgmma_pv"] and result["tma_loads"] >= 3, result
     model = shared_bytes_mla(576, 2, m.rows, m.block_n, m.stages)
     assert model <= result["shared"] <= model + 1024 and result["shared"] <= SHARED_LIMIT[(9, 0)], (model, result)
-    assert result["registers"] <= m.maxnreg, result
-    # NOTE: ptxas reports 56 bytes of spill stores (52 of loads) at maxnreg 168; the bound catches a regression
-    assert result["spill_stores"] <= 128 and result["spill_loads"] <= 128, result
+    assert result["registers"] <= m.maxnreg and not result["wgmma_serialized"], result
+    # NOTE: ptxas reports 56 bytes of spill stores (52 of loads) serial at maxnreg 168, none overlapped (its S
+    # accumulators are [64, 16]); the bound catches a regression
+    bound = 128 if not overlap else 0
+    assert result["spill_stores"] <= bound and result["spill_loads"] <= bound, result
 
 
 def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_time_the_wrong_kernel():
-    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), and where the Gluon kernel
-    cannot run (here: no GPU) it says so instead of timing the Triton kernel under the Gluon kernel's name."""
+    """benchmarks/mla_sweep.py --gluon turns the switch on for its own module (and back), names each module's
+    schedule in its rows, and where the Gluon kernel cannot run (here: no GPU) it says so instead of timing the
+    Triton kernel under the Gluon kernel's name."""
     import importlib.util
 
     path = os.path.join(SPECS, "..", "benchmarks", "mla_sweep.py")
@@ -141,6 +206,15 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
         sweep.gluon_against_triton(16, 1, 64, device="cpu")
     assert hopper.MLA_GLUON is before
     assert sweep.describe({"warp_specialized": 1, "num_splits": 4}) == "gluon MLA kernel num_splits=4"
+    assert (sweep.describe({"warp_specialized": 1, "num_splits": 2}, "overlapped 32x4")
+            == "gluon MLA kernel overlapped 32x4 num_splits=2")
+    # another shape for a schedule, through the policy objects, is a module of its own (caches key on the switches,
+    # not on the shapes) and leaves the policy as it was
+    policy = hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP
+    kernel, name = sweep.load_gluon(overlap=False, shape=(32, 4))
+    assert name == "serial 32x4" and (kernel.module.WSM_SHAPE["BLOCK_N"], kernel.module.WSM_SHAPE["STAGES"]) == (32, 4)
+    assert (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP) == policy
+    assert sweep.load_gluon(overlap=True)[1] == "overlapped 32x4" and sweep.load_gluon()[1] == "serial 64x2"
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
@@ -148,17 +222,20 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel is sm_90's")
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("n_q", [1, 2])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q):
+def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q, overlap):
     """DeepSeek-V3's decode at batch 4 x up to 4k keys (a full sequence, N_Q keys, odd lengths), 576/512 bf16,
-    64-token pages shuffled over a pool whose other slots are NaN, at the rule's split count, one split and 3; the
-    Gluon kernel runs (the Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay
-    gives the eager result."""
+    64-token pages shuffled over a pool whose other slots are NaN, at the rule's split count, one split and 3, in
+    both schedules (hopper.MLA_OVERLAP; a split of one block has no next block to overlap); the Gluon kernel runs
+    (the Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay gives the eager
+    result."""
     from test_mla import _within
 
+    monkeypatch.setattr(hopper, "MLA_OVERLAP", overlap)
     module = attngen.load(MLA_SPEC).module
-    assert hasattr(module, "attn_fwd_wsm")
+    assert hasattr(module, "attn_fwd_wsm") and hasattr(module, "_wsm_scores") == overlap
     # (calls of fewer packed rows than MIN_ROWS keep the Triton kernel: the padded tile is tested here all the same)
     monkeypatch.setitem(module.WSM_SHAPE, "MIN_ROWS", 1)
 

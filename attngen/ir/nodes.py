@@ -525,7 +525,9 @@ class GluonMlaDecode:
     """The Gluon MLA decode kernel (templates/gluon_mla_decode.py.j2): programs of `rows` packed query rows of one
     latent head over one split's keys in blocks of `block_n` (a ring of `stages` whole latent tiles), `consumers`
     warpgroups of `consumer_regs` registers beside a loader warp of `loader_regs`, launched at `maxnreg`; taken by
-    calls with at least `min_rows` packed query rows a latent head (fewer: the Triton kernel's narrower tiles)."""
+    calls with at least `min_rows` packed query rows a latent head (fewer: the Triton kernel's narrower tiles).
+    `overlap`: each consumer issues the next block's S = Q K^T before this block's softmax and P V, and waits for
+    both at the block's end (off: it waits for each product as it issues it)."""
 
     block_n: int
     stages: int
@@ -535,6 +537,7 @@ class GluonMlaDecode:
     loader_regs: int
     maxnreg: int
     min_rows: int = 1
+    overlap: bool = False
 
     def constants(self) -> dict:
         """The generated module's WSM_SHAPE: what its launcher reads at run time."""
@@ -931,7 +934,7 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "
                    f"{m.consumers} consumers x {m.consumer_regs} regs (maxnreg {m.maxnreg}), loader {m.loader_regs} regs, "
-                   f"from {m.min_rows} packed rows")
+                   f"from {m.min_rows} packed rows" + (", the next block's S overlapped" if m.overlap else ""))
     return out
 
 

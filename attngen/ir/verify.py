@@ -309,6 +309,8 @@ def _mla_ok(program: ir.Program, fail, regs_ok) -> None:
              "value columns; blocks a multiple of 32 within a page)")
     if m.min_rows < 1:
         fail(f"MLA decode from {m.min_rows} packed rows (at least 1)")
+    if m.overlap and m.stages < 2:
+        fail(f"MLA decode overlapped on {m.stages} stage: the next block's S reads a second tile of the ring")
     regs_ok("MLA decode consumers", m.consumer_regs)
     regs_ok("MLA decode loader", m.loader_regs)
     if not 0 < m.maxnreg <= 255:

@@ -11,9 +11,10 @@ their row maxima through shared memory, write their halves of P into one shared 
 256 of the 512 value columns, V being the first 512 columns of the same shared tile. The partial outputs and
 log-sum-exps go where the Triton kernel's go, and its merge and split count are kept.
 
-The pass records the decision and the kernel's shape on the program (`Program.warp_specialized.mla`, an
-`ir.GluonMlaDecode` from attngen/policy/hopper.py); the code generator then emits the Gluon kernel beside the
-Triton one, and `forward_kvcache` takes it where it can run (`wsm_ready`: sm_90, a page pool TMA can read).
+The pass records the decision and the kernel's shape on the program (`Program.warp_specialized.mla`, the
+`ir.GluonMlaDecode` of `hopper.mla_decode()`: the serial schedule, or the overlapped one where hopper.MLA_OVERLAP is
+on); the code generator then emits the Gluon kernel beside the Triton one, and `forward_kvcache` takes it where it
+can run (`wsm_ready`: sm_90, a page pool TMA can read).
 
 Applies, while policy hopper.MLA_GLUON is on, to latent decoding specs of DeepSeek's shape: (head_dim, head_dim_v)
 (576, 512), 16-bit, no mask or a causal one aligned bottom-right, split-KV, GQA packing, a paged cache whose pages
@@ -43,7 +44,7 @@ def refusal(program: ir.Program) -> str | None:
     if not program.attr("v_from_k"):
         return None
     shape, page = (program.attr("head_dim"), program.attr("head_dim_v")), program.attr("page_size")
-    block = hopper.MLA_DECODE.block_n
+    block = hopper.mla_decode().block_n
     if shape not in SHAPES:
         return f"(head_dim, head_dim_v) = {shape}: the Gluon MLA kernel's tiles are DeepSeek's {SHAPES[0]}"
     if page is None or page % block:
@@ -54,7 +55,7 @@ def refusal(program: ir.Program) -> str | None:
             and not program.attr("fixed_tiles", False)):
         return ("the Gluon MLA kernel takes split-KV, packed query heads, no mask or a causal one aligned "
                 "bottom-right, a 16-bit cache and `auto` tiles")
-    m, limit = hopper.MLA_DECODE, Target.default().shared_limit
+    m, limit = hopper.mla_decode(), Target.default().shared_limit
     need = shared_bytes_mla(program.attr("head_dim"), 2, m.rows, m.block_n, m.stages)
     if need > limit:
         return (f"the Gluon MLA kernel's Q, {m.stages} stages of [{m.block_n}, {shape[0]}] latent tiles and P need "
@@ -73,4 +74,4 @@ def applies(program: ir.Program) -> bool:
 def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
-    return replace(program, warp_specialized=replace(program.warp_specialized, mla=hopper.MLA_DECODE))
+    return replace(program, warp_specialized=replace(program.warp_specialized, mla=hopper.mla_decode()))

@@ -463,7 +463,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -568,4 +568,23 @@ computed once), the two exchange their row maxima through shared memory, each wr
 shared P tile, and each then adds P V into its 256 of the 512 value columns ([64, 256] float32: 128 of its 240
 registers). min_rows 64: a call's rows fill the tile; 16 heads' padded rows ran 1-6% slower than the Triton kernel's
 16-row tiles (MLA_GLUON)."""
+
+MLA_OVERLAP = False
+"""Whether the Gluon MLA decode kernel overlaps its products with its softmax (`MLA_DECODE_OVERLAP`, `mla_decode`):
+each consumer issues the next block's S = Q K^T before this block's row maxima, softmax and P V, so the tensor cores
+work through the three mbarrier exchanges of a block (off: every wgmma is waited for as it is issued). Off until it
+is timed against the serial schedule on the H200 (`benchmarks/mla_sweep.py --gluon --overlap`)."""
+
+MLA_DECODE_OVERLAP = replace(MLA_DECODE, block_n=32, stages=4, overlap=True)
+"""The overlapped schedule's shape: blocks of 32 keys in a ring of 4 (the same 144 KB as MLA_DECODE's 2 x 64). The
+next block's tile must be in the ring when this block's softmax starts. In 2 stages of 64 that tile is the one the
+loader was only allowed to copy when the previous block's was released, just before: its copy's latency would stand
+in every block (a third stage of 64 needs 303,688 bytes of shared memory). In 4 stages of 32 its copy was asked for
+three blocks earlier. sm_90 compile: 226,160 bytes of shared memory, no spills (2 x 64: 124 bytes); the cost is the
+scores' wgmma at N = 16 (each warpgroup half of 32 keys), which read Q from shared memory twice as often a key."""
+
+
+def mla_decode() -> ir.GluonMlaDecode:
+    """The Gluon MLA decode kernel's shape under the switches: MLA_DECODE, overlapped where MLA_OVERLAP is on."""
+    return MLA_DECODE_OVERLAP if MLA_OVERLAP else MLA_DECODE
 
