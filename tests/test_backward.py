@@ -106,14 +106,16 @@ def test_non_contiguous_inputs_and_grad_output():
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_tma_descriptor_loads_match_pointer_loads_and_float64(head_dim):
+def test_tma_descriptor_loads_match_pointer_loads_and_float64(head_dim, monkeypatch):
     """16-bit dK/dV without a mask reads Q and dO through TMA descriptors (passes/tma.py; the
     interpreter emulates them): two full query blocks and a tail whose rows past the end read as
     zeros, GQA, seq_q != seq_k; the same numbers with pointers; an input TMA cannot read (a row
-    stride that is not a multiple of 16 bytes) falls back to pointers."""
+    stride that is not a multiple of 16 bytes) falls back to pointers. (The group split is held off:
+    its float32 parts summed after round differently from the unsplit kernel launched here.)"""
     d = head_dim
     kernel = train_spec(f"tma_d{d}", d, "bf16", "none", heads=4, kv_heads=2)
     module, scale = kernel.module, kernel.spec.softmax_scale
+    monkeypatch.setitem(module.TRITON_BWD_SHAPE, "max_group_split", 1)
     q, k, v, do = rand(1, 4, 140, d, dtype=torch.bfloat16), rand(1, 2, 75, d, dtype=torch.bfloat16), \
         rand(1, 2, 75, d, dtype=torch.bfloat16), rand(1, 4, 140, d, dtype=torch.bfloat16)
     config = {"attn_bwd_dkdv": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)}
