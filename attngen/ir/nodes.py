@@ -478,10 +478,13 @@ class GluonBackward:
     min_scores: int
     max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
     wide: bool = False   # both consumers on the same block_n keys, each half of dK/dV's columns (d=256)
+    # (wide only) the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192:
+    # consumer i holds piece i's columns of dK and dQ (the last one V's too); (): one tile of the padded width
+    pieces: tuple[int, ...] = ()
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" only where set: the
-        other modules' constants stay as they were)."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" and "PIECES" only where
+        set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -491,7 +494,8 @@ class GluonBackward:
                 "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
-                "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {})}
+                "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
+                **({"PIECES": list(self.pieces)} if self.pieces else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -367,6 +367,11 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                     or keys != (b.main.block_n if b.wide else b.main.block_n // b.main.consumers):
                 fail(f"{what}: {s.block_m} query rows a step, {keys} keys a consumer "
                      f"(a multiple of 64, and the main shape's: one K/V descriptor)")
+        if b.pieces and (not b.wide or len(b.pieces) != b.main.consumers or sum(b.pieces) != d
+                         or any(w < 16 or w & (w - 1) for w in b.pieces)):
+            # a piece is a TMA box and a register tile's columns, consumer i's columns of dK and dQ
+            fail(f"backward: tile pieces {b.pieces}: the wide path's, one a consumer, powers of two of at least 16 "
+                 f"columns that add up to head dim {d}")
         if b.short.block_m != b.main.block_m:
             fail("backward: the short shape changes the query block")
         if b.row_block < 1 or b.main.block_m % b.row_block:

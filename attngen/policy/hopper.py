@@ -195,6 +195,31 @@ takes tile c, and the stage is released in the next step once its TMA reduction 
 (`analysis.resources.wide_backward_shared_bytes`): d=256 224 KB, (192, 128) 208 KB; a third stage fits neither."""
 
 
+SPLIT_TILES_192 = False
+"""Whether DeepSeek's (192, 128) wide backward takes its Q and K tiles as the column pieces TILE_PIECES gives (192 =
+128 + 64: two TMA boxes and shared buffers, S^T as two wgmma over K = 128 and K = 64) instead of 256 columns of which
+64 are zeros (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less work, and two stages of Q and dO in separate buffers.
+Consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each 256 columns of
+products a step). Not measured on a GPU: off until `benchmarks/wide_backward.py` says it wins."""
+
+TILE_PIECES = {192: (128, 64)}
+"""Head dims whose Q and K tiles the wide backward takes as column pieces of power-of-two widths (SPLIT_TILES_192):
+Gluon 3.6's register tiles and TMA boxes take power-of-two shapes only, so a 192-column tile is two."""
+
+
+def tile_pieces(head_dim: int) -> tuple[int, ...]:
+    """The column pieces of a head dim's Q and K tiles in the wide backward: TILE_PIECES's where SPLIT_TILES_192 is on,
+    else () (one tile of `tile_dim`'s width)."""
+    return TILE_PIECES.get(head_dim, ()) if SPLIT_TILES_192 else ()
+
+
+BWD_WIDE_SPLIT = replace(BWD_WIDE, stages=2)
+"""The wide path with its Q and K tiles in pieces (SPLIT_TILES_192, (192, 128)): two stages of Q and dO in their own
+buffers, beside separate dQ tiles (K 24 KB, V 16 KB, two stages of Q 48 KB and dO 32 KB, P^T and dS^T 32 KB, the dQ
+tiles 32 + 16 KB: 201 KB; `analysis.resources.wide_backward_shared_bytes`). Not measured: the one-stage form is
+BWD_WIDE_SPLIT with stages=1, the first alternative to try."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackwardFlags:
     """The Gluon backward's switches and loader registers, the same at every head dim and mask."""
@@ -443,15 +468,19 @@ def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
 def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
     one whose tiles are 256 wide (BWD_WIDE: d=256, and d=192 of a (192, 128) pair in SPLIT_FORWARD, V, dO and dV
-    then 128 wide; `head_dim_v` the pair's v, None: head_dim)."""
+    then 128 wide, its Q and K tiles in `tile_pieces` where SPLIT_TILES_192 is on; `head_dim_v` the pair's v, None:
+    head_dim)."""
     pair = (head_dim, head_dim if head_dim_v is None else head_dim_v)
+    pieces = tile_pieces(head_dim)
     head_dim = tile_dim(head_dim)
     if head_dim == 256:
         wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES and pair in BWD_WIDE_STAGED_PAIRS else BWD_WIDE
+        wide = BWD_WIDE_SPLIT if pieces else wide
         return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
-                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True)
+                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True,
+                                pieces=pieces)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -479,7 +508,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "SPLIT_TILES_192")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
