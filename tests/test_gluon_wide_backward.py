@@ -295,6 +295,36 @@ def test_the_split_tiles_compile_for_sm90_without_spills(monkeypatch):
         assert after["wgmma"] < before["wgmma"] and after["tma_stores"] == 3 and after["tma_reduces"] == 2, after
 
 
+def test_the_split_launcher_passes_each_piece_its_descriptor(monkeypatch):
+    """The launcher with SPLIT_TILES_192, the Gluon kernel stubbed out (interpreter): each of the kernel's descriptor
+    parameters gets its tensor in boxes of its piece's columns (Q, K, dK 128 and 64, dQ's float32 accumulator too),
+    V, dV and dO 128, by the kernel's own parameter names."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
+    m = attngen.load(spec_text("wide_split_launch", 192, "bf16", "causal", head_dim_v=128,
+                               direction="forward+backward")).module
+    names, seen = m.attn_bwd_dkdv_ws.arg_names, {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(zip(names, args), grid=grid)
+
+    monkeypatch.setattr(m, "attn_bwd_dkdv_ws", Kernel())
+    B, H, n = 1, 2, 70
+    q, k, dk = (torch.randn(B, H, n, 192).bfloat16() for _ in range(3))
+    v, do, dv = (torch.randn(B, H, n, 128).bfloat16() for _ in range(3))
+    dq_acc = torch.zeros(B, H, n, 256)
+    rows = torch.zeros(B, H, 2, 128)
+    lse = torch.zeros(B, H, n)
+    m.launch_attn_bwd_dkdv_ws(q, k, v, do, lse, lse, dk, dv, 0.5, dq_acc=dq_acc, rows=rows, split=1)
+    expected = {"q_desc": (q, 128), "q1_desc": (q, 64), "k_desc": (k, 128), "k1_desc": (k, 64), "dk_desc": (dk, 128),
+                "dk1_desc": (dk, 64), "dq_desc": (dq_acc, 128), "dq1_desc": (dq_acc, 64), "v_desc": (v, 128),
+                "dv_desc": (dv, 128), "do_desc": (do, 128)}
+    for name, (tensor, cols) in expected.items():
+        assert seen[name].base is tensor and seen[name].block_shape[3] == cols, name
+    assert seen["grid"] == (2, H, B)
+
+
 def test_deepseeks_row_passes_take_o_and_do_128_wide(monkeypatch):
     """The fused launcher's row passes at (192, 128) in the interpreter, the Gluon kernel stubbed out: delta =
     rowsum(dO * O) over O's and dO's 128 columns (not the next row's), the 256-column accumulator zeroed, dQ written
