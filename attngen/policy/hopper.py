@@ -167,8 +167,8 @@ ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the
 consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
 written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
 kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
-columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Two
-stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB), or with
+SPLIT_TILES_192 192 columns in two pieces (BWD_WIDE_SPLIT). Two stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
 
 
 WIDE_BACKWARD_STAGES = True
