@@ -181,9 +181,12 @@ def _print_passes(program: ir.Program) -> None:
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
-        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
-              f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
-              f"output {program.attr('head_dim_v')} (head_dim_v); " + _gluon_dense_backward_line(program))
+        pieces = program.warp_specialized.forward.pieces
+        tiles = (f"in column pieces {' + '.join(map(str, pieces))} (policy/hopper.py SPLIT_TILES_192: S a product "
+                 "per piece)" if pieces else f"{program.attr('head_dim_padded')} columns wide")
+        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles {tiles} (head_dim = "
+              f"{program.attr('head_dim')}), V and the output {program.attr('head_dim_v')} (head_dim_v); "
+              + _gluon_dense_backward_line(program))
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "

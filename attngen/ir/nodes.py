@@ -436,6 +436,9 @@ class GluonForward:
     short_keys: int
     min_scores: int
     exp2_fma: float = 0.0  # share of a key block's columns whose exp2 runs on the FMA pipe (1/2^k; 0: none)
+    # the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192 (S is a product
+    # per piece); (): one tile of the padded width
+    pieces: tuple[int, ...] = ()
 
     @property
     def exp2_fma_halvings(self) -> int:
@@ -443,8 +446,8 @@ class GluonForward:
         return 0 if not self.exp2_fma else round(1 / self.exp2_fma).bit_length() - 1
 
     def constants(self) -> dict:
-        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA only where set: the
-        other modules' constants stay as they were)."""
+        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA and PIECES only where
+        set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
                 "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
@@ -453,7 +456,8 @@ class GluonForward:
                 "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers, "SHORT_consumer_regs": s.consumer_regs,
                 "SHORT_maxnreg": s.maxnreg, "min_keys": self.min_keys, "short_keys": self.short_keys,
                 "min_scores": self.min_scores, "BALANCE": self.balance,
-                **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {})}
+                **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {}),
+                **({"PIECES": list(self.pieces)} if self.pieces else {})}
 
 
 @dataclass(frozen=True, slots=True)

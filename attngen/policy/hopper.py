@@ -196,11 +196,13 @@ takes tile c, and the stage is released in the next step once its TMA reduction 
 
 
 SPLIT_TILES_192 = False
-"""Whether DeepSeek's (192, 128) wide backward takes its Q and K tiles as the column pieces TILE_PIECES gives (192 =
-128 + 64: two TMA boxes and shared buffers, S^T as two wgmma over K = 128 and K = 64) instead of 256 columns of which
-64 are zeros (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less work, and two stages of Q and dO in separate buffers.
-Consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each 256 columns of
-products a step). Not measured on a GPU: off until `benchmarks/wide_backward.py` says it wins."""
+"""Whether DeepSeek's (192, 128) Gluon kernels take their Q and K tiles as the column pieces TILE_PIECES gives (192 =
+128 + 64: two TMA boxes and shared buffers, S as two wgmma over K = 128 and K = 64) instead of 256 columns of which 64
+are zeros. The wide backward (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less work, and two stages of Q and dO in
+separate buffers; consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each
+256 columns of products a step). The plain forward (SPLIT_FORWARD's shape; not a variant's): S a quarter less work,
+Q's and K's buffers 49 KB less shared memory (ptxas, sm_90a: 180,664 B against 229,736, no spills either way). Not
+measured on a GPU: off until `benchmarks/wide_backward.py` and `attngen bench --suite shapes` say it wins."""
 
 TILE_PIECES = {192: (128, 64)}
 """Head dims whose Q and K tiles the wide backward takes as column pieces of power-of-two widths (SPLIT_TILES_192):
@@ -360,8 +362,9 @@ were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md 
 
 def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS (those of its tiles' width), or with
-    head_dim_v for a pair in SPLIT_FORWARD."""
+    head_dim_v for a pair in SPLIT_FORWARD (its Q and K tiles in `tile_pieces` where SPLIT_TILES_192 is on)."""
     split = None if head_dim_v is None else SPLIT_FORWARD[(head_dim, head_dim_v)]
+    pieces = () if split is None else tile_pieces(head_dim)
     head_dim = tile_dim(head_dim)
     key, f = (head_dim, causal), FORWARD_FLAGS
     main, short = (FORWARD_MAIN[head_dim], FORWARD_SHORT[key]) if split is None else (split, split)
@@ -370,7 +373,7 @@ def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.Gl
                            overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
                            persistent=f.persistent and fits, balance=BALANCE[key], pair=causal,
                            min_keys=MIN_KEYS[key],
-                           short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
+                           short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES, pieces=pieces)
 
 
 def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None) -> ir.GluonForward:
@@ -382,7 +385,8 @@ def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | N
     causal mask), so they are taken as the causal mask's are, longest first and in pairs; taken in order,
     the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
     the plain causal kernel's 676, NOTES.md v44)."""
-    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair)
+    # (the tiles in pieces, SPLIT_TILES_192, are the plain forward's only: not tested with a variant's hooks)
+    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair, pieces=())
 
 
 def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
