@@ -248,9 +248,10 @@ def _gluon_dense_backward_line(program: ir.Program) -> str:
         return "the backward stays on the Triton kernels" + (f" ({reason})" if reason else "")
     if backward.wide and backward.pieces:
         return ("the backward runs the Gluon kernel's wide path with its Q and K tiles in column pieces "
-                f"{' + '.join(map(str, backward.pieces))} (policy/hopper.py SPLIT_TILES_192, BWD_WIDE_SPLIT): consumer i "
-                "holding piece i's columns of dK and dQ, the last one all of dV's too, S^T and dP^T for half of a step's "
-                f"query rows, P^T and dS^T exchanged through shared memory; {backward.main.stages} stage(s) of Q and dO")
+                f"{' + '.join(map(str, backward.pieces))} (policy/hopper.py SPLIT_TILES_192, BWD_WIDE_SPLIT): "
+                "consumer i holding piece i's columns of dK and dQ, the last one all of dV's too, S^T and dP^T for "
+                "half of a step's query rows, P^T and dS^T exchanged through shared memory; "
+                f"{backward.main.stages} stage(s) of Q and dO")
     if backward.wide:
         return ("the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE): both consumer "
                 "warpgroups on the program's keys, each holding half of dK's and dV's columns and computing S^T and "

@@ -4,15 +4,16 @@ one process: the shapes suite's d=256 and DeepSeek 192/128 rows, causal as the s
 
     python benchmarks/wide_backward.py [--split-stages N]
 
-Each row times `torch.autograd.grad` on a retained graph (the shapes suite's backward timing: the row passes
-around the Gluon kernel included) for cuDNN, then for attngen.attention at each setting (SETTINGS; "split" only on
-rows whose head dim has pieces); a setting's switches are set on the policy object before its forward (an
-experiment's way: CONVENTIONS.md), and kernel caches key on them, so each setting runs its own module (a fresh
-ATTNGEN_CACHE_DIR keeps earlier runs' modules out; the call plans, keyed by the call alone, are cleared between
-settings). --split-stages sets hopper.BWD_WIDE_SPLIT's stages for the whole process (a table, not a switch: caches
-do not key on it, so the other value needs a run of its own). Prints TFLOP/s (the suite's FLOP count) and the ratio
-to cuDNN of each setting, the largest difference of a setting's gradients from the first's relative to cuDNN's
-largest (the kernels add dQ in any order: small, not zero), and the forms of the wide modules generated so far.
+Each row times the forward (under no_grad) and `torch.autograd.grad` on a retained graph (the shapes suite's
+backward timing: the row passes around the Gluon kernel included) for cuDNN, then for attngen.attention at each
+setting (SETTINGS; "split" only on rows whose head dim has pieces); a setting's switches are set on the policy object
+before its forward (an experiment's way: CONVENTIONS.md), and kernel caches key on them, so each setting runs its own
+module (a fresh ATTNGEN_CACHE_DIR keeps earlier runs' modules out; the call plans, keyed by the call alone, are
+cleared between settings). --split-stages sets hopper.BWD_WIDE_SPLIT's stages for the whole process (a table, not a
+switch: caches do not key on it, so the other value needs a run of its own). Prints TFLOP/s forward / backward (the
+suite's FLOP counts) and the ratios to cuDNN of each setting, the largest difference of a setting's gradients from
+the first's relative to cuDNN's largest (the kernels add dQ in any order: small, not zero), and the forms of the wide
+modules generated so far.
 """
 
 import argparse
@@ -59,12 +60,15 @@ def _forms_generated() -> set:
 
 
 def _backward(fn, q, k, v):
-    """fn's backward time (ms) on a retained graph, and its gradients for one fixed dO."""
+    """fn's forward time (ms, without autograd), its backward time on a retained graph, and its gradients for one fixed
+    dO."""
+    with torch.no_grad():
+        forward_ms = _median_ms(lambda: fn(q, k, v))
     out = fn(q, k, v)
     do = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(1), device=out.device,
                      dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    return _median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), grads
+    return forward_ms, _median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), grads
 
 
 def main() -> None:
@@ -74,13 +78,13 @@ def main() -> None:
     hopper.BWD_WIDE_SPLIT = dataclasses.replace(hopper.BWD_WIDE_SPLIT, stages=parser.parse_args().split_stages)
     hopper.WIDE_BACKWARD = True
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; TFLOP/s of the backward (torch.autograd.grad); split: "
+    print(f"{torch.cuda.get_device_name()}; TFLOP/s forward / backward (torch.autograd.grad); split: "
           f"{hopper.BWD_WIDE_SPLIT.stages} stage(s)")
-    print(f"{'row':<18} {'cuDNN':>7}" + "".join(f" {name:>9} {'x cuDNN':>8}" for name in SETTINGS)
+    print(f"{'row':<18} {'cuDNN':>9}" + "".join(f" {name:>9} {'x cuDNN':>11}" for name in SETTINGS)
           + f" {'grad diff':>10} forms generated")
     for shape in ROWS:
         q, k, v = _tensors(shape, "cuda", gen)
-        flops = shape.flops(backward=True)
+        flops = {"fwd": shape.flops(backward=False), "bwd": shape.flops(backward=True)}
 
         def cudnn(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -89,7 +93,7 @@ def main() -> None:
         def ours(q, k, v):
             return attngen.attention(q, k, v, is_causal=shape.causal)
 
-        ms_ref, ref = _backward(cudnn, q, k, v)
+        fwd_ref, bwd_ref, ref = _backward(cudnn, q, k, v)
         tflops, grads = {}, {}
         for name, switches in SETTINGS.items():
             if switches["SPLIT_TILES_192"] and shape.head_dim not in hopper.TILE_PIECES:
@@ -97,17 +101,18 @@ def main() -> None:
             for switch, value in switches.items():
                 setattr(hopper, switch, value)
             PLANS.clear()  # (call plans are keyed by the call, not the switches: they would run the other module)
-            ms, grads[name] = _backward(ours, q, k, v)
-            tflops[name] = flops / ms * 1e-9
+            fwd_ms, bwd_ms, grads[name] = _backward(ours, q, k, v)
+            tflops[name] = (flops["fwd"] / fwd_ms * 1e-9, flops["bwd"] / bwd_ms * 1e-9)
         for switch, value in SETTINGS["1 stage"].items():
             setattr(hopper, switch, value)
         first = grads["1 stage"]
         diff = max(((a.float() - b.float()).abs().max() / r.float().abs().max()).item()
                    for g in grads.values() for a, b, r in zip(first, g, ref))
-        ref_tf = flops / ms_ref * 1e-9
-        cells = "".join(f" {tflops[n]:9.0f} {tflops[n] / ref_tf:8.2f}" if n in tflops else f" {'-':>9} {'-':>8}"
-                        for n in SETTINGS)
-        print(f"{shape.name:<18} {ref_tf:7.0f}{cells} {diff:10.2e} {sorted(_forms_generated())}")
+        ref_tf = (flops["fwd"] / fwd_ref * 1e-9, flops["bwd"] / bwd_ref * 1e-9)
+        cells = "".join(f" {tflops[n][0]:4.0f}/{tflops[n][1]:4.0f} "
+                        f"{tflops[n][0] / ref_tf[0]:5.2f}/{tflops[n][1] / ref_tf[1]:5.2f}"
+                        if n in tflops else f" {'-':>9} {'-':>11}" for n in SETTINGS)
+        print(f"{shape.name:<18} {ref_tf[0]:4.0f}/{ref_tf[1]:4.0f}{cells} {diff:10.2e} {sorted(_forms_generated())}")
 
 
 if __name__ == "__main__":

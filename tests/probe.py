@@ -14,8 +14,9 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 "late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
 Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
-sequences; a forward or wide backward whose Q and K tiles are column pieces (WS_SHAPE["PIECES"], WS_BWD_SHAPE["PIECES"]) its
-pieces' descriptors; a varlen module's forward and backward take their packed sequences' arguments; an FP8 module's forward its
+sequences; a forward or wide backward whose Q and K tiles are column pieces (WS_SHAPE["PIECES"],
+WS_BWD_SHAPE["PIECES"]) its pieces' descriptors; a varlen module's forward and backward take their packed sequences'
+arguments; an FP8 module's forward its
 descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores":
 count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
 "shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").

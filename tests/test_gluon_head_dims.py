@@ -137,7 +137,8 @@ def test_the_split_switch_gives_deepseeks_forward_tile_pieces(monkeypatch):
     assert compile_program(parse(window)).warp_specialized.forward.pieces == ()
     assert hopper.forward(256, True).pieces == () and hopper.forward(128, True).pieces == ()
     for bad in ((64, 128), (128, 32), (96, 96)):  # the output's 128 columns leave through the first piece's buffer
-        broken = replace(program, warp_specialized=replace(program.warp_specialized, forward=replace(forward, pieces=bad)))
+        decision = replace(program.warp_specialized, forward=replace(forward, pieces=bad))
+        broken = replace(program, warp_specialized=decision)
         with pytest.raises(InternalError, match="tile pieces"):
             verify(broken, "test")
 
