@@ -180,9 +180,12 @@ def _print_passes(program: ir.Program) -> None:
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
-        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles "
-              f"{program.attr('head_dim_padded')} columns wide (head_dim = {program.attr('head_dim')}), V and the "
-              f"output {program.attr('head_dim_v')} (head_dim_v); " + _gluon_dense_backward_line(program))
+        pieces = program.warp_specialized.forward.pieces
+        tiles = (f"in column pieces {' + '.join(map(str, pieces))} (policy/hopper.py SPLIT_TILES_192: S a product "
+                 "per piece)" if pieces else f"{program.attr('head_dim_padded')} columns wide")
+        print(f"warp-specialize: on Hopper the forward runs the Gluon kernel, Q and K tiles {tiles} (head_dim = "
+              f"{program.attr('head_dim')}), V and the output {program.attr('head_dim_v')} (head_dim_v); "
+              + _gluon_dense_backward_line(program))
     elif program.attr("head_dim_v") is not None:
         print(f"warp-specialize: no Hopper Gluon kernels (head_dim_v = {program.attr('head_dim_v')} differs from "
               f"head_dim = {program.attr('head_dim')}: the Gluon forward takes (head_dim, head_dim_v) "
@@ -244,6 +247,12 @@ def _gluon_dense_backward_line(program: ir.Program) -> str:
     if backward is None:
         reason = warp_specialize.backward_refusal(program)
         return "the backward stays on the Triton kernels" + (f" ({reason})" if reason else "")
+    if backward.wide and backward.pieces:
+        return ("the backward runs the Gluon kernel's wide path with its Q and K tiles in column pieces "
+                f"{' + '.join(map(str, backward.pieces))} (policy/hopper.py SPLIT_TILES_192, BWD_WIDE_SPLIT): "
+                "consumer i holding piece i's columns of dK and dQ, the last one all of dV's too, S^T and dP^T for "
+                "half of a step's query rows, P^T and dS^T exchanged through shared memory; "
+                f"{backward.main.stages} stage(s) of Q and dO")
     if backward.wide:
         return ("the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE): both consumer "
                 "warpgroups on the program's keys, each holding half of dK's and dV's columns and computing S^T and "

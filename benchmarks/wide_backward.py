@@ -1,19 +1,23 @@
-"""The wide Gluon backward at one and two Q/dO stages (policy hopper.WIDE_BACKWARD_STAGES) beside SDPA's cuDNN
-backend, in one process: the shapes suite's d=256 and DeepSeek 192/128 rows, causal as the suite runs them and
-without a mask.
+"""The wide Gluon backward at one and two Q/dO stages (policy hopper.WIDE_BACKWARD_STAGES) and, for DeepSeek's
+192/128, with its Q and K tiles in 128 + 64 column pieces (hopper.SPLIT_TILES_192), beside SDPA's cuDNN backend, in
+one process: the shapes suite's d=256 and DeepSeek 192/128 rows, causal as the suite runs them and without a mask.
 
-    python benchmarks/wide_backward.py
+    python benchmarks/wide_backward.py [--split-stages N]
 
-Each row times `torch.autograd.grad` on a retained graph (the shapes suite's backward timing: the row passes
-around the Gluon kernel included) for cuDNN, then for attngen.attention with the switch off and on; the switch is
-set on the policy object before that setting's forward (an experiment's way: CONVENTIONS.md), and kernel caches
-key on it, so each setting runs its own module (a fresh ATTNGEN_CACHE_DIR keeps earlier runs' modules out; the call
-plans, keyed by the call alone, are cleared between settings). Prints
-TFLOP/s (the suite's FLOP count), the ratios to cuDNN and of two stages to one, the largest difference of the two
-settings' gradients relative to cuDNN's largest (the kernels add dQ in any order: small, not zero), and the stages of
-the wide modules generated so far (1 and 2 from the first row on: both settings ran their own module).
+Each row times the forward (under no_grad) and `torch.autograd.grad` on a retained graph (the shapes suite's
+backward timing: the row passes around the Gluon kernel included) for cuDNN, then for attngen.attention at each
+setting (SETTINGS; "split" only on rows whose head dim has pieces); a setting's switches are set on the policy object
+before its forward (an experiment's way: CONVENTIONS.md), and kernel caches key on them, so each setting runs its own
+module (a fresh ATTNGEN_CACHE_DIR keeps earlier runs' modules out; the call plans, keyed by the call alone, are
+cleared between settings). --split-stages sets hopper.BWD_WIDE_SPLIT's stages for the whole process (a table, not a
+switch: caches do not key on it, so the other value needs a run of its own). Prints TFLOP/s forward / backward (the
+suite's FLOP counts) and the ratios to cuDNN of each setting, the largest difference of a setting's gradients from
+the first's relative to cuDNN's largest (the kernels add dQ in any order: small, not zero), and the forms of the wide
+modules generated so far.
 """
 
+import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -34,8 +38,16 @@ ROWS += [Shape(s.name + "_nomask", s.batch, s.heads, s.heads_kv, s.seqlen, s.hea
          for s in list(ROWS)]
 
 
-def _stages_generated() -> set:
-    """The STAGES of the wide Gluon backward modules generated so far in this run's cache."""
+SETTINGS = {"1 stage": {"WIDE_BACKWARD_STAGES": False, "SPLIT_TILES_192": False},
+            "2 stages": {"WIDE_BACKWARD_STAGES": True, "SPLIT_TILES_192": False},
+            "split": {"WIDE_BACKWARD_STAGES": False, "SPLIT_TILES_192": True}}
+"""The policy switches of each setting timed (d=256 takes two stages only where WIDE_BACKWARD_STAGES is on: its pair is
+in BWD_WIDE_STAGED_PAIRS, 192/128's is not; "split" is BWD_WIDE_SPLIT)."""
+
+
+def _forms_generated() -> set:
+    """The forms of the wide Gluon backward modules generated so far in this run's cache: their stages, "split" where
+    the tiles are pieces."""
     found = set()
     for root, _, files in os.walk(os.environ["ATTNGEN_CACHE_DIR"]):
         for name in files:
@@ -43,28 +55,36 @@ def _stages_generated() -> set:
                 with open(os.path.join(root, name)) as f:
                     text = f.read()
                 if "'wide': True" in text or '"wide": True' in text:
-                    found.add(2 if "_ws_bwd_stage(" in text else 1)
+                    found.add("split" if "q1_desc" in text else "2" if "_ws_bwd_stage(" in text else "1")
     return found
 
 
 def _backward(fn, q, k, v):
-    """fn's backward time (ms) on a retained graph, and its gradients for one fixed dO."""
+    """fn's forward time (ms, without autograd), its backward time on a retained graph, and its gradients for one fixed
+    dO."""
+    with torch.no_grad():
+        forward_ms = _median_ms(lambda: fn(q, k, v))
     out = fn(q, k, v)
     do = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(1), device=out.device,
                      dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    return _median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), grads
+    return forward_ms, _median_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), grads
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--split-stages", type=int, default=hopper.BWD_WIDE_SPLIT.stages,
+                        help="hopper.BWD_WIDE_SPLIT's Q/dO stages (default: the policy's)")
+    hopper.BWD_WIDE_SPLIT = dataclasses.replace(hopper.BWD_WIDE_SPLIT, stages=parser.parse_args().split_stages)
     hopper.WIDE_BACKWARD = True
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; TFLOP/s of the backward (torch.autograd.grad)")
-    print(f"{'row':<18} {'cuDNN':>7} {'1 stage':>8} {'x cuDNN':>8} {'2 stages':>9} {'x cuDNN':>8} {'x 1 stage':>10} "
-          f"{'grad diff':>10} stages generated")
+    print(f"{torch.cuda.get_device_name()}; TFLOP/s forward / backward (torch.autograd.grad); split: "
+          f"{hopper.BWD_WIDE_SPLIT.stages} stage(s)")
+    print(f"{'row':<18} {'cuDNN':>9}" + "".join(f" {name:>9} {'x cuDNN':>11}" for name in SETTINGS)
+          + f" {'grad diff':>10} forms generated")
     for shape in ROWS:
         q, k, v = _tensors(shape, "cuda", gen)
-        flops = shape.flops(backward=True)
+        flops = {"fwd": shape.flops(backward=False), "bwd": shape.flops(backward=True)}
 
         def cudnn(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -73,18 +93,26 @@ def main() -> None:
         def ours(q, k, v):
             return attngen.attention(q, k, v, is_causal=shape.causal)
 
-        ms_ref, ref = _backward(cudnn, q, k, v)
-        times, grads = {}, {}
-        for staged in (False, True):
-            hopper.WIDE_BACKWARD_STAGES = staged
+        fwd_ref, bwd_ref, ref = _backward(cudnn, q, k, v)
+        tflops, grads = {}, {}
+        for name, switches in SETTINGS.items():
+            if switches["SPLIT_TILES_192"] and shape.head_dim not in hopper.TILE_PIECES:
+                continue
+            for switch, value in switches.items():
+                setattr(hopper, switch, value)
             PLANS.clear()  # (call plans are keyed by the call, not the switches: they would run the other module)
-            times[staged], grads[staged] = _backward(ours, q, k, v)
-        hopper.WIDE_BACKWARD_STAGES = False
+            fwd_ms, bwd_ms, grads[name] = _backward(ours, q, k, v)
+            tflops[name] = (flops["fwd"] / fwd_ms * 1e-9, flops["bwd"] / bwd_ms * 1e-9)
+        for switch, value in SETTINGS["1 stage"].items():
+            setattr(hopper, switch, value)
+        first = grads["1 stage"]
         diff = max(((a.float() - b.float()).abs().max() / r.float().abs().max()).item()
-                   for a, b, r in zip(grads[False], grads[True], ref))
-        tf = {key: flops / ms * 1e-9 for key, ms in (("ref", ms_ref), (False, times[False]), (True, times[True]))}
-        print(f"{shape.name:<18} {tf['ref']:7.0f} {tf[False]:8.0f} {tf[False] / tf['ref']:8.2f} {tf[True]:9.0f} "
-              f"{tf[True] / tf['ref']:8.2f} {tf[True] / tf[False]:10.3f} {diff:10.2e} {sorted(_stages_generated())}")
+                   for g in grads.values() for a, b, r in zip(first, g, ref))
+        ref_tf = (flops["fwd"] / fwd_ref * 1e-9, flops["bwd"] / bwd_ref * 1e-9)
+        cells = "".join(f" {tflops[n][0]:4.0f}/{tflops[n][1]:4.0f} "
+                        f"{tflops[n][0] / ref_tf[0]:5.2f}/{tflops[n][1] / ref_tf[1]:5.2f}"
+                        if n in tflops else f" {'-':>9} {'-':>11}" for n in SETTINGS)
+        print(f"{shape.name:<18} {ref_tf[0]:4.0f}/{ref_tf[1]:4.0f}{cells} {diff:10.2e} {sorted(_forms_generated())}")
 
 
 if __name__ == "__main__":

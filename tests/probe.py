@@ -14,7 +14,9 @@ compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its laun
 "late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
 Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
-sequences; a varlen module's forward and backward take their packed sequences' arguments; an FP8 module's forward its
+sequences; a forward or wide backward whose Q and K tiles are column pieces (WS_SHAPE["PIECES"],
+WS_BWD_SHAPE["PIECES"]) its pieces' descriptors; a varlen module's forward and backward take their packed sequences'
+arguments; an FP8 module's forward its
 descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count, "tma_loads": count, "tma_stores":
 count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
 "shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").
@@ -92,6 +94,14 @@ def _compile_gluon_ws(module, job):
             v = desc(kv_keys, module._WS_BWD_V_LAYOUT, module.HEAD_DIM_V, tv)
             descs.update(v_desc=v, dv_desc=v, do_desc=desc(shape["BLOCK_M"], module._WS_BWD_DO_LAYOUT,
                                                             module.HEAD_DIM_V, tv))
+        if "q1_desc" in fn.arg_names:  # the wide path's Q, K and dK in column pieces, dQ a piece's columns a tile
+            tq = torch.empty(2, 4, 256, module.HEAD_DIM, dtype=module.DTYPE)
+            layouts, (p0, p1) = module._WS_BWD_PIECE_LAYOUTS, shape["PIECES"]
+            first, second = ({name: desc(rows, layouts[rows, w], w, tq) for name, rows in
+                              (("q", shape["BLOCK_M"]), ("k", kv_keys), ("dk", kv_keys))} for w in (p0, p1))
+            descs.update({f"{n}_desc": first[n] for n in first}, **{f"{n}1_desc": second[n] for n in second},
+                         dq_desc=desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[p0], p0, acc),
+                         dq1_desc=desc(shape["BLOCK_M"], module._WS_BWD_DQ_LAYOUTS[p1], p1, acc))
         const = dict(BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape[short + "BLOCK_N"], HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      AHEAD=shape["AHEAD"], PREFETCH=shape["PREFETCH"] and not rows_smem, DQ_ATOMIC=dq_atomic,
                      DQ_LOCAL=dq_local, LATE_ROWS=job.get("late_rows", shape["LATE_ROWS"]),
@@ -124,6 +134,12 @@ def _compile_gluon_ws(module, job):
             tv = torch.empty(2, 4, 256, dv, dtype=module.DTYPE)
             descs.update(v_desc=desc(block_n, module._WS_V_LAYOUT, dv, tv),
                          o_desc=desc(shape["BLOCK_M"] // shape["consumers"], module._WS_O_LAYOUT, dv, tv))
+        if "q1_desc" in fn.arg_names:  # Q and K in column pieces (WS_SHAPE["PIECES"]), a descriptor each
+            tq = torch.empty(2, 4, 256, module.HEAD_DIM, dtype=module.DTYPE)
+            rows_q = shape["BLOCK_M"] // shape["consumers"]
+            for suffix, w in zip(("", "1"), shape["PIECES"]):
+                descs[f"q{suffix}_desc"] = desc(rows_q, module._WS_PIECE_LAYOUTS[rows_q, w], w, tq)
+                descs[f"k{suffix}_desc"] = desc(block_n, module._WS_PIECE_LAYOUTS[block_n, w], w, tq)
         const = dict(BLOCK_M=shape[short + "BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=d, STAGES=shape[short + "STAGES"],
                      OVERLAP=shape["OVERLAP"], PINGPONG=shape["PINGPONG"], CAUSAL=module.WS_CAUSAL,
                      QBUF=2 if job.get("persistent", shape["PERSISTENT"]) else 1, CONSUMERS=shape[short + "consumers"])

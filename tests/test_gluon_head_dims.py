@@ -7,10 +7,14 @@ compiler, in a subprocess). On a Hopper GPU (`gpu`): against float64 at odd leng
 the outputs poisoned first, gradients included.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import attngen
+from attngen.errors import InternalError
+from attngen.ir.verify import verify
 from attngen.lang.spec import parse
 from attngen.passes import compile_program, warp_specialize
 from attngen.policy import hopper
@@ -120,6 +124,43 @@ def test_the_forward_compiles_for_sm90():
         assert result["tma_loads"] >= 3 and result["shared"] <= SHARED, result
 
 
+def test_the_split_switch_gives_deepseeks_forward_tile_pieces(monkeypatch):
+    """With SPLIT_TILES_192 the plain (192, 128) forward takes its Q and K tiles as 128 + 64 columns at SPLIT_FORWARD's
+    shape (a variant's keeps 256-column tiles), and the verifier refuses pieces the kernel cannot take."""
+    text = spec_text("hd192_split", 192, "bf16", "causal", head_dim_v=128, direction="forward+backward")
+    window = spec_text("hd192_split_win", 192, "bf16", "causal & window(512)", head_dim_v=128)
+    assert compile_program(parse(text)).warp_specialized.forward.pieces == ()
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
+    program = compile_program(parse(text))
+    forward = program.warp_specialized.forward
+    assert forward.pieces == (128, 64) and forward.main == hopper.SPLIT_FORWARD[(192, 128)]
+    assert compile_program(parse(window)).warp_specialized.forward.pieces == ()
+    assert hopper.forward(256, True).pieces == () and hopper.forward(128, True).pieces == ()
+    for bad in ((64, 128), (128, 32), (96, 96)):  # the output's 128 columns leave through the first piece's buffer
+        decision = replace(program.warp_specialized, forward=replace(forward, pieces=bad))
+        broken = replace(program, warp_specialized=decision)
+        with pytest.raises(InternalError, match="tile pieces"):
+            verify(broken, "test")
+
+
+def test_the_split_forward_compiles_for_sm90_with_less_work(monkeypatch):
+    """(192, 128)'s forward with SPLIT_TILES_192, both masks, for sm_90a: S as two wgmma over 128 and 64 columns (a fifth
+    fewer wgmma than over 256 columns), 49 KB less shared memory (Q's and K's zero columns), no spills (ptxas)."""
+    jobs = []
+    for split in (False, True):
+        monkeypatch.setattr(hopper, "SPLIT_TILES_192", split)
+        texts = [spec_text(f"hd192_split_sm90_{m}", 192, "bf16", m, head_dim_v=128) for m in ("none", "causal")]
+        jobs += [dict(job, ptxas=True) for _, job in _forward_jobs(texts)]
+    results = probe(jobs)
+    for job, result in zip(jobs, results):
+        assert "error" not in result, (job, result)
+        assert result["warps"] == 12 and result["spill_stores"] == 0 and result["registers"] <= 168, result
+    for before, after in zip(results[:2], results[2:]):
+        assert after["wgmma"] * 5 == before["wgmma"] * 4, (before, after)
+        assert before["shared"] - after["shared"] == 49072 and after["tma_stores"] == before["tma_stores"], (
+            before, after)
+
+
 def test_the_d96_backward_compiles_for_sm90():
     """The fused kernel (dQ by TMA reductions into the 128-column accumulator), the dK/dV-only kernel of
     deterministic algorithms, and a variant's."""
@@ -218,13 +259,16 @@ def test_training_against_float64(mask, head_dim, case, monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
 @pytest.mark.parametrize("mask", ["none", "causal(top_left)", "causal(bottom_right)"])
 @pytest.mark.parametrize("case", CASES + [Case(2, 16, 16, 4096, 4096)])
-def test_deepseek_192_128_forward_against_float64(mask, case, monkeypatch):
-    """The Gluon forward with V and the output 128 wide beside Q and K of 192, the output poisoned first; with the
-    spec's backward (the Triton kernels) at the same sizes."""
+@pytest.mark.parametrize("split", [False, True], ids=["tiles256", "split_tiles"])
+def test_deepseek_192_128_forward_against_float64(mask, case, split, monkeypatch):
+    """The Gluon forward with V and the output 128 wide beside Q and K of 192, the output poisoned first, on 256-column
+    tiles and (SPLIT_TILES_192) tiles of 128 + 64 columns; with the spec's backward at the same sizes."""
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", split)
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"hd192f{heads}_{mask[:6]}{len(mask)}", 192, "bf16", mask, head_dim_v=128,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
+    assert m.WS_SHAPE.get("PIECES") == ([128, 64] if split else None)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     q, k = (torch.randn(case.batch, h, n, 192, device="cuda").bfloat16()
             for h, n in ((case.heads, case.n_q), (case.kv_heads, case.n_k)))

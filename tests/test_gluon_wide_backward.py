@@ -214,6 +214,117 @@ def test_the_staged_wide_backward_compiles_for_sm90_with_fewer_spills(monkeypatc
         assert after["registers"] <= 168, (case, after)
 
 
+def test_the_split_switch_decides_deepseeks_tiles(monkeypatch):
+    """SPLIT_TILES_192 (off by default, one of the switches kernel caches key on) gives (192, 128)'s wide backward Q
+    and K tiles of 128 + 64 columns at BWD_WIDE_SPLIT, and leaves d=256's (and its source) as they were."""
+    assert not hopper.SPLIT_TILES_192 and "SPLIT_TILES_192" in hopper.SWITCHES
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    assert hopper.backward(192, True, 128).pieces == ()
+    d256_off = attngen.load(spec_text("wide_split_d256", 256, "bf16", "causal", direction="forward+backward"))
+    off = attngen.load(spec_text("wide_split_ds", 192, "bf16", "causal", head_dim_v=128, direction="forward+backward"))
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
+    program = _program("wide_split_ds", head_dim=192, head_dim_v=128)
+    backward = program.warp_specialized.backward
+    assert backward == hopper.backward(192, True, 128) and backward.wide
+    assert backward.pieces == hopper.tile_pieces(192) == (128, 64) and backward.main == hopper.BWD_WIDE_SPLIT
+    assert hopper.backward(256, True).pieces == () and hopper.backward(256, True).main == hopper.BWD_WIDE_STAGED
+    on = attngen.load(spec_text("wide_split_ds", 192, "bf16", "causal", head_dim_v=128, direction="forward+backward"))
+    assert on.path != off.path and on.module.WS_BWD_SHAPE["PIECES"] == [128, 64]
+    assert "PIECES" not in off.module.WS_BWD_SHAPE and "q1_desc" not in off.path.read_text()
+    d256_on = attngen.load(spec_text("wide_split_d256", 256, "bf16", "causal", direction="forward+backward"))
+    assert d256_on.path.read_text() == d256_off.path.read_text()
+
+
+@pytest.mark.parametrize("pieces", [(128, 32), (64, 64, 64), (96, 96), (256,)])
+def test_the_verifier_checks_the_tile_pieces(pieces, monkeypatch):
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
+    program = _program("wide_split_verify", head_dim=192, head_dim_v=128)
+    verify(program, "test")
+    ws = program.warp_specialized
+    broken = dataclasses.replace(program, warp_specialized=dataclasses.replace(
+        ws, backward=dataclasses.replace(ws.backward, pieces=pieces)))
+    with pytest.raises(InternalError, match="tile pieces"):
+        verify(broken, "test")
+
+
+def test_explain_says_the_tiles_are_pieces(capsys, tmp_path, monkeypatch):
+    spec = tmp_path / "wide_split.attn"
+    spec.write_text(spec_text("wide_split_explain", 192, "bf16", "causal", head_dim_v=128,
+                              direction="forward+backward"))
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    for split in (False, True):
+        monkeypatch.setattr(hopper, "SPLIT_TILES_192", split)
+        assert main(["explain", str(spec)]) == 0
+        assert ("column pieces 128 + 64" in capsys.readouterr().out) == split
+
+
+def test_the_shared_memory_model_of_the_split_tiles():
+    """Q and K in pieces free the 64 zero columns of each tile: two stages of Q and dO fit beside separate dQ tiles
+    (128 + 64 columns), a third does not."""
+    split = wide_backward_shared_bytes(hopper.BWD_WIDE_SPLIT, 256, 128, pieces=(128, 64))
+    assert hopper.BWD_WIDE_SPLIT.stages == 2 and split == 205888 <= SHARED
+    # K 24 KB and V 16 KB, two stages of Q and dO 80 KB, P^T and dS^T 32 KB, the dQ tiles 48 KB, the rows 1 KB
+    assert split == 1024 * (24 + 16 + 80 + 32 + 48 + 1) + 8 * (1 + 4 + 3)
+    third = dataclasses.replace(hopper.BWD_WIDE_SPLIT, stages=3)
+    assert wide_backward_shared_bytes(third, 256, 128, pieces=(128, 64)) > SHARED
+
+
+def test_the_split_tiles_compile_for_sm90_without_spills(monkeypatch):
+    """(192, 128)'s wide backward with SPLIT_TILES_192, both masks, compiled for sm_90a: within shared memory as the
+    model counts it (Triton adds at most 512 bytes), 12 warps, a sixth fewer wgmma than on 256-column tiles (S^T over
+    192 columns, dK and dQ over 192), dQ by two TMA reductions, dK by two TMA stores and dV by one, and ptxas spills
+    no more than the 256-column kernel (24 / 16 bytes without a mask, 32 / 24 causal; the split one none)."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    jobs = []
+    for split in (False, True):
+        monkeypatch.setattr(hopper, "SPLIT_TILES_192", split)
+        for mask in ("none", "causal"):
+            kernel = attngen.load(spec_text(f"wide_split_sm90_{mask}", 192, "bf16", mask, head_dim_v=128,
+                                            direction="forward+backward"))
+            jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptxas": True})
+    results = probe(jobs)
+    for job, result in zip(jobs, results):
+        assert "error" not in result, (job, result)
+        assert result["warps"] == 12 and result["registers"] <= 168 and result["global_stores"] == 0, result
+    model = wide_backward_shared_bytes(hopper.BWD_WIDE_SPLIT, 256, 128, pieces=(128, 64))
+    for before, after in zip(results[:2], results[2:]):
+        assert model <= after["shared"] <= min(model + 512, SHARED), (after, model)
+        assert after["spill_stores"] <= before["spill_stores"] and after["spill_loads"] <= before["spill_loads"], (
+            before, after)
+        assert after["wgmma"] < before["wgmma"] and after["tma_stores"] == 3 and after["tma_reduces"] == 2, after
+
+
+def test_the_split_launcher_passes_each_piece_its_descriptor(monkeypatch):
+    """The launcher with SPLIT_TILES_192, the Gluon kernel stubbed out (interpreter): each of the kernel's descriptor
+    parameters gets its tensor in boxes of its piece's columns (Q, K, dK 128 and 64, dQ's float32 accumulator too),
+    V, dV and dO 128, by the kernel's own parameter names."""
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
+    m = attngen.load(spec_text("wide_split_launch", 192, "bf16", "causal", head_dim_v=128,
+                               direction="forward+backward")).module
+    names, seen = m.attn_bwd_dkdv_ws.arg_names, {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(zip(names, args), grid=grid)
+
+    monkeypatch.setattr(m, "attn_bwd_dkdv_ws", Kernel())
+    B, H, n = 1, 2, 70
+    q, k, dk = (torch.randn(B, H, n, 192).bfloat16() for _ in range(3))
+    v, do, dv = (torch.randn(B, H, n, 128).bfloat16() for _ in range(3))
+    dq_acc = torch.zeros(B, H, n, 256)
+    rows = torch.zeros(B, H, 2, 128)
+    lse = torch.zeros(B, H, n)
+    m.launch_attn_bwd_dkdv_ws(q, k, v, do, lse, lse, dk, dv, 0.5, dq_acc=dq_acc, rows=rows, split=1)
+    expected = {"q_desc": (q, 128), "q1_desc": (q, 64), "k_desc": (k, 128), "k1_desc": (k, 64), "dk_desc": (dk, 128),
+                "dk1_desc": (dk, 64), "dq_desc": (dq_acc, 128), "dq1_desc": (dq_acc, 64), "v_desc": (v, 128),
+                "dv_desc": (dv, 128), "do_desc": (do, 128)}
+    for name, (tensor, cols) in expected.items():
+        assert seen[name].base is tensor and seen[name].block_shape[3] == cols, name
+    assert seen["grid"] == (2, H, B)
+
+
 def test_deepseeks_row_passes_take_o_and_do_128_wide(monkeypatch):
     """The fused launcher's row passes at (192, 128) in the interpreter, the Gluon kernel stubbed out: delta =
     rowsum(dO * O) over O's and dO's 128 columns (not the next row's), the 256-column accumulator zeroed, dQ written
@@ -277,18 +388,21 @@ def test_wide_backward_against_float64(mask, case, staged, monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 only")
 @pytest.mark.parametrize("mask", ["none", "causal(top_left)"])
 @pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(1, 16, 16, 2049, 2049), Case(2, 8, 2, 3001, 3001)])
-@pytest.mark.parametrize("staged", [False, True], ids=["one_stage", "two_stages"])
-def test_wide_backward_192_128_against_float64(mask, case, staged, monkeypatch):
+@pytest.mark.parametrize("form", ["one_stage", "two_stages", "split_tiles"])
+def test_wide_backward_192_128_against_float64(mask, case, form, monkeypatch):
     """DeepSeek's (192, 128) through the wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's, at
-    BWD_WIDE and BWD_WIDE_STAGED (dO then fills half of its stage's tile)."""
+    BWD_WIDE, BWD_WIDE_STAGED (dO then fills half of its stage's tile) and with SPLIT_TILES_192 (Q and K tiles of 128
+    + 64 columns, BWD_WIDE_SPLIT's two stages)."""
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
-    monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", staged)
+    monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", form == "two_stages")
     monkeypatch.setattr(hopper, "BWD_WIDE_STAGED_PAIRS", BOTH_PAIRS)  # (192, 128)'s staged kernel too
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", form == "split_tiles")
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"wide_gpu_ds{heads}_{mask[:6]}", 192, "bf16", mask, head_dim_v=128,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
-    assert m.WS_BWD_SHAPE["STAGES"] == (2 if staged else 1)
+    assert m.WS_BWD_SHAPE["STAGES"] == (1 if form == "one_stage" else 2)
+    assert m.WS_BWD_SHAPE.get("PIECES") == ([128, 64] if form == "split_tiles" else None)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
     called = []

@@ -285,18 +285,22 @@ def infeasible_backward(spec, kernel_name: str, config: dict, target: Target | N
     return None
 
 
-def wide_backward_shared_bytes(shape, tile_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+def wide_backward_shared_bytes(shape, tile_dim: int, head_dim_v: int, elem_bytes: int = 2, pieces: tuple = ()) -> int:
     """Shared memory of the Gluon backward's wide path (`ir.GluonBackward.wide`, templates/gluon_backward.py.j2) at
     `shape` (an `ir.GluonShape`), with Q and K tiles `tile_dim` wide and V and dO `head_dim_v` wide, in bytes: what
     Triton 3.6 allocates less its alignment padding (at most 512 bytes in sm_90 compiles,
     tests/test_gluon_wide_backward.py). K and V stay resident, P^T and dS^T are two [block_n, block_m] tiles, double
     buffered, and each stage has its lse and delta rows; with one stage, Q and dO beside the consumers' float32 dQ
     tiles ([block_m, tile_dim / consumers] each); with more, each stage is those dQ tiles, which hold the stage's Q
-    and dO until its dQ is made (`hopper.BWD_WIDE_STAGED`)."""
+    and dO until its dQ is made (`hopper.BWD_WIDE_STAGED`). With `pieces` (`ir.GluonBackward.pieces`) Q and K are
+    sum(pieces) wide (not `tile_dim`), each consumer's dQ tile its piece's width, and every stage has its own Q and
+    dO beside them (`hopper.BWD_WIDE_SPLIT`)."""
     m, n, stages = shape.block_m, shape.block_n, shape.stages
-    dq_tiles = shape.consumers * m * (tile_dim // shape.consumers) * 4
+    tile_dim = sum(pieces) or tile_dim
+    dq_tiles = m * tile_dim * 4 if pieces else shape.consumers * m * (tile_dim // shape.consumers) * 4
     resident = elem_bytes * n * (tile_dim + head_dim_v) + 4 * elem_bytes * n * m
-    streamed = stages * dq_tiles if stages > 1 else elem_bytes * m * (tile_dim + head_dim_v) + dq_tiles
+    ring = stages > 1 and not pieces  # (the stages are the dQ tiles)
+    streamed = stages * dq_tiles if ring else stages * elem_bytes * m * (tile_dim + head_dim_v) + dq_tiles
     rows = stages * 2 * m * 4
-    barriers = 8 * (1 + 2 * stages + (5 if stages > 1 else 3))  # K/V's, a stage's ready and empty, the exchange's
+    barriers = 8 * (1 + 2 * stages + (5 if ring else 3))  # K/V's, a stage's ready and empty, the exchange's
     return resident + streamed + rows + barriers

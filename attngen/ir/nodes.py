@@ -436,6 +436,9 @@ class GluonForward:
     short_keys: int
     min_scores: int
     exp2_fma: float = 0.0  # share of a key block's columns whose exp2 runs on the FMA pipe (1/2^k; 0: none)
+    # the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192 (S is a product
+    # per piece); (): one tile of the padded width
+    pieces: tuple[int, ...] = ()
 
     @property
     def exp2_fma_halvings(self) -> int:
@@ -443,8 +446,8 @@ class GluonForward:
         return 0 if not self.exp2_fma else round(1 / self.exp2_fma).bit_length() - 1
 
     def constants(self) -> dict:
-        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA only where set: the
-        other modules' constants stay as they were)."""
+        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA and PIECES only where
+        set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
                 "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
@@ -453,7 +456,8 @@ class GluonForward:
                 "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers, "SHORT_consumer_regs": s.consumer_regs,
                 "SHORT_maxnreg": s.maxnreg, "min_keys": self.min_keys, "short_keys": self.short_keys,
                 "min_scores": self.min_scores, "BALANCE": self.balance,
-                **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {})}
+                **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {}),
+                **({"PIECES": list(self.pieces)} if self.pieces else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,10 +482,13 @@ class GluonBackward:
     min_scores: int
     max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
     wide: bool = False   # both consumers on the same block_n keys, each half of dK/dV's columns (d=256)
+    # (wide only) the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192:
+    # consumer i holds piece i's columns of dK and dQ (the last one V's too); (): one tile of the padded width
+    pieces: tuple[int, ...] = ()
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" only where set: the
-        other modules' constants stay as they were)."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" and "PIECES" only where
+        set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -491,7 +498,8 @@ class GluonBackward:
                 "LATE_ROWS": self.late_rows, "dq_claim_keys": self.dq_claim_keys, "short_keys": self.short_keys,
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
-                "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {})}
+                "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
+                **({"PIECES": list(self.pieces)} if self.pieces else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -381,6 +381,12 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                            or any(s.block_n * f.exp2_fma < 8 for s in (f.main, f.short))):
             # a halving splits the tile by its columns' top bit, a thread's registers only down to 8 columns
             fail(f"forward: exp2_fma {f.exp2_fma} is not 1/2^k of the key blocks in parts of at least 8 columns")
+    if ws.forward is not None and ws.forward.pieces and (
+            dv is None or fp8 or len(ws.forward.pieces) != 2 or sum(ws.forward.pieces) != d
+            or any(w < 16 or w & (w - 1) for w in ws.forward.pieces) or ws.forward.pieces[0] < dv):
+        # a piece is a TMA box and an S product's K; the output leaves through the first piece's Q buffer
+        fail(f"forward: tile pieces {ws.forward.pieces}: two powers of two of at least 16 columns that add up to head "
+             f"dim {d}, the first at least head_dim_v {dv} wide, for a head_dim_v spec in 16 bits")
     if ws.backward is not None:
         b = ws.backward
         if ws.forward is None or not any(k.name == "attn_bwd_dkdv" for k in program.kernels):
@@ -400,6 +406,11 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                     or keys != (b.main.block_n if b.wide else b.main.block_n // b.main.consumers):
                 fail(f"{what}: {s.block_m} query rows a step, {keys} keys a consumer "
                      f"(a multiple of 64, and the main shape's: one K/V descriptor)")
+        if b.pieces and (not b.wide or len(b.pieces) != b.main.consumers or sum(b.pieces) != d
+                         or any(w < 16 or w & (w - 1) for w in b.pieces)):
+            # a piece is a TMA box and a register tile's columns, consumer i's columns of dK and dQ
+            fail(f"backward: tile pieces {b.pieces}: the wide path's, one a consumer, powers of two of at least 16 "
+                 f"columns that add up to head dim {d}")
         if b.short.block_m != b.main.block_m:
             fail("backward: the short shape changes the query block")
         if b.row_block < 1 or b.main.block_m % b.row_block:

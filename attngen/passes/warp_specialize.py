@@ -63,7 +63,8 @@ loops after causal-skip are one unmasked range (`variant_backward_supported`): e
 those loops give it, masking, modifying the scores and multiplying dS by the modifier's derivative as the IR says.
 
 Specs with a backward (head dim 64, 96 or 128, `hopper.BWD_HEAD_DIMS`; at d=256, where a consumer's dK and dV alone
-would take 256 registers a thread, and DeepSeek's (192, 128) on 256-wide tiles, the wide path `hopper.BWD_WIDE` while
+would take 256 registers a thread, and DeepSeek's (192, 128) on 256-wide tiles (or, with `hopper.SPLIT_TILES_192`, 192
+columns in two pieces), the wide path `hopper.BWD_WIDE` while
 `hopper.WIDE_BACKWARD` is on, plain masks only; `backward_refusal` says why not) also get the backward in Gluon (`Program.warp_specialized.backward`,
 templates/gluon_backward.py.j2): one kernel for dQ, dK and dV. A loader warp streams Q, dO and the
 rows' lse and delta by TMA; two consumer warpgroups of 64 keys each keep K and V in shared memory and

@@ -168,8 +168,8 @@ ptxas -v (benchmarks/NOTES.md "Head shapes"): two consumers of 64 keys each (the
 consumer of 64 keys spills 5.7 KB; a consumer's S^T needs 64 keys (wgmma's M), so one consumer of 32 keys cannot be
 written with this kernel's products. No GQA split (max_group_split 1), no DQ_LOCAL or DQ_CLAIM, and no dK/dV-only
 kernel: under deterministic algorithms the Triton kernels run. DeepSeek's (192, 128) takes it too, Q and K 256
-columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB). Two
-stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
+columns wide (TILE_DIM), V, dO and a consumer's 64 columns of dV 128 (the same shared memory less 48 KB), or with
+SPLIT_TILES_192 192 columns in two pieces (BWD_WIDE_SPLIT). Two stages: BWD_WIDE_STAGED, behind WIDE_BACKWARD_STAGES."""
 
 
 WIDE_BACKWARD_STAGES = True
@@ -194,6 +194,33 @@ consumers' float32 [64, 128] dQ tiles (64 KB): Q lives in the first and dO in th
 half of its tile) until both consumers' products over them are done (an mbarrier a step), then consumer c's dQ
 takes tile c, and the stage is released in the next step once its TMA reduction has read it. Shared memory
 (`analysis.resources.wide_backward_shared_bytes`): d=256 224 KB, (192, 128) 208 KB; a third stage fits neither."""
+
+
+SPLIT_TILES_192 = False
+"""Whether DeepSeek's (192, 128) Gluon kernels take their Q and K tiles as the column pieces TILE_PIECES gives (192 =
+128 + 64: two TMA boxes and shared buffers, S as two wgmma over K = 128 and K = 64) instead of 256 columns of which 64
+are zeros. The wide backward (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less work, and two stages of Q and dO in
+separate buffers; consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each
+256 columns of products a step). The plain forward (SPLIT_FORWARD's shape; not a variant's): S a quarter less work,
+Q's and K's buffers 49 KB less shared memory (ptxas, sm_90a: 180,664 B against 229,736, no spills either way). Not
+measured on a GPU: off until `benchmarks/wide_backward.py` and `attngen bench --suite shapes` say it wins."""
+
+TILE_PIECES = {192: (128, 64)}
+"""Head dims whose Q and K tiles the wide backward takes as column pieces of power-of-two widths (SPLIT_TILES_192):
+Gluon 3.6's register tiles and TMA boxes take power-of-two shapes only, so a 192-column tile is two."""
+
+
+def tile_pieces(head_dim: int) -> tuple[int, ...]:
+    """The column pieces of a head dim's Q and K tiles in the wide backward: TILE_PIECES's where SPLIT_TILES_192 is on,
+    else () (one tile of `tile_dim`'s width)."""
+    return TILE_PIECES.get(head_dim, ()) if SPLIT_TILES_192 else ()
+
+
+BWD_WIDE_SPLIT = replace(BWD_WIDE, stages=2)
+"""The wide path with its Q and K tiles in pieces (SPLIT_TILES_192, (192, 128)): two stages of Q and dO in their own
+buffers, beside separate dQ tiles (K 24 KB, V 16 KB, two stages of Q 48 KB and dO 32 KB, P^T and dS^T 32 KB, the dQ
+tiles 32 + 16 KB: 201 KB; `analysis.resources.wide_backward_shared_bytes`). Not measured: the one-stage form is
+BWD_WIDE_SPLIT with stages=1, the first alternative to try."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,8 +346,9 @@ were faster than 4 and 6 at every batch and context measured, by 0-5% (NOTES.md 
 
 def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a head dim in HEAD_DIMS (those of its tiles' width), or with
-    head_dim_v for a pair in SPLIT_FORWARD."""
+    head_dim_v for a pair in SPLIT_FORWARD (its Q and K tiles in `tile_pieces` where SPLIT_TILES_192 is on)."""
     split = None if head_dim_v is None else SPLIT_FORWARD[(head_dim, head_dim_v)]
+    pieces = () if split is None else tile_pieces(head_dim)
     head_dim = tile_dim(head_dim)
     key, f = (head_dim, causal), FORWARD_FLAGS
     main, short = (FORWARD_MAIN[head_dim], FORWARD_SHORT[key]) if split is None else (split, split)
@@ -329,7 +357,7 @@ def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.Gl
                            overlap=f.overlap, pingpong=f.pingpong, early_p=f.early_p, trim=f.trim,
                            persistent=f.persistent and fits, balance=BALANCE[key], pair=causal,
                            min_keys=MIN_KEYS[key],
-                           short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES)
+                           short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES, pieces=pieces)
 
 
 def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None) -> ir.GluonForward:
@@ -341,7 +369,8 @@ def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | N
     causal mask), so they are taken as the causal mask's are, longest first and in pairs; taken in order,
     the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
     the plain causal kernel's 676, NOTES.md v44)."""
-    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair)
+    # (the tiles in pieces, SPLIT_TILES_192, are the plain forward's only: not tested with a variant's hooks)
+    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair, pieces=())
 
 
 def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
@@ -427,15 +456,19 @@ def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
 def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a head dim in BWD_HEAD_DIMS (those of its tiles' width), or
     one whose tiles are 256 wide (BWD_WIDE: d=256, and d=192 of a (192, 128) pair in SPLIT_FORWARD, V, dO and dV
-    then 128 wide; `head_dim_v` the pair's v, None: head_dim)."""
+    then 128 wide, its Q and K tiles in `tile_pieces` where SPLIT_TILES_192 is on; `head_dim_v` the pair's v, None:
+    head_dim)."""
     pair = (head_dim, head_dim if head_dim_v is None else head_dim_v)
+    pieces = tile_pieces(head_dim)
     head_dim = tile_dim(head_dim)
     if head_dim == 256:
         wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES and pair in BWD_WIDE_STAGED_PAIRS else BWD_WIDE
+        wide = BWD_WIDE_SPLIT if pieces else wide
         return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
-                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True)
+                                min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True,
+                                pieces=pieces)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -463,7 +496,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
