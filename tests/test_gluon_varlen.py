@@ -65,6 +65,13 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
+@pytest.fixture(params=[False, "lpt", "lpt_head"])
+def gluon_varlen_backward_scheduled(request, monkeypatch):
+    """gluon_varlen_backward in each of hopper.VARLEN_BWD_SCHEDULE's tile orders (False: the packed order)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param)
+
+
 # -- on the CPU ------------------------------------------------------------------------------------------
 
 
@@ -403,6 +410,57 @@ def test_the_varlen_backward_reads_its_rows_by_pointer_without_varlen_rows_smem(
     assert delta.shape == (2, 138) and delta.stride(1) == 1
 
 
+@pytest.mark.parametrize("schedule", ["lpt", "lpt_head"])
+def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch, schedule):
+    """hopper.VARLEN_BWD_SCHEDULE on: attn_bwd_order_ws (run in the interpreter) orders a K/V head's key tiles, every
+    one once, by the query blocks each visits (the generated search and query blocks, run as Python), most first and
+    ties by number, the tiles past their sequence's keys last; the launch gives that order to the kernel over every
+    (tile, K/V head), heads fastest ("lpt") or slowest ("lpt_head"), and the kernel reads its tile from its slot."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
+    kernel = attngen.load(_text(f"gvlb_order_{schedule}", "causal", 64, "bf16", direction="forward+backward"))
+    module, source = kernel.module, kernel.path.read_text()
+    assert module.WS_BWD_SHAPE["TILE_ORDER"] == schedule
+    search = _sequence_tile(source, "_ws_bwd_key_tile")
+    query_blocks = generated_function(source, "_ws_bwd_query_blocks")
+    block_m, block_n = module.WS_BWD_SHAPE["BLOCK_M"], module.WS_BWD_SHAPE["BLOCK_N"]
+    lens_q = [0, 5, 128, 129, 0, 300, 1, 1000, 127, 3, 700]
+    lens_k = [3, 0, 128, 200, 7, 300, 1, 900, 127, 64, 700]
+    used = [n - 1 if n > 1 else n for n in lens_k]  # seqused_k shorter than the sequences
+    cu_q = [0] + list(itertools.accumulate(lens_q))
+    cu_k = [0] + list(itertools.accumulate(lens_k))
+    B, tiles = len(lens_q), -(-cu_k[-1] // block_n) + len(lens_q)
+
+    def work(tile):
+        b, start_n, _, n_q, _, n_k = search(tile, B, _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+        return query_blocks(start_n, n_q, n_k, block_m, block_n)[3] if start_n < n_k else -1
+
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    order = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
+    assert sorted(order) == list(range(tiles))
+    keys = [(-work(t), t) for t in order]
+    assert keys == sorted(keys) and work(order[0]) > 1 and work(order[-1]) == -1, keys
+    # the launch: the kernel's grid over the order's slots and the K/V heads
+    calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7, 300], 2)
+    ((grid, args, _),) = calls["attn_bwd_dkdv_ws"].calls
+    launch_tiles = -(-438 // block_n) + 4
+    assert grid == ((2, launch_tiles) if schedule == "lpt" else (launch_tiles, 2))
+    (given,) = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.shape == (launch_tiles,)]
+    assert sorted(given.tolist()) == list(range(launch_tiles))
+    heads, slots = (0, 1) if schedule == "lpt" else (1, 0)
+    prologue = source.split("def attn_bwd_dkdv_ws(")[1]
+    assert f"hkv = gl.program_id({heads})" in prologue and f"tile = gl.load(ORDER + gl.program_id({slots}))" in prologue
+
+
+def test_the_backward_tile_order_is_off_by_default():
+    """Without hopper.VARLEN_BWD_SCHEDULE the varlen backward takes the packed order: no order kernel, no ORDER."""
+    assert hopper.VARLEN_BWD_SCHEDULE is False and "VARLEN_BWD_SCHEDULE" in hopper.SWITCHES
+    assert hopper.backward_varlen(128, True).tile_order == ""
+    spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
+    source = render(spec, program)
+    assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
+
+
 def test_ws_ready_counts_the_average_sequence():
     """ws_ready's thresholds see the average keys a sequence and the scores of sequences that long; CPU tensors
     never take the Gluon kernel."""
@@ -481,6 +539,21 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
         assert varlen["tma_loads"] == dense["tma_loads"], (varlen, dense)
         spills = [_ptxas_spills(jobs[2 * i + j][1]["ptx_to"]) for j in (0, 1)]
         assert spills[0] <= VARLEN_BWD_SPILLS[variant], (variant, spills)
+
+
+@pytest.mark.parametrize("schedule, variant, d, dtype", [("lpt", "causal", 128, "bf16"), ("lpt_head", "alibi", 64, "fp16")])
+def test_the_ordered_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, schedule, variant, d, dtype):
+    """hopper.VARLEN_BWD_SCHEDULE on: the Gluon varlen backward that reads its tile from ORDER compiles for sm_90 and
+    spills no more than the packed order's (VARLEN_BWD_SPILLS)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
+    kernel = attngen.load(_text(f"gvlb_sm90_order_{schedule}", variant, d, dtype, direction="forward+backward"))
+    assert "ORDER" in inspect.signature(kernel.module.attn_bwd_dkdv_ws.fn).parameters
+    ptx = str(tmp_path / "ordered.ptx")
+    (result,) = probe([{"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": ptx}])
+    assert "error" not in result, result
+    assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    assert _ptxas_spills(ptx) <= VARLEN_BWD_SPILLS[variant]
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------
@@ -664,7 +737,7 @@ def _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=None, tens
             assert r.ok, f"sequence {b}: {r}"
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
@@ -698,7 +771,7 @@ def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monke
         torch.testing.assert_close(rest[0].double(), expected, atol=5e-2, rtol=2e-2)
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_gluon_varlen_backward_seqused_k(monkeypatch):
@@ -712,7 +785,7 @@ def test_gluon_varlen_backward_seqused_k(monkeypatch):
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_flash_attn_varlen_funcs_backward_takes_the_gluon_kernel(monkeypatch):

@@ -479,7 +479,7 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "VARLEN_BWD_SCHEDULE")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -496,18 +496,48 @@ copy kernel of 4 x H x 2 x TOTAL_Q float32s a call. Off: the pointer path, the f
 measured on a GPU yet."""
 
 
+VARLEN_BWD_SCHEDULE: bool | str = False
+"""How the Gluon varlen backward's programs take their key tiles: False, the packed order (a K/V head's tiles in
+turn, each sequence's from its first key; heads slowest), or an order made per call by `attn_bwd_order_ws` (one
+program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first:
+"lpt" (True: the same) over every (tile, K/V head) of the launch, heads fastest, so that the last programs to start
+are the shortest (longest processing time first); "lpt_head" the same order within each K/V head, heads slowest as
+in the packed order (a program's neighbours read its head's Q and dO, as now). Why (the bench's 8 documents in 16k
+tokens, causal d=128, H=16, one program per multiprocessor at a time): a key tile's work is the query blocks after it
+in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence); in the packed order each
+head's longest tile (50 steps) starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
+multiprocessor, so the last head's longest tile ends long after the others. A list-scheduling simulation (132
+multiprocessors, a tile's time its query blocks; benchmarks/NOTES.md, varlen) puts the makespan at 290
+steps in the packed order, 265 in "lpt" (the work's 264 a multiprocessor: 1.09x) and 290 in "lpt_head" (a head's
+work is only ~16.5 steps a multiprocessor, under its longest tile: it is the control for what "lpt" costs in L2,
+spreading the programs that run together over every head's rows). Launches of more than VARLEN_BWD_ORDER_TILES tiles
+a head take the packed order. Not measured on a GPU."""
+
+VARLEN_BWD_ORDER_TILES = 1 << 14
+"""The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
+keys at BLOCK_N = 128); more take the packed order."""
+
+
+def varlen_bwd_order() -> str:
+    """The varlen backward's tile order that VARLEN_BWD_SCHEDULE selects: "" (packed), "lpt" or "lpt_head"."""
+    if VARLEN_BWD_SCHEDULE is True:
+        return "lpt"
+    return VARLEN_BWD_SCHEDULE or ""
+
+
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
-    lse and delta by TMA unless VARLEN_ROWS_SMEM is off.
+    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
-                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM)
+                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM, tile_order=varlen_bwd_order(),
+                   order_tiles=VARLEN_BWD_ORDER_TILES if varlen_bwd_order() else 0)
 
 
 FP8_DECODE_GLUON = True
