@@ -1,15 +1,17 @@
 """The Gluon varlen backward's tile orders side by side in one process (issue 49: the bench's 8 documents packed in
 16,384 tokens, causal per document, d=128, H=16, bf16; target 1.5x FlexAttention's backward, ~486 TFLOP/s): the
-Triton varlen backward (hopper.VARLEN_BACKWARD off), the Gluon one in the packed order (VARLEN_BWD_SCHEDULE False)
-and in each order VARLEN_BWD_SCHEDULE selects ("lpt", "lpt_head"). Each module's `backward_varlen` is timed by
-triton.testing.do_bench (median; TFLOP/s on kept scores, as `attngen bench --suite varlen` counts them), and a
-torch.profiler pass splits its time by GPU kernel: the row pass before (attn_bwd_prep_ws), the rows' shifted copies
-(a torch copy kernel), the order (attn_bwd_order_ws), the main kernel (attn_bwd_dkdv_ws) and the dQ pass
-(attn_bwd_dq_ws). Also prints each setting's largest gradient difference against the packed order's.
+Triton varlen backward (hopper.VARLEN_BACKWARD off), the Gluon one in the packed order (VARLEN_BWD_SCHEDULE off) and
+with it on at 1, 2, 4 and 16 K/V heads at a time (VARLEN_BWD_ORDER_HEADS; "lpt4" the default). Each module's
+`backward_varlen` is timed by triton.testing.do_bench (median; TFLOP/s on kept scores, as `attngen bench --suite
+varlen` counts them), and a torch.profiler pass splits its time by GPU kernel: the row pass before
+(attn_bwd_prep_ws), the rows' shifted copies (a torch copy kernel), the order (attn_bwd_order_ws), the main kernel
+(attn_bwd_dkdv_ws) and the dQ pass (attn_bwd_dq_ws). Also prints each setting's largest gradient difference against
+the packed order's.
 
     python benchmarks/varlen_bwd_schedule.py                      the bench's documents (NOTES.md, varlen)
     python benchmarks/varlen_bwd_schedule.py --seed 1             8 other random documents
-    python benchmarks/varlen_bwd_schedule.py --lengths 16384      one sequence (the dense kernel's shape)
+    python benchmarks/varlen_bwd_schedule.py --lengths 16384      one sequence (the dense kernel's shape: the
+                                                                  varlen kernel's cost a step, apart from its order)
 
 Each setting sets the policy objects before its module is generated, under a spec name of its own, in a fresh
 ATTNGEN_CACHE_DIR (CONVENTIONS.md: an experiment's way).
@@ -37,8 +39,8 @@ DOCUMENTS = (607, 3417, 6339, 936, 3589, 452, 197, 847)  # the H200 bench run's 
 SETTINGS = {  # name: policy values set while its module is generated
     "triton": {"VARLEN_BACKWARD": False},
     "packed": {"VARLEN_BACKWARD": True, "VARLEN_BWD_SCHEDULE": False},
-    "lpt": {"VARLEN_BACKWARD": True, "VARLEN_BWD_SCHEDULE": "lpt"},
-    "lpt_head": {"VARLEN_BACKWARD": True, "VARLEN_BWD_SCHEDULE": "lpt_head"},
+    **{f"lpt{g}": {"VARLEN_BACKWARD": True, "VARLEN_BWD_SCHEDULE": True, "VARLEN_BWD_ORDER_HEADS": g}
+       for g in (1, 2, 4, 16)},
 }
 
 KERNELS = {"prep": "attn_bwd_prep_ws", "order": "attn_bwd_order_ws", "main": "attn_bwd_dkdv_ws",

@@ -65,9 +65,9 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
-@pytest.fixture(params=[False, "lpt", "lpt_head"])
+@pytest.fixture(params=[False, True], ids=["packed", "scheduled"])
 def gluon_varlen_backward_scheduled(request, monkeypatch):
-    """gluon_varlen_backward in each of hopper.VARLEN_BWD_SCHEDULE's tile orders (False: the packed order)."""
+    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param)
 
@@ -410,17 +410,18 @@ def test_the_varlen_backward_reads_its_rows_by_pointer_without_varlen_rows_smem(
     assert delta.shape == (2, 138) and delta.stride(1) == 1
 
 
-@pytest.mark.parametrize("schedule", ["lpt", "lpt_head"])
-def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch, schedule):
+@pytest.mark.parametrize("order_heads, kv_heads, group", [(4, 2, 2), (4, 6, 3), (1, 3, 1)])
+def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch, order_heads, kv_heads, group):
     """hopper.VARLEN_BWD_SCHEDULE on: attn_bwd_order_ws (run in the interpreter) orders a K/V head's key tiles, every
     one once, by the query blocks each visits (the generated search and query blocks, run as Python), most first and
-    ties by number, the tiles past their sequence's keys last; the launch gives that order to the kernel over every
-    (tile, K/V head), heads fastest ("lpt") or slowest ("lpt_head"), and the kernel reads its tile from its slot."""
+    ties by number, the tiles past their sequence's keys last; the launch's grid takes that order for every K/V head
+    once, `group` heads at a time (the largest divisor of H_KV up to VARLEN_BWD_ORDER_HEADS), heads fastest."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
-    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
-    kernel = attngen.load(_text(f"gvlb_order_{schedule}", "causal", 64, "bf16", direction="forward+backward"))
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_ORDER_HEADS", order_heads)
+    kernel = attngen.load(_text(f"gvlb_order_{order_heads}", "causal", 64, "bf16", direction="forward+backward"))
     module, source = kernel.module, kernel.path.read_text()
-    assert module.WS_BWD_SHAPE["TILE_ORDER"] == schedule
+    assert module.WS_BWD_SHAPE["ORDER_HEADS"] == order_heads
     search = _sequence_tile(source, "_ws_bwd_key_tile")
     query_blocks = generated_function(source, "_ws_bwd_query_blocks")
     block_m, block_n = module.WS_BWD_SHAPE["BLOCK_M"], module.WS_BWD_SHAPE["BLOCK_N"]
@@ -440,22 +441,56 @@ def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch
     assert sorted(order) == list(range(tiles))
     keys = [(-work(t), t) for t in order]
     assert keys == sorted(keys) and work(order[0]) > 1 and work(order[-1]) == -1, keys
-    # the launch: the kernel's grid over the order's slots and the K/V heads
-    calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7, 300], 2)
+    # the launch: the grid (heads of a group, slots of the order, groups); the kernel's (tile, K/V head) of a program
+    calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7, 300], kv_heads)
     ((grid, args, _),) = calls["attn_bwd_dkdv_ws"].calls
     launch_tiles = -(-438 // block_n) + 4
-    assert grid == ((2, launch_tiles) if schedule == "lpt" else (launch_tiles, 2))
+    assert grid == (group, launch_tiles, kv_heads // group)
     (given,) = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.shape == (launch_tiles,)]
-    assert sorted(given.tolist()) == list(range(launch_tiles))
-    heads, slots = (0, 1) if schedule == "lpt" else (1, 0)
     prologue = source.split("def attn_bwd_dkdv_ws(")[1]
-    assert f"hkv = gl.program_id({heads})" in prologue and f"tile = gl.load(ORDER + gl.program_id({slots}))" in prologue
+    assert "hkv = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)" in prologue
+    assert "tile = gl.load(ORDER + gl.program_id(1))" in prologue
+    programs = [(given[y].item(), z * grid[0] + x) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    assert sorted(programs) == [(t, h) for t in range(launch_tiles) for h in range(kv_heads)]
+
+
+def test_the_ordered_launchs_row_pass_writes_the_shifted_rows_itself(monkeypatch):
+    """With hopper.VARLEN_BWD_SCHEDULE on, the row pass (run in the interpreter) writes the four shifted copies of the
+    rows that the loader reads by TMA itself: they equal the copies _ws_bwd_shifted_rows makes of the packed
+    launch's rows (every value a sequence's box can read), and no copy of them is made."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    lengths, heads, made = [1, 130, 7, 66, 2, 3], 2, {}
+    for schedule in (False, True):
+        monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
+        module = attngen.load(_text(f"gvlb_shifted_{schedule}", "causal", 64, "bf16",
+                                    direction="forward+backward")).module
+        copied = []
+        monkeypatch.setattr(module, "_ws_bwd_shifted_rows", lambda *a, f=module._ws_bwd_shifted_rows:
+                            copied.append(1) or f(*a))
+        kernels = {name: _Launches() for name in ("attn_bwd_dkdv_ws", "attn_bwd_dq_ws")}
+        for name, fake in kernels.items():
+            monkeypatch.setattr(module, name, fake)
+        g = torch.Generator().manual_seed(0)
+        total = sum(lengths)
+        q, k, v, o, do, dq, dk, dv = (torch.randn(total, heads, 64, generator=g).bfloat16() for _ in range(8))
+        lse = torch.randn(heads, total, generator=g)
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        module.launch_attn_bwd_ws(q, k, v, o, do, lse, dq, dk, dv, cu, cu, torch.tensor(lengths, dtype=torch.int32),
+                                  0.125)
+        ((_, args, _),) = kernels["attn_bwd_dkdv_ws"].calls
+        made[schedule] = args[7].base  # (q, k, v, do, dk, dv, dq, rows descriptors)
+        assert len(copied) == (0 if schedule else 1)
+    packed, shifted = made[False], made[True]
+    assert shifted.shape == packed.shape == (4, heads, 2, 256)
+    for s in range(4):  # (a copy's last s values are past the rows: no sequence's, left unwritten)
+        n = packed[s].numel() - s
+        assert torch.equal(shifted[s].flatten()[:n], packed[s].flatten()[:n]), s
 
 
 def test_the_backward_tile_order_is_off_by_default():
     """Without hopper.VARLEN_BWD_SCHEDULE the varlen backward takes the packed order: no order kernel, no ORDER."""
     assert hopper.VARLEN_BWD_SCHEDULE is False and "VARLEN_BWD_SCHEDULE" in hopper.SWITCHES
-    assert hopper.backward_varlen(128, True).tile_order == ""
+    assert hopper.backward_varlen(128, True).order_heads == 0
     spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
     source = render(spec, program)
     assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
@@ -541,13 +576,13 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
         assert spills[0] <= VARLEN_BWD_SPILLS[variant], (variant, spills)
 
 
-@pytest.mark.parametrize("schedule, variant, d, dtype", [("lpt", "causal", 128, "bf16"), ("lpt_head", "alibi", 64, "fp16")])
-def test_the_ordered_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, schedule, variant, d, dtype):
+@pytest.mark.parametrize("variant, d, dtype", [("causal", 128, "bf16"), ("alibi", 64, "fp16")])
+def test_the_ordered_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, variant, d, dtype):
     """hopper.VARLEN_BWD_SCHEDULE on: the Gluon varlen backward that reads its tile from ORDER compiles for sm_90 and
     spills no more than the packed order's (VARLEN_BWD_SPILLS)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
-    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
-    kernel = attngen.load(_text(f"gvlb_sm90_order_{schedule}", variant, d, dtype, direction="forward+backward"))
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    kernel = attngen.load(_text(f"gvlb_sm90_order_{variant}", variant, d, dtype, direction="forward+backward"))
     assert "ORDER" in inspect.signature(kernel.module.attn_bwd_dkdv_ws.fn).parameters
     ptx = str(tmp_path / "ordered.ptx")
     (result,) = probe([{"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": ptx}])

@@ -444,7 +444,7 @@ class GluonForward:
 
     def constants(self) -> dict:
         """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA only where set: the
-        other modules' constants stay as they were; "TILE_ORDER" likewise)."""
+        other modules' constants stay as they were; "ORDER_HEADS" likewise)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
                 "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
@@ -478,8 +478,8 @@ class GluonBackward:
     min_scores: int
     max_group_split: int = 1  # at most this many programs share a GQA group's query heads (1: never split)
     wide: bool = False   # both consumers on the same block_n keys, each half of dK/dV's columns (d=256)
-    tile_order: str = ""  # varlen: "" the packed key tiles in order; "lpt" / "lpt_head" most query blocks first
-    order_tiles: int = 0  # with tile_order: launches of more key tiles a head than this keep the packed order
+    order_heads: int = 0  # varlen: 0 the packed key tiles in order; k: most query blocks first, k K/V heads at a time
+    order_tiles: int = 0  # with order_heads: launches of more key tiles a head than this keep the packed order
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" only where set: the
@@ -494,7 +494,7 @@ class GluonBackward:
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
                 "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
-                **({"TILE_ORDER": self.tile_order, "ORDER_TILES": self.order_tiles} if self.tile_order else {})}
+                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {})}
 
 
 @dataclass(frozen=True, slots=True)

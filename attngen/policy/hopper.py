@@ -496,33 +496,30 @@ copy kernel of 4 x H x 2 x TOTAL_Q float32s a call. Off: the pointer path, the f
 measured on a GPU yet."""
 
 
-VARLEN_BWD_SCHEDULE: bool | str = False
-"""How the Gluon varlen backward's programs take their key tiles: False, the packed order (a K/V head's tiles in
-turn, each sequence's from its first key; heads slowest), or an order made per call by `attn_bwd_order_ws` (one
-program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first:
-"lpt" (True: the same) over every (tile, K/V head) of the launch, heads fastest, so that the last programs to start
-are the shortest (longest processing time first); "lpt_head" the same order within each K/V head, heads slowest as
-in the packed order (a program's neighbours read its head's Q and dO, as now). Why (the bench's 8 documents in 16k
+VARLEN_BWD_SCHEDULE = False
+"""Whether the Gluon varlen backward's programs take their key tiles in an order made per call (`attn_bwd_order_ws`,
+one program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first
+(longest processing time first), VARLEN_BWD_ORDER_HEADS K/V heads at a time, heads fastest; off: the packed order (a
+K/V head's tiles in turn, each sequence's from its first key, heads slowest). Why (the bench's 8 documents in 16k
 tokens, causal d=128, H=16, one program per multiprocessor at a time): a key tile's work is the query blocks after it
-in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence); in the packed order each
-head's longest tile (50 steps) starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
-multiprocessor, so the last head's longest tile ends long after the others. A list-scheduling simulation (132
-multiprocessors, a tile's time its query blocks; benchmarks/NOTES.md, varlen) puts the makespan at 290
-steps in the packed order, 265 in "lpt" (the work's 264 a multiprocessor: 1.09x) and 290 in "lpt_head" (a head's
-work is only ~16.5 steps a multiprocessor, under its longest tile: it is the control for what "lpt" costs in L2,
-spreading the programs that run together over every head's rows). Launches of more than VARLEN_BWD_ORDER_TILES tiles
-a head take the packed order. Not measured on a GPU."""
+in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence), and in the packed order each
+head's longest tile starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
+multiprocessor: the last head's longest tiles end alone. A list-scheduling simulation (132 multiprocessors, a tile's
+time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 298 steps in the packed order, 298 with
+the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x). With it
+the row pass also writes the four shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch
+of 4 x H x 2 x TOTAL_Q float32s less a call). Not measured on a GPU."""
+
+VARLEN_BWD_ORDER_HEADS = 4
+"""How many K/V heads' tiles VARLEN_BWD_SCHEDULE's order takes together (the launch takes the largest divisor of H_KV
+up to it): a group's programs read its heads' Q, dO and dQ accumulator, 16 MB a head at 16k tokens and d=128, so
+fewer heads keep more of them in L2, and four are the fewest whose work (4 x 16.5 steps a multiprocessor at the
+bench's documents) covers the longest tile's 50 (the simulation above). 1: each head's tiles sorted, heads slowest (the
+packed order's tail: the control). Not measured on a GPU."""
 
 VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
 keys at BLOCK_N = 128); more take the packed order."""
-
-
-def varlen_bwd_order() -> str:
-    """The varlen backward's tile order that VARLEN_BWD_SCHEDULE selects: "" (packed), "lpt" or "lpt_head"."""
-    if VARLEN_BWD_SCHEDULE is True:
-        return "lpt"
-    return VARLEN_BWD_SCHEDULE or ""
 
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
@@ -536,8 +533,9 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
-                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM, tile_order=varlen_bwd_order(),
-                   order_tiles=VARLEN_BWD_ORDER_TILES if varlen_bwd_order() else 0)
+                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
+                   order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
+                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0)
 
 
 FP8_DECODE_GLUON = True
