@@ -142,6 +142,16 @@ def test_explain_says_the_backward_runs_the_gluon_kernel(capsys):
     assert "lse and delta by TMA from the rows' copy shifted by q_start % 4" in text
 
 
+def test_explain_says_the_backward_takes_its_tiles_in_order(monkeypatch, capsys):
+    from attngen.cli import main
+
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
+    text = capsys.readouterr().out
+    assert f"the tiles with the most query blocks first, {hopper.VARLEN_BWD_ORDER_HEADS} K/V heads at a time" in text
+
+
 class _Pointer:
     """A pointer into a Python list: what `_ws_sequence_tile` adds offsets to and loads from, run as Python."""
 
@@ -413,9 +423,10 @@ def test_the_varlen_backward_reads_its_rows_by_pointer_without_varlen_rows_smem(
 @pytest.mark.parametrize("order_heads, kv_heads, group", [(4, 2, 2), (4, 6, 3), (1, 3, 1)])
 def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch, order_heads, kv_heads, group):
     """hopper.VARLEN_BWD_SCHEDULE on: attn_bwd_order_ws (run in the interpreter) orders a K/V head's key tiles, every
-    one once, by the query blocks each visits (the generated search and query blocks, run as Python), most first and
-    ties by number, the tiles past their sequence's keys last; the launch's grid takes that order for every K/V head
-    once, `group` heads at a time (the largest divisor of H_KV up to VARLEN_BWD_ORDER_HEADS), heads fastest."""
+    one once with its sequence, by the query blocks each visits (the generated search and query blocks, run as
+    Python), most first and ties by number, the tiles past their sequence's keys last (past ORDER_TILES tiles, the
+    packed order with the sequences); the launch's grid takes that order for every K/V head once, `group` heads at a
+    time (the largest divisor of H_KV up to VARLEN_BWD_ORDER_HEADS), heads fastest."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_ORDER_HEADS", order_heads)
@@ -432,25 +443,40 @@ def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch
     cu_k = [0] + list(itertools.accumulate(lens_k))
     B, tiles = len(lens_q), -(-cu_k[-1] // block_n) + len(lens_q)
 
+    def sequence(tile):
+        return search(tile, B, _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+
     def work(tile):
-        b, start_n, _, n_q, _, n_k = search(tile, B, _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+        b, start_n, _, n_q, _, n_k = sequence(tile)
         return query_blocks(start_n, n_q, n_k, block_m, block_n)[3] if start_n < n_k else -1
 
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)
-    order = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
-    assert sorted(order) == list(range(tiles))
+    order, seqs = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
+    assert sorted(order) == list(range(tiles)) and seqs == [sequence(t)[0] for t in order]
     keys = [(-work(t), t) for t in order]
     assert keys == sorted(keys) and work(order[0]) > 1 and work(order[-1]) == -1, keys
+    # the kernel's prologue reads its slot's tile and sequence back (_ws_bwd_ordered_tile, run as Python): the values
+    # the search gives that tile
+    ordered_tile = _sequence_tile(source.replace(".to(gl.int32)", ""), "_ws_bwd_ordered_tile")
+    for slot, tile in enumerate(order):
+        monkeypatch.setattr(_Gl, "program_id", staticmethod(lambda axis, slot=slot: slot), raising=False)
+        monkeypatch.setattr(_Gl, "num_programs", staticmethod(lambda axis: tiles), raising=False)
+        got = ordered_tile(_Pointer(order + seqs), _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+        assert got == sequence(tile), (slot, tile)
+    monkeypatch.setitem(module.WS_BWD_SHAPE, "ORDER_TILES", tiles - 1)
+    packed = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
+    assert packed == [list(range(tiles)), [sequence(t)[0] for t in range(tiles)]]
+    monkeypatch.setitem(module.WS_BWD_SHAPE, "ORDER_TILES", tiles)
     # the launch: the grid (heads of a group, slots of the order, groups); the kernel's (tile, K/V head) of a program
     calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7, 300], kv_heads)
     ((grid, args, _),) = calls["attn_bwd_dkdv_ws"].calls
     launch_tiles = -(-438 // block_n) + 4
     assert grid == (group, launch_tiles, kv_heads // group)
-    (given,) = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.shape == (launch_tiles,)]
+    (given,) = [a for a in args if isinstance(a, torch.Tensor) and a.shape == (2, launch_tiles)]
     prologue = source.split("def attn_bwd_dkdv_ws(")[1]
     assert "hkv = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)" in prologue
-    assert "tile = gl.load(ORDER + gl.program_id(1))" in prologue
-    programs = [(given[y].item(), z * grid[0] + x) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    assert "_ws_bwd_ordered_tile(ORDER," in prologue and "slot = gl.program_id(1)" in source
+    programs = [(given[0, y].item(), z * grid[0] + x) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     assert sorted(programs) == [(t, h) for t in range(launch_tiles) for h in range(kv_heads)]
 
 

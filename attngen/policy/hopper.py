@@ -501,14 +501,15 @@ VARLEN_BWD_SCHEDULE = False
 one program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first
 (longest processing time first), VARLEN_BWD_ORDER_HEADS K/V heads at a time, heads fastest; off: the packed order (a
 K/V head's tiles in turn, each sequence's from its first key, heads slowest). Why (the bench's 8 documents in 16k
-tokens, causal d=128, H=16, one program per multiprocessor at a time): a key tile's work is the query blocks after it
-in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence), and in the packed order each
-head's longest tile starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
+tokens, causal d=128, H=16, one program per multiprocessor at a time): a key tile's work is the query blocks after
+it in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence), and in the packed order
+each head's longest tile starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
 multiprocessor: the last head's longest tiles end alone. A list-scheduling simulation (132 multiprocessors, a tile's
-time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 298 steps in the packed order, 298 with
-the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x). With it
-the row pass also writes the four shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch
-of 4 x H x 2 x TOTAL_Q float32s less a call). Not measured on a GPU."""
+time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 298 steps in the packed order, 298
+with the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x).
+With it the order also gives each slot's sequence (no search in the prologue) and the row pass writes the four
+shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch of 4 x H x 2 x TOTAL_Q float32s
+less a call). Not measured on a GPU."""
 
 VARLEN_BWD_ORDER_HEADS = 4
 """How many K/V heads' tiles VARLEN_BWD_SCHEDULE's order takes together (the launch takes the largest divisor of H_KV
@@ -519,7 +520,7 @@ packed order's tail: the control). Not measured on a GPU."""
 
 VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
-keys at BLOCK_N = 128); more take the packed order."""
+keys at BLOCK_N = 128; at most 2^15, the bits it packs a tile's number in); more take the packed order."""
 
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
