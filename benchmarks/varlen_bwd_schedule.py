@@ -26,7 +26,7 @@ from unittest import mock
 os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-vbwd-")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
+import triton.testing  # noqa: E402
 
 import attngen  # noqa: E402
 from attngen.bench.varlen import kept_scores  # noqa: E402
