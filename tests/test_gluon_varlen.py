@@ -611,8 +611,14 @@ def test_the_ordered_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, va
     kernel = attngen.load(_text(f"gvlb_sm90_order_{variant}", variant, d, dtype, direction="forward+backward"))
     assert "ORDER" in inspect.signature(kernel.module.attn_bwd_dkdv_ws.fn).parameters
     ptx = str(tmp_path / "ordered.ptx")
-    (result,) = probe([{"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": ptx}])
-    assert "error" not in result, result
+    # and the order's kernel (a sort of 16384 lanes: ORDER_TILES' largest block) as its launch compiles it
+    strides = ("stride_cu_seqlens_q_0", "stride_cu_seqlens_k_0", "stride_seqlens_k_0")
+    order_job = {"path": str(kernel.path), "kernel": "attn_bwd_order_ws", "num_warps": 8, "num_stages": 1,
+                 "constexprs": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK": hopper.VARLEN_BWD_ORDER_TILES},
+                 "ptr_dtypes": dict.fromkeys(("ORDER", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K"), "*i32"),
+                 "unit_strides": strides}
+    result, order = probe([{"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": ptx}, order_job])
+    assert "error" not in result and "error" not in order, (result, order)
     assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
     assert _ptxas_spills(ptx) <= VARLEN_BWD_SPILLS[variant]
 
