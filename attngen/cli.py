@@ -236,9 +236,12 @@ def _gluon_backward_line(program: ir.Program) -> str:
     rows = ("lse and delta by TMA from the rows' copy shifted by q_start % 4, at a row that is a multiple of 4"
             if program.warp_specialized.backward.rows_smem else
             "lse and delta by pointer (policy/hopper.py VARLEN_ROWS_SMEM is off)")
+    heads = program.warp_specialized.backward.order_heads
+    order = (f"; the tiles with the most query blocks first, {heads} K/V heads at a time (attn_bwd_order_ws, per call; "
+             "policy/hopper.py VARLEN_BWD_SCHEDULE)") if heads else ""
     return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
             "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
-            f"ending past the sequence stored row-masked; {rows})")
+            f"ending past the sequence stored row-masked; {rows}{order})")
 
 
 def _gluon_dense_backward_line(program: ir.Program) -> str:

@@ -115,7 +115,9 @@ def _compile_gluon_ws(module, job):
         # a variant's ALIBI_SLOPES; a dense kernel's DK_PART (the split groups' float32 partial sums)
         pointers = ("LSE", "DELTA", "CLAIM") + tuple(p for p in ("ALIBI_SLOPES", "DK_PART") if p in fn.arg_names)
         # a varlen kernel's: dK and dV for its row-masked stores, the sequences' offsets and lengths
-        pointers += tuple(p for p in ("DK", "DV", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
+        # (and with hopper.VARLEN_BWD_SCHEDULE the slots' tiles)
+        pointers += tuple(p for p in ("DK", "DV", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K", "ORDER")
+                          if p in fn.arg_names)
         maxnreg = shape[short + "maxnreg"]
     else:
         shape, fn = module.WS_SHAPE, module.attn_fwd_ws
@@ -151,7 +153,7 @@ def _compile_gluon_ws(module, job):
         pointers += tuple(p for p in ("O", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
     io = _PTR[str(module.DTYPE).removeprefix("torch.")]
     typed = {"CLAIM": "*i32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32", "O": io, "DK": io,
-             "DV": io}
+             "DV": io, "ORDER": "*i32"}
     sig = {arg: "constexpr" if arg in const else descs.get(arg, typed.get(arg, "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}

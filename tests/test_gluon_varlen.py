@@ -65,6 +65,13 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
+@pytest.fixture(params=[False, True], ids=["packed", "scheduled"])
+def gluon_varlen_backward_scheduled(request, monkeypatch):
+    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param)
+
+
 # -- on the CPU ------------------------------------------------------------------------------------------
 
 
@@ -133,6 +140,16 @@ def test_explain_says_the_backward_runs_the_gluon_kernel(capsys):
     text = capsys.readouterr().out
     assert "the backward runs the Gluon kernel, one program per key tile of the dK/dV grid" in text
     assert "lse and delta by TMA from the rows' copy shifted by q_start % 4" in text
+
+
+def test_explain_says_the_backward_takes_its_tiles_in_order(monkeypatch, capsys):
+    from attngen.cli import main
+
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
+    text = capsys.readouterr().out
+    assert f"the tiles with the most query blocks first, {hopper.VARLEN_BWD_ORDER_HEADS} K/V heads at a time" in text
 
 
 class _Pointer:
@@ -403,6 +420,108 @@ def test_the_varlen_backward_reads_its_rows_by_pointer_without_varlen_rows_smem(
     assert delta.shape == (2, 138) and delta.stride(1) == 1
 
 
+@pytest.mark.parametrize("order_heads, kv_heads, group", [(4, 2, 2), (4, 6, 3), (1, 3, 1)])
+def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch, order_heads, kv_heads, group):
+    """hopper.VARLEN_BWD_SCHEDULE on: attn_bwd_order_ws (run in the interpreter) orders a K/V head's key tiles, every
+    one once with its sequence, by the query blocks each visits (the generated search and query blocks, run as
+    Python), most first and ties by number, the tiles past their sequence's keys last (past ORDER_TILES tiles, the
+    packed order with the sequences); the launch's grid takes that order for every K/V head once, `group` heads at a
+    time (the largest divisor of H_KV up to VARLEN_BWD_ORDER_HEADS), heads fastest."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_ORDER_HEADS", order_heads)
+    kernel = attngen.load(_text(f"gvlb_order_{order_heads}", "causal", 64, "bf16", direction="forward+backward"))
+    module, source = kernel.module, kernel.path.read_text()
+    assert module.WS_BWD_SHAPE["ORDER_HEADS"] == order_heads
+    search = _sequence_tile(source, "_ws_bwd_key_tile")
+    query_blocks = generated_function(source, "_ws_bwd_query_blocks")
+    block_m, block_n = module.WS_BWD_SHAPE["BLOCK_M"], module.WS_BWD_SHAPE["BLOCK_N"]
+    lens_q = [0, 5, 128, 129, 0, 300, 1, 1000, 127, 3, 700]
+    lens_k = [3, 0, 128, 200, 7, 300, 1, 900, 127, 64, 700]
+    used = [n - 1 if n > 1 else n for n in lens_k]  # seqused_k shorter than the sequences
+    cu_q = [0] + list(itertools.accumulate(lens_q))
+    cu_k = [0] + list(itertools.accumulate(lens_k))
+    B, tiles = len(lens_q), -(-cu_k[-1] // block_n) + len(lens_q)
+
+    def sequence(tile):
+        return search(tile, B, _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+
+    def work(tile):
+        b, start_n, _, n_q, _, n_k = sequence(tile)
+        return query_blocks(start_n, n_q, n_k, block_m, block_n)[3] if start_n < n_k else -1
+
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    order, seqs = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
+    assert sorted(order) == list(range(tiles)) and seqs == [sequence(t)[0] for t in order]
+    keys = [(-work(t), t) for t in order]
+    assert keys == sorted(keys) and work(order[0]) > 1 and work(order[-1]) == -1, keys
+    # the kernel's prologue reads its slot's tile and sequence back (_ws_bwd_ordered_tile, run as Python): the values
+    # the search gives that tile
+    ordered_tile = _sequence_tile(source.replace(".to(gl.int32)", ""), "_ws_bwd_ordered_tile")
+    for slot, tile in enumerate(order):
+        monkeypatch.setattr(_Gl, "program_id", staticmethod(lambda axis, slot=slot: slot), raising=False)
+        monkeypatch.setattr(_Gl, "num_programs", staticmethod(lambda axis: tiles), raising=False)
+        got = ordered_tile(_Pointer(order + seqs), _Pointer(cu_q), 1, _Pointer(cu_k), 1, _Pointer(used), 1, block_n)
+        assert got == sequence(tile), (slot, tile)
+    monkeypatch.setitem(module.WS_BWD_SHAPE, "ORDER_TILES", tiles - 1)
+    packed = module._ws_bwd_order(i32(cu_q), i32(cu_k), i32(used), tiles, block_m, block_n).tolist()
+    assert packed == [list(range(tiles)), [sequence(t)[0] for t in range(tiles)]]
+    monkeypatch.setitem(module.WS_BWD_SHAPE, "ORDER_TILES", tiles)
+    # the launch: the grid (heads of a group, slots of the order, groups); the kernel's (tile, K/V head) of a program
+    calls = _record_varlen_backward(module, monkeypatch, [1, 130, 7, 300], kv_heads)
+    ((grid, args, _),) = calls["attn_bwd_dkdv_ws"].calls
+    launch_tiles = -(-438 // block_n) + 4
+    assert grid == (group, launch_tiles, kv_heads // group)
+    (given,) = [a for a in args if isinstance(a, torch.Tensor) and a.shape == (2, launch_tiles)]
+    prologue = source.split("def attn_bwd_dkdv_ws(")[1]
+    assert "hkv = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)" in prologue
+    assert "_ws_bwd_ordered_tile(ORDER," in prologue and "slot = gl.program_id(1)" in source
+    programs = [(given[0, y].item(), z * grid[0] + x) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    assert sorted(programs) == [(t, h) for t in range(launch_tiles) for h in range(kv_heads)]
+
+
+def test_the_ordered_launchs_row_pass_writes_the_shifted_rows_itself(monkeypatch):
+    """With hopper.VARLEN_BWD_SCHEDULE on, the row pass (run in the interpreter) writes the four shifted copies of the
+    rows that the loader reads by TMA itself: they equal the copies _ws_bwd_shifted_rows makes of the packed
+    launch's rows (every value a sequence's box can read), and no copy of them is made."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    lengths, heads, made = [1, 130, 7, 66, 2, 3], 2, {}
+    for schedule in (False, True):
+        monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", schedule)
+        module = attngen.load(_text(f"gvlb_shifted_{schedule}", "causal", 64, "bf16",
+                                    direction="forward+backward")).module
+        copied = []
+        monkeypatch.setattr(module, "_ws_bwd_shifted_rows", lambda *a, f=module._ws_bwd_shifted_rows:
+                            copied.append(1) or f(*a))
+        kernels = {name: _Launches() for name in ("attn_bwd_dkdv_ws", "attn_bwd_dq_ws")}
+        for name, fake in kernels.items():
+            monkeypatch.setattr(module, name, fake)
+        g = torch.Generator().manual_seed(0)
+        total = sum(lengths)
+        q, k, v, o, do, dq, dk, dv = (torch.randn(total, heads, 64, generator=g).bfloat16() for _ in range(8))
+        lse = torch.randn(heads, total, generator=g)
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        module.launch_attn_bwd_ws(q, k, v, o, do, lse, dq, dk, dv, cu, cu, torch.tensor(lengths, dtype=torch.int32),
+                                  0.125)
+        ((_, args, _),) = kernels["attn_bwd_dkdv_ws"].calls
+        made[schedule] = args[7].base  # (q, k, v, do, dk, dv, dq, rows descriptors)
+        assert len(copied) == (0 if schedule else 1)
+    packed, shifted = made[False], made[True]
+    assert shifted.shape == packed.shape == (4, heads, 2, 256)
+    for s in range(4):  # (a copy's last s values are past the rows: no sequence's, left unwritten)
+        n = packed[s].numel() - s
+        assert torch.equal(shifted[s].flatten()[:n], packed[s].flatten()[:n]), s
+
+
+def test_the_backward_tile_order_is_off_by_default():
+    """Without hopper.VARLEN_BWD_SCHEDULE the varlen backward takes the packed order: no order kernel, no ORDER."""
+    assert hopper.VARLEN_BWD_SCHEDULE is False and "VARLEN_BWD_SCHEDULE" in hopper.SWITCHES
+    assert hopper.backward_varlen(128, True).order_heads == 0
+    spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
+    source = render(spec, program)
+    assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
+
+
 def test_ws_ready_counts_the_average_sequence():
     """ws_ready's thresholds see the average keys a sequence and the scores of sequences that long; CPU tensors
     never take the Gluon kernel."""
@@ -481,6 +600,27 @@ def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(
         assert varlen["tma_loads"] == dense["tma_loads"], (varlen, dense)
         spills = [_ptxas_spills(jobs[2 * i + j][1]["ptx_to"]) for j in (0, 1)]
         assert spills[0] <= VARLEN_BWD_SPILLS[variant], (variant, spills)
+
+
+@pytest.mark.parametrize("variant, d, dtype", [("causal", 128, "bf16"), ("alibi", 64, "fp16")])
+def test_the_ordered_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, variant, d, dtype):
+    """hopper.VARLEN_BWD_SCHEDULE on: the Gluon varlen backward that reads its tile from ORDER compiles for sm_90 and
+    spills no more than the packed order's (VARLEN_BWD_SPILLS)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    kernel = attngen.load(_text(f"gvlb_sm90_order_{variant}", variant, d, dtype, direction="forward+backward"))
+    assert "ORDER" in inspect.signature(kernel.module.attn_bwd_dkdv_ws.fn).parameters
+    ptx = str(tmp_path / "ordered.ptx")
+    # and the order's kernel (a sort of 16384 lanes: ORDER_TILES' largest block) as its launch compiles it
+    strides = ("stride_cu_seqlens_q_0", "stride_cu_seqlens_k_0", "stride_seqlens_k_0")
+    order_job = {"path": str(kernel.path), "kernel": "attn_bwd_order_ws", "num_warps": 8, "num_stages": 1,
+                 "constexprs": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK": hopper.VARLEN_BWD_ORDER_TILES},
+                 "ptr_dtypes": dict.fromkeys(("ORDER", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K"), "*i32"),
+                 "unit_strides": strides}
+    result, order = probe([{"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": ptx}, order_job])
+    assert "error" not in result and "error" not in order, (result, order)
+    assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    assert _ptxas_spills(ptx) <= VARLEN_BWD_SPILLS[variant]
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------
@@ -664,7 +804,7 @@ def _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=None, tens
             assert r.ok, f"sequence {b}: {r}"
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
@@ -698,7 +838,7 @@ def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monke
         torch.testing.assert_close(rest[0].double(), expected, atol=5e-2, rtol=2e-2)
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_gluon_varlen_backward_seqused_k(monkeypatch):
@@ -712,7 +852,7 @@ def test_gluon_varlen_backward_seqused_k(monkeypatch):
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
 
 
-@pytest.mark.usefixtures("gluon_varlen_backward")
+@pytest.mark.usefixtures("gluon_varlen_backward_scheduled")
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
 def test_flash_attn_varlen_funcs_backward_takes_the_gluon_kernel(monkeypatch):

@@ -347,7 +347,7 @@ def score_hooks(kernel, in_scope: tuple[str, ...] = ("qk_scale",)) -> ScoreHooks
 
 def _size(expr, lib: str = "gl") -> str:
     """An integer expression over the kernel's sizes, positive terms first (`n_k - N_Q`, as a person writes it);
-    `lib` "": as Python."""
+    `lib` "gl": as Gluon code, "tl": as Triton code, "": as Python."""
     expr = sympy.sympify(expr)
     if isinstance(expr, sympy.Add):
         terms = sorted(expr.args, key=lambda t: (t.could_extract_minus_sign(), sympy.default_sort_key(t)))
@@ -355,7 +355,9 @@ def _size(expr, lib: str = "gl") -> str:
         for t in terms[1:]:
             text += f" - {_size(-t, lib)}" if t.could_extract_minus_sign() else f" + {_size(t, lib)}"
         return text
-    return exprs.gluon(expr) if lib else exprs.host(expr)
+    if not lib:
+        return exprs.host(expr)
+    return exprs.gluon(expr) if lib == "gl" else exprs.device(expr)
 
 
 def _modifier(scaled: ir.Expr, assigns) -> ir.Expr:

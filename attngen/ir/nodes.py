@@ -446,8 +446,8 @@ class GluonForward:
         return 0 if not self.exp2_fma else round(1 / self.exp2_fma).bit_length() - 1
 
     def constants(self) -> dict:
-        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA and PIECES only where
-        set: the other modules' constants stay as they were)."""
+        """The generated module's WS_SHAPE: what its launcher reads at run time (EXP2_FMA and PIECES only where set: the
+        other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "STAGES": m.stages, "OVERLAP": self.overlap,
                 "PINGPONG": self.pingpong, "EARLY_P": self.early_p, "TRIM": self.trim, "PERSISTENT": self.persistent,
@@ -485,10 +485,12 @@ class GluonBackward:
     # (wide only) the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192:
     # consumer i holds piece i's columns of dK and dQ (the last one V's too); (): one tile of the padded width
     pieces: tuple[int, ...] = ()
+    order_heads: int = 0  # varlen: 0 the packed key tiles in order; k: most query blocks first, k K/V heads at a time
+    order_tiles: int = 0  # with order_heads: launches of more key tiles a head than this keep the packed order
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide" and "PIECES" only where
-        set: the other modules' constants stay as they were)."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"
+        only where set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -499,7 +501,8 @@ class GluonBackward:
                 "SHORT_BLOCK_N": s.block_n, "SHORT_STAGES": s.stages, "SHORT_consumers": s.consumers,
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
                 "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
-                **({"PIECES": list(self.pieces)} if self.pieces else {})}
+                **({"PIECES": list(self.pieces)} if self.pieces else {}),
+                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {})}
 
 
 @dataclass(frozen=True, slots=True)

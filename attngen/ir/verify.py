@@ -419,6 +419,10 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail(f"backward: max_group_split {b.max_group_split} (1: groups never split)")
         if b.late_rows not in (0, 1, 2) or b.dq_local_rows < 0 or b.dq_claim_keys < 0:
             fail(f"backward: late_rows {b.late_rows}, dq_local_rows {b.dq_local_rows}, dq_claim_keys {b.dq_claim_keys}")
+        if b.order_heads < 0 or (b.order_heads and not program.attr("varlen")) or (b.order_tiles < 1) != (not b.order_heads) \
+                or b.order_tiles > 1 << 15:  # (attn_bwd_order_ws packs a tile's number in 15 bits)
+            fail(f"backward: order_heads {b.order_heads} over {b.order_tiles} tiles (a varlen grid's key tiles ordered "
+                 "k > 0 K/V heads at a time, up to 0 < order_tiles <= 2^15 a head)")
         regs_ok("backward loader", b.loader_regs)
         counts_ok("backward", b)
     if ws.decode is not None:

@@ -496,7 +496,8 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
+            "VARLEN_BWD_SCHEDULE")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -513,18 +514,47 @@ copy kernel of 4 x H x 2 x TOTAL_Q float32s a call. Off: the pointer path, the f
 measured on a GPU yet."""
 
 
+VARLEN_BWD_SCHEDULE = False
+"""Whether the Gluon varlen backward's programs take their key tiles in an order made per call (`attn_bwd_order_ws`,
+one program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first
+(longest processing time first), VARLEN_BWD_ORDER_HEADS K/V heads at a time, heads fastest; off: the packed order (a
+K/V head's tiles in turn, each sequence's from its first key, heads slowest). Why (the bench's 8 documents in 16k
+tokens, causal d=128, H=16, one program per multiprocessor at a time): a key tile's work is the query blocks after
+it in its own document, 1 to 50 steps (16.5 on average, against 64.5 in one 16k sequence), and in the packed order
+each head's longest tile starts a quarter of the way through that head's 136 programs, ~16.5 steps of work a
+multiprocessor: the last head's longest tiles end alone. A list-scheduling simulation (132 multiprocessors, a tile's
+time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 298 steps in the packed order, 298
+with the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x).
+With it the order also gives each slot's sequence (no search in the prologue) and the row pass writes the four
+shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch of 4 x H x 2 x TOTAL_Q float32s
+less a call). Not measured on a GPU."""
+
+VARLEN_BWD_ORDER_HEADS = 4
+"""How many K/V heads' tiles VARLEN_BWD_SCHEDULE's order takes together (the launch takes the largest divisor of H_KV
+up to it): a group's programs read its heads' Q, dO and dQ accumulator, 16 MB a head at 16k tokens and d=128, so
+fewer heads keep more of them in L2, and four are the fewest whose work (4 x 16.5 steps a multiprocessor at the
+bench's documents) covers the longest tile's 50 (the simulation above). 1: each head's tiles sorted, heads slowest (the
+packed order's tail: the control). Not measured on a GPU."""
+
+VARLEN_BWD_ORDER_TILES = 1 << 14
+"""The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
+keys at BLOCK_N = 128; at most 2^15, the bits it packs a tile's number in); more take the packed order."""
+
+
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
-    lse and delta by TMA unless VARLEN_ROWS_SMEM is off.
+    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
-                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM)
+                   rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
+                   order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
+                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0)
 
 
 FP8_DECODE_GLUON = True
