@@ -666,7 +666,7 @@ def _ws_tile(t, n_m, H, B, N_Q, N_K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+def _ws_rows(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, turn, b, h, start_m, N_Q, N_K, row0, n_mine, it, i, stride_lse_b, stride_lse_h,
              stride_lse_n, qk_scale, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -683,7 +683,10 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     gl.static_assert(OVERLAP or not PINGPONG, "PINGPONG orders the overlapped issue")
     qb = i % QBUF
-    q = q_smem.index(qb * 2 + WG).reshape([BM, HEAD_DIM])
+    P0: gl.constexpr = q_desc.block_type.shape[3]  # the first piece's columns; the second's from there
+    P1: gl.constexpr = q1_desc.block_type.shape[3]
+    q = q_smem.index(qb * 2 + WG).reshape([BM, P0])
+    q1 = q1_smem.index(qb * 2 + WG).reshape([BM, P1])
     # the output's [BM, HEAD_DIM_V] tile leaves through the first bytes of this warpgroup's Q buffer, in O's layout
     o_buf = q_smem.index(qb * 2 + WG)._reinterpret(q_desc.dtype, o_desc.block_type.shape, o_desc.layout)
     acc = gl.zeros([BM, HEAD_DIM_V], gl.float32, layout=o_layout)
@@ -695,8 +698,9 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
         if WG == CONSUMERS - 1:
             mbarrier.arrive(turn.index(0), count=1)
         mbarrier.wait(turn.index(WG), 0)
-    sc = warpgroup_mma(q, k_smem.index(it % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
-                       use_acc=False, is_async=True)
+    sc = warpgroup_mma(q, k_smem.index(it % STAGES).reshape([BLOCK_N, P0]).permute((1, 0)), zero_s, use_acc=False,
+                       is_async=True)
+    sc = warpgroup_mma(q1, k1_smem.index(it % STAGES).reshape([BLOCK_N, P1]).permute((1, 0)), sc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     if QBUF > 1:
@@ -714,8 +718,9 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
             mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(WG), j & 1)
-            sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+            sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, P0]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
+            sc = warpgroup_mma(q1, k1_smem.index(s).reshape([BLOCK_N, P1]).permute((1, 0)), sc, is_async=True)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         mbarrier.wait(v_ready.index(sp), ((g - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM_V]),
@@ -728,8 +733,9 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(sp), count=1)
             mbarrier.wait(k_ready.index(s), (g // STAGES) & 1)
-            sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+            sc = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, P0]).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
+            sc = warpgroup_mma(q1, k1_smem.index(s).reshape([BLOCK_N, P1]).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _ws_softmax(sc, m_i, l_i, j, N_K, row0, qk_scale, False, CAUSAL, BLOCK_N, s_layout)
@@ -754,7 +760,7 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
 
 
 @gluon.jit
-def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+def _ws_consume(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                 BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                 STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -766,7 +772,7 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_r
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
         t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
         if valid:
-            it, i = _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty,
+            it, i = _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty,
                                      k_ready, k_empty, v_ready, v_empty, turn, B, H, N_Q, N_K, n_m, t, it, i,
                                      stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N,
                                      HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, WG, CONSUMERS)
@@ -774,7 +780,7 @@ def _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_r
 
 
 @gluon.jit
-def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
                      v_ready, v_empty, turn, B, H, N_Q, N_K, n_m, t, it, i, stride_lse_b, stride_lse_h, stride_lse_n,
                      qk_scale, BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
@@ -793,10 +799,10 @@ def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem
     if start_m + WG * BM >= N_Q:
         n_mine = 0
     if n_mine > 0:
-        _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                 v_ready, v_empty, turn, b, h, start_m, N_Q, N_K, row0, n_mine, it, i, stride_lse_b,
-                 stride_lse_h, stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
-                 WG, CONSUMERS, QBUF)
+        _ws_rows(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem,
+                 q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, b, h, start_m, N_Q, N_K, row0,
+                 n_mine, it, i, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BM, BLOCK_N, HEAD_DIM,
+                 STAGES, OVERLAP, PINGPONG, CAUSAL, WG, CONSUMERS, QBUF)
     elif QBUF > 1:
         _ws_release_q(q_empty, i, QBUF)
     for j in range(it + n_mine, it + n_blocks):
@@ -809,33 +815,35 @@ def _ws_consume_tile(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem
 
 
 @gluon.jit
-def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
                   v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                   QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 0: rows [0 * BM, 1 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
-    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS, 0)
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem,
+                q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b,
+                stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG,
+                CAUSAL, QBUF, CONSUMERS, 0)
 
 
 @gluon.jit
-def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
                   v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                   BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                   QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup 1: rows [1 * BM, 2 * BM) of each tile (the worker partitions all take
     the loader's arguments, so the warpgroup's index is fixed here)."""
-    _ws_consume(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
-                BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS, 1)
+    _ws_consume(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem,
+                q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b,
+                stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG,
+                CAUSAL, QBUF, CONSUMERS, 1)
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h, stride_lse_n, qk_scale,
                BLOCK_M: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -846,13 +854,13 @@ def _ws_loader(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_re
     for r in range(_ws_rounds(n_m, H, B, QBUF)):
         t, valid = _ws_tile_index(r, n_m, H, B, QBUF)
         if valid:
-            it, i = _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+            it, i = _ws_load_tile(q_desc, k_desc, v_desc, q1_desc, k1_desc, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M, BM, BLOCK_N, STAGES,
                                   QBUF, CONSUMERS)
 
 
 @gluon.jit
-def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+def _ws_load_tile(q_desc, k_desc, v_desc, q1_desc, k1_desc, q_smem, k_smem, v_smem, q1_smem, k1_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   B, H, GROUP, N_Q, N_K, n_m, t, it, i, BLOCK_M: gl.constexpr, BM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr, CONSUMERS: gl.constexpr):
     """The loader's part of tile t, the program's i-th: its Q, then its K and V blocks into the ring's places
@@ -862,17 +870,21 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
     qb = i % QBUF
     if QBUF > 1:  # a Q buffer is free once every consumer has stored the output it carried two tiles ago
         mbarrier.wait(q_empty.index(qb), ((i // QBUF) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+    mbarrier.expect(q_ready.index(qb), CONSUMERS * (q_desc.block_type.nbytes + q1_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * BM, 0], q_ready.index(qb),
                                         q_smem.index(qb * 2 + c))
+        tma.async_copy_global_to_shared(q1_desc, [b, h, start_m + c * BM, q_desc.block_type.shape[3]],
+                                        q_ready.index(qb), q1_smem.index(qb * 2 + c))
     for j in range(n_blocks):
         g = it + j  # the block's place in the ring's sequence
         s = g % STAGES
         phase = (g // STAGES) & 1
         kv_row = j * BLOCK_N
         mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as freed: the first round does not wait
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k1_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k1_desc, [b, hkv, kv_row, k_desc.block_type.shape[3]], k_ready.index(s),
+                                        k1_smem.index(s))
         tma.async_copy_global_to_shared(k_desc, [b, hkv, kv_row, 0], k_ready.index(s), k_smem.index(s))
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -881,7 +893,7 @@ def _ws_load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_emp
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "B", "H", "GROUP", "N_Q", "N_K"])
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, B, H, GROUP, N_Q, N_K,
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, stride_lse_b, stride_lse_h, stride_lse_n, B, H, GROUP, N_Q, N_K,
                 sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr,
                 CONSUMERS: gl.constexpr):
@@ -896,6 +908,9 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     q_smem = gl.allocate_shared_memory(dtype, [QBUF * 2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # the second pieces of the Q buffers and the K ring
+    q1_smem = gl.allocate_shared_memory(dtype, [QBUF * 2] + q1_desc.block_type.shape, q1_desc.layout)
+    k1_smem = gl.allocate_shared_memory(dtype, [STAGES] + k1_desc.block_type.shape, k1_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -917,22 +932,22 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     # arrive as tensors
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
-                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
-                                QBUF, CONSUMERS)),
-            (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                                k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
-                                stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
-                                QBUF, CONSUMERS)),
-            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K, stride_lse_b, stride_lse_h,
-                         stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES, OVERLAP, PINGPONG, CAUSAL,
-                         QBUF, CONSUMERS)),
+            (_ws_consumer0, (q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem,
+                                k1_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K,
+                                stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES,
+                                OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS)),
+            (_ws_consumer1, (q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem,
+                                k1_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K,
+                                stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES,
+                                OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS)),
+            (_ws_loader, (q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, LSE, q_smem, k_smem, v_smem, q1_smem,
+                         k1_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, B, H, GROUP, N_Q, N_K,
+                         stride_lse_b, stride_lse_h, stride_lse_n, qk_scale, BLOCK_M, BM, BLOCK_N, HEAD_DIM, STAGES,
+                         OVERLAP, PINGPONG, CAUSAL, QBUF, CONSUMERS)),
         ], [4, 1], [240, 24])
 
 
-WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 64, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'SHORT_BLOCK_M': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'min_keys': 1, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': False}
+WS_SHAPE = {'BLOCK_M': 128, 'BLOCK_N': 64, 'STAGES': 2, 'OVERLAP': True, 'PINGPONG': False, 'EARLY_P': True, 'TRIM': True, 'PERSISTENT': True, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'SHORT_BLOCK_M': 128, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'min_keys': 1, 'short_keys': 0, 'min_scores': 33554432, 'BALANCE': False, 'PIECES': [128, 64]}
 WS_CAUSAL = True
 _WS_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM_PADDED],
                                                     gl.bfloat16)
@@ -941,6 +956,10 @@ _WS_KV_LAYOUT_SHORT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["SHOR
 _WS_V_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_N"], HEAD_DIM_V], gl.bfloat16)
 _WS_O_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], HEAD_DIM_V],
                                                     gl.bfloat16)
+_WS_PIECE_LAYOUTS = {(rows, cols): gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.bfloat16)
+                     for rows in (WS_SHAPE["BLOCK_M"] // WS_SHAPE["consumers"], WS_SHAPE["BLOCK_N"], WS_SHAPE["SHORT_BLOCK_N"])
+                     for cols in WS_SHAPE["PIECES"]}
+"""The layouts of the Q and K tiles' column pieces (WS_SHAPE["PIECES"]) by (rows, columns)."""
 def ws_ready(q, k, v, o):
     """Whether `attn_fwd_ws` runs these tensors: CUDA tensors on an sm_90 GPU (wgmma is Hopper's), at
     least one query, WS_SHAPE["min_keys"] keys and WS_SHAPE["min_scores"] scores B * H * N_Q * N_K
@@ -969,11 +988,17 @@ def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
     kv_block = [1, 1, block_n, HEAD_DIM_PADDED]
     tiles = cdiv(N_Q, block_m) * H * B
     persistent = WS_SHAPE["PERSISTENT"]
+    # Q and K in their column pieces (WS_SHAPE["PIECES"]), a descriptor each: the second's boxes start at the first's
+    # width
+    (q_desc, q1_desc), (k_desc, k1_desc) = (
+        [_gluon_desc(t, block[:3] + [w], _WS_PIECE_LAYOUTS[block[2], w]) for w in WS_SHAPE["PIECES"]]
+        for t, block in ((q, q_block), (k, kv_block)))
     attn_fwd_ws[(min(tiles, _ws_programs(q.device)) if persistent else tiles,)](
-        _gluon_desc(q, q_block, _WS_Q_LAYOUT),
-        _gluon_desc(k, kv_block, kv_layout),
+        q_desc,
+        k_desc,
         _gluon_desc(v, [1, 1, block_n, HEAD_DIM_V], _WS_V_LAYOUT),  # (one shape: the short one is the main one)
         _gluon_desc(o, [1, 1, q_block[2], HEAD_DIM_V], _WS_O_LAYOUT),
+        q1_desc, k1_desc,
         lse, *lse.stride(), B, H, H // H_KV, N_Q, N_K, sm_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM_PADDED, STAGES=stages,
         OVERLAP=WS_SHAPE["OVERLAP"], PINGPONG=WS_SHAPE["PINGPONG"], CAUSAL=WS_CAUSAL, QBUF=2 if persistent else 1,
@@ -1090,8 +1115,8 @@ def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_
 
 
 @gluon.jit
-def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b,
                     hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
                     BLOCK_M: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -1103,33 +1128,46 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
     # [BN, BLOCK_M] tiles; once every consumer's are there (an mbarrier), it adds P^T dO and dS^T Q into its
     # columns [WG * DC, (WG + 1) * DC) of dK and dQ = dS K and [WG * DCV, (WG + 1) * DCV) of dV (V and dO are
     # HEAD_DIM_V wide: DeepSeek's 128 beside Q's and K's 256-wide tiles).
+    # Pieces: Q's and K's columns are two tiles (P0 and P1 wide); S^T is two products over them, warpgroup WG's
+    # columns of dK and dQ are piece WG's, and warpgroup 1 also makes all of dV (the work of each is then even).
     gl.static_assert(DQ_ATOMIC and ROWS_SMEM and not (AHEAD or DQ_LOCAL or DQ_CLAIM or PARTIAL),
                      "the wide form makes dQ here, reads the rows by TMA, and nothing else")
     HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]  # V's and dO's width (head_dim_v); Q's and K's is HEAD_DIM
     QH: gl.constexpr = BLOCK_M // CONSUMERS
-    DC: gl.constexpr = HEAD_DIM // CONSUMERS
-    DCV: gl.constexpr = HEAD_DIM_V // CONSUMERS
+    P0: gl.constexpr = q_desc.block_type.shape[3]  # the first piece's columns
+    P1: gl.constexpr = q1_desc.block_type.shape[3]  # the second's, from column P0
+    DC: gl.constexpr = P0 if WG == 0 else P1  # this warpgroup's columns of dK and dQ: its piece's
+    DCV: gl.constexpr = HEAD_DIM_V  # (warpgroup 1's: all of dV)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QH, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DC, 16])
     ov_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DCV, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = sm_scale * 1.4426950408889634
-    k = k_smem.index(0).reshape([BN, HEAD_DIM])
+    k = k_smem.index(0).reshape([BN, P0])
+    k1 = k1_smem.index(0).reshape([BN, P1])
+    kw = k if WG == 0 else k1  # this warpgroup's piece of K
+    dq_tile = dq_smem.index(0) if WG == 0 else dq1_smem.index(0)  # its float32 dQ tile, and where it is added
+    dq_out = dq_desc if WG == 0 else dq1_desc
+    dq_col: gl.constexpr = 0 if WG == 0 else P0
     v = v_smem.index(0).reshape([BN, HEAD_DIM_V])
     zero_s = gl.zeros([BN, QH], gl.float32, layout=s_layout)
     zero_q = gl.zeros([BLOCK_M, DC], gl.float32, layout=o_layout)
     dk = gl.zeros([BN, DC], gl.float32, layout=o_layout)
-    dv = gl.zeros([BN, DCV], gl.float32, layout=ov_layout)
+    if WG == 1:
+        dv = gl.zeros([BN, DCV], gl.float32, layout=ov_layout)
     done_bar = ds_bar.index(2)  # every consumer has done its last product (phase 0), stored its columns (1)
     mbarrier.wait(kv_bar, 0)
     for t in range(n_h * n_m):
         s = t % STAGES
         start_m = m_start + (t % n_m) * BLOCK_M
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        q = q_smem.index(s).reshape([BLOCK_M, P0])
+        q1 = q1_smem.index(s).reshape([BLOCK_M, P1])
+        qw = q if WG == 0 else q1  # this warpgroup's piece of Q
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM_V])
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         st = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st = warpgroup_mma(k1, q1.slice(WG * QH, QH, dim=0).permute((1, 0)), st, is_async=True)
         dpt = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         # (an unswizzled buffer: its bytes read as a flat [2 * BLOCK_M] array)
         rows_s = rows_smem.index(s)._reinterpret(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -1154,28 +1192,34 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         fence_async_shared()
         mbarrier.arrive(ds_bar.index(j), count=1)
         mbarrier.wait(ds_bar.index(j), (t // 2) & 1)
-        dv = warpgroup_mma(pt_all, do.slice(WG * DCV, DCV, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(ds_all, q.slice(WG * DC, DC, dim=1), dk, is_async=True)
-        dq = warpgroup_mma(ds_all.permute((1, 0)), k.slice(WG * DC, DC, dim=1), zero_q, use_acc=False, is_async=True)
-        dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        if WG == 1:
+            dv = warpgroup_mma(pt_all, do, dv, is_async=True)
+        dk = warpgroup_mma(ds_all, qw, dk, is_async=True)
+        dq = warpgroup_mma(ds_all.permute((1, 0)), kw, zero_q, use_acc=False, is_async=True)
+        if WG == 1:
+            dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+        else:
+            dk = warpgroup_mma_wait(1, deps=(dk, ))
         mbarrier.arrive(empty.index(s), count=1)  # Q and dO read: the loader refills the stage while dQ is made
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         # this warpgroup's columns of the step's dQ, added into the float32 accumulator by a TMA reduction
         tma.store_wait(0)  # (the previous step's reduction has read dq_smem; all threads wait)
-        dq_smem.index(WG).reshape([BLOCK_M, DC]).store(dq)
+        dq_tile.reshape([BLOCK_M, DC]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [b, h0 + t // n_m, start_m, WG * DC], dq_smem.index(WG))
+        _tma_reduce_add(dq_out, [b, h0 + t // n_m, start_m, dq_col], dq_tile)
     # dK and dV leave through the K and V buffers, each warpgroup's columns, once every product that reads them is
     # done; one warpgroup's TMA stores take the whole tiles once both have written theirs
     mbarrier.arrive(done_bar, count=1)
     mbarrier.wait(done_bar, 0)
-    v.slice(WG * DCV, DCV, dim=1).store(dv.to(dtype))
-    k.slice(WG * DC, DC, dim=1).store((dk * sm_scale).to(dtype))
+    if WG == 1:
+        v.store(dv.to(dtype))
+    kw.store((dk * sm_scale).to(dtype))
     fence_async_shared()
     mbarrier.arrive(done_bar, count=1)
     mbarrier.wait(done_bar, 1)
     if WG == 0:
         tma.async_copy_shared_to_global(dk_desc, [b, hkv, start_n, 0], k_smem.index(0))
+        tma.async_copy_shared_to_global(dk1_desc, [b, hkv, start_n, P0], k1_smem.index(0))
         tma.async_copy_shared_to_global(dv_desc, [b, hkv, start_n, 0], v_smem.index(0))
     tma.store_wait(0)
 
@@ -1185,8 +1229,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
 
 
 @gluon.jit
-def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty,
                       ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                       stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
@@ -1195,16 +1239,16 @@ def _ws_bwd_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       PARTIAL: gl.constexpr):
     """Consumer warpgroup 0: query rows [0 * BLOCK_M, 1 * BLOCK_M) / CONSUMERS of each step's S^T and dP^T,
     columns [0 * HEAD_DIM, 1 * HEAD_DIM) / CONSUMERS of dK, dV and dQ."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b,
                     hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
                     PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 0)
 
 
 @gluon.jit
-def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM,
+                      DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty,
                       ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                       stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr,
                       BN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
@@ -1213,22 +1257,23 @@ def _ws_bwd_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc
                       PARTIAL: gl.constexpr):
     """Consumer warpgroup 1: query rows [1 * BLOCK_M, 2 * BLOCK_M) / CONSUMERS of each step's S^T and dP^T,
     columns [1 * HEAD_DIM, 2 * HEAD_DIM) / CONSUMERS of dK, dV and dQ."""
-    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
+    _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM,
+                    DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b,
                     hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                     stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD,
                     PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL, 1)
 
 
 @gluon.jit
-def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
-                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM, DK_PART,
+                   q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b, hkv,
                    start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m,
                    stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M: gl.constexpr, BN: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
                    DQ_ATOMIC: gl.constexpr, DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr,
                    ROWS_SMEM: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr, PARTIAL: gl.constexpr):
-    mbarrier.expect(kv_bar, 1 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k1_desc, [b, hkv, start_n, k_desc.block_type.shape[3]], kv_bar, k1_smem.index(0))
     for c in gl.static_range(1):
         tma.async_copy_global_to_shared(k_desc, [b, hkv, start_n + c * BN, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [b, hkv, start_n + c * BN, 0], kv_bar, v_smem.index(c))
@@ -1239,17 +1284,19 @@ def _ws_bwd_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, r
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as freed
         if ROWS_SMEM:
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + rows_desc.block_type.nbytes)
+                            + rows_desc.block_type.nbytes + q1_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(rows_desc, [b, h, 0, start_m], ready.index(s), rows_smem.index(s))
         else:
-            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes + q1_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], ready.index(s), q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], ready.index(s), do_smem.index(s))
+        tma.async_copy_global_to_shared(q1_desc, [b, h, start_m, q_desc.block_type.shape[3]], ready.index(s),
+                                        q1_smem.index(s))
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_lse_n", "stride_delta_b", "stride_delta_h",
                               "stride_delta_n", "GROUP", "N_Q", "N_K"])
-def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK_PART,
+def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, LSE, DELTA, CLAIM, DK_PART,
                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, GROUP,
                      SPLIT, N_Q, N_K, sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
@@ -1279,6 +1326,10 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)  # (a power of two)
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    # the second pieces of Q (a stage's) and K, and warpgroup 1's float32 dQ tile (its piece's columns)
+    q1_smem = gl.allocate_shared_memory(dtype, [STAGES] + q1_desc.block_type.shape, q1_desc.layout)
+    k1_smem = gl.allocate_shared_memory(dtype, [1] + k1_desc.block_type.shape, k1_desc.layout)
+    dq1_smem = gl.allocate_shared_memory(gl.float32, [1] + dq1_desc.block_type.shape, dq1_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1286,7 +1337,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         # swizzle, so that a consumer's 32 columns are whole swizzle atoms); each consumer's float32 dQ tile
         ds_smem = gl.allocate_shared_memory(dtype, [4, BN, BLOCK_M], gl.NVMMASharedLayout(
             swizzle_byte_width=64, element_bitwidth=dtype.primitive_bitwidth, rank=2))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         ds_smem = q_smem
         dq_smem = q_smem
@@ -1303,36 +1354,42 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         mbarrier.init(empty.index(i), count=CONSUMERS)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
-                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
-                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
-            (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                                 DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
-                                 ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                                 stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                                 BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
-                                 ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
-            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
-                              DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
-                              ds_bar, b, hkv, start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b,
-                              stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale,
-                              BLOCK_M, BN, HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM,
-                              ROWS_SMEM, CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_consumer0, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc,
+                                 dk1_desc, dq1_desc, LSE, DELTA, CLAIM, DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                                 dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                                 start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                                 CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_consumer1, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc,
+                                 dk1_desc, dq1_desc, LSE, DELTA, CLAIM, DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                                 dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                                 start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                                 stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                                 HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                                 CAUSAL, CONSUMERS, PARTIAL)),
+            (_ws_bwd_loader, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, q1_desc, k1_desc,
+                              dk1_desc, dq1_desc, LSE, DELTA, CLAIM, DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                              dq_smem, rows_smem, q1_smem, k1_smem, dq1_smem, kv_bar, ready, empty, ds_bar, b, hkv,
+                              start_n, GROUP, h0, n_h, N_Q, N_K, offset, m_start, n_m, stride_lse_b, stride_lse_h,
+                              stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n, sm_scale, BLOCK_M, BN,
+                              HEAD_DIM, STAGES, AHEAD, PREFETCH, DQ_ATOMIC, DQ_LOCAL, LATE_ROWS, DQ_CLAIM, ROWS_SMEM,
+                              CAUSAL, CONSUMERS, PARTIAL)),
         ], [4, 1], [240, 24])
     else:  # (a count the module was not rendered with would launch no partition at all)
         gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 64, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 1, 'PREFETCH': False, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 16, 'LATE_ROWS': 0, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 1, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'wide': True}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 64, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': False, 'dq_local_rows': 0, 'split': False, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 16, 'LATE_ROWS': 0, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 64, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'wide': True, 'PIECES': [128, 64]}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM_PADDED], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM_PADDED], gl.bfloat16)
 _WS_BWD_V_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_N"], HEAD_DIM_V], gl.bfloat16)
 _WS_BWD_DO_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM_V], gl.bfloat16)
+_WS_BWD_PIECE_LAYOUTS = {(rows, cols): gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.bfloat16)
+                         for rows in (WS_BWD_SHAPE["BLOCK_M"], WS_BWD_SHAPE["BLOCK_N"]) for cols in WS_BWD_SHAPE["PIECES"]}
+"""The layouts of the Q, K and dK tiles' column pieces (WS_BWD_SHAPE["PIECES"]) by (rows, columns)."""
 _WS_BWD_DQ_LAYOUTS = {cols: gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], gl.float32)
-                      for cols in (HEAD_DIM_PADDED, HEAD_DIM_PADDED // 2)}
+                      for cols in (HEAD_DIM_PADDED, HEAD_DIM_PADDED // 2, *WS_BWD_SHAPE["PIECES"])}
 """The float32 dQ accumulator's layout by a consumer's columns: HEAD_DIM_PADDED / consumers, or with DQ_LOCAL (a
 consumer's whole partial dQ) HEAD_DIM_PADDED."""
 _WS_BWD_ROWS_BLOCK = [1, 1, 2, WS_BWD_SHAPE["BLOCK_M"]]
@@ -1386,21 +1443,26 @@ def launch_attn_bwd_dkdv_ws(q, k, v, do, lse, delta, dk, dv, sm_scale, dq_acc=No
     block_n, consumers = WS_BWD_SHAPE[short + "BLOCK_N"], WS_BWD_SHAPE[short + "consumers"]
     q_block = [1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM_PADDED]
     kv_block = [1, 1, block_n, HEAD_DIM_PADDED]  # (wide: the consumers share the program's keys)
-    kv = [_gluon_desc(k, kv_block, _WS_BWD_KV_LAYOUT), _gluon_desc(v, kv_block[:3] + [HEAD_DIM_V], _WS_BWD_V_LAYOUT),
-          _gluon_desc(dk, kv_block, _WS_BWD_KV_LAYOUT), _gluon_desc(dv, kv_block[:3] + [HEAD_DIM_V], _WS_BWD_V_LAYOUT)]
+    # Q, K and dK in their column pieces (WS_BWD_SHAPE["PIECES"]), a descriptor each: the second's boxes start at the
+    # first's width
+    (q_desc, q1_desc), (k_desc, k1_desc), (dk_desc, dk1_desc) = (
+        [_gluon_desc(t, [1, 1, rows, w], _WS_BWD_PIECE_LAYOUTS[rows, w]) for w in WS_BWD_SHAPE["PIECES"]]
+        for t, rows in ((q, WS_BWD_SHAPE["BLOCK_M"]), (k, block_n), (dk, block_n)))
+    kv = [k_desc, _gluon_desc(v, kv_block[:3] + [HEAD_DIM_V], _WS_BWD_V_LAYOUT),
+          dk_desc, _gluon_desc(dv, kv_block[:3] + [HEAD_DIM_V], _WS_BWD_V_LAYOUT)]
     do_desc = _gluon_desc(do, q_block[:3] + [HEAD_DIM_V], _WS_BWD_DO_LAYOUT)  # (V, dV and dO: head_dim_v wide)
     # the dQ and rows descriptors are placeholders the kernel never reads where they are not given
     dq_local = dq_acc is not None and ws_bwd_dq_local(N_Q)
     if dq_acc is None:
         dq = kv[2]
-    else:  # a consumer's columns, or with DQ_LOCAL its whole partial dQ
-        cols = HEAD_DIM_PADDED if dq_local else HEAD_DIM_PADDED // consumers
-        dq = _gluon_desc(dq_acc, [1, 1, WS_BWD_SHAPE["BLOCK_M"], cols], _WS_BWD_DQ_LAYOUTS[cols])
+    else:  # warpgroup i's dQ tile: piece i's columns
+        dq, dq1_desc = (_gluon_desc(dq_acc, [1, 1, WS_BWD_SHAPE["BLOCK_M"], w], _WS_BWD_DQ_LAYOUTS[w])
+                        for w in WS_BWD_SHAPE["PIECES"])
     rows_smem = dq_acc is not None and rows is not None and WS_BWD_SHAPE["ROWS_SMEM"]
     rows_desc = _gluon_desc(rows, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2]
     attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV * split, B)](
-        _gluon_desc(q, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], do_desc, kv[2], kv[3], dq,
-        rows_desc, lse, delta, lse if claims is None else claims, lse if parts is None else parts, *lse.stride(),
+        q_desc, kv[0], kv[1], do_desc, kv[2], kv[3], dq,
+        rows_desc, q1_desc, k1_desc, dk1_desc, dq1_desc, lse, delta, lse if claims is None else claims, lse if parts is None else parts, *lse.stride(),
         *delta.stride(), H // H_KV, split, N_Q, N_K, sm_scale,
         BLOCK_M=WS_BWD_SHAPE["BLOCK_M"], BLOCK_N=block_n, HEAD_DIM=HEAD_DIM_PADDED,
         STAGES=WS_BWD_SHAPE[short + "STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"], PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem,

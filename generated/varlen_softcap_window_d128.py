@@ -1163,6 +1163,11 @@ def launch_attn_fwd_ws(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqlens_k, s
 # innermost coordinate must be 16-byte aligned (4 float32s) and a sequence's rows start anywhere, so the loader reads
 # a sequence's from copy q_start % 4 at row (q_start & ~3) + start_m; their delta past n_q is zeroed. The row passes
 # are the dense kernel's over (1, H, TOTAL_Q) views.
+# The tiles in an order made per call (attn_bwd_order_ws): a causal key tile's work is the query blocks after it in
+# its own sequence, so with short sequences the tiles differ widely and the longest ones started late would end
+# after every other program; the tiles with the most query blocks start first, a group of K/V heads at a time (the
+# grid's axis 0 the heads of a group, fastest; 1 the slots of the order; 2 the groups), so that each group's last
+# programs to start are its shortest.
 
 @gluon_builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -1529,11 +1534,26 @@ def _ws_bwd_key_tile(tile, B, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K,
     return b, (tile - b - k_start // BLOCK_N) * BLOCK_N, q_start, n_q, k_start, n_k
 
 
+@gluon.jit
+def _ws_bwd_ordered_tile(ORDER, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                         stride_seqlens_k_0, BLOCK_N: gl.constexpr):
+    """_ws_bwd_key_tile's (b, start_n, q_start, n_q, k_start, n_k) for the program's slot of the launch's order:
+    ORDER (2, slots) holds each slot's tile and its sequence (attn_bwd_order_ws), so no search."""
+    slot = gl.program_id(1)
+    tile = gl.load(ORDER + slot)
+    b = gl.load(ORDER + gl.num_programs(1) + slot).to(gl.int64)
+    q_start = gl.load(CU_SEQLENS_Q + b * stride_cu_seqlens_q_0)
+    n_q = gl.load(CU_SEQLENS_Q + (b + 1) * stride_cu_seqlens_q_0) - q_start
+    k_start = gl.load(CU_SEQLENS_K + b * stride_cu_seqlens_k_0)
+    n_k = gl.load(SEQLENS_K + b * stride_seqlens_k_0)
+    return b.to(gl.int32), (tile - b.to(gl.int32) - k_start // BLOCK_N) * BLOCK_N, q_start, n_q, k_start, n_k
+
+
 @gluon.jit(do_not_specialize=["stride_lse_h", "stride_lse_n", "stride_delta_h", "stride_delta_n", "stride_dk_n",
                               "stride_dk_h", "stride_dv_n", "stride_dv_h", "GROUP", "B"])
 def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM, DK, DV,
                      stride_lse_b, stride_lse_h, stride_lse_n, stride_delta_b, stride_delta_h, stride_delta_n,
-                     stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, GROUP, B,
+                     stride_dk_n, stride_dk_h, stride_dv_n, stride_dv_h, GROUP, B, ORDER,
                      sm_scale, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K, stride_seqlens_k_0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                      DQ_LOCAL: gl.constexpr, LATE_ROWS: gl.constexpr, DQ_CLAIM: gl.constexpr, ROWS_SMEM: gl.constexpr,
@@ -1546,8 +1566,9 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     BN: gl.constexpr = BLOCK_N // CONSUMERS
     gl.static_assert(not (AHEAD and DQ_ATOMIC), "AHEAD has no dQ step: it and DQ_ATOMIC exclude each other")
     gl.static_assert(not DQ_CLAIM, "DQ_CLAIM stores a claimed tile: its rows past a sequence are the next one's")
-    hkv = gl.program_id(1)
-    b, start_n, q_start, n_q, k_start, n_k = _ws_bwd_key_tile(gl.program_id(0), B, CU_SEQLENS_Q, stride_cu_seqlens_q_0,
+    # the program's key tile: its slot's in the launch's order (attn_bwd_order_ws), for a head of its group
+    hkv = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+    b, start_n, q_start, n_q, k_start, n_k = _ws_bwd_ordered_tile(ORDER, CU_SEQLENS_Q, stride_cu_seqlens_q_0,
                                                               CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
                                                               stride_seqlens_k_0, BLOCK_N)
     if start_n >= n_k:  # past the sequence's last tile
@@ -1618,7 +1639,7 @@ def attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
         gl.static_assert(False, "CONSUMERS: 2")
 
 
-WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1}
+WS_BWD_SHAPE = {'BLOCK_M': 64, 'BLOCK_N': 128, 'AHEAD': False, 'consumers': 2, 'consumer_regs': 240, 'loader_regs': 24, 'maxnreg': 168, 'DQ_ATOMIC': True, 'ROWS_SMEM': True, 'STAGES': 2, 'PREFETCH': True, 'dq_local_rows': 0, 'split': True, 'min_keys': 1, 'min_scores': 33554432, 'ROW_BLOCK': 32, 'LATE_ROWS': 2, 'dq_claim_keys': 0, 'short_keys': 0, 'SHORT_BLOCK_N': 128, 'SHORT_STAGES': 2, 'SHORT_consumers': 2, 'SHORT_consumer_regs': 240, 'SHORT_maxnreg': 168, 'max_group_split': 1, 'ORDER_HEADS': 4, 'ORDER_TILES': 16384}
 _WS_BWD_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([1, 1, WS_BWD_SHAPE["BLOCK_M"], HEAD_DIM], gl.bfloat16)
 _WS_BWD_KV_LAYOUT = gl.NVMMASharedLayout.get_default_for(
     [1, 1, WS_BWD_SHAPE["BLOCK_N"] // WS_BWD_SHAPE["consumers"], HEAD_DIM], gl.bfloat16)
@@ -1664,9 +1685,13 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, st
                  mask=mask, other=0.0)
     lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + rows * stride_lse_n, mask=live, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    out = ROWS + (b * H + h) * 2 * N_PAD + rows
-    tl.store(out, lse, mask=rows < N_PAD)
-    tl.store(out + N_PAD, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N_PAD)
+    # ROWS: the varlen kernel's four shifted copies (4, H, 2, N_PAD) of the rows, copy s's row j the row j + s
+    # (_ws_bwd_shifted_rows' layout: a copy's last rows are the next row's first or unwritten, no sequence's)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    for s in tl.static_range(4):
+        out = ROWS + s * H * 2 * N_PAD + (b * H + h) * 2 * N_PAD + rows - s
+        tl.store(out, lse, mask=(rows < N_PAD) & ((b * H + h) * 2 * N_PAD + rows >= s))
+        tl.store(out + N_PAD, delta, mask=rows < N_PAD)
     if CLAIMS:
         tl.static_assert(BLOCK_M % BLOCK == 0)
         if tl.program_id(0) * BLOCK % BLOCK_M == 0:
@@ -1722,6 +1747,63 @@ def _ws_bwd_shifted_rows(flat, H, n_pad):
     return flat.as_strided((4, H, 2, n_pad), (1, 2 * n_pad, n_pad, 1)).contiguous()
 
 
+@triton.jit
+def attn_bwd_order_ws(ORDER, CU_SEQLENS_Q, stride_cu_seqlens_q_0, CU_SEQLENS_K, stride_cu_seqlens_k_0, SEQLENS_K,
+                      stride_seqlens_k_0, B, TILES, SEARCH_STEPS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """ORDER[0, i]: the key tile (of a K/V head's TILES <= 2^15, numbered as _ws_bwd_key_tile numbers them) that slot
+    i of attn_bwd_dkdv_ws takes, ORDER[1, i] its sequence: the tiles by their query blocks (the IR's dK/dV query loops
+    over the sequence's n_q and n_k), most first, then by number; tiles past their sequence's keys last. One
+    program, a lane a tile."""
+    tile = tl.arange(0, BLOCK)
+    # each tile's sequence: the last b whose tiles start at or before it (_ws_bwd_key_tile's search, a lane each)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = lo + B
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        start = tl.load(CU_SEQLENS_K + mid.to(tl.int64) * stride_cu_seqlens_k_0, mask=active, other=0) // BLOCK_N
+        up = start + mid <= tile
+        lo = tl.where(active & up, mid + 1, lo)
+        hi = tl.where(active & ~up, mid, hi)
+    b = (lo - 1).to(tl.int64)
+    q_start = tl.load(CU_SEQLENS_Q + b * stride_cu_seqlens_q_0)
+    n_q = tl.load(CU_SEQLENS_Q + (b + 1) * stride_cu_seqlens_q_0) - q_start
+    n_k = tl.load(SEQLENS_K + b * stride_seqlens_k_0)
+    start_n = (tile - b.to(tl.int32) - tl.load(CU_SEQLENS_K + b * stride_cu_seqlens_k_0) // BLOCK_N) * BLOCK_N
+    lo = tl.cdiv(tl.maximum(0, 1 + n_q + start_n - n_k - BLOCK_M), BLOCK_M)
+    hi = tl.cdiv(tl.minimum(n_q, 4095 + n_q + start_n + BLOCK_N - n_k), BLOCK_M)
+    work = tl.where(start_n < n_k, tl.maximum(hi - lo, 0), -1)
+    work = tl.where(tile < TILES, work, -2)  # (lanes past the tiles sort after every tile)
+    # a key whose high word is the work and low word the tile's number from the top (15 bits) over its sequence (16):
+    # descending, ties by number
+    key = tl.sort(work.to(tl.int64) * 4294967296 + (32767 - tile) * 65536 + b, descending=True)
+    slot = tl.arange(0, BLOCK)
+    low = (key & 4294967295).to(tl.int32)
+    tl.store(ORDER + slot, 32767 - (low >> 16), mask=slot < TILES)
+    tl.store(ORDER + TILES + slot, low & 65535, mask=slot < TILES)
+
+
+def _ws_bwd_order_heads(H_KV):
+    """How many K/V heads take the order together: the largest divisor of H_KV up to WS_BWD_SHAPE["ORDER_HEADS"]."""
+    return max(g for g in range(1, min(WS_BWD_SHAPE["ORDER_HEADS"], H_KV) + 1) if H_KV % g == 0)
+
+
+def _ws_bwd_order(cu_seqlens_q, cu_seqlens_k, seqlens_k, tiles, block_m, block_n):
+    """The slots' key tiles of attn_bwd_dkdv_ws and their sequences, (2, tiles) int32: attn_bwd_order_ws's order
+    for up to WS_BWD_SHAPE["ORDER_TILES"] tiles a K/V head, the packed order past them."""
+    if tiles > WS_BWD_SHAPE["ORDER_TILES"]:  # (the packed order's sequences: _ws_bwd_key_tile's search, in torch)
+        tile = torch.arange(tiles, device=seqlens_k.device, dtype=torch.int32)
+        starts = cu_seqlens_k[:-1] // block_n + torch.arange(seqlens_k.shape[0], device=tile.device)
+        return torch.stack((tile, torch.searchsorted(starts, tile, right=True).to(torch.int32) - 1))
+    order = torch.empty((2, tiles), device=seqlens_k.device, dtype=torch.int32)
+    B, block = seqlens_k.shape[0], triton.next_power_of_2(tiles)
+    attn_bwd_order_ws[(1,)](order, cu_seqlens_q, cu_seqlens_q.stride(0), cu_seqlens_k, cu_seqlens_k.stride(0), seqlens_k,
+                            seqlens_k.stride(0), B, tiles, B.bit_length(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=block,
+                            num_warps=4 if block <= 2048 else 8)
+    return order
+
+
 def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqlens_k, sm_scale):
     """The whole backward of packed sequences in one Gluon kernel (DQ_ATOMIC) between the dense kernel's two
     passes over the rows, which run on (1, H, TOTAL_Q) views: lse, delta and a zeroed float32 dQ accumulator
@@ -1734,11 +1816,12 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqle
     q4, o4, do4, dq4 = (_ws_heads_first(t) for t in (q, out, do, dq))
     lse3 = lse.unsqueeze(0)
     n_pad = cdiv(TOTAL_Q, block_m) * block_m
-    flat = torch.empty(H * 2 * n_pad + 3, device=q.device, dtype=torch.float32)  # (3 more: _ws_bwd_shifted_rows)
-    rows = flat[:H * 2 * n_pad].view(1, H, 2, n_pad)
+    # the row pass writes the rows' four shifted copies (as _ws_bwd_shifted_rows lays them out); copy 0 is the rows
+    copies = torch.empty((4, H, 2, n_pad), device=q.device, dtype=torch.float32)
+    rows = copies[:1]
     dq_acc = torch.empty((1, H, TOTAL_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
     grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, 1)  # (ROW_BLOCK divides BLOCK_M)
-    attn_bwd_prep_ws[grid](o4, do4, lse3, rows, dq_acc, lse3, *o4.stride(), *do4.stride(), *lse3.stride(), H, TOTAL_Q,
+    attn_bwd_prep_ws[grid](o4, do4, lse3, copies, dq_acc, lse3, *o4.stride(), *do4.stride(), *lse3.stride(), H, TOTAL_Q,
                            n_pad, 0, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, CLAIMS=0, BLOCK_M=block_m,
                            num_warps=4)
     # A consumer's columns of dQ, or with DQ_LOCAL its whole partial dQ (by the average sequence's rows). With
@@ -1753,12 +1836,15 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqle
     q_block = [1, 1, block_m, HEAD_DIM]
     kv_block = [1, 1, block_n // consumers, HEAD_DIM]
     kv = [_gluon_desc(_ws_heads_first(t), kv_block, _WS_BWD_KV_LAYOUT) for t in (k, v, dk, dv)]
-    attn_bwd_dkdv_ws[(cdiv(k.shape[0], block_n) + B, H_KV)](
+    tiles = cdiv(k.shape[0], block_n) + B
+    order = _ws_bwd_order(cu_seqlens_q, cu_seqlens_k, seqlens_k, tiles, block_m, block_n)
+    heads = _ws_bwd_order_heads(H_KV)
+    attn_bwd_dkdv_ws[(heads, tiles, H_KV // heads)](
         _gluon_desc(q4, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do4, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3],
         _gluon_desc(dq_acc, [1, 1, block_m, cols], _WS_BWD_DQ_LAYOUTS[cols]),
-        _gluon_desc(_ws_bwd_shifted_rows(flat, H, n_pad), _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2],
+        _gluon_desc(copies, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2],
         lse, delta, lse, dk, dv, 0, *lse.stride(), 0, *delta.stride(), dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), H // H_KV, B, sm_scale, cu_seqlens_q, *cu_seqlens_q.stride(), cu_seqlens_k, *cu_seqlens_k.stride(), seqlens_k, *seqlens_k.stride(),
+        dv.stride(1), H // H_KV, B, order, sm_scale, cu_seqlens_q, *cu_seqlens_q.stride(), cu_seqlens_k, *cu_seqlens_k.stride(), seqlens_k, *seqlens_k.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"],
         PREFETCH=WS_BWD_SHAPE["PREFETCH"] and not rows_smem, DQ_ATOMIC=True, DQ_LOCAL=dq_local,
         LATE_ROWS=WS_BWD_SHAPE["LATE_ROWS"], DQ_CLAIM=False, ROWS_SMEM=rows_smem, CAUSAL=WS_CAUSAL,

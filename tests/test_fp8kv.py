@@ -287,7 +287,7 @@ def test_explain_says_the_fp8_cache_takes_the_gluon_decode(capsys, monkeypatch):
 
     assert main(["explain", "specs/decode_fp8kv_d128.attn"]) == 0
     printed = capsys.readouterr().out
-    shape = hopper.DECODE_FP8
+    shape = hopper.decode("fp8_e4m3", 128)  # (the policy's shape: two warpgroups at d=128)
     assert f"gluon decode: {shape.block_n}-key blocks, {shape.stages} stages" in printed
     assert "no Hopper Gluon kernel" not in printed
     monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", False)

@@ -129,6 +129,7 @@ def test_the_split_switch_gives_deepseeks_forward_tile_pieces(monkeypatch):
     shape (a variant's keeps 256-column tiles), and the verifier refuses pieces the kernel cannot take."""
     text = spec_text("hd192_split", 192, "bf16", "causal", head_dim_v=128, direction="forward+backward")
     window = spec_text("hd192_split_win", 192, "bf16", "causal & window(512)", head_dim_v=128)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", False)
     assert compile_program(parse(text)).warp_specialized.forward.pieces == ()
     monkeypatch.setattr(hopper, "SPLIT_TILES_192", True)
     program = compile_program(parse(text))

@@ -64,10 +64,10 @@ def test_the_passes_set_the_policy_tables_values():
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, widen_by_sign=True)), "the FP8 cache's"),
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_v=True)), "the FP8 cache's"),
     ("decode_d128", lambda ws: dict(decode=replace(ws.decode, stage_k=True)), "the FP8 cache's"),
-    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=4)), "4 consumer warpgroups"),
-    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, permute_k=True)), "permute_k's layout"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(hopper.DECODE_FP8, consumers=4)), "4 consumer warpgroups"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(hopper.DECODE_FP8, permute_k=True)), "permute_k's layout"),
     ("decode_fp8kv_d128", lambda ws: dict(decode=replace(hopper.DECODE_FP8_2WG, stage_k=True)), "permute_k's layout"),
-    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(ws.decode, consumers=2, block_n=64)), "64-key blocks"),
+    ("decode_fp8kv_d128", lambda ws: dict(decode=replace(hopper.DECODE_FP8, consumers=2, block_n=64)), "64-key blocks"),
     ("decode_d128", lambda ws: dict(forward=hopper.forward(128, True)), "forward on a KV-cache program"),
 ])
 def test_the_verifier_rejects_a_bad_decision(name, bad, message):

@@ -380,7 +380,9 @@ def test_the_varlen_backwards_rows_box_starts_at_a_multiple_of_4(monkeypatch, gl
     """A TMA box's innermost coordinate must be 16-byte aligned (an unaligned one is an illegal instruction on
     Hopper), and the lse/delta rows run along the tokens, where a sequence may start at any row. The varlen launch
     reads them by TMA (ROWS_SMEM) from four shifted copies of the row pass's rows: for every sequence start and query
-    block the loader's box corner is a multiple of 4 in its copy, and the box there holds that block's rows."""
+    block the loader's box corner is a multiple of 4 in its copy, and the box there holds that block's rows. (The
+    launch in the packed order, which makes the copies apart: the ordered one's row pass writes them itself.)"""
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", False)
     kernel = attngen.load(_text("gvlb_rows", "causal", 64, "bf16", direction="forward+backward"))
     module = kernel.module
     assert module.WS_BWD_SHAPE["ROWS_SMEM"]  # (hopper.VARLEN_ROWS_SMEM)
@@ -513,9 +515,12 @@ def test_the_ordered_launchs_row_pass_writes_the_shifted_rows_itself(monkeypatch
         assert torch.equal(shifted[s].flatten()[:n], packed[s].flatten()[:n]), s
 
 
-def test_the_backward_tile_order_is_off_by_default():
-    """Without hopper.VARLEN_BWD_SCHEDULE the varlen backward takes the packed order: no order kernel, no ORDER."""
-    assert hopper.VARLEN_BWD_SCHEDULE is False and "VARLEN_BWD_SCHEDULE" in hopper.SWITCHES
+def test_the_backward_tile_order_is_on_by_default_and_a_switch(monkeypatch):
+    """hopper.VARLEN_BWD_SCHEDULE (on since its H200 run) orders the varlen backward's key tiles; without it the packed
+    order: no order kernel, no ORDER."""
+    assert hopper.VARLEN_BWD_SCHEDULE is True and "VARLEN_BWD_SCHEDULE" in hopper.SWITCHES
+    assert hopper.backward_varlen(128, True).order_heads == hopper.VARLEN_BWD_ORDER_HEADS > 0
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", False)
     assert hopper.backward_varlen(128, True).order_heads == 0
     spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
     source = render(spec, program)
@@ -571,9 +576,11 @@ bytes at causal d=128, before the varlen epilogue, K/V zeroing and the masked de
 
 
 @pytest.mark.usefixtures("gluon_varlen_backward")
-def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(tmp_path):
+def test_the_varlen_backward_compiles_for_sm90_and_spills_no_more_than_measured(tmp_path, monkeypatch):
     """The Gluon varlen backward compiles for sm_90 (TMA loads and dQ reductions, row-masked dK and dV stores where
-    the dense kernel has none), and ptxas spills no more than VARLEN_BWD_SPILLS in it."""
+    the dense kernel has none), and ptxas spills no more than VARLEN_BWD_SPILLS in it (in the packed order: the
+    ordered kernel's compile has its own test)."""
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", False)
     cases = [("causal", 128, "bf16"), ("gqa", 128, "bf16"), ("softcap_window", 128, "bf16"), ("alibi", 64, "fp16"),
              ("none", 64, "fp16")]
     jobs = []

@@ -126,10 +126,13 @@ BOTH_PAIRS = frozenset({(256, 256), (192, 128)})
 stays compiled and tested so that the experiment can be repeated by the policy alone."""
 
 
-def test_the_staged_pairs_by_default():
-    """With WIDE_BACKWARD_STAGES on, d=256 takes two stages and (192, 128), where they lost, one."""
+def test_the_staged_pairs_by_default(monkeypatch):
+    """With WIDE_BACKWARD_STAGES on, d=256 takes two stages and (192, 128), where they lost, one on its 256-column
+    tiles (and SPLIT_TILES_192's own two stages on split ones, the default)."""
     assert hopper.WIDE_BACKWARD_STAGES
     assert hopper.backward(256, True).main == hopper.BWD_WIDE_STAGED
+    assert hopper.backward(192, True, 128).main == hopper.BWD_WIDE_SPLIT
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", False)
     assert hopper.backward(192, True, 128).main == hopper.BWD_WIDE
 
 @pytest.mark.parametrize("dims", [(256, None), (192, 128)])
@@ -139,6 +142,7 @@ def test_the_stages_switch_decides_the_wide_shape(dims, monkeypatch):
     d, dv = dims
     keys = {"head_dim_v": dv} if dv else {}
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", False)  # (192, 128)'s 256-column tiles
     assert "WIDE_BACKWARD_STAGES" in hopper.SWITCHES
     shapes, modules = {}, {}
     for staged in (False, True):
@@ -188,8 +192,10 @@ def test_the_shared_memory_model_of_the_wide_path():
 def test_the_staged_wide_backward_compiles_for_sm90_with_fewer_spills(monkeypatch):
     """The kernel at BWD_WIDE_STAGED and at BWD_WIDE, d=256 both masks and (192, 128) causal, compiled for sm_90a:
     within shared memory, as the resource model counts it (Triton adds at most 512 bytes of alignment), 12 warps,
-    dQ by TMA reductions from the stages, and ptxas spills no more than the one-stage kernel's."""
+    dQ by TMA reductions from the stages, and ptxas spills no more than the one-stage kernel's (on 256-column tiles:
+    SPLIT_TILES_192's have their own test)."""
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", False)
     cases = [(256, None, "none", "bf16"), (256, None, "causal", "fp16"), (192, 128, "causal", "bf16")]
     jobs, shapes = [], []
     for staged in (False, True):
@@ -215,9 +221,11 @@ def test_the_staged_wide_backward_compiles_for_sm90_with_fewer_spills(monkeypatc
 
 
 def test_the_split_switch_decides_deepseeks_tiles(monkeypatch):
-    """SPLIT_TILES_192 (off by default, one of the switches kernel caches key on) gives (192, 128)'s wide backward Q
-    and K tiles of 128 + 64 columns at BWD_WIDE_SPLIT, and leaves d=256's (and its source) as they were."""
-    assert not hopper.SPLIT_TILES_192 and "SPLIT_TILES_192" in hopper.SWITCHES
+    """SPLIT_TILES_192 (on by default since its H200 run, one of the switches kernel caches key on) gives (192, 128)'s
+    wide backward Q and K tiles of 128 + 64 columns at BWD_WIDE_SPLIT, and leaves d=256's (and its source) as they
+    were."""
+    assert hopper.SPLIT_TILES_192 and "SPLIT_TILES_192" in hopper.SWITCHES
+    monkeypatch.setattr(hopper, "SPLIT_TILES_192", False)
     monkeypatch.setattr(hopper, "WIDE_BACKWARD", True)
     assert hopper.backward(192, True, 128).pieces == ()
     d256_off = attngen.load(spec_text("wide_split_d256", 256, "bf16", "causal", direction="forward+backward"))

@@ -69,6 +69,8 @@ def test_generated_files_compile_for_sm90():
         # a variant's run-time tensors (ir/variants.tensor_buffers): ALiBi's slopes, the sinks, declared tensors
         variant_ptrs = {"ALIBI_SLOPES": "*fp32", "SINKS": "*fp32",
                         **{f"ARG_{t.name}": "*" + t.dtype.replace("int", "i") for t in spec.variant.tensors}}
+        if hasattr(module, "attn_bwd_order_ws"):  # the varlen backward's tile order (hopper.VARLEN_BWD_SCHEDULE)
+            variant_ptrs["ORDER"] = "*i32"
         if spec.fp8_cache:  # an FP8 cache (kv_dtype = fp8_e4m3) and its descale factors
             variant_ptrs.update(K="*fp8e4nv", V="*fp8e4nv", K_DESCALE="*fp32", V_DESCALE="*fp32")
         if spec.dtype.fp8:  # an FP8 spec's descales, and its bf16 output

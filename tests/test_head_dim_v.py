@@ -151,8 +151,9 @@ def test_tma_reads_q_and_do_at_their_own_widths():
 def test_explain_says_which_gluon_kernels_run(capsys, tmp_path):
     assert main(["explain", os.path.join(SPECS, "deepseek_192_128.attn")]) == 0
     out = capsys.readouterr().out
-    assert ("the forward runs the Gluon kernel, Q and K tiles 256 columns wide (head_dim = 192), V and the output 128 "
-            "(head_dim_v); the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE)") in out
+    assert ("the forward runs the Gluon kernel, Q and K tiles in column pieces 128 + 64 (policy/hopper.py "
+            "SPLIT_TILES_192: S a product per piece) (head_dim = 192), V and the output 128 (head_dim_v); the backward "
+            "runs the Gluon kernel's wide path with its Q and K tiles in column pieces 128 + 64") in out
     assert "head_dim 192, head_dim_v 128, bf16" in out and "2*(d + d_v) per kept score, /2 causal" in out
     other = tmp_path / "other.attn"
     other.write_text(spec_text("other", head_dim=128, head_dim_v=64, dtype="bf16"))

@@ -921,6 +921,9 @@ def _format_shape(s: GluonShape) -> str:
             f" (maxnreg {s.maxnreg})")
 
 
+_PRINTED_WHERE_SET = ("order_heads", "order_tiles")  # (the varlen backward's order: printed where it has one)
+
+
 def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
     """The Gluon kernels' shapes and thresholds, a few lines each."""
     out = []
@@ -930,6 +933,7 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         flags = [f.name for f in fields(k) if isinstance(getattr(k, f.name), bool) and getattr(k, f.name)]
         numbers = [f"{f.name}={getattr(k, f.name)}" for f in fields(k)
                    if type(getattr(k, f.name)) is int and f.name not in ("loader_regs", "min_keys", "short_keys", "min_scores")
+                   and (getattr(k, f.name) or f.name not in _PRINTED_WHERE_SET)
                    or type(getattr(k, f.name)) is float and getattr(k, f.name)]  # (a share: where set)
         out += [f"gluon {name}: {_format_shape(k.main)}, loader {k.loader_regs} regs",
                 f"  short (<= {k.short_keys} keys): {_format_shape(k.short)}" if k.short_keys else "  short: never",

@@ -196,14 +196,16 @@ takes tile c, and the stage is released in the next step once its TMA reduction 
 (`analysis.resources.wide_backward_shared_bytes`): d=256 224 KB, (192, 128) 208 KB; a third stage fits neither."""
 
 
-SPLIT_TILES_192 = False
+SPLIT_TILES_192 = True
 """Whether DeepSeek's (192, 128) Gluon kernels take their Q and K tiles as the column pieces TILE_PIECES gives (192 =
 128 + 64: two TMA boxes and shared buffers, S as two wgmma over K = 128 and K = 64) instead of 256 columns of which 64
 are zeros. The wide backward (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less work, and two stages of Q and dO in
 separate buffers; consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each
 256 columns of products a step). The plain forward (SPLIT_FORWARD's shape; not a variant's): S a quarter less work,
-Q's and K's buffers 49 KB less shared memory (ptxas, sm_90a: 180,664 B against 229,736, no spills either way). Not
-measured on a GPU: off until `benchmarks/wide_backward.py` and `attngen bench --suite shapes` say it wins."""
+Q's and K's buffers 49 KB less shared memory (ptxas, sm_90a: 180,664 B against 229,736, no spills either way). Its GPU
+tests pass (H200, 2026-11-28); `benchmarks/wide_backward.py` (H200, B=1 H=128 N=4096, TFLOP/s forward / backward,
+cuDNN in the same process): causal 574 / 345 against 256 columns' 497 / 282 (cuDNN 543 / 428: 1.06x / 0.81x), without
+a mask 591 / 376 against 536 / 313 (cuDNN 605 / 314: 0.98x / 1.20x)."""
 
 TILE_PIECES = {192: (128, 64)}
 """Head dims whose Q and K tiles the wide backward takes as column pieces of power-of-two widths (SPLIT_TILES_192):
@@ -514,7 +516,7 @@ copy kernel of 4 x H x 2 x TOTAL_Q float32s a call. Off: the pointer path, the f
 measured on a GPU yet."""
 
 
-VARLEN_BWD_SCHEDULE = False
+VARLEN_BWD_SCHEDULE = True
 """Whether the Gluon varlen backward's programs take their key tiles in an order made per call (`attn_bwd_order_ws`,
 one program: each tile's query blocks from the IR's loops, then a sort), the tiles with the most query blocks first
 (longest processing time first), VARLEN_BWD_ORDER_HEADS K/V heads at a time, heads fastest; off: the packed order (a
@@ -527,14 +529,17 @@ time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 2
 with the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x).
 With it the order also gives each slot's sequence (no search in the prologue) and the row pass writes the four
 shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch of 4 x H x 2 x TOTAL_Q float32s
-less a call). Not measured on a GPU."""
+less a call). Its GPU tests pass (H200, 2026-11-28); `benchmarks/varlen_bwd_schedule.py`: 1.916 ms (358 TFLOP/s)
+against the packed order's 1.985 (345), the main kernel 1,737 us against 1,806, the order kernel 3 us (the simulation's
+1.09x is not reached: 1.04x)."""
 
 VARLEN_BWD_ORDER_HEADS = 4
 """How many K/V heads' tiles VARLEN_BWD_SCHEDULE's order takes together (the launch takes the largest divisor of H_KV
 up to it): a group's programs read its heads' Q, dO and dQ accumulator, 16 MB a head at 16k tokens and d=128, so
 fewer heads keep more of them in L2, and four are the fewest whose work (4 x 16.5 steps a multiprocessor at the
 bench's documents) covers the longest tile's 50 (the simulation above). 1: each head's tiles sorted, heads slowest (the
-packed order's tail: the control). Not measured on a GPU."""
+packed order's tail: the control). Measured (H200, `benchmarks/varlen_bwd_schedule.py`, the bench's documents): 4 heads
+358 TFLOP/s, 2 351, 16 343, 1 338, against the packed order's 345 (VARLEN_BWD_SCHEDULE)."""
 
 VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
@@ -636,7 +641,9 @@ MLA_OVERLAP = False
 """Whether the Gluon MLA decode kernel overlaps its products with its softmax (`MLA_DECODE_OVERLAP`, `mla_decode`):
 each consumer issues the next block's S = Q K^T before this block's row maxima, softmax and P V, so the tensor cores
 work through the three mbarrier exchanges of a block (off: every wgmma is waited for as it is issued). Off until it
-is timed against the serial schedule on the H200 (`benchmarks/mla_sweep.py --gluon --overlap`)."""
+is timed against the serial schedule on the H200 (`benchmarks/mla_sweep.py --gluon --overlap`): it lost, 128 heads
+308 TFLOP/s at 2 splits against the serial 64 x 2's 415 (H200, 2026-11-28, batch 64 x 8k): the 32-key blocks' m64n16
+score products read Q from shared memory twice as often a key, and that cost more than the overlap gained."""
 
 MLA_DECODE_OVERLAP = replace(MLA_DECODE, block_n=32, stages=4, overlap=True)
 """The overlapped schedule's shape: blocks of 32 keys in a ring of 4 (the same 144 KB as MLA_DECODE's 2 x 64). The
