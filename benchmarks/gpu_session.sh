@@ -23,10 +23,6 @@
 #   fp8gluon the FP8 Gluon forward, switched on (policy/hopper.py FP8_GLUON) in its own processes and kernel caches:
 #            tests/test_gluon_fp8.py (its gpu test against float64, d=64 and 128), then attngen bench --suite fp8
 #            (rows attngen_fp8 and attngen_fp8_vt now the Gluon kernel's, beside attngen_bf16 and cuDNN)
-#   fp8exp2  the FP8 Gluon forward with part of its exponentials on the FMA pipe (policy/hopper.py FP8_EXP2_EMULATION):
-#            tests/test_gluon_fp8.py (its gpu test against float64 with the switch off and on), then
-#            benchmarks/fp8_exp2.py (Triton FP8, Gluon FP8, Gluon with the emulation at a quarter and a half, the
-#            alternative shapes, bf16 Gluon, in one process)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
 #            default 131072 262144; $CP_PROVIDERS, default all; the speed-ups need the one-GPU rows), and
 #            tests/test_distributed.py's NCCL tests
@@ -91,11 +87,6 @@ hopper.FP8_GLUON = True
 from attngen.cli import main
 raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))" > "$OUT/bench_fp8gluon.txt" 2>&1
       tail -40 "$OUT/bench_fp8gluon.txt" ;;
-    fp8exp2)
-      ATTNGEN_CACHE_DIR=$(mktemp -d) timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -s \
-        tests/test_gluon_fp8.py 2>&1 | tee "$OUT/tests_fp8exp2.txt" | tail -12
-      timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/fp8_exp2.py > "$OUT/bench_fp8exp2.txt" 2>&1
-      tail -20 "$OUT/bench_fp8exp2.txt" ;;
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3

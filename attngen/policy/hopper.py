@@ -176,7 +176,7 @@ WIDE_BACKWARD_STAGES = True
 """Whether the wide path takes BWD_WIDE_STAGED (two Q/dO stages) instead of BWD_WIDE (one), for the head-dim pairs of
 BWD_WIDE_STAGED_PAIRS. ptxas (sm_90a, 168 registers): spill stores / loads in bytes d=256 120 / 112 without a mask and
 128 / 120 causal, against BWD_WIDE's 312 / 304 and 336 / 328; (192, 128) none, against 24 / 16 and 32 / 24. Its GPU
-tests pass (H200, 2026-11-28, tests/test_gluon_wide_backward.py); `benchmarks/wide_backward.py` (H200, TFLOP/s of the
+tests pass (H200, 2026-11-28, tests/test_gluon_wide_backward.py); `benchmarks/wide_backward.py` at 5ae37a6 (H200, TFLOP/s of the
 backward, cuDNN in the same process): d=256 B=1 H=8 N=8192 causal 367 against one stage's 258 (cuDNN 414: 0.89x),
 without a mask 363 against 266 (cuDNN 368: 0.99x); (192, 128) B=1 H=128 N=4096 lost: causal 263 against 281,
 without a mask 277 against 309."""
@@ -203,7 +203,7 @@ are zeros. The wide backward (BWD_WIDE_SPLIT): S^T, dK and dQ a quarter less wor
 separate buffers; consumer 0 holds dK's and dQ's first 128 columns, consumer 1 their last 64 and all of dV's 128 (each
 256 columns of products a step). The plain forward (SPLIT_FORWARD's shape; not a variant's): S a quarter less work,
 Q's and K's buffers 49 KB less shared memory (ptxas, sm_90a: 180,664 B against 229,736, no spills either way). Its GPU
-tests pass (H200, 2026-11-28); `benchmarks/wide_backward.py` (H200, B=1 H=128 N=4096, TFLOP/s forward / backward,
+tests pass (H200, 2026-11-28); `benchmarks/wide_backward.py` at 5ae37a6 (H200, B=1 H=128 N=4096, TFLOP/s forward / backward,
 cuDNN in the same process): causal 574 / 345 against 256 columns' 497 / 282 (cuDNN 543 / 428: 1.06x / 0.81x), without
 a mask 591 / 376 against 536 / 313 (cuDNN 605 / 314: 0.98x / 1.20x)."""
 
@@ -432,8 +432,10 @@ instructions (Cody-Waite: 2^x = 2^round(x) * 2^f, 2^f by a degree-3 polynomial, 
 bits), on pipes 8x as wide as MUFU's. Compiled for sm_90a (ptxas, CPU; tests/test_gluon_fp8.py): at a quarter, MUFU.EX2
 260 -> 196 in the d=128 kernel's SASS (64 -> 48 a block and consumer thread, the rows' rescaling kept), d=64 198 ->
 150; the same registers and spills (8 bytes causal d=128, none at d=64), no shuffles added (the tile is split by
-its columns' register bits), the wgmma not serialised. Off until measured (benchmarks/fp8_exp2.py: FP8_GLUON off /
-on / on with this, in one process)."""
+its columns' register bits), the wgmma not serialised. Off: it lost on the H200 (2026-11-28, benchmarks/fp8_exp2.py at
+5ae37a6, d=128, 16 heads, 16k tokens, TFLOP/s): without a mask 619 / 636 at N = 4096 / 16384 against the Gluon FP8
+kernel's 686 / 710 (a half: 517 / 537), causal 523 / 594 against 622 / 694; the extra FMA-pipe instructions cost more
+issue slots than the MUFU time they free, at this tile."""
 
 FP8_EXP2_FMA = {64: 0.25, 128: 0.25}
 """The share of each key block's columns whose exp2 runs on the FMA pipe where FP8_EXP2_EMULATION is on, by head dim:
@@ -529,7 +531,7 @@ time its query blocks + 0.5; benchmarks/NOTES.md, varlen) puts the makespan at 2
 with the order taken one head at a time, 286 two, 273 four to sixteen: the work's own 272 a multiprocessor (1.09x).
 With it the order also gives each slot's sequence (no search in the prologue) and the row pass writes the four
 shifted copies of the rows that VARLEN_ROWS_SMEM's loader reads (one copy launch of 4 x H x 2 x TOTAL_Q float32s
-less a call). Its GPU tests pass (H200, 2026-11-28); `benchmarks/varlen_bwd_schedule.py`: 1.916 ms (358 TFLOP/s)
+less a call). Its GPU tests pass (H200, 2026-11-28); `benchmarks/varlen_bwd_schedule.py` at 5ae37a6: 1.916 ms (358 TFLOP/s)
 against the packed order's 1.985 (345), the main kernel 1,737 us against 1,806, the order kernel 3 us (the simulation's
 1.09x is not reached: 1.04x)."""
 
@@ -538,7 +540,7 @@ VARLEN_BWD_ORDER_HEADS = 4
 up to it): a group's programs read its heads' Q, dO and dQ accumulator, 16 MB a head at 16k tokens and d=128, so
 fewer heads keep more of them in L2, and four are the fewest whose work (4 x 16.5 steps a multiprocessor at the
 bench's documents) covers the longest tile's 50 (the simulation above). 1: each head's tiles sorted, heads slowest (the
-packed order's tail: the control). Measured (H200, `benchmarks/varlen_bwd_schedule.py`, the bench's documents): 4 heads
+packed order's tail: the control). Measured (H200, `benchmarks/varlen_bwd_schedule.py` at 5ae37a6, the bench's documents): 4 heads
 358 TFLOP/s, 2 351, 16 343, 1 338, against the packed order's 345 (VARLEN_BWD_SCHEDULE)."""
 
 VARLEN_BWD_ORDER_TILES = 1 << 14
