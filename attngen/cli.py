@@ -215,7 +215,8 @@ def _mla_line(program: ir.Program) -> str:
             f"shared memory, a TMA ring of {mla.stages} latent tiles [{mla.block_n}, {d}] (V = its first {d_v} "
             f"columns, no second load); {mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} "
             f"of the keys over all {d} columns (S once), exchanging row maxima, each adding P V into "
-            f"{d_v // mla.consumers} of the {d_v} value columns; the split count and merge are the Triton path's"
+            f"{d_v // mla.consumers} of the {d_v} value columns; the Triton path's merge, its split count one "
+            f"wave's (programs x splits within the multiprocessors: policy/splits.py choose_wave_splits)"
             + ("; each consumer issues the next block's S before this block's softmax and P V (hopper.MLA_OVERLAP)"
                if mla.overlap else ""))
 

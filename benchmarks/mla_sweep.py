@@ -1,7 +1,7 @@
 """MLA decode configs on one GPU: which tiles, warps, stages and split counts read the latent cache fastest.
 
     python benchmarks/mla_sweep.py [--heads 16 128] [--batch 64] [--seqlen 8192] [--wide]
-                                   [--gluon [--overlap] [--shapes 64x2 32x4]] [-o sweep.json]
+                                   [--gluon [--splits 0 2 4 8] [--overlap] [--shapes 64x2 32x4]] [-o sweep.json]
 
 specs/mla_decode.attn (576/512, `v = k[:512]`, pages of 64) at issue 51's bench shapes (batch 64, every sequence
 8,192 tokens, one new token, 16 and 128 query heads over one latent head), through the tuner's own view of the
@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="a larger space (several times longer)")
     parser.add_argument("--gluon", action="store_true",
                         help="the Gluon MLA kernel (hopper.MLA_GLUON) at 0, 2, 4, 8 splits against the Triton default")
+    parser.add_argument("--splits", type=int, nargs="+", default=[0, 2, 4, 8],
+                        help="with --gluon: the Gluon kernel's split counts (0: the run-time rule)")
     parser.add_argument("--overlap", action="store_true",
                         help="with --gluon: also the overlapped schedule (hopper.MLA_OVERLAP) at the same split counts")
     parser.add_argument("--shapes", nargs="+", default=[], metavar="BLOCK_NxSTAGES",
@@ -190,7 +192,8 @@ def main() -> None:
         print(f"-- {heads} heads", flush=True)
         if args.gluon:
             shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-            rows = gluon_against_triton(heads, args.batch, args.seqlen, overlap=args.overlap, shapes=shapes)
+            rows = gluon_against_triton(heads, args.batch, args.seqlen, tuple(args.splits), overlap=args.overlap,
+                                        shapes=shapes)
         else:
             rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
         print(table(rows), flush=True)

@@ -664,6 +664,33 @@ def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int 
     return splits
 
 
+@functools.lru_cache(maxsize=4096)
+def choose_wave_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
+    """Splits for a launch of `programs` whose programs are bound by the tensor cores and hold a multiprocessor each
+    (the Gluon MLA decode kernel: 128 query heads over one latent head, ~230 KB of shared memory a program).
+
+    Such a launch gains nothing from more loads in flight, which is what `choose_num_splits` buys; it gains from
+    filling the multiprocessors once, and every split beyond that adds a wave's tail, a partial output and the
+    merge's read of it. So the count is the most splits that keep programs x splits within one wave:
+    floor(sms / programs), at least 1 (more programs than SMs: no split). Measured on the H200 (132 SMs; 128 heads,
+    64 rows a program, `python benchmarks/mla_sweep.py --gluon --heads 128 --batch B --splits ...`), TFLOP/s:
+
+        batch x keys   programs   best (splits)     choose_num_splits' count
+        128 x 8k         256       449 (1)          410 (2)
+         64 x 8k         128       457 (1)          369 (4)
+         32 x 8k          64       410 (2)          367 (4)
+          8 x 8k          16       266 (8)          266 (8)
+          2 x 32k          4       254 (32)         254 (32)
+
+    The count is at most the key blocks and `max_splits`, and is lowered while a split would get no block."""
+    if programs <= 0 or key_blocks <= 1:
+        return 1
+    splits = max(1, min(max_splits, key_blocks, sms // programs))
+    while splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
+        splits -= 1
+    return splits
+
+
 
 def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_scale=None, out=None, lse=None,
                     num_splits=0, config=None):
@@ -689,13 +716,15 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
     # Pages are looked up once per key tile: a tile must not cross a page.
     config["BLOCK_N"] = min(config["BLOCK_N"], MAX_BLOCK_N)
     B, H, N_Q, D = q.shape
+    # The Gluon MLA kernel where it runs (config["warp_specialized"] = False asks for the Triton kernel,
+    # which `config` tunes); the same merge either way, the split count by the kernel's own rule.
+    ws = config.pop("warp_specialized", True) and wsm_ready(q, k_cache, out)
     if num_splits == 0:
         programs = B * k_cache.shape[2] * cdiv(N_Q * (H // k_cache.shape[2]), config["BLOCK_M"])
         max_keys = block_table.shape[1] * PAGE_SIZE
-        num_splits = choose_num_splits(programs, cdiv(max_keys, config["BLOCK_N"]), multiprocessors(q.device))
-    # The Gluon MLA kernel where it runs (config["warp_specialized"] = False asks for the Triton kernel,
-    # which `config` tunes); the same split count and merge either way.
-    ws = config.pop("warp_specialized", True) and wsm_ready(q, k_cache, out)
+        # the Gluon MLA kernel's programs are bound by the tensor cores, one to a multiprocessor: one wave
+        rule = choose_wave_splits if ws else choose_num_splits
+        num_splits = rule(programs, cdiv(max_keys, config["BLOCK_N"]), multiprocessors(q.device))
     if num_splits == 1:
         # One split needs no merge: the partial kernel writes the outputs itself.
         if ws:

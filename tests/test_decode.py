@@ -183,6 +183,26 @@ def test_auto_split_heuristic():
     assert choose_num_splits(programs=3, key_blocks=6, sms=132) == 3
 
 
+
+def test_wave_split_rule_fills_one_wave():
+    """choose_wave_splits (kernels bound by the tensor cores, a program a multiprocessor): the most splits whose
+    programs fit one wave, at least 1, none without a key block, within max_splits."""
+    import random
+
+    from attngen.policy.splits import choose_wave_splits
+
+    rng = random.Random(52)
+    for _ in range(500):
+        programs, blocks, sms = rng.randint(1, 300), rng.randint(1, 600), rng.choice((8, 78, 114, 132))
+        cap = rng.choice((1, 4, 128))
+        s = choose_wave_splits(programs, blocks, sms, cap)
+        assert 1 <= s <= max(1, min(blocks, cap))
+        assert s == 1 or programs * s <= sms
+        assert s == 1 or -(-blocks // s) < -(-blocks // (s - 1))  # each split has a block the count below lacks
+        if s < min(blocks, cap) and programs * (s + 1) <= sms:  # one more would fit: only an empty split stops it
+            assert -(-blocks // (s + 1)) == -(-blocks // s)
+    assert choose_wave_splits(0, 64, 132) == choose_wave_splits(8, 1, 132) == 1
+
 def test_auto_split_rule_at_the_tuned_points():
     """The rule reproduces the split counts the H200's tuned decode entries chose (32/8 heads, BLOCK_N = 128, 132
     SMs; attngen/tuned/nvidia-h200_sm90_triton-3.6.json) from batch 16, where FP8 caches, untuned, need them."""

@@ -297,3 +297,53 @@ def test_gpu_calls_of_fewer_rows_than_min_rows_keep_the_triton_kernel(mla_gluon,
         module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=out)
         _within(out.transpose(1, 2), q, pool, lens, table, 512)
         assert len(launches) - before == expected, heads
+
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_the_split_count_fills_one_wave_where_the_gluon_kernel_runs(mla_gluon, monkeypatch, gluon):
+    """Where the Gluon MLA kernel runs (`gluon_runs_here` and `wsm_ready`, faked here: the interpreter has no sm_90)
+    its programs are bound by the tensor cores, one a multiprocessor, so the split count fills one wave
+    (policy/splits.py choose_wave_splits; on the H200 1 split at batch 64 x 8k gave 457 TFLOP/s, the memory-bound
+    rule's 4 gave 369): attention_with_kvcache's plan and the module's own count (num_splits=0) both take it. Where
+    the Triton kernel runs, both keep the memory-bound rule. The shape is one where the two rules differ."""
+    from attngen.api import kvcache
+    from attngen.runtime.parts import KVCachePart
+    from attngen.runtime.plans import PLANS
+
+    modules, counts = [], []
+    PLANS.clear()  # (a plan kept from an earlier call of this signature would not load the faked kernel)
+
+    def loaded(spec):  # the API's kernel, its launches recording the split count instead of running
+        kernel = real_load(spec)
+        kernel.part("kvcache")._configs.clear()  # (configs memoised by earlier tests without the fake)
+        module = kernel.module
+        modules.append(module)
+        monkeypatch.setattr(module, "wsm_ready", lambda *args: gluon)
+        monkeypatch.setattr(module, "launch_attn_fwd_wsm", lambda q, k, o_part, *a: counts.append(("wsm", o_part.shape[1])))
+        monkeypatch.setattr(module, "launch_attn_fwd", lambda q, k, o_part, *a, **kw: counts.append(("triton", o_part.shape[1])))
+        monkeypatch.setattr(module, "launch_attn_combine", lambda *args, **kwargs: None)
+        return kernel
+
+    real_load = kvcache.load
+    monkeypatch.setattr(kvcache, "load", loaded)
+    monkeypatch.setattr(KVCachePart, "gluon_runs_here", lambda self: gluon)
+    gen = torch.Generator().manual_seed(3)
+    heads, pages = 128, 20
+    q = torch.randn(1, 1, heads, 576, generator=gen).bfloat16()
+    pool = torch.randn(pages + 1, 64, 1, 576, generator=gen).bfloat16()
+    table = torch.randperm(pages + 1, generator=gen)[:pages].view(1, pages).to(torch.int32)
+    lens = torch.tensor([pages * 64 - 37], dtype=torch.int32)
+    attngen.attention_with_kvcache(q, pool, None, lens, table, head_dim_v=512)
+    PLANS.clear()  # (nor should a later call keep this one's plan of the faked kernel)
+    module = modules[-1]
+    config = module.DEFAULT_CONFIG | {"warp_specialized": int(gluon)}
+    out = torch.empty(1, heads, 1, 512, dtype=torch.bfloat16)
+    module.forward_kvcache(q.transpose(1, 2), pool, None, lens, table, out=out, num_splits=0, config=dict(config))
+    programs = -(-heads // config["BLOCK_M"])  # batch 1, one latent head, one query
+    key_blocks = -(-pages * 64 // config["BLOCK_N"])
+    wave, memory = module.choose_wave_splits(programs, key_blocks, 8), module.choose_num_splits(programs, key_blocks, 8)
+    assert wave != memory  # (8: the interpreter's stand-in for the SMs)
+    assert counts == [("wsm", wave)] * 2 if gluon else [("triton", memory)] * 2
+    # one wave: programs x splits within the SMs, one more split past them
+    assert programs * wave <= 8 < programs * (wave + 1)

@@ -432,7 +432,8 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         # attngen/policy/splits.py) so that the launch it implies is checked before it happens.
         tuned_splits = config.pop("num_splits", 0)
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
-                                                                seqlen_q, capacity, q.device)
+                                                                seqlen_q, capacity, q.device,
+                                                                _one_wave(kernel.module, config, q, k_cache, out))
         check_split_launch(batch, heads, kv_heads, seqlen_q, v_cache.shape[-1], num_splits, "q", "k_cache")
     return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size,
                  tensors=tuple(tensors.items()))
@@ -483,11 +484,22 @@ def _equal_lengths(batch: int, keys: int, device) -> torch.Tensor:
 
 
 def _auto_splits(module, config: dict, batch: int, heads: int, kv_heads: int, seqlen_q: int, capacity: int,
-                 device) -> int:
-    """The split count the generated module's `forward_kvcache(num_splits=0)` picks."""
+                 device, one_wave: bool = False) -> int:
+    """The split count the generated module's `forward_kvcache(num_splits=0)` picks: `one_wave` (where its Gluon
+    MLA kernel runs: `_one_wave`) the rule of a kernel bound by the tensor cores, else the memory-bound decode
+    rule (attngen/policy/splits.py)."""
     config = dict(module.DEFAULT_CONFIG, **config)
     programs = batch * kv_heads * -(-seqlen_q * (heads // kv_heads) // config["BLOCK_M"])
-    return module.choose_num_splits(programs, -(-capacity // config["BLOCK_N"]), module.multiprocessors(device))
+    rule = module.choose_wave_splits if one_wave else module.choose_num_splits
+    return rule(programs, -(-capacity // config["BLOCK_N"]), module.multiprocessors(device))
+
+
+def _one_wave(module, config: dict, q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether the module's Gluon MLA kernel runs this call (q and out in flash-attn's (batch, seq, heads, dim)
+    layout; out None: one laid out as q), so that its split count follows the one-wave rule as the module's own."""
+    if not hasattr(module, "choose_wave_splits") or not config.get("warp_specialized", True):
+        return False
+    return bool(module.wsm_ready(q.transpose(1, 2), k_cache, (q if out is None else out).transpose(1, 2)))
 
 
 def _check_indexing(q4, q, k_cache, v_cache, block_table, capacity: int, page_size: int | None) -> None:

@@ -102,7 +102,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         attrs=dict(program.attrs),
         entries=entries,
         backward_config=backward_config(spec) if backward else {},
-        split_heuristic=_split_heuristic_source() if program.attr("split_kv") == "auto" else "",
+        split_heuristic=_split_heuristic_source(bool(program.warp_specialized.mla))
+        if program.attr("split_kv") == "auto" else "",
         imports_functools=program.attr("split_kv") == "auto" or triton_split,
         gluon_fwd=program.warp_specialized.forward,
         gluon_bwd=program.warp_specialized.backward,
@@ -181,8 +182,10 @@ def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
             for name, b in zip(names, buffers) if taken is None or b.name in taken]
 
 
-def _split_heuristic_source() -> str:
-    """The run-time split-count rule (attngen/policy/splits.py), pasted into modules that choose at launch."""
+def _split_heuristic_source(waves: bool) -> str:
+    """The run-time split-count rules (attngen/policy/splits.py), pasted into modules that choose at launch;
+    `waves`: also the one-wave rule of a kernel whose programs hold a multiprocessor each (the Gluon MLA kernel)."""
     import inspect
 
-    return "\n\n".join(inspect.getsource(f) for f in (splits.multiprocessors, splits.choose_num_splits)).rstrip()
+    rules = (splits.multiprocessors, splits.choose_num_splits) + ((splits.choose_wave_splits,) if waves else ())
+    return "\n\n".join(inspect.getsource(f) for f in rules).rstrip()

@@ -54,6 +54,34 @@ def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int 
     return splits
 
 
+
+@functools.lru_cache(maxsize=4096)
+def choose_wave_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
+    """Splits for a launch of `programs` whose programs are bound by the tensor cores and hold a multiprocessor each
+    (the Gluon MLA decode kernel: 128 query heads over one latent head, ~230 KB of shared memory a program).
+
+    Such a launch gains nothing from more loads in flight, which is what `choose_num_splits` buys; it gains from
+    filling the multiprocessors once, and every split beyond that adds a wave's tail, a partial output and the
+    merge's read of it. So the count is the most splits that keep programs x splits within one wave:
+    floor(sms / programs), at least 1 (more programs than SMs: no split). Measured on the H200 (132 SMs; 128 heads,
+    64 rows a program, `python benchmarks/mla_sweep.py --gluon --heads 128 --batch B --splits ...`), TFLOP/s:
+
+        batch x keys   programs   best (splits)     choose_num_splits' count
+        128 x 8k         256       449 (1)          410 (2)
+         64 x 8k         128       457 (1)          369 (4)
+         32 x 8k          64       410 (2)          367 (4)
+          8 x 8k          16       266 (8)          266 (8)
+          2 x 32k          4       254 (32)         254 (32)
+
+    The count is at most the key blocks and `max_splits`, and is lowered while a split would get no block."""
+    if programs <= 0 or key_blocks <= 1:
+        return 1
+    splits = max(1, min(max_splits, key_blocks, sms // programs))
+    while splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
+        splits -= 1
+    return splits
+
+
 def group_split(programs: int, group: int, sms: int, max_split: int) -> int:
     """How many programs share a GQA group's `group` query heads in a backward launch whose dK/dV grid holds
     `programs` (batch x K/V heads x key tiles) on `sms` multiprocessors, one program each: 1 (no split) where the
