@@ -379,11 +379,11 @@ def plot(path: Path) -> None:
                           if r["n"] == n and r["provider"] == provider)
             if mine:
                 ax.plot(*zip(*mine), marker="o", label=provider)
-        ax.set_title(f"causal, N={n // 1024}k, B=1 H=32 d=128 bf16")
+        ax.set_title(f"N={n // 1024}k, B=1 H=32 d=128 bf16 (causal; variants by name)", fontsize="medium")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("TFLOP/s, forward + backward")
         ax.set_xticks(sorted({r["gpus"] for r in rows}))
-        ax.legend()
+        ax.legend(fontsize="x-small", loc="upper left")
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
     print(f"wrote {path.with_suffix('.png')}")
