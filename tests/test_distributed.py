@@ -20,7 +20,10 @@ import torch.multiprocessing as mp
 from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, document_visits, grouped_pieces,
                                  halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence,
                                  unshard_sequence)
+from attngen.distributed.balance import balanced_schedule, kept_scores, shares, split_piece
 from attngen.lang.builtin import NO_WINDOW
+from attngen.policy import context_parallel
+from attngen.policy.context_parallel import BALANCE, BalancePolicy
 from conftest import HAS_GPU
 
 
@@ -176,6 +179,83 @@ def test_ring_schedule_covers_the_document_mask_once(seed):
         assert torch.equal(seen, want[rows].int()), (rank, documents)
 
 
+def loan_mask(loan, n):
+    """(n, n) int: the (query, key) pairs of the owner's shard a Loan's blocks cover, in the owner's positions."""
+    rows = torch.cat([torch.arange(a, b) for a, b in loan.rows])
+    keys = torch.cat([torch.arange(a, b) for a, b in loan.keys])
+    covered = torch.zeros(n, n, dtype=torch.int32)
+    for b in loan.blocks:
+        covered[rows[:, None], keys[None, :]] += block_mask(b, len(rows), len(keys)).int()
+    return covered
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_schedule_covers_the_document_mask_once(seed):
+    """Balanced, every rank's own blocks and the loans others run for it cover exactly the pairs of one document the
+    mask keeps (with or without a window), each once, every row of a lent block seeing a key of it; no rank ends
+    heavier than the heaviest was, and without a window the heaviest rank's share comes down to within 3% of the
+    mean."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    n = rng.choice([256, 384, 512])
+    causal = rng.random() < 0.8
+    window = (rng.randint(1, n), 0 if causal else -1) if rng.random() < 0.25 else NO_WINDOW
+    total, cuts = world * n, [0]
+    while cuts[-1] < total:
+        cuts.append(min(total, cuts[-1] + rng.randint(1, total // 4)))
+    documents = tuple(cuts)
+    policy = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
+    schedule = ring_schedule(world, n, causal, window, True, documents)
+    balanced, loans = balanced_schedule(schedule, policy)
+    want = visible(world * n, causal, window, documents)
+    for rank in range(world):
+        rows = local_positions(rank, world, n, True)
+        for step, blocks in enumerate(balanced[rank]):
+            cols = local_positions((rank - step) % world, world, n, True)
+            covered = sum((block_mask(b, n, n).int() for b in blocks), torch.zeros(n, n, dtype=torch.int32))
+            if step == 0:
+                covered += sum((loan_mask(loan, n) for loan in loans if loan.owner == rank),
+                               torch.zeros(n, n, dtype=torch.int32))
+            assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
+    for loan in loans:
+        assert loan.owner != loan.executor
+        for b in loan.blocks:
+            nq, nk = sum(y - x for x, y in loan.rows), sum(y - x for x, y in loan.keys)
+            mask = block_mask(b, nq, nk)
+            assert mask[b.q_start:b.q_end].any(dim=1).all(), (b, loan)
+    before, after = shares(schedule), shares(balanced, loans)
+    assert max(after) <= max(before) + 1e-9
+    if window == NO_WINDOW:  # (a window's blocks on the diagonal stay home)
+        assert max(after) <= 1.03, (before, after, documents)
+
+
+def test_balanced_schedule_of_the_bench_documents():
+    """The bench's 14 documents of mean 8,192 in 128k tokens (head-tail, causal), under the default policy: shares
+    0.851 / 1.149 of the mean on 2 ranks and 0.758 / 0.945 / 1.233 / 1.064 on 4 become even within 1%."""
+    documents = (0, 12624, 26406, 27733, 36218, 52141, 65410, 75349, 90967, 102700, 109858, 114422, 123658,
+                 128238, 131072)
+    want = {2: [0.851, 1.149], 4: [0.758, 0.945, 1.233, 1.064]}
+    for world, before in want.items():
+        schedule = ring_schedule(world, 131072 // world, True, NO_WINDOW, True, documents)
+        assert [round(x, 3) for x in shares(schedule)] == before
+        balanced, loans = balanced_schedule(schedule, BALANCE)
+        assert all(abs(x - 1) <= 0.01 for x in shares(balanced, loans)), shares(balanced, loans)
+        assert all(len(loan.blocks) <= 4 for loan in loans)  # a few calls, not a piece each
+
+
+def test_split_piece_cuts_by_query_rows():
+    """A causal piece of 10 rows, 20 scores to move: rows 8..10 move (19 scores), keys 0..8 in full and 8..10
+    causally; rows 0..8 stay, causal."""
+    piece = Block(4, 14, 4, 14, True, NO_WINDOW)
+    home, moved = split_piece(piece, 20, 1)
+    assert home == Block(4, 12, 4, 12, True, NO_WINDOW)
+    assert moved == [Block(12, 14, 4, 12, False, NO_WINDOW), Block(12, 14, 12, 14, True, NO_WINDOW)]
+    assert kept_scores(piece) == 55 and sum(map(kept_scores, moved)) == 19
+    assert split_piece(piece, 20, 10) is None  # fewer rows than min_rows would move
+    full = Block(0, 10, 0, 10, False, NO_WINDOW)
+    assert split_piece(full, 30, 1) == (Block(0, 7, 0, 10, False, NO_WINDOW), [Block(7, 10, 0, 10, False, NO_WINDOW)])
+
+
 def test_documents_within_shards_need_no_ring():
     """Every document inside one shard: each rank runs only its own keys, one causal block per document."""
     schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
@@ -269,7 +349,8 @@ def reference(q, k, v, causal, window, scale, softcap, documents=None):
     return torch.softmax(s, -1) @ v, lse
 
 
-# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets])
+# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets[,
+# balance_documents]]); the balanced cases run under `SMALL_BALANCE`, which moves work at these sizes
 CASES = {
     2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
         (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
@@ -287,14 +368,25 @@ CASES = {
         (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
         # not causal, head-tail: rank 0 receives two ranges of rank 1's rows (its first and its last two)
         (1, 2, 2, 8, False, True, NO_WINDOW, 0.0, (0, 5, 10, 13, 16)),
-        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
+        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16)),  # every document in a shard: no ring
+        # balanced: rank 1 lends rank 0 its piece 5-6 whole and row 11 of its piece 5-12 (keys 5-11 in full, 11
+        # causally)
+        (1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True),
+        # balanced, not causal, softcap, GQA: rank 1 lends rows 7-10 of its piece 0-10 against all its keys
+        (1, 2, 1, 10, False, True, NO_WINDOW, 5.0, (0, 3, 5, 15, 20), True)],
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
         (1, 2, 2, 5, True, False, (5, 0), 0.0),        # the halo exchange: the whole previous shard
         (1, 2, 2, 3, False, False, (2, 3), 0.0),       # the halo exchange, both neighbours
         (1, 2, 2, 3, True, False, (4, 0), 0.0),        # the ring cut after step 2
-        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18))],   # a document over every rank
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18)),   # a document over every rank
+        # balanced: ranks 1 and 2 both lend rank 0 (two pieces as one varlen call, and one piece), GQA, batch 2
+        (2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True)],
 }
+
+
+# every move, however small, at the cases' sizes
+SMALL_BALANCE = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
 
 
 def _worker(rank, world, path, device, cases):
@@ -303,6 +395,7 @@ def _worker(rank, world, path, device, cases):
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.FileStore(path, world),
                             rank=rank, world_size=world)
+    context_parallel.BALANCE = SMALL_BALANCE  # (a spawned process of its own: nothing else sees it)
     try:
         for case in cases:
             _check_case(rank, world, device, *case)
@@ -314,7 +407,8 @@ def _worker(rank, world, path, device, cases):
         dist.destroy_process_group()
 
 
-def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None):
+def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
+                balance=False):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
     PyTorch."""
@@ -327,6 +421,8 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     q, do = (torch.randn(b, h, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(b, h_kv, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     scale = 0.3
+    if balance:  # (the case lends work: the plan has loans)
+        assert balanced_schedule(ring_schedule(world, n, causal, window, load_balance, documents), SMALL_BALANCE)[1]
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
     want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents)
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
@@ -334,11 +430,11 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
     out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
                                           window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
-                                          return_lse=True)
+                                          return_lse=True, balance_documents=balance)
     out.backward(shard(do))
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents}")
+             f"documents={documents} balance={balance}")
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
 
@@ -398,7 +494,8 @@ def _check_document_bytes(rank, world, device):
     backward their dK, dV (float32) back; with three ranks rank 2 reaches rank 1's last three rows the same way."""
     b, h_kv, n, d = 1, 2, 7, 16
     documents = torch.tensor([0, 3, 11, world * n], dtype=torch.int32, device=device)
-    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents)
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents,
+                       balance_documents=False)
     row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
     want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
     assert sent == want, (rank, sent)
@@ -413,6 +510,8 @@ def _check_errors(rank, world, device):
         context_parallel_attention(*(q.to(torch.float16 if rank else torch.float32),) * 3)
     with pytest.raises(ValueError, match="causal: the ranks disagree"):
         context_parallel_attention(q, q, q, causal=rank == 0)
+    with pytest.raises(ValueError, match="balance_documents: the ranks disagree"):
+        context_parallel_attention(q, q, q, causal=True, balance_documents=rank == 0)
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):

@@ -17,6 +17,9 @@ from ..lang.builtin import NO_WINDOW
 from ..runtime.registry import resolve
 from .schedule import Block, Halo, Pieces, Visit
 
+# (above every visit's tags, 2 * step + 0 or 1)
+_LOAN_TAG = 1 << 12
+
 
 class _Ring(NamedTuple):
     """This rank's place in the group: P2P peers as global ranks."""
@@ -124,7 +127,11 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
         kernel, scale = kernels(b)
         part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
                                         v[:, :, b.k_start:b.k_end], scale)
-    rows = slice(b.q_start, b.q_end)
+    _merge(out, lse, slice(b.q_start, b.q_end), part, part_lse)
+
+
+def _merge(out, lse, rows: slice, part, part_lse) -> None:
+    """Merge the partial (part, part_lse) of `rows` into `out` and `lse`."""
     merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
                                       part.transpose(1, 2), part_lse)
     out[:, :, rows] = merged.transpose(1, 2)
@@ -270,12 +277,17 @@ def _post_visit(ring, visit: Visit, k, v):
     return (*_post(ring, sends, receives), sends)
 
 
-def _visits_forward(ring, visits, kernels, q, k, v):
-    """(out float32, lse, the K/V rows each visit received): each visit's exchange is posted before the previous
-    visit's kernels run."""
+def _visits_forward(ring, visits, loans, kernels, q, k, v):
+    """(out float32, lse, the K/V rows each visit received, the q, k, v rows of each loan this rank runs): each
+    visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; the
+    partials of the loans come back to their owners last."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     received = []
+    lent = _post_loans(ring, loans, True,
+                       lambda _, loan: (_rows(q, loan.rows), *(_rows(t, loan.keys) for t in (k, v))),
+                       lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))),
+                       0)
     posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
     for i, visit in enumerate(visits):
         kv = (k, v)
@@ -287,12 +299,33 @@ def _visits_forward(ring, visits, kernels, q, k, v):
             posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
         for b in visit.blocks:
             _forward_block(kernels, b, q, *kv, out, lse)
-    return out, lse, received
+    hosted, requests, _ = lent
+    _wait(requests)
+    partials = {}
+    for i, (loan, rows) in enumerate(zip(loans, hosted)):
+        if rows is not None:
+            part = torch.zeros(rows[0].shape, device=q.device, dtype=torch.float32)
+            part_lse = torch.full(rows[0].shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+            for b in loan.blocks:
+                _forward_block(kernels, b, *rows, part, part_lse)
+            partials[i] = (part, part_lse)
+    back, requests, _ = _post_loans(ring, loans, False, lambda i, _: partials[i],
+                                    lambda loan: (out[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
+    _wait(requests)
+    for loan, part in zip(loans, back):
+        if part is not None:
+            for rows, offset in _offsets(loan.rows):
+                _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
+                       part[1][:, :, offset:offset + rows.stop - rows.start])
+    return out, lse, received, hosted
 
 
-def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
+def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, out, lse, do):
     """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
-    the rows this rank sent come back with theirs."""
+    the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, and its
+    dQ, dK and dV come back last."""
+    lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
+                       lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
@@ -308,11 +341,67 @@ def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
         receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
                     if visit.send]
         pending.append((visit.send, *_post(ring, sends, receives), grads))
-    for ranges, buffers, requests, _ in pending:
-        _wait(requests)
-        offset = 0
-        for a, b in ranges:
-            dk[:, :, a:b] += buffers[0][:, :, offset:offset + b - a]
-            dv[:, :, a:b] += buffers[1][:, :, offset:offset + b - a]
-            offset += b - a
+    saved, requests, _ = lent
+    _wait(requests)
+    grads = {}
+    for i, (loan, inputs, rest) in enumerate(zip(loans, hosted, saved)):
+        if inputs is not None:
+            grads[i] = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in inputs)
+            for b in loan.blocks:
+                _backward_block(kernels, b, *inputs, *rest, *grads[i])
+    back, requests, returned = _post_loans(ring, loans, False, lambda i, _: grads[i], lambda loan: (
+        dq[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (dk, dv))), 3)
+    for ranges, buffers, requests_i, _ in pending:
+        _wait(requests_i)
+        if ranges:
+            _add_rows(dk, ranges, buffers[0])
+            _add_rows(dv, ranges, buffers[1])
+    _wait(requests)
+    for loan, part in zip(loans, back):
+        if part is not None:
+            _add_rows(dq, loan.rows, part[0])
+            _add_rows(dk, loan.keys, part[1])
+            _add_rows(dv, loan.keys, part[2])
     return dq, dk, dv
+
+
+def _offsets(ranges):
+    """(slice of the rows, where they start once packed) of each range of `ranges`."""
+    offset = 0
+    for a, b in ranges:
+        yield slice(a, b), offset
+        offset += b - a
+
+
+def _add_rows(t, ranges, packed) -> None:
+    """Add to t's rows in `ranges` the rows of `packed`, which holds them one after another."""
+    for rows, offset in _offsets(ranges):
+        t[:, :, rows] += packed[:, :, offset:offset + rows.stop - rows.start]
+
+
+def _post_loans(ring, loans, from_owner: bool, tensors, like, tag: int):
+    """Post the messages of `loans` (those this rank owns or runs) one way, from each owner to its executor
+    (`from_owner`) or back: the sending side sends `tensors(i, loan)`, the other receives tensors like `like(loan)`.
+    Returns (the received tensors of each loan, None where this rank sends; the requests; the sends, kept alive
+    until the requests are waited on).
+
+    NOTE: a loan's messages are posted before every visit's (its rows) or after (what comes back), on every rank
+    alike, so that the ranks post them in one order (NCCL matches a pair's messages by their order)."""
+    if not loans:
+        return [], [], []
+    sends, receives, counts = [], [], []
+    for i, loan in enumerate(loans):
+        sending = (loan.owner == ring.rank) == from_owner
+        offset = (loan.executor if loan.owner == ring.rank else loan.owner) - ring.rank
+        if sending:
+            sends += [(offset, t.contiguous(), _LOAN_TAG + tag + j) for j, t in enumerate(tensors(i, loan))]
+            counts.append(0)
+        else:
+            receives += [(offset, t, _LOAN_TAG + tag + j) for j, t in enumerate(like(loan))]
+            counts.append(len(like(loan)))
+    buffers, requests = _post(ring, sends, receives)
+    received = []
+    for count in counts:
+        received.append(tuple(buffers[:count]) if count else None)
+        buffers = buffers[count:]
+    return received, requests, sends
