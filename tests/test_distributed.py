@@ -3,7 +3,8 @@ context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's i
 the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
 odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
 head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
-(its schedule, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
+(its schedule, its results and the bytes it sends); documents' work balanced across ranks (the plan's coverage
+and shares, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
 
@@ -401,6 +402,7 @@ def _worker(rank, world, path, device, cases):
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
         _check_document_bytes(rank, world, device)
+        _check_balanced_bytes(rank, world, device)
         _check_errors(rank, world, device)
         dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
@@ -498,6 +500,22 @@ def _check_document_bytes(rank, world, device):
                        balance_documents=False)
     row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
     want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
+    assert sent == want, (rank, sent)
+
+
+def _check_balanced_bytes(rank, world, device):
+    """Documents (0, 8, 12, 16) on two contiguous shards of 8: rank 0's one document keeps 36 scores, rank 1's two
+    10 each, so rank 0 lends rank 1 its last row against its 8 keys (8 scores: 28 each). Only those rows travel: the
+    forward sends the row's q and the 8 K, V rows, and returns its partial out and lse (float32); the backward sends
+    the row's out, lse and dO, and returns its dQ and the keys' dK, dV (float32)."""
+    if world != 2:
+        return
+    b, h, n, d = 1, 2, 8, 16
+    documents = torch.tensor([0, 8, 12, 16], dtype=torch.int32, device=device)
+    sent = _bytes_sent(device, (b, h, n, d), causal=True, load_balance=False, cu_seqlens=documents,
+                       balance_documents=True)
+    row, lse_row = b * h * d * 4, b * h * 4
+    want = [[row + 2 * n * row, 0, 2 * row + lse_row, 0], [0, row + lse_row, 0, row + 2 * n * row]][rank]
     assert sent == want, (rank, sent)
 
 
