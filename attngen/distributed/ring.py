@@ -280,7 +280,10 @@ def _post_visit(ring, visit: Visit, k, v):
 def _visits_forward(ring, visits, loans, kernels, q, k, v):
     """(out float32, lse, the K/V rows each visit received, the q, k, v rows of each loan this rank runs): each
     visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; the
-    partials of the loans come back to their owners last."""
+    partials of the loans come back to their owners last.
+
+    NOTE: a loan's partial out travels in q's dtype, as a kernel returns it (only a query row that two of the loan's
+    blocks reach, a piece cut by rows, is rounded once more), which halves the bytes exposed after the last kernel."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     received = []
@@ -308,9 +311,9 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
             part_lse = torch.full(rows[0].shape[:3], -math.inf, device=q.device, dtype=torch.float32)
             for b in loan.blocks:
                 _forward_block(kernels, b, *rows, part, part_lse)
-            partials[i] = (part, part_lse)
+            partials[i] = (part.to(q.dtype), part_lse)
     back, requests, _ = _post_loans(ring, loans, False, lambda i, _: partials[i],
-                                    lambda loan: (out[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
+                                    lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
     _wait(requests)
     for loan, part in zip(loans, back):
         if part is not None:
@@ -323,7 +326,7 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
 def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, out, lse, do):
     """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
     the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, and its
-    dQ, dK and dV come back last."""
+    dQ, dK and dV come back last, in q, k and v's dtype (as the partial out)."""
     lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
                        lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -349,8 +352,9 @@ def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, ou
             grads[i] = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in inputs)
             for b in loan.blocks:
                 _backward_block(kernels, b, *inputs, *rest, *grads[i])
-    back, requests, returned = _post_loans(ring, loans, False, lambda i, _: grads[i], lambda loan: (
-        dq[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (dk, dv))), 3)
+    back, requests, returned = _post_loans(
+        ring, loans, False, lambda i, _: tuple(g.to(t.dtype) for g, t in zip(grads[i], (q, k, v))),
+        lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))), 3)
     for ranges, buffers, requests_i, _ in pending:
         _wait(requests_i)
         if ranges:
