@@ -27,12 +27,13 @@ recorded as such). Providers, each at the same shapes:
                   not the version; elsewhere they are error rows)
 Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as they finish (replacing rows of the
 same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
-forward and forward + backward. attngen's, attngen_window's and attngen_document's rows on several GPUs add the time
-of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward
-+ backward beyond it; the window, softcap and document rows add `vs_flex`, FlexAttention's forward + backward time
-at the same GPU count and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the
-slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention
-(causal halved, backward 2.5x; documents count their own causal scores). A script, not a test: GPU only.
+forward and forward + backward. attngen's, attngen_window's and attngen_document's (balanced too) rows on several
+GPUs add the time of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the
+part of forward + backward beyond it (the document rows also each rank's `shares` of the kept scores); the window,
+softcap and document rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count and length
+over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA events, a barrier
+before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved, backward 2.5x; documents
+count their own causal scores). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -258,14 +259,15 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
     document piece but a varlen call for each run of pieces against their own keys, balanced: the rank's own blocks
     and those it runs for others, or the window's blocks on its own keys and its neighbour's rows, all run on its
     own keys: no exchange, no merge), forward and forward + backward; what the call takes beyond it is exposed
-    communication (and merging)."""
+    communication (and merging); with documents, each rank's `shares` of the kept scores over the mean."""
     import torch
 
     import attngen
-    from attngen.distributed import Pieces, balanced_schedule, grouped_pieces, halo_schedule, ring_schedule
+    from attngen.distributed import Pieces, balanced_schedule, grouped_pieces, halo_schedule, ring_schedule, shares
     from attngen.lang.builtin import NO_WINDOW
     from attngen.policy import context_parallel
 
+    extra = {}
     if provider == "attngen_window":
         halo = halo_schedule(world, q.shape[2], True, (window - 1, 0), False)[rank]
         blocks = [halo.own, *halo.before, *halo.after]
@@ -276,6 +278,8 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
             schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
         blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
         blocks += [b for loan in loans if loan.executor == rank for b in loan.blocks]
+        if documents:
+            extra["shares"] = shares(schedule, loans)
 
     def kernels():
         for b in blocks:
@@ -299,7 +303,8 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
         for out, inputs, grad in kernels():
             torch.autograd.grad(out, inputs, grad)
 
-    return {"compute_forward_ms": timed(forward, reps, world), "compute_forward_backward_ms": timed(both, reps, world)}
+    return {**extra, "compute_forward_ms": timed(forward, reps, world),
+            "compute_forward_backward_ms": timed(both, reps, world)}
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
