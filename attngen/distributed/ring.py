@@ -279,11 +279,12 @@ def _post_visit(ring, visit: Visit, k, v):
 
 def _visits_forward(ring, visits, loans, kernels, q, k, v):
     """(out float32, lse, the K/V rows each visit received, the q, k, v rows of each loan this rank runs): each
-    visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; the
-    partials of the loans come back to their owners last.
+    visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; a loan
+    runs after its executor's own keys (step 0), and its partial goes back to its owner while the other steps run.
 
-    NOTE: a loan's partial out travels in q's dtype, as a kernel returns it (only a query row that two of the loan's
-    blocks reach, a piece cut by rows, is rounded once more), which halves the bytes exposed after the last kernel."""
+    NOTE: NCCL matches a pair's messages by the order they are posted, so every rank posts the loans' rows first,
+    then the exchange of step 1 (where it has one), the loans' partials, and the steps after 1: a rank with loans
+    whose first step after 0 is a later one posts it only after the partials."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     received = []
@@ -291,17 +292,36 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
                        lambda _, loan: (_rows(q, loan.rows), *(_rows(t, loan.keys) for t in (k, v))),
                        lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))),
                        0)
-    posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
+    early = len(visits) > 1 and (not loans or visits[1].step == 1)
+    posted = _post_visit(ring, visits[1], k, v) if early else None
     for i, visit in enumerate(visits):
         kv = (k, v)
         if i:
-            buffers, requests, _ = posted
+            buffers, requests, _ = posted or _post_visit(ring, visit, k, v)
             _wait(requests)
             kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
             received.append(kv)
             posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
         for b in visit.blocks:
             _forward_block(kernels, b, q, *kv, out, lse)
+        if i == 0:
+            hosted, returns = _loans_forward(ring, loans, kernels, q, lse, lent)
+    back, requests, _ = returns
+    _wait(requests)
+    for loan, part in zip(loans, back):
+        if part is not None:
+            for rows, offset in _offsets(loan.rows):
+                _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
+                       part[1][:, :, offset:offset + rows.stop - rows.start])
+    return out, lse, received, hosted
+
+
+def _loans_forward(ring, loans, kernels, q, lse, lent):
+    """(the rows of each loan this rank runs, the posted return of the partials): the loans this rank runs, on the
+    rows `lent` (`_post_loans`) brings, their partial (out, lse) posted back to their owners.
+
+    NOTE: a partial out travels in q's dtype, as a kernel returns it (only a query row that two of the loan's
+    blocks reach, a piece cut by rows, is rounded once more), half the bytes of float32."""
     hosted, requests, _ = lent
     _wait(requests)
     partials = {}
@@ -312,21 +332,16 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
             for b in loan.blocks:
                 _forward_block(kernels, b, *rows, part, part_lse)
             partials[i] = (part.to(q.dtype), part_lse)
-    back, requests, _ = _post_loans(ring, loans, False, lambda i, _: partials[i],
-                                    lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
-    _wait(requests)
-    for loan, part in zip(loans, back):
-        if part is not None:
-            for rows, offset in _offsets(loan.rows):
-                _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
-                       part[1][:, :, offset:offset + rows.stop - rows.start])
-    return out, lse, received, hosted
+    returns = _post_loans(ring, loans, False, lambda i, _: partials[i],
+                          lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
+    return hosted, returns
 
 
 def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, out, lse, do):
     """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
-    the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, and its
-    dQ, dK and dV come back last, in q, k and v's dtype (as the partial out)."""
+    the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, it runs
+    after the executor's own keys, and its dQ, dK and dV (in q, k and v's dtype, as the partial out) go back before
+    any visit's (so in one order on every rank)."""
     lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
                        lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -334,16 +349,6 @@ def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, ou
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     for b in visits[0].blocks:
         _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
-    pending = []
-    for visit, rows in zip(visits[1:], received):
-        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
-        for b in visit.blocks:
-            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
-        tag = 2 * visit.step
-        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if visit.receive]
-        receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
-                    if visit.send]
-        pending.append((visit.send, *_post(ring, sends, receives), grads))
     saved, requests, _ = lent
     _wait(requests)
     grads = {}
@@ -352,15 +357,25 @@ def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, ou
             grads[i] = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in inputs)
             for b in loan.blocks:
                 _backward_block(kernels, b, *inputs, *rest, *grads[i])
-    back, requests, returned = _post_loans(
+    back, returns, returned = _post_loans(
         ring, loans, False, lambda i, _: tuple(g.to(t.dtype) for g, t in zip(grads[i], (q, k, v))),
         lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))), 3)
-    for ranges, buffers, requests_i, _ in pending:
-        _wait(requests_i)
+    pending = []
+    for visit, rows in zip(visits[1:], received):
+        grads_i = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        for b in visit.blocks:
+            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads_i)
+        tag = 2 * visit.step
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads_i) if visit.receive]
+        receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
+                    if visit.send]
+        pending.append((visit.send, *_post(ring, sends, receives), grads_i))
+    for ranges, buffers, requests, _ in pending:
+        _wait(requests)
         if ranges:
             _add_rows(dk, ranges, buffers[0])
             _add_rows(dv, ranges, buffers[1])
-    _wait(requests)
+    _wait(returns)
     for loan, part in zip(loans, back):
         if part is not None:
             _add_rows(dq, loan.rows, part[0])
