@@ -4,10 +4,12 @@ the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with a
 odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
 head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
 (its schedule, its results and the bytes it sends); documents' work balanced across ranks (the plan's coverage
-and shares, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
+and shares, its results and the bytes it sends); in every case, each rank's sends to another posted in the order
+the other posts its receives (NCCL pairs them by order); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -431,13 +433,15 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
-    out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                          window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
-                                          return_lse=True, balance_documents=balance)
-    out.backward(shard(do))
+    with _posted() as batches:
+        out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
+                                              window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                              return_lse=True, balance_documents=balance)
+        out.backward(shard(do))
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
              f"documents={documents} balance={balance}")
+    _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
 
@@ -461,25 +465,48 @@ def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
 
 
-def _bytes_sent(device, shape, **arguments):
-    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
-    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed.ring._post (the one
-    place messages are posted)."""
+@contextlib.contextmanager
+def _posted():
+    """The message batches this rank posts inside the block, in order, recorded through a wrapper of
+    attngen.distributed.ring._post (the one place messages are posted): each a list of ("send" or "recv", the peer's
+    global rank, tag, shape, dtype, bytes)."""
     import attngen.distributed.ring as cp
 
-    sent = []
+    batches = []
 
-    def counting(ring, sends, receives):
-        sent.append(sum(t.numel() * t.element_size() for _, t, _ in sends))
+    def recording(ring, sends, receives):
+        batches.append([(kind, ring.peer(o), tag, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+                        for kind, messages in (("send", sends), ("recv", receives)) for o, t, tag in messages])
         return post(ring, sends, receives)
 
-    post, cp._post = cp._post, counting
+    post, cp._post = cp._post, recording
     try:
-        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
-        context_parallel_attention(q, k, v, **arguments).sum().backward()
+        yield batches
     finally:
         cp._post = post
-    return sent
+
+
+def _check_post_order(world, batches, label):
+    """Each rank's sends to another, in the order posted, are the other's receives from it in its order, tag,
+    shape and dtype alike: NCCL pairs a pair's messages by their order (gloo by tag, which would hide a wrong
+    order)."""
+    mine = [m[:5] for batch in batches for m in batch]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    for a in range(world):
+        for b in range(world):
+            sent = [m[2:] for m in every[a] if m[0] == "send" and m[1] == b]
+            received = [m[2:] for m in every[b] if m[0] == "recv" and m[1] == a]
+            assert sent == received, f"{label}: rank {a} -> {b} sends {sent}, receives {received}"
+
+
+def _bytes_sent(device, shape, **arguments):
+    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
+    float32 q, k, v of `shape` with `arguments`."""
+    with _posted() as batches:
+        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
+        context_parallel_attention(q, k, v, **arguments).sum().backward()
+    return [sum(m[5] for m in batch if m[0] == "send") for batch in batches]
 
 
 def _check_halo_bytes(rank, world, device):
