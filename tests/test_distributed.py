@@ -385,7 +385,9 @@ CASES = {
         (1, 2, 2, 3, True, False, (4, 0), 0.0),        # the ring cut after step 2
         (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18)),   # a document over every rank
         # balanced: ranks 1 and 2 both lend rank 0 (two pieces as one varlen call, and one piece), GQA, batch 2
-        (2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True)],
+        (2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True),
+        # balanced: rank 2 takes part in a loan and its first step after 0 is step 2, posted after the loan's return
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 6, 10, 13, 18), True)],
 }
 
 
