@@ -20,17 +20,20 @@ recorded as such). Providers, each at the same shapes:
   attngen_document attngen's over documents packed into the sequence (cu_seqlens; lengths drawn uniformly from 1 to
                   twice --document, seed 0, the same on every rank), causal within each, head-tail shards (on one
                   GPU: attngen.flash_attn_varlen_func)
+  attngen_document_balanced  the same with balance_documents=True: part of the heavy ranks' document pieces runs on
+                  the light ones (several GPUs only; its speed-up is over attngen_document's one-GPU row)
   flex_document   FlexAttention under torch's context_parallel with a document block mask, head-tail shards
                   (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
                   not the version; elsewhere they are error rows)
 Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as they finish (replacing rows of the
 same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
-forward and forward + backward. attngen's, attngen_window's and attngen_document's rows on several GPUs add the time
-of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the part of forward
-+ backward beyond it; the window, softcap and document rows add `vs_flex`, FlexAttention's forward + backward time
-at the same GPU count and length over theirs (the issue's target: >= 1.3). Times are medians over --reps of the
-slowest rank's (CUDA events, a barrier before each); TFLOP/s of the whole sequence by the FlashAttention convention
-(causal halved, backward 2.5x; documents count their own causal scores). A script, not a test: GPU only.
+forward and forward + backward. attngen's, attngen_window's and attngen_document's (balanced too) rows on several
+GPUs add the time of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the
+part of forward + backward beyond it (the document rows also each rank's `shares` of the kept scores); the window,
+softcap and document rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count and length
+over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA events, a barrier
+before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved, backward 2.5x; documents
+count their own causal scores). A script, not a test: GPU only.
 """
 
 from __future__ import annotations
@@ -44,9 +47,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window", "flex_window",
-             "attngen_softcap", "flex_softcap", "attngen_document", "flex_document")
+             "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced", "flex_document")
 # attngen's rows that FlexAttention under context_parallel is the peer of
-FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document"}
+FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document",
+              "attngen_document_balanced": "flex_document"}
+# providers whose one-GPU row is another's (the same computation on one GPU)
+ONE_GPU_ROW = {"attngen_document_balanced": "attngen_document"}
 
 
 def document_offsets(n: int, mean: int) -> list[int]:
@@ -107,11 +113,12 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
     import attngen
     from attngen.distributed import context_parallel_attention
 
-    if provider == "attngen_document":
+    if provider.startswith("attngen_document"):
         cu_seqlens = torch.tensor(documents, dtype=torch.int32, device="cuda")
+        balance = provider == "attngen_document_balanced"
         if world > 1:
-            return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(q, k, v, causal=True,
-                                                                                        cu_seqlens=cu_seqlens)
+            return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(
+                q, k, v, causal=True, cu_seqlens=cu_seqlens, balance_documents=balance)
         longest = max(b - a for a, b in zip(documents, documents[1:]))
 
         def varlen(q, k, v):  # (1, H, N, D) as (N, H, D) views: no copy
@@ -213,7 +220,7 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
     full = [torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     cp = None
     context = contextlib.nullcontext()
-    documents = document_offsets(n, document) if provider.endswith("document") else None
+    documents = document_offsets(n, document) if "document" in provider else None
     if provider.startswith("flex"):
         *shards, fn = flex_runner(provider, world, mesh, full, window, softcap, documents)
     else:
@@ -234,7 +241,7 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
         both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
     size = window if provider.endswith("window") else None
     extra = {}
-    if provider in ("attngen", "attngen_window", "attngen_document") and world > 1:
+    if provider in ("attngen", "attngen_window", "attngen_document", "attngen_document_balanced") and world > 1:
         extra = exposed_communication(q, k, v, do, world, rank, reps, provider, window, documents)
         extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
     if documents is not None:
@@ -249,21 +256,30 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
 def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provider: str, window: int,
                           documents: list[int] | None) -> dict:
     """The time of the kernels alone of this rank's schedule (the causal ring's blocks, with documents one per
-    document piece but a varlen call for each run of pieces against their own keys, or the window's blocks on its
-    own keys and its neighbour's rows, all run on its own keys: no exchange, no merge), forward and forward +
-    backward; what the call takes beyond it is exposed communication (and merging)."""
+    document piece but a varlen call for each run of pieces against their own keys, balanced: the rank's own blocks
+    and those it runs for others, or the window's blocks on its own keys and its neighbour's rows, all run on its
+    own keys: no exchange, no merge), forward and forward + backward; what the call takes beyond it is exposed
+    communication (and merging); with documents, each rank's `shares` of the kept scores over the mean."""
     import torch
 
     import attngen
-    from attngen.distributed import Pieces, grouped_pieces, halo_schedule, ring_schedule
+    from attngen.distributed import Pieces, balanced_schedule, grouped_pieces, halo_schedule, ring_schedule, shares
     from attngen.lang.builtin import NO_WINDOW
+    from attngen.policy import context_parallel
 
+    extra = {}
     if provider == "attngen_window":
         halo = halo_schedule(world, q.shape[2], True, (window - 1, 0), False)[rank]
         blocks = [halo.own, *halo.before, *halo.after]
     else:
         schedule = ring_schedule(world, q.shape[2], True, NO_WINDOW, True, documents and tuple(documents))
+        loans = ()
+        if provider == "attngen_document_balanced":
+            schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
         blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
+        blocks += [b for loan in loans if loan.executor == rank for b in loan.blocks]
+        if documents:
+            extra["shares"] = shares(schedule, loans)
 
     def kernels():
         for b in blocks:
@@ -287,7 +303,8 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
         for out, inputs, grad in kernels():
             torch.autograd.grad(out, inputs, grad)
 
-    return {"compute_forward_ms": timed(forward, reps, world), "compute_forward_backward_ms": timed(both, reps, world)}
+    return {**extra, "compute_forward_ms": timed(forward, reps, world),
+            "compute_forward_backward_ms": timed(both, reps, world)}
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:
@@ -296,7 +313,7 @@ def with_speedups(rows: list[dict]) -> list[dict]:
     FlexAttention row at the same GPU count and length exists."""
     base = {(r["provider"], r["n"]): r for r in rows if r["gpus"] == 1 and "forward_ms" in r}
     for r in rows:
-        one = base.get((r["provider"], r["n"]))
+        one = base.get((ONE_GPU_ROW.get(r["provider"], r["provider"]), r["n"]))
         ok = one is not None and "forward_ms" in r
         r["speedup"] = one["forward_backward_ms"] / r["forward_backward_ms"] if ok else None
         r["forward_speedup"] = one["forward_ms"] / r["forward_ms"] if ok else None
@@ -337,6 +354,8 @@ def main() -> None:
         mesh = init_device_mesh("cuda", (world,))
     for n in args.lengths:
         for provider in args.providers:
+            if world == 1 and provider in ONE_GPU_ROW:
+                continue
             try:
                 row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.softcap,
                               args.document, args.reps)

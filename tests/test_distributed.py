@@ -3,10 +3,13 @@ context_parallel_attention in 2 and 3 processes over gloo (kernels in Triton's i
 the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with and without load balancing, GQA,
 odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
 head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
-(its schedule, its results and the bytes it sends); the same on 2 GPUs over NCCL, marked gpu."""
+(its schedule, its results and the bytes it sends); documents' work balanced across ranks (the plan's coverage
+and shares, its results and the bytes it sends); in every case, each rank's sends to another posted in the order
+the other posts its receives (NCCL pairs them by order); the same on 2 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -20,7 +23,10 @@ import torch.multiprocessing as mp
 from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, document_visits, grouped_pieces,
                                  halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence,
                                  unshard_sequence)
+from attngen.distributed.balance import balanced_schedule, kept_scores, shares, split_piece
 from attngen.lang.builtin import NO_WINDOW
+from attngen.policy import context_parallel
+from attngen.policy.context_parallel import BALANCE, BalancePolicy
 from conftest import HAS_GPU
 
 
@@ -176,6 +182,84 @@ def test_ring_schedule_covers_the_document_mask_once(seed):
         assert torch.equal(seen, want[rows].int()), (rank, documents)
 
 
+def loan_mask(loan, n):
+    """(n, n) int: the (query, key) pairs of the owner's shard a Loan's blocks cover, in the owner's positions."""
+    rows = torch.cat([torch.arange(a, b) for a, b in loan.rows])
+    keys = torch.cat([torch.arange(a, b) for a, b in loan.keys])
+    covered = torch.zeros(n, n, dtype=torch.int32)
+    for b in loan.blocks:
+        covered[rows[:, None], keys[None, :]] += block_mask(b, len(rows), len(keys)).int()
+    return covered
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_schedule_covers_the_document_mask_once(seed):
+    """Balanced, every rank's own blocks and the loans others run for it cover exactly the pairs of one document the
+    mask keeps (with or without a window, head-tail or contiguous shards), each once, every row of a lent block seeing a key of it; no rank ends
+    heavier than the heaviest was, and without a window the heaviest rank's share comes down to within 3% of the
+    mean."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    n = rng.choice([256, 384, 512])
+    causal = rng.random() < 0.8
+    window = (rng.randint(1, n), 0 if causal else -1) if rng.random() < 0.25 else NO_WINDOW
+    load_balance = rng.random() < 0.7
+    total, cuts = world * n, [0]
+    while cuts[-1] < total:
+        cuts.append(min(total, cuts[-1] + rng.randint(1, total // 4)))
+    documents = tuple(cuts)
+    policy = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
+    schedule = ring_schedule(world, n, causal, window, load_balance, documents)
+    balanced, loans = balanced_schedule(schedule, policy)
+    want = visible(world * n, causal, window, documents)
+    for rank in range(world):
+        rows = local_positions(rank, world, n, load_balance)
+        for step, blocks in enumerate(balanced[rank]):
+            cols = local_positions((rank - step) % world, world, n, load_balance)
+            covered = sum((block_mask(b, n, n).int() for b in blocks), torch.zeros(n, n, dtype=torch.int32))
+            if step == 0:
+                covered += sum((loan_mask(loan, n) for loan in loans if loan.owner == rank),
+                               torch.zeros(n, n, dtype=torch.int32))
+            assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
+    for loan in loans:
+        assert loan.owner != loan.executor
+        for b in loan.blocks:
+            nq, nk = sum(y - x for x, y in loan.rows), sum(y - x for x, y in loan.keys)
+            mask = block_mask(b, nq, nk)
+            assert mask[b.q_start:b.q_end].any(dim=1).all(), (b, loan)
+    before, after = shares(schedule), shares(balanced, loans)
+    assert max(after) <= max(before) + 1e-9
+    if window == NO_WINDOW:  # (a window's blocks on the diagonal stay home)
+        assert max(after) <= 1.03, (before, after, documents)
+
+
+def test_balanced_schedule_of_the_bench_documents():
+    """The bench's 14 documents of mean 8,192 in 128k tokens (head-tail, causal), under the default policy: shares
+    0.851 / 1.149 of the mean on 2 ranks and 0.758 / 0.945 / 1.233 / 1.064 on 4 become even within 1%."""
+    documents = (0, 12624, 26406, 27733, 36218, 52141, 65410, 75349, 90967, 102700, 109858, 114422, 123658,
+                 128238, 131072)
+    want = {2: [0.851, 1.149], 4: [0.758, 0.945, 1.233, 1.064]}
+    for world, before in want.items():
+        schedule = ring_schedule(world, 131072 // world, True, NO_WINDOW, True, documents)
+        assert [round(x, 3) for x in shares(schedule)] == before
+        balanced, loans = balanced_schedule(schedule, BALANCE)
+        assert all(abs(x - 1) <= 0.01 for x in shares(balanced, loans)), shares(balanced, loans)
+        assert all(len(loan.blocks) <= 4 for loan in loans)  # a few calls, not a piece each
+
+
+def test_split_piece_cuts_by_query_rows():
+    """A causal piece of 10 rows, 20 scores to move: rows 8..10 move (19 scores), keys 0..8 in full and 8..10
+    causally; rows 0..8 stay, causal."""
+    piece = Block(4, 14, 4, 14, True, NO_WINDOW)
+    home, moved = split_piece(piece, 20, 1)
+    assert home == Block(4, 12, 4, 12, True, NO_WINDOW)
+    assert moved == [Block(12, 14, 4, 12, False, NO_WINDOW), Block(12, 14, 12, 14, True, NO_WINDOW)]
+    assert kept_scores(piece) == 55 and sum(map(kept_scores, moved)) == 19
+    assert split_piece(piece, 20, 10) is None  # fewer rows than min_rows would move
+    full = Block(0, 10, 0, 10, False, NO_WINDOW)
+    assert split_piece(full, 30, 1) == (Block(0, 7, 0, 10, False, NO_WINDOW), [Block(7, 10, 0, 10, False, NO_WINDOW)])
+
+
 def test_documents_within_shards_need_no_ring():
     """Every document inside one shard: each rank runs only its own keys, one causal block per document."""
     schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
@@ -269,7 +353,8 @@ def reference(q, k, v, causal, window, scale, softcap, documents=None):
     return torch.softmax(s, -1) @ v, lse
 
 
-# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets])
+# (world, batch, heads, kv heads, shard length, causal, load_balance, window, softcap[, document offsets[,
+# balance_documents]]); the balanced cases run under `SMALL_BALANCE`, which moves work at these sizes
 CASES = {
     2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
         (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
@@ -287,14 +372,27 @@ CASES = {
         (1, 2, 2, 8, True, True, (3, 0), 0.0, (0, 6, 16)),         # a window within documents
         # not causal, head-tail: rank 0 receives two ranges of rank 1's rows (its first and its last two)
         (1, 2, 2, 8, False, True, NO_WINDOW, 0.0, (0, 5, 10, 13, 16)),
-        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16))],  # every document in a shard: no ring
+        (1, 2, 2, 8, True, False, NO_WINDOW, 0.0, (0, 3, 8, 12, 16)),  # every document in a shard: no ring
+        # balanced: rank 1 lends rank 0 its piece 5-6 whole and row 11 of its piece 5-12 (keys 5-11 in full, 11
+        # causally)
+        (1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True),
+        # balanced, not causal, softcap, GQA: rank 1 lends rows 7-10 of its piece 0-10 against all its keys
+        (1, 2, 1, 10, False, True, NO_WINDOW, 5.0, (0, 3, 5, 15, 20), True)],
     3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0),
         (1, 2, 2, 4, True, True, (3, 0), 0.0),
         (1, 2, 2, 5, True, False, (5, 0), 0.0),        # the halo exchange: the whole previous shard
         (1, 2, 2, 3, False, False, (2, 3), 0.0),       # the halo exchange, both neighbours
         (1, 2, 2, 3, True, False, (4, 0), 0.0),        # the ring cut after step 2
-        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18))],   # a document over every rank
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18)),   # a document over every rank
+        # balanced: ranks 1 and 2 both lend rank 0 (two pieces as one varlen call, and one piece), GQA, batch 2
+        (2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True),
+        # balanced: rank 2 takes part in a loan and its first step after 0 is step 2, posted after the loan's return
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 6, 10, 13, 18), True)],
 }
+
+
+# every move, however small, at the cases' sizes
+SMALL_BALANCE = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
 
 
 def _worker(rank, world, path, device, cases):
@@ -303,18 +401,21 @@ def _worker(rank, world, path, device, cases):
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.FileStore(path, world),
                             rank=rank, world_size=world)
+    context_parallel.BALANCE = SMALL_BALANCE  # (a spawned process of its own: nothing else sees it)
     try:
         for case in cases:
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
         _check_document_bytes(rank, world, device)
+        _check_balanced_bytes(rank, world, device)
         _check_errors(rank, world, device)
         dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
         dist.destroy_process_group()
 
 
-def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None):
+def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
+                balance=False):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
     PyTorch."""
@@ -327,18 +428,22 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     q, do = (torch.randn(b, h, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(b, h_kv, world * n, head_dim, dtype=dtype, device=device) for _ in range(2))
     scale = 0.3
+    if balance:  # (the case lends work: the plan has loans)
+        assert balanced_schedule(ring_schedule(world, n, causal, window, load_balance, documents), SMALL_BALANCE)[1]
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
     want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents)
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
-    out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                          window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
-                                          return_lse=True)
-    out.backward(shard(do))
+    with _posted() as batches:
+        out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
+                                              window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                              return_lse=True, balance_documents=balance)
+        out.backward(shard(do))
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents}")
+             f"documents={documents} balance={balance}")
+    _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
 
@@ -362,25 +467,48 @@ def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
 
 
-def _bytes_sent(device, shape, **arguments):
-    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
-    float32 q, k, v of `shape` with `arguments`, counted through a wrapper of attngen.distributed.ring._post (the one
-    place messages are posted)."""
+@contextlib.contextmanager
+def _posted():
+    """The message batches this rank posts inside the block, in order, recorded through a wrapper of
+    attngen.distributed.ring._post (the one place messages are posted): each a list of ("send" or "recv", the peer's
+    global rank, tag, shape, dtype, bytes)."""
     import attngen.distributed.ring as cp
 
-    sent = []
+    batches = []
 
-    def counting(ring, sends, receives):
-        sent.append(sum(t.numel() * t.element_size() for _, t, _ in sends))
+    def recording(ring, sends, receives):
+        batches.append([(kind, ring.peer(o), tag, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+                        for kind, messages in (("send", sends), ("recv", receives)) for o, t, tag in messages])
         return post(ring, sends, receives)
 
-    post, cp._post = cp._post, counting
+    post, cp._post = cp._post, recording
     try:
-        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
-        context_parallel_attention(q, k, v, **arguments).sum().backward()
+        yield batches
     finally:
         cp._post = post
-    return sent
+
+
+def _check_post_order(world, batches, label):
+    """Each rank's sends to another, in the order posted, are the other's receives from it in its order, tag,
+    shape and dtype alike: NCCL pairs a pair's messages by their order (gloo by tag, which would hide a wrong
+    order)."""
+    mine = [m[:5] for batch in batches for m in batch]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    for a in range(world):
+        for b in range(world):
+            sent = [m[2:] for m in every[a] if m[0] == "send" and m[1] == b]
+            received = [m[2:] for m in every[b] if m[0] == "recv" and m[1] == a]
+            assert sent == received, f"{label}: rank {a} -> {b} sends {sent}, receives {received}"
+
+
+def _bytes_sent(device, shape, **arguments):
+    """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
+    float32 q, k, v of `shape` with `arguments`."""
+    with _posted() as batches:
+        q, k, v = (torch.randn(*shape, device=device, requires_grad=True) for _ in range(3))
+        context_parallel_attention(q, k, v, **arguments).sum().backward()
+    return [sum(m[5] for m in batch if m[0] == "send") for batch in batches]
 
 
 def _check_halo_bytes(rank, world, device):
@@ -398,9 +526,26 @@ def _check_document_bytes(rank, world, device):
     backward their dK, dV (float32) back; with three ranks rank 2 reaches rank 1's last three rows the same way."""
     b, h_kv, n, d = 1, 2, 7, 16
     documents = torch.tensor([0, 3, 11, world * n], dtype=torch.int32, device=device)
-    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents)
+    sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents,
+                       balance_documents=False)
     row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
     want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
+    assert sent == want, (rank, sent)
+
+
+def _check_balanced_bytes(rank, world, device):
+    """Documents (0, 8, 12, 16) on two contiguous shards of 8: rank 0's one document keeps 36 scores, rank 1's two
+    10 each, so rank 0 lends rank 1 its last row against its 8 keys (8 scores: 28 each). Only those rows travel: the
+    forward sends the row's q and the 8 K, V rows, and returns its partial out and lse (float32); the backward sends
+    the row's out, lse and dO, and returns its dQ and the keys' dK, dV (float32)."""
+    if world != 2:
+        return
+    b, h, n, d = 1, 2, 8, 16
+    documents = torch.tensor([0, 8, 12, 16], dtype=torch.int32, device=device)
+    sent = _bytes_sent(device, (b, h, n, d), causal=True, load_balance=False, cu_seqlens=documents,
+                       balance_documents=True)
+    row, lse_row = b * h * d * 4, b * h * 4
+    want = [[row + 2 * n * row, 0, 2 * row + lse_row, 0], [0, row + lse_row, 0, row + 2 * n * row]][rank]
     assert sent == want, (rank, sent)
 
 
@@ -413,6 +558,8 @@ def _check_errors(rank, world, device):
         context_parallel_attention(*(q.to(torch.float16 if rank else torch.float32),) * 3)
     with pytest.raises(ValueError, match="causal: the ranks disagree"):
         context_parallel_attention(q, q, q, causal=rank == 0)
+    with pytest.raises(ValueError, match="balance_documents: the ranks disagree"):
+        context_parallel_attention(q, q, q, causal=True, balance_documents=rank == 0)
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):

@@ -26,6 +26,11 @@ chunk, so they are nearly all of the blocks, and a step with another rank's keys
 document or two that cross a boundary. So the keys do not travel the ring: each step's rows come straight from the
 rank that owns them, and their dK/dV go straight back (`Visit`), the next step's exchange posted before this
 step's kernels run.
+
+Documents leave head-tail shards uneven (a document's causal work grows with the square of its length), so under
+`balance_documents` a heavy rank lends part of its diagonal pieces to lighter ranks: the executor receives those
+query rows and their keys from the owner, runs them, and returns the partial (out, lse), merged by the owner in
+float32 like every other partial, and in the backward dQ, dK and dV (`Loan`). The shards stay as the caller made them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch.distributed as dist
 from ..api import sdpa
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW
+from ..policy import context_parallel
+from .balance import Loan, balanced_schedule, kept_scores, shares
 from .ring import (_halo_backward, _halo_forward, _Kernels, _Ring, _ring_backward, _ring_forward, _visits_backward,
                    _visits_forward)
 from .schedule import (Block, Halo, Pieces, Visit, chunks_of, document_pieces, document_visits, grouped_pieces,
@@ -50,17 +57,17 @@ class _ContextParallel(torch.autograd.Function):
     (`steps` a list of `Visit`s) as one differentiable call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, kernels):
+    def forward(ctx, q, k, v, ring, steps, kernels, loans=()):
         ctx.halo_rows = ctx.received = None
         if isinstance(steps, Halo):
             out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
         elif isinstance(steps[0], Visit):
-            out, lse, ctx.received = _visits_forward(ring, steps, kernels, q, k, v)
+            out, lse, ctx.received, ctx.hosted = _visits_forward(ring, steps, loans, kernels, q, k, v)
         else:
             out, lse = _ring_forward(ring, steps, kernels, q, k, v)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.steps, ctx.kernels = ring, steps, kernels
+        ctx.ring, ctx.steps, ctx.kernels, ctx.loans = ring, steps, kernels, loans
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -71,17 +78,18 @@ class _ContextParallel(torch.autograd.Function):
             dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
                                         do.contiguous())
         elif ctx.received is not None:
-            dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, ctx.received, out, lse,
-                                          do.contiguous())
+            dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.loans, ctx.kernels, q, k, v, ctx.received,
+                                          ctx.hosted, out, lse, do.contiguous())
         else:
             dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                                causal: bool = False, scale: float | None = None, load_balance: bool = True,
                                window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                               cu_seqlens: torch.Tensor | None = None, return_lse: bool = False):
+                               cu_seqlens: torch.Tensor | None = None, return_lse: bool = False,
+                               balance_documents: bool | None = None):
     """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
     shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
     makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
@@ -97,9 +105,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the rows
     the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks put a
     chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens` a
-    window cuts the documents' rows exchanged instead. Every rank must pass shards of one shape and the same
-    arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an odd shard under
-    `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
+    window cuts the documents' rows exchanged instead. `balance_documents` (None: policy.context_parallel's
+    BALANCE_DOCUMENTS): with `cu_seqlens`, part of the documents' work of the ranks that hold more of it runs on the
+    others (`balance.balanced_schedule`), the shards staying as they are. Every rank must pass shards of one shape
+    and the same arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an
+    odd shard under `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError("context_parallel_attention needs torch.distributed initialised "
@@ -121,12 +131,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, None)
     documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
-    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents)
+    balance = bool(context_parallel.BALANCE_DOCUMENTS if balance_documents is None else balance_documents)
+    _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
+                              balance)
     halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
     schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents)
+    loans = ()
+    if documents and balance:
+        schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
+        loans = tuple(loan for loan in loans if rank in (loan.owner, loan.executor))
     steps = halos[rank] if halos else document_visits(schedule, rank) if documents else schedule[rank]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap))
+    out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap),
+                                      loans)
     return (out, lse) if return_lse else out
 
 
@@ -152,10 +169,12 @@ def checked_documents(cu_seqlens, total: int) -> tuple[int, ...]:
     return offsets
 
 
-def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents) -> None:
+def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
+                              balance) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
     names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
-             "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets")
+             "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets",
+             "balance_documents")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     # NOTE: the offsets travel as one weighted sum modulo a prime (below 2^53: exact in float64), so that the
     # all-gather stays a few numbers however many documents there are
@@ -163,7 +182,8 @@ def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, w
                                                    sum(i * x for i, x in enumerate(documents, 1)) % 1_000_000_007]
     mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
                          dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
-                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets],
+                         -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets,
+                         balance],
                         dtype=torch.float64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)

@@ -17,6 +17,9 @@ from ..lang.builtin import NO_WINDOW
 from ..runtime.registry import resolve
 from .schedule import Block, Halo, Pieces, Visit
 
+# (above every visit's tags, 2 * step + 0 or 1)
+_LOAN_TAG = 1 << 12
+
 
 class _Ring(NamedTuple):
     """This rank's place in the group: P2P peers as global ranks."""
@@ -124,7 +127,11 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
         kernel, scale = kernels(b)
         part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
                                         v[:, :, b.k_start:b.k_end], scale)
-    rows = slice(b.q_start, b.q_end)
+    _merge(out, lse, slice(b.q_start, b.q_end), part, part_lse)
+
+
+def _merge(out, lse, rows: slice, part, part_lse) -> None:
+    """Merge the partial (part, part_lse) of `rows` into `out` and `lse`."""
     merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
                                       part.transpose(1, 2), part_lse)
     out[:, :, rows] = merged.transpose(1, 2)
@@ -270,49 +277,150 @@ def _post_visit(ring, visit: Visit, k, v):
     return (*_post(ring, sends, receives), sends)
 
 
-def _visits_forward(ring, visits, kernels, q, k, v):
-    """(out float32, lse, the K/V rows each visit received): each visit's exchange is posted before the previous
-    visit's kernels run."""
+def _visits_forward(ring, visits, loans, kernels, q, k, v):
+    """(out float32, lse, the K/V rows each visit received, the q, k, v rows of each loan this rank runs): each
+    visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; a loan
+    runs after its executor's own keys (step 0), and its partial goes back to its owner while the other steps run.
+
+    NOTE: NCCL matches a pair's messages by the order they are posted, so every rank posts the loans' rows first,
+    then the exchange of step 1 (where it has one), the loans' partials, and the steps after 1: a rank with loans
+    whose first step after 0 is a later one posts it only after the partials."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     received = []
-    posted = _post_visit(ring, visits[1], k, v) if len(visits) > 1 else None
+    lent = _post_loans(ring, loans, True,
+                       lambda _, loan: (_rows(q, loan.rows), *(_rows(t, loan.keys) for t in (k, v))),
+                       lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))),
+                       0)
+    early = len(visits) > 1 and (not loans or visits[1].step == 1)
+    posted = _post_visit(ring, visits[1], k, v) if early else None
     for i, visit in enumerate(visits):
         kv = (k, v)
         if i:
-            buffers, requests, _ = posted
+            buffers, requests, _ = posted or _post_visit(ring, visit, k, v)
             _wait(requests)
             kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
             received.append(kv)
             posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
         for b in visit.blocks:
             _forward_block(kernels, b, q, *kv, out, lse)
-    return out, lse, received
+        if i == 0:
+            hosted, returns = _loans_forward(ring, loans, kernels, q, lse, lent)
+    back, requests, _ = returns
+    _wait(requests)
+    for loan, part in zip(loans, back):
+        if part is not None:
+            for rows, offset in _offsets(loan.rows):
+                _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
+                       part[1][:, :, offset:offset + rows.stop - rows.start])
+    return out, lse, received, hosted
 
 
-def _visits_backward(ring, visits, kernels, q, k, v, received, out, lse, do):
+def _loans_forward(ring, loans, kernels, q, lse, lent):
+    """(the rows of each loan this rank runs, the posted return of the partials): the loans this rank runs, on the
+    rows `lent` (`_post_loans`) brings, their partial (out, lse) posted back to their owners.
+
+    NOTE: a partial out travels in q's dtype, as a kernel returns it (only a query row that two of the loan's
+    blocks reach, a piece cut by rows, is rounded once more), half the bytes of float32."""
+    hosted, requests, _ = lent
+    _wait(requests)
+    partials = {}
+    for i, (loan, rows) in enumerate(zip(loans, hosted)):
+        if rows is not None:
+            part = torch.zeros(rows[0].shape, device=q.device, dtype=torch.float32)
+            part_lse = torch.full(rows[0].shape[:3], -math.inf, device=q.device, dtype=torch.float32)
+            for b in loan.blocks:
+                _forward_block(kernels, b, *rows, part, part_lse)
+            partials[i] = (part.to(q.dtype), part_lse)
+    returns = _post_loans(ring, loans, False, lambda i, _: partials[i],
+                          lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
+    return hosted, returns
+
+
+def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, out, lse, do):
     """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
-    the rows this rank sent come back with theirs."""
+    the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, it runs
+    after the executor's own keys, and its dQ, dK and dV (in q, k and v's dtype, as the partial out) go back before
+    any visit's (so in one order on every rank)."""
+    lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
+                       lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     for b in visits[0].blocks:
         _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    saved, requests, _ = lent
+    _wait(requests)
+    grads = {}
+    for i, (loan, inputs, rest) in enumerate(zip(loans, hosted, saved)):
+        if inputs is not None:
+            grads[i] = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in inputs)
+            for b in loan.blocks:
+                _backward_block(kernels, b, *inputs, *rest, *grads[i])
+    back, returns, returned = _post_loans(
+        ring, loans, False, lambda i, _: tuple(g.to(t.dtype) for g, t in zip(grads[i], (q, k, v))),
+        lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))), 3)
     pending = []
     for visit, rows in zip(visits[1:], received):
-        grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
+        grads_i = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
         for b in visit.blocks:
-            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads)
+            _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads_i)
         tag = 2 * visit.step
-        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads) if visit.receive]
+        sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads_i) if visit.receive]
         receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
                     if visit.send]
-        pending.append((visit.send, *_post(ring, sends, receives), grads))
+        pending.append((visit.send, *_post(ring, sends, receives), grads_i))
     for ranges, buffers, requests, _ in pending:
         _wait(requests)
-        offset = 0
-        for a, b in ranges:
-            dk[:, :, a:b] += buffers[0][:, :, offset:offset + b - a]
-            dv[:, :, a:b] += buffers[1][:, :, offset:offset + b - a]
-            offset += b - a
+        if ranges:
+            _add_rows(dk, ranges, buffers[0])
+            _add_rows(dv, ranges, buffers[1])
+    _wait(returns)
+    for loan, part in zip(loans, back):
+        if part is not None:
+            _add_rows(dq, loan.rows, part[0])
+            _add_rows(dk, loan.keys, part[1])
+            _add_rows(dv, loan.keys, part[2])
     return dq, dk, dv
+
+
+def _offsets(ranges):
+    """(slice of the rows, where they start once packed) of each range of `ranges`."""
+    offset = 0
+    for a, b in ranges:
+        yield slice(a, b), offset
+        offset += b - a
+
+
+def _add_rows(t, ranges, packed) -> None:
+    """Add to t's rows in `ranges` the rows of `packed`, which holds them one after another."""
+    for rows, offset in _offsets(ranges):
+        t[:, :, rows] += packed[:, :, offset:offset + rows.stop - rows.start]
+
+
+def _post_loans(ring, loans, from_owner: bool, tensors, like, tag: int):
+    """Post the messages of `loans` (those this rank owns or runs) one way, from each owner to its executor
+    (`from_owner`) or back: the sending side sends `tensors(i, loan)`, the other receives tensors like `like(loan)`.
+    Returns (the received tensors of each loan, None where this rank sends; the requests; the sends, kept alive
+    until the requests are waited on).
+
+    NOTE: a loan's messages are posted before every visit's (its rows) or after (what comes back), on every rank
+    alike, so that the ranks post them in one order (NCCL matches a pair's messages by their order)."""
+    if not loans:
+        return [], [], []
+    sends, receives, counts = [], [], []
+    for i, loan in enumerate(loans):
+        sending = (loan.owner == ring.rank) == from_owner
+        offset = (loan.executor if loan.owner == ring.rank else loan.owner) - ring.rank
+        if sending:
+            sends += [(offset, t.contiguous(), _LOAN_TAG + tag + j) for j, t in enumerate(tensors(i, loan))]
+            counts.append(0)
+        else:
+            receives += [(offset, t, _LOAN_TAG + tag + j) for j, t in enumerate(like(loan))]
+            counts.append(len(like(loan)))
+    buffers, requests = _post(ring, sends, receives)
+    received = []
+    for count in counts:
+        received.append(tuple(buffers[:count]) if count else None)
+        buffers = buffers[count:]
+    return received, requests, sends

@@ -206,25 +206,42 @@ class Visit(NamedTuple):
     send: tuple[tuple[int, int], ...]
 
 
+def spans(ranges) -> tuple[tuple[int, int], ...]:
+    """(start, end) `ranges` as sorted disjoint ranges, overlapping or touching ones joined."""
+    out = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return tuple(out)
+
+
 def key_ranges(blocks) -> tuple[tuple[int, int], ...]:
     """The key rows `blocks` reach, as sorted disjoint (start, end) ranges."""
-    ranges = []
-    for start, end in sorted((b.k_start, b.k_end) for b in blocks):
-        if ranges and start <= ranges[-1][1]:
-            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], end))
-        else:
-            ranges.append((start, end))
-    return tuple(ranges)
+    return spans((b.k_start, b.k_end) for b in blocks)
 
 
-def _packed_keys(b: Block, ranges) -> Block:
-    """Block b with its keys local to the rows of `ranges` packed one after another."""
+def _packed_position(start: int, end: int, ranges) -> int:
+    """Where rows start..end (within one of `ranges`) begin once the rows of `ranges` are packed one after another."""
     offset = 0
-    for start, end in ranges:
-        if start <= b.k_start < end:
-            return b._replace(k_start=b.k_start - start + offset, k_end=b.k_end - start + offset)
-        offset += end - start
-    raise AssertionError(f"{b} reaches no rows of {ranges}")
+    for a, b in ranges:
+        if a <= start < b:
+            return start - a + offset
+        offset += b - a
+    raise AssertionError(f"rows {start}..{end} lie in none of {ranges}")
+
+
+def packed_block(b: Block, rows, keys) -> Block:
+    """Block b with its queries local to the rows of `rows` packed one after another and its keys to those of
+    `keys` (either None: left as they are)."""
+    if rows is not None:
+        start = _packed_position(b.q_start, b.q_end, rows)
+        b = b._replace(q_start=start, q_end=start + b.q_end - b.q_start)
+    if keys is not None:
+        start = _packed_position(b.k_start, b.k_end, keys)
+        b = b._replace(k_start=start, k_end=start + b.k_end - b.k_start)
+    return b
 
 
 def document_visits(schedule, rank: int) -> list[Visit]:
@@ -237,7 +254,7 @@ def document_visits(schedule, rank: int) -> list[Visit]:
         receive = key_ranges(blocks) if step else ()
         send = key_ranges(schedule[(rank + step) % world][step]) if step else ()
         if step == 0 or receive or send:
-            packed = [_packed_keys(b, receive) for b in blocks] if step else blocks
+            packed = [packed_block(b, None, receive) for b in blocks] if step else blocks
             visits.append(Visit(step, grouped_pieces(packed), receive, send))
     return visits
 

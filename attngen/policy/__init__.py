@@ -1,5 +1,6 @@
 """Decisions and tables that rewrite no IR: launch configs (`configs`), split counts (`splits`), which kernels
-read through TMA descriptors (`tma`), and the Hopper Gluon kernels' shapes and thresholds (`hopper`)."""
+read through TMA descriptors (`tma`), the Hopper Gluon kernels' shapes and thresholds (`hopper`), and how context
+parallelism evens out documents' work among ranks (`context_parallel`)."""
 
 from . import hopper
 

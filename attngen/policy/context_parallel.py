@@ -1,0 +1,29 @@
+"""How context parallelism shares documents' work among the ranks (attngen.distributed.balance): whether it moves
+part of a heavy rank's work to lighter ranks, and the cost model that decides what to move."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Documents packed into head-tail shards leave the ranks' work uneven (the 14 documents of mean 8,192 in 128k
+# tokens: 0.851 / 1.149 of the mean on 2 ranks); True moves part of the heavy ranks' diagonal pieces to the light
+# ranks for execution. Off until measured on GPUs (benchmarks/context_parallel.py, attngen_document_balanced).
+BALANCE_DOCUMENTS = False
+
+
+@dataclass(frozen=True, slots=True)
+class BalancePolicy:
+    """The cost model and stopping rule of the document balance.
+
+    block_cost: what a kernel call costs beyond its kept scores, in kept (query, key) pairs: a launch, its merge
+        and a tile's ragged edge; at d=128, 32 heads and ~400 TFLOP/s forward + backward a pair costs ~0.14 ns, so
+        131,072 pairs are ~20 us.
+    tolerance: moves stop once no rank is further from the mean than this share of it.
+    min_rows: a split piece moves at least this many query rows (fewer cost more in launches than they balance).
+    """
+    block_cost: int = 128 * 1024
+    tolerance: float = 0.01
+    min_rows: int = 64
+
+
+BALANCE = BalancePolicy()
