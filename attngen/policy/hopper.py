@@ -501,7 +501,7 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -547,13 +547,24 @@ VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
 keys at BLOCK_N = 128; at most 2^15, the bits it packs a tile's number in); more take the packed order."""
 
+VARLEN_BWD_LEAN = False
+"""Whether the Gluon varlen backward zeroes a warpgroup's K and V rows past its sequence by one load and store of its
+whole tile (`_ws_bwd_zero_tail`, GluonBackward.zero_whole) instead of the forward's 16 rows at a time
+(`_ws_zero_rows`). The zeroing runs once, before the loop, yet its four unrolled chunks raised ptxas's spills in the
+loop (sm_90a, causal d=128, the ordered kernel): 268 bytes a thread with the chunks, 144 without any zeroing, 156 with
+the whole tile at once (the dense variant kernel 96, the plain dense causal one 16). Of the other varlen-only code:
+the query bound in keep() and the bottom-right offset, the masked delta and the dQ rows' q_start moved the count by
+-4 to +4 each, and the row-masked epilogue lowers it (without it 336). Not measured on a GPU yet:
+`python benchmarks/varlen_bwd_ab.py`."""
+
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
-    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order.
+    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order, the rows past
+    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
@@ -561,7 +572,7 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
                    order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
-                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0)
+                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN)
 
 
 FP8_DECODE_GLUON = True
