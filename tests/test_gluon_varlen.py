@@ -65,11 +65,13 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
-@pytest.fixture(params=[False, True], ids=["packed", "scheduled"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["packed", "scheduled", "scheduled_lean"])
 def gluon_varlen_backward_scheduled(request, monkeypatch):
-    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on."""
+    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on, and on with
+    hopper.VARLEN_BWD_LEAN (rows past a sequence zeroed a whole tile at once)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
-    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param[0])
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", request.param[1])
 
 
 # -- on the CPU ------------------------------------------------------------------------------------------
@@ -525,6 +527,63 @@ def test_the_backward_tile_order_is_on_by_default_and_a_switch(monkeypatch):
     spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
     source = render(spec, program)
     assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
+
+
+def test_the_lean_backward_is_off_by_default_and_changes_only_the_zeroing(monkeypatch):
+    """hopper.VARLEN_BWD_LEAN (off until measured on a GPU) is a switch of the kernel caches; with it on, the varlen
+    backward's consumers zero their rows past a sequence by _ws_bwd_zero_tail and the module differs from the one
+    without it in that alone; a dense program never takes it (the verifier refuses it there)."""
+    import dataclasses
+
+    from attngen.errors import InternalError
+    from attngen.ir.verify import verify
+
+    assert hopper.VARLEN_BWD_LEAN is False and "VARLEN_BWD_LEAN" in hopper.SWITCHES
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    text = _text("gvlb_lean", "causal", direction="forward+backward")
+    spec, program = _program(text)
+    off = render(spec, program)
+    assert program.warp_specialized.backward.zero_whole is False and "_ws_bwd_zero_tail" not in off
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", True)
+    spec, program = _program(text)
+    on = render(spec, program)
+    assert program.warp_specialized.backward.zero_whole is True
+    assert on.count("_ws_bwd_zero_tail(k, n_k - row0, BN, HEAD_DIM)") == 1
+    assert on.count("_ws_bwd_zero_tail(v, n_k - row0, BN, HEAD_DIM)") == 1
+    start = on.index("@gluon.jit\ndef _ws_bwd_zero_tail(")
+    end = on.index("@gluon.jit", start + 1)
+    assert on[:start] + on[end:] == off.replace("_ws_zero_rows(k, n_k", "_ws_bwd_zero_tail(k, n_k").replace(
+        "_ws_zero_rows(v, n_k", "_ws_bwd_zero_tail(v, n_k")
+    dense_spec, dense = _program(text.replace("    layout = varlen\n", ""))
+    assert dense.warp_specialized.backward is not None and dense.warp_specialized.backward.zero_whole is False
+    lean = dataclasses.replace(dense.warp_specialized.backward, zero_whole=True)
+    with pytest.raises(InternalError, match="zero_whole"):
+        verify(dataclasses.replace(dense, warp_specialized=dataclasses.replace(dense.warp_specialized, backward=lean)), "test")
+
+
+VARLEN_BWD_LEAN_SPILLS = {"causal": 156, "softcap_window": 668}
+"""Bytes a thread of the ordered varlen Gluon backward spills with hopper.VARLEN_BWD_LEAN (ptxas -v, sm_90a): the
+whole-tile zeroing; without it 268 and 768 (VARLEN_BWD_SPILLS: the packed order's, within 8 bytes)."""
+
+
+@pytest.mark.parametrize("variant", sorted(VARLEN_BWD_LEAN_SPILLS))
+def test_the_lean_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch, tmp_path, variant):
+    """With hopper.VARLEN_BWD_LEAN the Gluon varlen backward (the default tile order) compiles for sm_90 with its TMA
+    loads and dQ reductions, and ptxas spills no more than VARLEN_BWD_LEAN_SPILLS, less than the same kernel without
+    the switch."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    jobs = []
+    for lean in (False, True):
+        monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", lean)
+        kernel = attngen.load(_text(f"gvlb_sm90_lean_{variant}", variant, 128, "bf16", direction="forward+backward"))
+        assert ("_ws_bwd_zero_tail" in kernel.path.read_text()) is lean
+        jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": str(tmp_path / f"{lean}.ptx")})
+    results = probe(jobs)
+    for result in results:
+        assert "error" not in result, result
+        assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    off, on = (_ptxas_spills(job["ptx_to"]) for job in jobs)
+    assert on <= VARLEN_BWD_LEAN_SPILLS[variant] < off, (variant, off, on)
 
 
 def test_ws_ready_counts_the_average_sequence():
