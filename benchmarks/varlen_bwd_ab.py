@@ -7,6 +7,9 @@ both causal per document, d=128, bf16. Settings (policy/hopper.py values set whi
 generated; every one with VARLEN_BACKWARD on and the default tile order):
   base     the switches below off
   lean     VARLEN_BWD_LEAN: K and V rows past a sequence zeroed a whole tile at once (fewer ptxas spills in the loop)
+  persistent       VARLEN_BWD_PERSISTENT: a persistent grid, the next tile's K/V and first Q/dO loaded while this
+                   tile's dK/dV leave
+  lean_persistent  both
 Each module's `backward_varlen` is timed by triton.testing.do_bench (median; TFLOP/s on kept scores, as `attngen
 bench --suite varlen` counts them), and a torch.profiler pass gives the main kernel's (attn_bwd_dkdv_ws) share of
 it; "max diff" is the largest gradient difference against the base setting's.
@@ -42,8 +45,10 @@ CASES = {  # name: (document lengths, heads)
 }
 
 SETTINGS = {  # name: policy values set while its module is generated
-    "base": {"VARLEN_BACKWARD": True, "VARLEN_BWD_LEAN": False},
-    "lean": {"VARLEN_BACKWARD": True, "VARLEN_BWD_LEAN": True},
+    name: {"VARLEN_BACKWARD": True, "VARLEN_BWD_SCHEDULE": True, "VARLEN_BWD_LEAN": lean,
+           "VARLEN_BWD_PERSISTENT": persistent}
+    for name, lean, persistent in (("base", False, False), ("lean", True, False), ("persistent", False, True),
+                                   ("lean_persistent", True, True))
 }
 
 MAIN = "attn_bwd_dkdv_ws"
@@ -53,7 +58,8 @@ MAIN = "attn_bwd_dkdv_ws"
 def module_for(setting: str, heads: int):
     """The generated module of a setting: a varlen causal spec under a name of its own, generated under its values."""
     text = (f"kernel vbwd_ab_{setting}_{heads} {{\n    direction = forward+backward\n    layout = varlen\n"
-            f"    mask = causal\n    head_dim = {D}\n    dtype = bf16\n    heads = {heads}\n    kv_heads = {heads}\n}}\n")
+            f"    mask = causal\n    head_dim = {D}\n    dtype = bf16\n    heads = {heads}\n"
+            f"    kv_heads = {heads}\n}}\n")
     with mock.patch.multiple(hopper, **SETTINGS[setting]):  # (restored after)
         return attngen.load(text).module
 
@@ -84,7 +90,7 @@ def run_case(case: str, settings: list[str]) -> None:
     used = cu[1:] - cu[:-1]
     kept = kept_scores(lengths, lengths, True)
     print(f"\n{case}: {len(lengths)} sequences ({total} tokens), H={heads}, d={D}, causal, bf16")
-    print(f"{'setting':>9} {'ms':>7} {'TFLOP/s':>8} {'main us':>9} {'main TFLOP/s':>13} | max diff")
+    print(f"{'setting':>15} {'ms':>7} {'TFLOP/s':>8} {'main us':>9} {'main TFLOP/s':>13} | max diff")
     reference = None
     for setting in settings:
         module = module_for(setting, heads)
@@ -101,7 +107,7 @@ def run_case(case: str, settings: list[str]) -> None:
         else:
             diff = f"{max((g - r).abs().max().item() for g, r in zip(grads, reference)):.3g}"
         flop = 4 * D * heads * kept * 2.5
-        print(f"{setting:>9} {ms:7.3f} {flop / ms / 1e9:8.1f} {main_us:9.1f} {flop / main_us / 1e6:13.1f} | {diff}")
+        print(f"{setting:>15} {ms:7.3f} {flop / ms / 1e9:8.1f} {main_us:9.1f} {flop / main_us / 1e6:13.1f} | {diff}")
         del grads, out, lse
 
 

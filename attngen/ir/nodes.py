@@ -490,6 +490,9 @@ class GluonBackward:
     # varlen: a warpgroup's K and V rows past its sequence zeroed by one load and store of its whole tile, not
     # 16 rows at a time (fewer ptxas spills in the loop after it)
     zero_whole: bool = False
+    # varlen, ordered: a persistent grid (a program a multiprocessor taking the order's work items in turn), dK and
+    # dV out through the dQ buffers while the next tile's K and V load
+    persistent: bool = False
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"

@@ -501,7 +501,7 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -557,6 +557,19 @@ the query bound in keep() and the bottom-right offset, the masked delta and the 
 -4 to +4 each, and the row-masked epilogue lowers it (without it 336). Not measured on a GPU yet:
 `python benchmarks/varlen_bwd_ab.py`."""
 
+VARLEN_BWD_PERSISTENT = False
+"""Whether the ordered Gluon varlen backward (VARLEN_BWD_SCHEDULE) runs a persistent grid (GluonBackward.persistent):
+a program a multiprocessor, each taking the order's work items (a K/V head's slot) program_id, program_id + programs,
+... in the ordered grid's numbering, its partitions counting the ring's steps and the tiles on across them; a
+consumer's dK and dV leave through its dQ buffer (as large), so that once every consumer's products over a tile are
+done the loader loads the next tile's K and V and first Q and dO blocks while they leave. Why: at the bench's
+documents a key tile has 1 to 50 query-block steps, 16.5 on average (64.5 at one 16k sequence), so a program's fixed
+costs (launch, K/V load, pipeline fill, dK/dV stores) weigh ~4x more than in the dense kernel. The work items are
+dealt out in turn, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
+balance may suffer. Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
+the launch-per-tile kernel: 336 bytes a thread (268 without it), 384 with VARLEN_BWD_LEAN (156), all in the consumers.
+Not run on a GPU yet: its GPU tests and `python benchmarks/varlen_bwd_ab.py`."""
+
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
@@ -564,7 +577,7 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
     lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order, the rows past
-    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN.
+    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN, on a persistent grid with VARLEN_BWD_PERSISTENT.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
@@ -572,7 +585,8 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
                    order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
-                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN)
+                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN,
+                   persistent=VARLEN_BWD_SCHEDULE and VARLEN_BWD_PERSISTENT)
 
 
 FP8_DECODE_GLUON = True
