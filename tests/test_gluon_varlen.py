@@ -507,16 +507,17 @@ def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch
 @pytest.mark.parametrize("kv_heads, group", [(2, 2), (6, 3)])
 def test_the_persistent_backward_takes_every_work_item_once(monkeypatch, kv_heads, group):
     """hopper.VARLEN_BWD_PERSISTENT: the launch's grid is a program a multiprocessor (no more than the work items), and
-    its programs' work items, program_id, program_id + programs, ... of WORK (the generated _ws_bwd_work, run as
-    Python), are every (slot of the order, K/V head) once, numbered as the ordered grid's programs start, each with
-    the values _ws_bwd_ordered_tile gives that grid's program of the slot."""
+    its programs' work items, one a round (the generated _ws_bwd_item and _ws_bwd_work, run as Python), are every
+    (slot of the order, K/V head) once, numbered as the ordered grid's programs start, each with the values
+    _ws_bwd_ordered_tile gives that grid's program of the slot; a program that takes a round's first item takes the
+    next round's last."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
     kernel = attngen.load(_text("gvlb_persistent", "causal", 64, "bf16", direction="forward+backward"))
     module, source = kernel.module, kernel.path.read_text()
     assert all(f"_ws_bwd_tiles_{p}" in source for p in ("consumer0", "consumer1", "loader"))
-    work = _sequence_tile(source, "_ws_bwd_work")
+    work, item = _sequence_tile(source, "_ws_bwd_work"), _sequence_tile(source, "_ws_bwd_item")
     ordered_tile = _sequence_tile(source.replace(".to(gl.int32)", ""), "_ws_bwd_ordered_tile")
     lengths = [1, 130, 7, 300]
     cu = [0] + list(itertools.accumulate(lengths))
@@ -531,7 +532,9 @@ def test_the_persistent_backward_takes_every_work_item_once(monkeypatch, kv_head
         assert (slots, heads, items) == (tiles, group, kv_heads * tiles)
         taken = {}
         for program in range(grid[0]):
-            for w in range(program, items, grid[0]):
+            rounds = [item(r, program, grid[0]) for r in range(-(-items // grid[0]))]
+            assert rounds[:2] == [program, 2 * grid[0] - 1 - program][:len(rounds)]
+            for w in (w for w in rounds if w < items):
                 hkv, *tile = work(w, _Pointer(order), slots, heads, _Pointer(cu), 1, _Pointer(cu), 1, _Pointer(lengths),
                                   1, block_n)
                 slot = w // heads % slots

@@ -559,15 +559,16 @@ the query bound in keep() and the bottom-right offset, the masked delta and the 
 
 VARLEN_BWD_PERSISTENT = False
 """Whether the ordered Gluon varlen backward (VARLEN_BWD_SCHEDULE) runs a persistent grid (GluonBackward.persistent):
-a program a multiprocessor, each taking the order's work items (a K/V head's slot) program_id, program_id + programs,
-... in the ordered grid's numbering, its partitions counting the ring's steps and the tiles on across them; a
+a program a multiprocessor, each taking one of the order's work items (a K/V head's slot, in the ordered grid's
+numbering) a round, the programs in order in even rounds and in reverse in odd ones (`_ws_bwd_item`), its
+partitions counting the ring's steps and the tiles on across them; a
 consumer's dK and dV leave through its dQ buffer (as large), so that once every consumer's products over a tile are
 done the loader loads the next tile's K and V and first Q and dO blocks while they leave. Why: at the bench's
 documents a key tile has 1 to 50 query-block steps, 16.5 on average (64.5 at one 16k sequence), so a program's fixed
 costs (launch, K/V load, pipeline fill, dK/dV stores) weigh ~4x more than in the dense kernel. The work items are
-dealt out in turn, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
-balance may suffer. Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
-the launch-per-tile kernel: 336 bytes a thread (268 without it), 384 with VARLEN_BWD_LEAN (156), all in the consumers.
+dealt out by rounds, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
+balance may suffer (the reversed odd rounds pair a round's longest item with the next round's shortest). Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
+the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
 Not run on a GPU yet: its GPU tests and `python benchmarks/varlen_bwd_ab.py`."""
 
 
