@@ -10,6 +10,8 @@ generated; every one with VARLEN_BACKWARD on and the default tile order):
   persistent       VARLEN_BWD_PERSISTENT: a persistent grid, the next tile's K/V and first Q/dO loaded while this
                    tile's dK/dV leave
   lean_persistent  both
+  persistent4      persistent with the order 4 K/V heads at a time (VARLEN_BWD_PERSISTENT_ORDER_HEADS; default all:
+                   dealt by rounds, small groups pile the longest tiles on the same programs)
 Each module's `backward_varlen` is timed by triton.testing.do_bench (median; TFLOP/s on kept scores, as `attngen
 bench --suite varlen` counts them), and a torch.profiler pass gives the main kernel's (attn_bwd_dkdv_ws) share of
 it; "max diff" is the largest gradient difference against the base setting's.
@@ -50,6 +52,7 @@ SETTINGS = {  # name: policy values set while its module is generated
     for name, lean, persistent in (("base", False, False), ("lean", True, False), ("persistent", False, True),
                                    ("lean_persistent", True, True))
 }
+SETTINGS["persistent4"] = dict(SETTINGS["persistent"], VARLEN_BWD_PERSISTENT_ORDER_HEADS=4)
 
 MAIN = "attn_bwd_dkdv_ws"
 """The main kernel's name in the profiler's events."""

@@ -504,17 +504,18 @@ def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch
     assert sorted(programs) == [(t, h) for t in range(launch_tiles) for h in range(kv_heads)]
 
 
-@pytest.mark.parametrize("kv_heads, group", [(2, 2), (6, 3)])
-def test_the_persistent_backward_takes_every_work_item_once(monkeypatch, kv_heads, group):
+@pytest.mark.parametrize("kv_heads, order_heads, group", [(2, 64, 2), (6, 64, 6), (6, 4, 3)])
+def test_the_persistent_backward_takes_every_work_item_once(monkeypatch, kv_heads, order_heads, group):
     """hopper.VARLEN_BWD_PERSISTENT: the launch's grid is a program a multiprocessor (no more than the work items), and
     its programs' work items, one a round (the generated _ws_bwd_item and _ws_bwd_work, run as Python), are every
     (slot of the order, K/V head) once, numbered as the ordered grid's programs start, each with the values
     _ws_bwd_ordered_tile gives that grid's program of the slot; a program that takes a round's first item takes the
-    next round's last."""
+    next round's last. The order takes all K/V heads together (up to VARLEN_BWD_PERSISTENT_ORDER_HEADS)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
-    kernel = attngen.load(_text("gvlb_persistent", "causal", 64, "bf16", direction="forward+backward"))
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT_ORDER_HEADS", order_heads)
+    kernel = attngen.load(_text(f"gvlb_persistent_{order_heads}", "causal", 64, "bf16", direction="forward+backward"))
     module, source = kernel.module, kernel.path.read_text()
     assert all(f"_ws_bwd_tiles_{p}" in source for p in ("consumer0", "consumer1", "loader"))
     work, item = _sequence_tile(source, "_ws_bwd_work"), _sequence_tile(source, "_ws_bwd_item")

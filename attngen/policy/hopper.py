@@ -571,6 +571,15 @@ balance may suffer (the reversed odd rounds pair a round's longest item with the
 the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
 Not run on a GPU yet: its GPU tests and `python benchmarks/varlen_bwd_ab.py`."""
 
+VARLEN_BWD_PERSISTENT_ORDER_HEADS = 64
+"""How many K/V heads' tiles the order takes together under VARLEN_BWD_PERSISTENT (VARLEN_BWD_ORDER_HEADS' role): all of
+them up to 64. A persistent grid deals the items by rounds, and each group of heads starts again from its longest
+tiles, so small groups pile the longest items on the same programs: a list-scheduling simulation (132 programs, the
+bench's 8 documents, H=16, a tile's time its 64-row query blocks + 0.5) puts the makespan at 632 with 4 heads a group,
+558 with 8 and 538 with all 16, against 533 for a launch's programs taken as multiprocessors free up (4 heads: 534);
+at 128k tokens of 14 documents (H=32) every grouping is within 1% of the work's own. The price: all heads' Q, dO and dQ
+rows in flight at once (16 heads a group measured 343 TFLOP/s against 4 heads' 358 launched per tile)."""
+
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
@@ -585,7 +594,8 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     variant = backward_variant(head_dim, causal)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
-                   order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
+                   order_heads=((VARLEN_BWD_PERSISTENT_ORDER_HEADS if VARLEN_BWD_PERSISTENT else VARLEN_BWD_ORDER_HEADS)
+                                if VARLEN_BWD_SCHEDULE else 0),
                    order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN,
                    persistent=VARLEN_BWD_SCHEDULE and VARLEN_BWD_PERSISTENT)
 
