@@ -240,9 +240,14 @@ def _gluon_backward_line(program: ir.Program) -> str:
     heads = program.warp_specialized.backward.order_heads
     order = (f"; the tiles with the most query blocks first, {heads} K/V heads at a time (attn_bwd_order_ws, per call; "
              "policy/hopper.py VARLEN_BWD_SCHEDULE)") if heads else ""
-    return ("the backward runs the Gluon kernel, one program per key tile of the dK/dV grid above (its dQ added by "
-            "TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed, dK and dV of a tile "
-            f"ending past the sequence stored row-masked; {rows}{order})")
+    backward = program.warp_specialized.backward
+    programs = ("a persistent grid, a program a multiprocessor taking the key tiles of the dK/dV grid above in turn "
+                "(policy/hopper.py VARLEN_BWD_PERSISTENT; dK and dV out through its dQ buffers)" if backward.persistent
+                else "one program per key tile of the dK/dV grid above")
+    zeroed = " (a whole tile at once: VARLEN_BWD_LEAN)" if backward.zero_whole else ""
+    return (f"the backward runs the Gluon kernel, {programs} (its dQ added by "
+            f"TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed{zeroed}, dK and dV of a "
+            f"tile ending past the sequence stored row-masked; {rows}{order})")
 
 
 def _gluon_dense_backward_line(program: ir.Program) -> str:

@@ -65,11 +65,17 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
-@pytest.fixture(params=[False, True], ids=["packed", "scheduled"])
+@pytest.fixture(params=[(False, False, False), (True, False, False), (True, True, False), (True, False, True),
+                        (True, True, True)],
+                ids=["packed", "scheduled", "scheduled_lean", "scheduled_persistent", "scheduled_lean_persistent"])
 def gluon_varlen_backward_scheduled(request, monkeypatch):
-    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on."""
+    """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on, and on with
+    hopper.VARLEN_BWD_LEAN (rows past a sequence zeroed a whole tile at once), VARLEN_BWD_PERSISTENT (a persistent
+    grid) or both."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
-    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param[0])
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", request.param[1])
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", request.param[2])
 
 
 # -- on the CPU ------------------------------------------------------------------------------------------
@@ -150,6 +156,22 @@ def test_explain_says_the_backward_takes_its_tiles_in_order(monkeypatch, capsys)
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
     text = capsys.readouterr().out
     assert f"the tiles with the most query blocks first, {hopper.VARLEN_BWD_ORDER_HEADS} K/V heads at a time" in text
+    assert "VARLEN_BWD_PERSISTENT" not in text and "VARLEN_BWD_LEAN" not in text
+
+
+def test_explain_names_the_lean_and_persistent_backward(monkeypatch, capsys):
+    from attngen.cli import main
+
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
+    main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
+    text = capsys.readouterr().out
+    assert "the backward runs the Gluon kernel, a persistent grid, a program a multiprocessor" in text
+    assert "zeroed (a whole tile at once: VARLEN_BWD_LEAN)" in text
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", False)  # (a persistent grid takes the order's work items)
+    main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
+    assert "one program per key tile of the dK/dV grid" in capsys.readouterr().out
 
 
 class _Pointer:
@@ -482,6 +504,71 @@ def test_the_backward_tile_order_takes_every_tile_once_longest_first(monkeypatch
     assert sorted(programs) == [(t, h) for t in range(launch_tiles) for h in range(kv_heads)]
 
 
+@pytest.mark.parametrize("kv_heads, order_heads, group", [(2, 64, 2), (6, 64, 6), (6, 4, 3)])
+def test_the_persistent_backward_takes_every_work_item_once(monkeypatch, kv_heads, order_heads, group):
+    """hopper.VARLEN_BWD_PERSISTENT: the launch's grid is a program a multiprocessor (no more than the work items), and
+    its programs' work items, one a round (the generated _ws_bwd_item and _ws_bwd_work, run as Python), are every
+    (slot of the order, K/V head) once, numbered as the ordered grid's programs start, each with the values
+    _ws_bwd_ordered_tile gives that grid's program of the slot; a program that takes a round's first item takes the
+    next round's last. The order takes all K/V heads together (up to VARLEN_BWD_PERSISTENT_ORDER_HEADS)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT_ORDER_HEADS", order_heads)
+    kernel = attngen.load(_text(f"gvlb_persistent_{order_heads}", "causal", 64, "bf16", direction="forward+backward"))
+    module, source = kernel.module, kernel.path.read_text()
+    assert all(f"_ws_bwd_tiles_{p}" in source for p in ("consumer0", "consumer1", "loader"))
+    work, item = _sequence_tile(source, "_ws_bwd_work"), _sequence_tile(source, "_ws_bwd_item")
+    ordered_tile = _sequence_tile(source.replace(".to(gl.int32)", ""), "_ws_bwd_ordered_tile")
+    lengths = [1, 130, 7, 300]
+    cu = [0] + list(itertools.accumulate(lengths))
+    block_n = module.WS_BWD_SHAPE["BLOCK_N"]
+    tiles = -(-cu[-1] // block_n) + len(lengths)
+    for programs in (3, 10 ** 4):
+        monkeypatch.setattr(module, "_ws_programs", lambda device, n=programs: n)
+        ((grid, args, _),) = _record_varlen_backward(module, monkeypatch, lengths, kv_heads)["attn_bwd_dkdv_ws"].calls
+        assert grid == (min(programs, kv_heads * tiles),)
+        at = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.shape == (2, tiles))
+        order, (slots, heads, items) = args[at].flatten().tolist(), args[at + 1:at + 4]
+        assert (slots, heads, items) == (tiles, group, kv_heads * tiles)
+        taken = {}
+        for program in range(grid[0]):
+            rounds = [item(r, program, grid[0]) for r in range(-(-items // grid[0]))]
+            assert rounds[:2] == [program, 2 * grid[0] - 1 - program][:len(rounds)]
+            for w in (w for w in rounds if w < items):
+                hkv, *tile = work(w, _Pointer(order), slots, heads, _Pointer(cu), 1, _Pointer(cu), 1, _Pointer(lengths),
+                                  1, block_n)
+                slot = w // heads % slots
+                monkeypatch.setattr(_Gl, "program_id", staticmethod(lambda axis, slot=slot: slot), raising=False)
+                monkeypatch.setattr(_Gl, "num_programs", staticmethod(lambda axis: tiles), raising=False)
+                assert tuple(tile) == ordered_tile(_Pointer(order), _Pointer(cu), 1, _Pointer(cu), 1,
+                                                   _Pointer(lengths), 1, block_n), (w, slot)
+                assert w not in taken
+                taken[w] = (slot, hkv)
+        # the ordered grid (heads of a group, slots, groups) numbered as its programs start: x fastest, then y, z
+        started = [(y, z * heads + x) for z in range(kv_heads // heads) for y in range(tiles) for x in range(heads)]
+        assert [taken[w] for w in range(items)] == started
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_the_persistent_varlen_backward_compiles_for_sm90(monkeypatch, tmp_path, lean):
+    """hopper.VARLEN_BWD_PERSISTENT on (with and without VARLEN_BWD_LEAN): the Gluon varlen backward's persistent
+    partitions compile for sm_90, with TMA stores of dK and dV (from the dQ buffers) beside the row-masked ones."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", lean)
+    jobs = []
+    for variant, d, dtype in (("causal", 128, "bf16"), ("alibi", 64, "fp16")):
+        kernel = attngen.load(_text(f"gvlb_sm90_persistent_{variant}", variant, d, dtype, direction="forward+backward"))
+        assert "WORK" in inspect.signature(kernel.module.attn_bwd_dkdv_ws.fn).parameters
+        jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": str(tmp_path / f"{variant}.ptx")})
+    for job, result in zip(jobs, probe(jobs)):
+        assert "error" not in result, (job, result)
+        assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["tma_stores"] >= 2, result
+        assert result["global_stores"] > 0 and result["shared"] <= 232448, result
+
+
 def test_the_ordered_launchs_row_pass_writes_the_shifted_rows_itself(monkeypatch):
     """With hopper.VARLEN_BWD_SCHEDULE on, the row pass (run in the interpreter) writes the four shifted copies of the
     rows that the loader reads by TMA itself: they equal the copies _ws_bwd_shifted_rows makes of the packed
@@ -525,6 +612,65 @@ def test_the_backward_tile_order_is_on_by_default_and_a_switch(monkeypatch):
     spec, program = _program(_text("gvlb_order_off", "causal", direction="forward+backward"))
     source = render(spec, program)
     assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
+
+
+def test_the_lean_backward_is_off_by_default_and_changes_only_the_zeroing(monkeypatch):
+    """hopper.VARLEN_BWD_LEAN (off until measured on a GPU) is a switch of the kernel caches; with it on, the varlen
+    backward's consumers zero their rows past a sequence by _ws_bwd_zero_tail and the module differs from the one
+    without it in that alone; a dense program never takes it (the verifier refuses it there)."""
+    import dataclasses
+
+    from attngen.errors import InternalError
+    from attngen.ir.verify import verify
+
+    assert hopper.VARLEN_BWD_LEAN is False and "VARLEN_BWD_LEAN" in hopper.SWITCHES
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    text = _text("gvlb_lean", "causal", direction="forward+backward")
+    spec, program = _program(text)
+    off = render(spec, program)
+    assert program.warp_specialized.backward.zero_whole is False and "_ws_bwd_zero_tail" not in off
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", True)
+    spec, program = _program(text)
+    on = render(spec, program)
+    assert program.warp_specialized.backward.zero_whole is True
+    assert on.count("_ws_bwd_zero_tail(k, n_k - row0, BN, HEAD_DIM)") == 1
+    assert on.count("_ws_bwd_zero_tail(v, n_k - row0, BN, HEAD_DIM)") == 1
+    start = on.index("@gluon.jit\ndef _ws_bwd_zero_tail(")
+    end = on.index("@gluon.jit", start + 1)
+    assert on[:start] + on[end:] == off.replace("_ws_zero_rows(k, n_k", "_ws_bwd_zero_tail(k, n_k").replace(
+        "_ws_zero_rows(v, n_k", "_ws_bwd_zero_tail(v, n_k")
+    dense_spec, dense = _program(text.replace("    layout = varlen\n", ""))
+    assert dense.warp_specialized.backward is not None and dense.warp_specialized.backward.zero_whole is False
+    for field in ("zero_whole", "persistent"):  # (VARLEN_BWD_PERSISTENT's field: varlen only too)
+        bad = dataclasses.replace(dense.warp_specialized.backward, **{field: True})
+        with pytest.raises(InternalError, match="zero_whole" if field == "zero_whole" else "persistent grid"):
+            verify(dataclasses.replace(dense, warp_specialized=dataclasses.replace(dense.warp_specialized, backward=bad)),
+                   "test")
+
+
+VARLEN_BWD_LEAN_SPILLS = {"causal": 156, "softcap_window": 668}
+"""Bytes a thread of the ordered varlen Gluon backward spills with hopper.VARLEN_BWD_LEAN (ptxas -v, sm_90a): the
+whole-tile zeroing; without it 268 and 768 (VARLEN_BWD_SPILLS: the packed order's, within 8 bytes)."""
+
+
+@pytest.mark.parametrize("variant", sorted(VARLEN_BWD_LEAN_SPILLS))
+def test_the_lean_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch, tmp_path, variant):
+    """With hopper.VARLEN_BWD_LEAN the Gluon varlen backward (the default tile order) compiles for sm_90 with its TMA
+    loads and dQ reductions, and ptxas spills no more than VARLEN_BWD_LEAN_SPILLS, less than the same kernel without
+    the switch."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    jobs = []
+    for lean in (False, True):
+        monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", lean)
+        kernel = attngen.load(_text(f"gvlb_sm90_lean_{variant}", variant, 128, "bf16", direction="forward+backward"))
+        assert ("_ws_bwd_zero_tail" in kernel.path.read_text()) is lean
+        jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": str(tmp_path / f"{lean}.ptx")})
+    results = probe(jobs)
+    for result in results:
+        assert "error" not in result, result
+        assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    off, on = (_ptxas_spills(job["ptx_to"]) for job in jobs)
+    assert on <= VARLEN_BWD_LEAN_SPILLS[variant] < off, (variant, off, on)
 
 
 def test_ws_ready_counts_the_average_sequence():
@@ -856,6 +1002,27 @@ def test_gluon_varlen_backward_seqused_k(monkeypatch):
     lens_q, lens_k = [300, 1, 0, 650, 64], [700, 1, 40, 650, 1000]
     used = torch.tensor([500, 1, 0, 129, 1000], dtype=torch.int32, device="cuda")
     q, k, v, do, dq, dk, dv, cu_q, cu_k, _ = _run_backward(kernel, lens_q, lens_k, 8, 2, seqused=used, seed=5)
+    _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gluon_varlen_backward_persistent_with_few_programs(programs, lean, monkeypatch):
+    """hopper.VARLEN_BWD_PERSISTENT with 1, 3 or 7 programs: each takes many key tiles in turn (the ring's, dS
+    buffers' and K/V barrier's phases carried across them, tiles without queries and tiles past their sequence among
+    them), GQA, seqused_k shorter than some sequences; gradients against float64 per sequence."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", lean)
+    kernel = attngen.load(_text("gvlb_gpu_persistent", "gqa", direction="forward+backward"))
+    monkeypatch.setitem(kernel.module.WS_BWD_SHAPE, "min_scores", 0)
+    monkeypatch.setattr(kernel.module, "_ws_programs", lambda device: programs)
+    lens_q, lens_k = [300, 1, 0, 650, 64, 513], [700, 1, 40, 650, 1000, 200]
+    used = torch.tensor([500, 1, 0, 129, 1000, 200], dtype=torch.int32, device="cuda")
+    q, k, v, do, dq, dk, dv, cu_q, cu_k, _ = _run_backward(kernel, lens_q, lens_k, 8, 2, seqused=used, seed=7)
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, used=used)
 
 

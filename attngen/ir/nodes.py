@@ -487,6 +487,12 @@ class GluonBackward:
     pieces: tuple[int, ...] = ()
     order_heads: int = 0  # varlen: 0 the packed key tiles in order; k: most query blocks first, k K/V heads at a time
     order_tiles: int = 0  # with order_heads: launches of more key tiles a head than this keep the packed order
+    # varlen: a warpgroup's K and V rows past its sequence zeroed by one load and store of its whole tile, not
+    # 16 rows at a time (fewer ptxas spills in the loop after it)
+    zero_whole: bool = False
+    # varlen, ordered: a persistent grid (a program a multiprocessor taking the order's work items in turn), dK and
+    # dV out through the dQ buffers while the next tile's K and V load
+    persistent: bool = False
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"

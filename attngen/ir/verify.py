@@ -423,6 +423,10 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                 or b.order_tiles > 1 << 15:  # (attn_bwd_order_ws packs a tile's number in 15 bits)
             fail(f"backward: order_heads {b.order_heads} over {b.order_tiles} tiles (a varlen grid's key tiles ordered "
                  "k > 0 K/V heads at a time, up to 0 < order_tiles <= 2^15 a head)")
+        if b.zero_whole and not program.attr("varlen"):
+            fail("backward: zero_whole zeroes K and V rows past a packed sequence (varlen only)")
+        if b.persistent and not (program.attr("varlen") and b.order_heads and b.dq_atomic):
+            fail("backward: a persistent grid takes the ordered varlen grid's work items (varlen, order_heads, dq_atomic)")
         regs_ok("backward loader", b.loader_regs)
         counts_ok("backward", b)
     if ws.decode is not None:

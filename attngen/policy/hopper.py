@@ -501,7 +501,7 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -547,21 +547,57 @@ VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
 keys at BLOCK_N = 128; at most 2^15, the bits it packs a tile's number in); more take the packed order."""
 
+VARLEN_BWD_LEAN = False
+"""Whether the Gluon varlen backward zeroes a warpgroup's K and V rows past its sequence by one load and store of its
+whole tile (`_ws_bwd_zero_tail`, GluonBackward.zero_whole) instead of the forward's 16 rows at a time
+(`_ws_zero_rows`). The zeroing runs once, before the loop, yet its four unrolled chunks raised ptxas's spills in the
+loop (sm_90a, causal d=128, the ordered kernel): 268 bytes a thread with the chunks, 144 without any zeroing, 156 with
+the whole tile at once (the dense variant kernel 96, the plain dense causal one 16). Of the other varlen-only code:
+the query bound in keep() and the bottom-right offset, the masked delta and the dQ rows' q_start moved the count by
+-4 to +4 each, and the row-masked epilogue lowers it (without it 336). Not measured on a GPU yet:
+`python benchmarks/varlen_bwd_ab.py`."""
+
+VARLEN_BWD_PERSISTENT = False
+"""Whether the ordered Gluon varlen backward (VARLEN_BWD_SCHEDULE) runs a persistent grid (GluonBackward.persistent):
+a program a multiprocessor, each taking one of the order's work items (a K/V head's slot, in the ordered grid's
+numbering) a round, the programs in order in even rounds and in reverse in odd ones (`_ws_bwd_item`), its
+partitions counting the ring's steps and the tiles on across them; a
+consumer's dK and dV leave through its dQ buffer (as large), so that once every consumer's products over a tile are
+done the loader loads the next tile's K and V and first Q and dO blocks while they leave. Why: at the bench's
+documents a key tile has 1 to 50 query-block steps, 16.5 on average (64.5 at one 16k sequence), so a program's fixed
+costs (launch, K/V load, pipeline fill, dK/dV stores) weigh ~4x more than in the dense kernel. The work items are
+dealt out by rounds, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
+balance may suffer (the reversed odd rounds pair a round's longest item with the next round's shortest). Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
+the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
+Not run on a GPU yet: its GPU tests and `python benchmarks/varlen_bwd_ab.py`."""
+
+VARLEN_BWD_PERSISTENT_ORDER_HEADS = 64
+"""How many K/V heads' tiles the order takes together under VARLEN_BWD_PERSISTENT (VARLEN_BWD_ORDER_HEADS' role): all of
+them up to 64. A persistent grid deals the items by rounds, and each group of heads starts again from its longest
+tiles, so small groups pile the longest items on the same programs: a list-scheduling simulation (132 programs, the
+bench's 8 documents, H=16, a tile's time its 64-row query blocks + 0.5) puts the makespan at 632 with 4 heads a group,
+558 with 8 and 538 with all 16, against 533 for a launch's programs taken as multiprocessors free up (4 heads: 534);
+at 128k tokens of 14 documents (H=32) every grouping is within 1% of the work's own. The price: all heads' Q, dO and dQ
+rows in flight at once (16 heads a group measured 343 TFLOP/s against 4 heads' 358 launched per tile)."""
+
 
 def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
-    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order.
+    lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order, the rows past
+    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN, on a persistent grid with VARLEN_BWD_PERSISTENT.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
     variant = backward_variant(head_dim, causal)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
-                   order_heads=VARLEN_BWD_ORDER_HEADS if VARLEN_BWD_SCHEDULE else 0,
-                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0)
+                   order_heads=((VARLEN_BWD_PERSISTENT_ORDER_HEADS if VARLEN_BWD_PERSISTENT else VARLEN_BWD_ORDER_HEADS)
+                                if VARLEN_BWD_SCHEDULE else 0),
+                   order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN,
+                   persistent=VARLEN_BWD_SCHEDULE and VARLEN_BWD_PERSISTENT)
 
 
 FP8_DECODE_GLUON = True
