@@ -1174,6 +1174,17 @@ def _ws_bwd_block(LSE, DELTA, b, h0, t, N_Q, m_start, n_m, stride_lse_b, stride_
 
 
 @gluon.jit
+def _ws_bwd_zero_tail(v, first, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows first ... ROWS - 1 of the shared [ROWS, HEAD_DIM] tile v set to 0 by one load and store of the whole tile
+    (this warpgroup's). NOTE: _ws_zero_rows' 16-row chunks, unrolled before the loop, cost the loop after them ptxas
+    spills (hopper.VARLEN_BWD_LEAN)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    x = v.load(layout)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    v.store(gl.where((rows < first)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, rows_desc, LSE, DELTA, CLAIM,
                     DK_PART, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_bar, b,
                     hkv, start_n, GROUP, h0, n_h, n_q, n_k, offset, m_start, n_m,
@@ -1213,8 +1224,8 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         # Keys past the sequence's are the next sequence's or memory no one wrote: zeroed, so that dQ = dS K adds
         # nothing from them (dS is not 0 there) and no NaN of theirs reaches dS through dP^T = V dO^T. The other
         # consumers read this K for dQ only after this warpgroup's first dS is announced (fenced below).
-        _ws_zero_rows(k, n_k - row0, BN, HEAD_DIM)
-        _ws_zero_rows(v, n_k - row0, BN, HEAD_DIM)
+        _ws_bwd_zero_tail(k, n_k - row0, BN, HEAD_DIM)
+        _ws_bwd_zero_tail(v, n_k - row0, BN, HEAD_DIM)
         fence_async_shared()  # the generic proxy's stores before wgmma reads the tiles
         gl.thread_barrier()  # (every warp's rows, before any warp of the warpgroup issues a product over them)
     if PREFETCH:  # step t + 1's lse and delta load while step t computes

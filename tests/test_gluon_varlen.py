@@ -153,6 +153,8 @@ def test_explain_says_the_backward_takes_its_tiles_in_order(monkeypatch, capsys)
 
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", False)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", False)
     main(["explain", os.path.join(SPECS, "varlen_causal_d128.attn")])
     text = capsys.readouterr().out
     assert f"the tiles with the most query blocks first, {hopper.VARLEN_BWD_ORDER_HEADS} K/V heads at a time" in text
@@ -614,8 +616,8 @@ def test_the_backward_tile_order_is_on_by_default_and_a_switch(monkeypatch):
     assert "attn_bwd_dkdv_ws" in source and "ORDER" not in source and "attn_bwd_order_ws" not in source
 
 
-def test_the_lean_backward_is_off_by_default_and_changes_only_the_zeroing(monkeypatch):
-    """hopper.VARLEN_BWD_LEAN (off until measured on a GPU) is a switch of the kernel caches; with it on, the varlen
+def test_the_lean_backward_changes_only_the_zeroing(monkeypatch):
+    """hopper.VARLEN_BWD_LEAN (on since its H200 run) is a switch of the kernel caches; with it on, the varlen
     backward's consumers zero their rows past a sequence by _ws_bwd_zero_tail and the module differs from the one
     without it in that alone; a dense program never takes it (the verifier refuses it there)."""
     import dataclasses
@@ -623,8 +625,9 @@ def test_the_lean_backward_is_off_by_default_and_changes_only_the_zeroing(monkey
     from attngen.errors import InternalError
     from attngen.ir.verify import verify
 
-    assert hopper.VARLEN_BWD_LEAN is False and "VARLEN_BWD_LEAN" in hopper.SWITCHES
+    assert "VARLEN_BWD_LEAN" in hopper.SWITCHES
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", False)
     text = _text("gvlb_lean", "causal", direction="forward+backward")
     spec, program = _program(text)
     off = render(spec, program)

@@ -88,7 +88,8 @@ def documents_rows(size: dict, device, check: bool, names, directions, generator
     lengths = document_lengths(total, size["documents"], generator)
     q, k, v = _packed(lengths, heads, d, device, generator, grad=True)
     cu = cu_seqlens(lengths, device)
-    params = dict(case="documents", tokens=total, documents=lengths, heads=heads, head_dim=d, causal=True)
+    # (the lengths, drawn afresh each run, go with the row but not into its key: a run replaces the last one's rows)
+    params = dict(case="documents", tokens=total, documents=len(lengths), heads=heads, head_dim=d, causal=True)
     runs = {"attngen": (lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True),
                         (q, k, v))}
     kept = {"attngen": kept_scores(lengths, lengths, True)}
@@ -99,7 +100,7 @@ def documents_rows(size: dict, device, check: bool, names, directions, generator
     for name in (n for n in names if n in runs):
         fn, inputs = runs[name]
         for direction in directions:
-            row = Row("varlen", direction, name, params)
+            row = Row("varlen", direction, name, params, extra={"lengths": lengths})
             try:
                 if check:
                     row.error = _accuracy(fn(), varlen_attention(q, k, v, cu, cu, causal=True)[0])
@@ -244,7 +245,7 @@ def slot_rows(size: dict, device, check: bool, names, directions, generator) -> 
                 runs["slot"] = through_slot
             for name in (n_ for n_ in ("attngen", "slot") if n_ in names):
                 for direction in directions:
-                    row = Row("varlen", direction, name, params)
+                    row = Row("varlen", direction, name, params, extra={"lengths": lengths})
                     try:
                         if check:
                             ref = varlen_attention(*(t.detach()[0].transpose(0, 1) for t in (q, k, v)),

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 # Documents packed into head-tail shards leave the ranks' work uneven (the 14 documents of mean 8,192 in 128k
 # tokens: 0.851 / 1.149 of the mean on 2 ranks); True moves part of the heavy ranks' diagonal pieces to the light
-# ranks for execution. Off until measured on GPUs (benchmarks/context_parallel.py, attngen_document_balanced).
-BALANCE_DOCUMENTS = False
+# ranks for execution. Measured on two H200s (2026-11-28, benchmarks/context_parallel.py at 128k): forward +
+# backward 649 TFLOP/s against 599 unbalanced (shares 0.994 / 1.006 against 0.851 / 1.149). On since.
+BALANCE_DOCUMENTS = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -547,15 +547,16 @@ VARLEN_BWD_ORDER_TILES = 1 << 14
 """The most key tiles a K/V head (cdiv(TOTAL_K, BLOCK_N) + B) that `attn_bwd_order_ws` sorts in its one program (2M
 keys at BLOCK_N = 128; at most 2^15, the bits it packs a tile's number in); more take the packed order."""
 
-VARLEN_BWD_LEAN = False
+VARLEN_BWD_LEAN = True
 """Whether the Gluon varlen backward zeroes a warpgroup's K and V rows past its sequence by one load and store of its
 whole tile (`_ws_bwd_zero_tail`, GluonBackward.zero_whole) instead of the forward's 16 rows at a time
 (`_ws_zero_rows`). The zeroing runs once, before the loop, yet its four unrolled chunks raised ptxas's spills in the
 loop (sm_90a, causal d=128, the ordered kernel): 268 bytes a thread with the chunks, 144 without any zeroing, 156 with
 the whole tile at once (the dense variant kernel 96, the plain dense causal one 16). Of the other varlen-only code:
 the query bound in keep() and the bottom-right offset, the masked delta and the dQ rows' q_start moved the count by
--4 to +4 each, and the row-masked epilogue lowers it (without it 336). Not measured on a GPU yet:
-`python benchmarks/varlen_bwd_ab.py`."""
+-4 to +4 each, and the row-masked epilogue lowers it (without it 336). Measured (H200, 2026-11-28, `python
+benchmarks/varlen_bwd_ab.py`, do_bench medians, one process): the bench's 8 documents in 16k tokens, H=16, 360 -> 413
+TFLOP/s (main kernel 400 -> 457); 128k tokens of 14 documents, H=32, 371 -> 438 (main 395 -> 451). On since."""
 
 VARLEN_BWD_PERSISTENT = False
 """Whether the ordered Gluon varlen backward (VARLEN_BWD_SCHEDULE) runs a persistent grid (GluonBackward.persistent):
@@ -569,7 +570,9 @@ costs (launch, K/V load, pipeline fill, dK/dV stores) weigh ~4x more than in the
 dealt out by rounds, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
 balance may suffer (the reversed odd rounds pair a round's longest item with the next round's shortest). Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
 the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
-Not run on a GPU yet: its GPU tests and `python benchmarks/varlen_bwd_ab.py`."""
+Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py`): it lost. The bench's 8 documents 361 TFLOP/s
+against the launch-per-tile kernel's 360 (with VARLEN_BWD_LEAN 362 against 413), 128k tokens of 14 documents 292
+against 371 (4 heads a group 313); its GPU tests pass. Off."""
 
 VARLEN_BWD_PERSISTENT_ORDER_HEADS = 64
 """How many K/V heads' tiles the order takes together under VARLEN_BWD_PERSISTENT (VARLEN_BWD_ORDER_HEADS' role): all of
