@@ -555,7 +555,7 @@ loop (sm_90a, causal d=128, the ordered kernel): 268 bytes a thread with the chu
 the whole tile at once (the dense variant kernel 96, the plain dense causal one 16). Of the other varlen-only code:
 the query bound in keep() and the bottom-right offset, the masked delta and the dQ rows' q_start moved the count by
 -4 to +4 each, and the row-masked epilogue lowers it (without it 336). Measured (H200, 2026-11-28, `python
-benchmarks/varlen_bwd_ab.py`, do_bench medians, one process): the bench's 8 documents in 16k tokens, H=16, 360 -> 413
+benchmarks/varlen_bwd_ab.py` at 6caf2da, do_bench medians, one process): the bench's 8 documents in 16k tokens, H=16, 360 -> 413
 TFLOP/s (main kernel 400 -> 457); 128k tokens of 14 documents, H=32, 371 -> 438 (main 395 -> 451). On since."""
 
 VARLEN_BWD_PERSISTENT = False
@@ -570,7 +570,7 @@ costs (launch, K/V load, pipeline fill, dK/dV stores) weigh ~4x more than in the
 dealt out by rounds, not taken as multiprocessors free up as a launch's programs are, so the longest-first order's
 balance may suffer (the reversed odd rounds pair a round's longest item with the next round's shortest). Compiles for sm_90 (tests/test_gluon_varlen.py); ptxas (sm_90a, causal d=128) spills more than
 the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
-Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py`): it lost. The bench's 8 documents 361 TFLOP/s
+Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py` at 6caf2da): it lost. The bench's 8 documents 361 TFLOP/s
 against the launch-per-tile kernel's 360 (with VARLEN_BWD_LEAN 362 against 413), 128k tokens of 14 documents 292
 against 371 (4 heads a group 313); its GPU tests pass. Off."""
 
