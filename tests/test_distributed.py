@@ -262,7 +262,10 @@ def test_loans_split_after_the_pieces_that_cover_the_rows_arrival():
     own = document_visits(schedule, loan.executor)[0].blocks
     need = BALANCE.arrival_scores * sum(b - a for a, b in (*loan.rows, *loan.keys))
     before, after = loans_split(own, loans, loan.executor, BALANCE)
-    pieces = lambda blocks: [(b.q_start + x, b.q_start + y) for b in blocks for x, y in zip(b.offsets, b.offsets[1:])]  # noqa: E731
+
+    def pieces(blocks):
+        return [(b.q_start + x, b.q_start + y) for b in blocks for x, y in zip(b.offsets, b.offsets[1:])]
+
     assert pieces(before) + pieces(after) == pieces(own) and before and after
     work = [(y - x) * (y - x + 1) // 2 for x, y in pieces(before)]
     assert sum(work[:-1]) < need <= sum(work)

@@ -31,6 +31,10 @@ Documents leave head-tail shards uneven (a document's causal work grows with the
 `balance_documents` a heavy rank lends part of its diagonal pieces to lighter ranks: the executor receives those
 query rows and their keys from the owner, runs them, and returns the partial (out, lse), merged by the owner in
 float32 like every other partial, and in the backward dQ, dK and dV (`Loan`). The shards stay as the caller made them.
+Under policy.context_parallel.LOANS_EARLY the executor runs the loans after the first of its own pieces
+(`balance.loans_split`), so that what they return travels under the rest of its work.
+
+`timeline()` records where a call's time goes on this rank, step by step (phases.py).
 """
 
 from __future__ import annotations

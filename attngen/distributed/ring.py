@@ -386,7 +386,10 @@ def _visits_backward(ring, visits, loans, split, kernels, q, k, v, received, hos
     receives posted up front with `split` (as the forward's)."""
     lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
                        lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
-    grads_like = lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v)))  # noqa: E731
+
+    def grads_like(loan):
+        return q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))
+
     owed = None if split is None else _post_loans(ring, loans, False, None, grads_like, 3, sends=False)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
