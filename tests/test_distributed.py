@@ -621,7 +621,7 @@ def _expected_phases(rank, world, n, kind, early):
     for pass_ in ("forward", "backward"):
         want[pass_, 0, "loan kernels"] = lent
         want[pass_, 0, "loan rows wait"] = want[pass_, 0, "returns wait"] = int(involved)
-    return +want
+    return want
 
 
 # (shard length, documents) of the timeline's balanced documents on 2 and 3 ranks (loans at SMALL_BALANCE)
@@ -664,7 +664,9 @@ def _check_timeline(rank, world, device):
         rows = recorded.rows()
         got = Counter((p, s, name) for p, s, name, _, _ in recorded.intervals if name != "call")
         want = _expected_phases(rank, world, n, kind, early)
-        assert {key: got[key] for key in want} == dict(want), (label, got, want)
+        counted = ("kernels", "loan kernels", "exchange wait", "grads wait", "return wait", "loan rows wait",
+                   "returns wait")
+        assert {key: c for key, c in got.items() if key[2] in counted} == dict(+want), (label, got, want)
         assert {key[:2] for key in got} == {key[:2] for key in want}, (label, got, want)
         # (CUDA events time to about half a microsecond: each interval may round up by that much)
         slack = 1e-3 * len(recorded.intervals) if device == "cuda" else 0.0

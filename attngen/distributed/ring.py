@@ -5,6 +5,7 @@ direct exchange, each step's partial (out, lse) merged in float32."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -51,7 +52,9 @@ def _exchange(ring: _Ring, tensors, send_to: int, recv_from: int, tag: int):
 
 
 def _wait(requests, name: str = "exchange wait") -> None:
-    """Wait on `requests`, recorded as phase `name` (phases.py) when recording."""
+    """Wait on `requests`, recorded as phase `name` (phases.py) when recording and there are any."""
+    if not requests:
+        return
     with phase(name):
         for request in requests:
             request.wait()
@@ -341,7 +344,7 @@ def _visits_forward(ring, visits, loans, split, kernels, q, k, v):
     at(0)
     back, requests, _ = returns
     _wait(requests, "returns wait")
-    with phase("returns merge"):
+    with phase("returns merge") if loans else contextlib.nullcontext():
         for loan, part in zip(loans, back):
             if part is not None:
                 for rows, offset in _offsets(loan.rows):
@@ -433,7 +436,7 @@ def _visits_backward(ring, visits, loans, split, kernels, q, k, v, received, hos
                 _add_rows(dv, ranges, buffers[1])
     at(0)
     _wait(returns, "returns wait")
-    with phase("returns merge"):
+    with phase("returns merge") if loans else contextlib.nullcontext():
         for loan, part in zip(loans, back):
             if part is not None:
                 _add_rows(dq, loan.rows, part[0])
