@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # backward 649 TFLOP/s against 599 unbalanced (shares 0.994 / 1.006 against 0.851 / 1.149). On since.
 BALANCE_DOCUMENTS = True
 
-# Where an executor runs the loans (attngen.distributed.balance.loans_after): False, after all its blocks on its own
+# Where an executor runs the loans (attngen.distributed.balance.loans_split): False, after all its blocks on its own
 # keys, so that the returns (partial out; dQ, dK, dV) travel under the later steps only, short under documents (two
 # H200s at 128k: 15.8% of the call exposed, against 10.3% unbalanced); True, after the first of those blocks that
 # cover the lent rows' arrival, the owner posting its receives of the returns up front, so that the returns travel
