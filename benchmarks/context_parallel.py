@@ -22,6 +22,8 @@ recorded as such). Providers, each at the same shapes:
                   GPU: attngen.flash_attn_varlen_func)
   attngen_document_balanced  the same with balance_documents=True: part of the heavy ranks' document pieces runs on
                   the light ones (several GPUs only; its speed-up is over attngen_document's one-GPU row)
+  attngen_document_early  the same with policy.context_parallel.LOANS_EARLY on: an executor runs the loans after the
+                  first of its own pieces, so that their returns travel under the rest (several GPUs only)
   flex_document   FlexAttention under torch's context_parallel with a document block mask, head-tail shards
                   (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
                   not the version; elsewhere they are error rows)
@@ -29,7 +31,11 @@ Each run writes its rows into benchmarks/results/context_parallel_<gpu>.json as 
 same provider, GPU count and length) and recomputes every row's `speedup`: the one-GPU row's time over its own, for
 forward and forward + backward. attngen's, attngen_window's and attngen_document's (balanced too) rows on several
 GPUs add the time of their kernels alone (`compute_*_ms`, the rank's blocks on its own keys) and `exposed_share`, the
-part of forward + backward beyond it (the document rows also each rank's `shares` of the kept scores); the window,
+part of forward + backward beyond it (the document rows also each rank's `shares` of the kept scores); after timing,
+one more call of every attngen row on several GPUs runs under attngen.distributed.timeline(): the row gets `steps`
+(each rank's phases, [{rank, pass, step, phase, ms}]: its kernels, merges and waits per step, and its "call") and
+`exposed_by_step` (each rank's waits per pass and step, [{rank, pass, step, wait_ms, share}], share of that rank's
+forward + backward call: the exposed communication, step by step), and rank 0 prints them as a table; the window,
 softcap and document rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count and length
 over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA events, a barrier
 before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved, backward 2.5x; documents
@@ -47,12 +53,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window", "flex_window",
-             "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced", "flex_document")
+             "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced",
+             "attngen_document_early", "flex_document")
 # attngen's rows that FlexAttention under context_parallel is the peer of
 FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document",
-              "attngen_document_balanced": "flex_document"}
+              "attngen_document_balanced": "flex_document", "attngen_document_early": "flex_document"}
 # providers whose one-GPU row is another's (the same computation on one GPU)
-ONE_GPU_ROW = {"attngen_document_balanced": "attngen_document"}
+ONE_GPU_ROW = {"attngen_document_balanced": "attngen_document", "attngen_document_early": "attngen_document"}
+# attngen's providers on several GPUs that get the kernels-alone time
+KERNELS_ALONE = ("attngen", "attngen_window", "attngen_document", "attngen_document_balanced", "attngen_document_early")
+# the phases (attngen.distributed.timeline) that wait on an exchange: the communication left exposed
+WAITS = ("exchange wait", "grads wait", "return wait", "loan rows wait", "returns wait")
 
 
 def document_offsets(n: int, mean: int) -> list[int]:
@@ -115,10 +126,11 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
 
     if provider.startswith("attngen_document"):
         cu_seqlens = torch.tensor(documents, dtype=torch.int32, device="cuda")
-        balance = provider == "attngen_document_balanced"
+        balance = provider != "attngen_document"
         if world > 1:
-            return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(
-                q, k, v, causal=True, cu_seqlens=cu_seqlens, balance_documents=balance)
+            context = loans_early() if provider == "attngen_document_early" else contextlib.nullcontext()
+            return context, lambda q, k, v: context_parallel_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens,
+                                                                       balance_documents=balance)
         longest = max(b - a for a, b in zip(documents, documents[1:]))
 
         def varlen(q, k, v):  # (1, H, N, D) as (N, H, D) views: no copy
@@ -150,6 +162,18 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
                 torch.nn.attention.restore_flash_attention_impl()
 
     return torch_sdpa(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@contextlib.contextmanager
+def loans_early():
+    """policy.context_parallel.LOANS_EARLY on inside the block (the calls read it in their forward)."""
+    from attngen.policy import context_parallel
+
+    before, context_parallel.LOANS_EARLY = context_parallel.LOANS_EARLY, True
+    try:
+        yield
+    finally:
+        context_parallel.LOANS_EARLY = before
 
 
 def flex_context_parallel():
@@ -239,10 +263,12 @@ def measure(provider: str, world: int, rank: int, mesh, n: int, heads: int, d: i
         do = torch.randn_like(q)
         forward_ms = timed(lambda: fn(q, k, v), reps, world)
         both_ms = timed(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), reps, world)
+        extra = {}
+        if provider.startswith("attngen") and world > 1:
+            extra = step_timeline(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), world, rank)
     size = window if provider.endswith("window") else None
-    extra = {}
-    if provider in ("attngen", "attngen_window", "attngen_document", "attngen_document_balanced") and world > 1:
-        extra = exposed_communication(q, k, v, do, world, rank, reps, provider, window, documents)
+    if provider in KERNELS_ALONE and world > 1:
+        extra.update(exposed_communication(q, k, v, do, world, rank, reps, provider, window, documents))
         extra["exposed_share"] = 1 - extra["compute_forward_backward_ms"] / both_ms
     if documents is not None:
         extra["documents"] = len(documents) - 1
@@ -274,7 +300,7 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
     else:
         schedule = ring_schedule(world, q.shape[2], True, NO_WINDOW, True, documents and tuple(documents))
         loans = ()
-        if provider == "attngen_document_balanced":
+        if provider in ("attngen_document_balanced", "attngen_document_early"):
             schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
         blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
         blocks += [b for loan in loans if loan.executor == rank for b in loan.blocks]
@@ -305,6 +331,54 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
 
     return {**extra, "compute_forward_ms": timed(forward, reps, world),
             "compute_forward_backward_ms": timed(both, reps, world)}
+
+
+def step_timeline(call, world: int, rank: int) -> dict:
+    """{"steps", "exposed_by_step"} of one call (forward and backward) recorded under attngen.distributed.timeline()
+    on every rank, gathered (see the module's docstring); rank 0 prints them as a table."""
+    import torch
+    import torch.distributed as dist
+
+    from attngen.distributed import timeline
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with timeline() as recorded:
+        call()
+    torch.cuda.synchronize()
+    every = [None] * world
+    dist.all_gather_object(every, recorded.rows())
+    steps = [{"rank": r, **row} for r, rows in enumerate(every) for row in rows]
+    exposed = []
+    for r, rows in enumerate(every):
+        whole = sum(row["ms"] for row in rows if row["phase"] == "call")
+        waits: dict[tuple, float] = {}
+        for row in rows:
+            if row["phase"] in WAITS:
+                waits[row["pass"], row["step"]] = waits.get((row["pass"], row["step"]), 0.0) + row["ms"]
+        exposed += [{"rank": r, "pass": p, "step": s, "wait_ms": ms, "share": ms / whole}
+                    for (p, s), ms in sorted(waits.items(), key=lambda x: (x[0][0] != "forward", x[0][1]))]
+    if rank == 0:
+        print(step_table(steps), flush=True)
+    return {"steps": steps, "exposed_by_step": exposed}
+
+
+def step_table(steps: list[dict]) -> str:
+    """Each rank's recorded call, a line per pass and step: ms of its kernels, merges and waits (the loans' own
+    columns), and the pass's call."""
+    columns = {"kernels": ("kernels", "loan kernels"), "merges": ("merge", "loan merge", "returns merge"),
+               "waits": WAITS}
+    lines = ["rank pass     step   kernels    merges     waits      call"]
+    keys = sorted({(r["rank"], r["pass"], r["step"]) for r in steps},
+                  key=lambda x: (x[0], x[1] != "forward", x[2] is None, x[2] or 0))
+    for rank, pass_, step in keys:
+        mine = [r for r in steps if (r["rank"], r["pass"], r["step"]) == (rank, pass_, step)]
+        if step is None:
+            lines.append(f"{rank:4} {pass_:8} call {'':30}{sum(r['ms'] for r in mine):10.3f}")
+            continue
+        sums = [sum(r["ms"] for r in mine if r["phase"] in names) for names in columns.values()]
+        lines.append(f"{rank:4} {pass_:8} {step:4}" + "".join(f"{x:10.3f}" for x in sums))
+    return "\n".join(lines)
 
 
 def with_speedups(rows: list[dict]) -> list[dict]:

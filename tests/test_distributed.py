@@ -4,8 +4,10 @@ the float64 attention of the whole sequence: out, lse, dq, dk, dv, causal with a
 odd shards, windows and softcap, documents packed in the sequence (cu_seqlens: across shards, within one, with
 head-tail chunks and without), and its argument errors; the halo exchange of a window no wider than a shard
 (its schedule, its results and the bytes it sends); documents' work balanced across ranks (the plan's coverage
-and shares, its results and the bytes it sends); in every case, each rank's sends to another posted in the order
-the other posts its receives (NCCL pairs them by order); the same on 2 GPUs over NCCL, marked gpu."""
+and shares, its results and the bytes it sends), also with the loans run early (LOANS_EARLY); in every case, each
+rank's sends to another posted in the order the other posts its receives (NCCL pairs them by order); the per-step
+timeline (every step's phases, once each, within the call's time, the messages unchanged); the same on 2 GPUs over
+NCCL, marked gpu."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import math
 import os
 import random
 import tempfile
+import time
+from collections import Counter
 
 import pytest
 import torch
@@ -21,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from attngen.distributed import (Block, Pieces, chunks_of, context_parallel_attention, document_visits, grouped_pieces,
-                                 halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence,
+                                 halo_schedule, merged_blocks, pair_block, ring_schedule, shard_sequence, timeline,
                                  unshard_sequence)
-from attngen.distributed.balance import balanced_schedule, kept_scores, shares, split_piece
+from attngen.distributed.balance import balanced_schedule, kept_scores, loans_split, shares, split_piece
 from attngen.lang.builtin import NO_WINDOW
 from attngen.policy import context_parallel
 from attngen.policy.context_parallel import BALANCE, BalancePolicy
@@ -247,6 +251,31 @@ def test_balanced_schedule_of_the_bench_documents():
         assert all(len(loan.blocks) <= 4 for loan in loans)  # a few calls, not a piece each
 
 
+def test_loans_split_after_the_pieces_that_cover_the_rows_arrival():
+    """Under LOANS_EARLY an executor runs the loans after the fewest of its own pieces whose kept scores reach
+    arrival_scores a row the loans bring (on 2 ranks at the bench's documents its own keys' blocks are one varlen
+    call: it is cut between two documents), the rest after; never all before; an owner keeps all before."""
+    documents = (0, 12624, 26406, 27733, 36218, 52141, 65410, 75349, 90967, 102700, 109858, 114422, 123658,
+                 128238, 131072)
+    schedule, loans = balanced_schedule(ring_schedule(2, 65536, True, NO_WINDOW, True, documents), BALANCE)
+    (loan,) = loans
+    own = document_visits(schedule, loan.executor)[0].blocks
+    need = BALANCE.arrival_scores * sum(b - a for a, b in (*loan.rows, *loan.keys))
+    before, after = loans_split(own, loans, loan.executor, BALANCE)
+
+    def pieces(blocks):
+        return [(b.q_start + x, b.q_start + y) for b in blocks for x, y in zip(b.offsets, b.offsets[1:])]
+
+    assert pieces(before) + pieces(after) == pieces(own) and before and after
+    work = [(y - x) * (y - x + 1) // 2 for x, y in pieces(before)]
+    assert sum(work[:-1]) < need <= sum(work)
+    owner = document_visits(schedule, loan.owner)[0].blocks
+    assert loans_split(owner, loans, loan.owner, BALANCE) == (owner, [])
+    never = BalancePolicy(arrival_scores=10 ** 12)  # (never covered: everything but the last piece)
+    before, after = loans_split(own, loans, loan.executor, never)
+    assert pieces(after) == pieces(own)[-1:]
+
+
 def test_split_piece_cuts_by_query_rows():
     """A causal piece of 10 rows, 20 scores to move: rows 8..10 move (19 scores), keys 0..8 in full and 8..10
     causally; rows 0..8 stay, causal."""
@@ -389,10 +418,13 @@ CASES = {
         # balanced: rank 2 takes part in a loan and its first step after 0 is step 2, posted after the loan's return
         (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 6, 10, 13, 18), True)],
 }
+# the balanced cases again with the loans run after the executor's first block (policy LOANS_EARLY)
+for _cases in CASES.values():
+    _cases += [(*case, True) for case in list(_cases) if case[9:10] == (True,)]
 
 
-# every move, however small, at the cases' sizes
-SMALL_BALANCE = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
+# every move, however small, at the cases' sizes; LOANS_EARLY's loans after an executor's first block
+SMALL_BALANCE = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1, arrival_scores=1)
 
 
 def _worker(rank, world, path, device, cases):
@@ -408,6 +440,7 @@ def _worker(rank, world, path, device, cases):
         _check_halo_bytes(rank, world, device)
         _check_document_bytes(rank, world, device)
         _check_balanced_bytes(rank, world, device)
+        _check_timeline(rank, world, device)
         _check_errors(rank, world, device)
         dist.barrier()  # (no rank tears its process group down while another still talks to it)
     finally:
@@ -415,7 +448,7 @@ def _worker(rank, world, path, device, cases):
 
 
 def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
-                balance=False):
+                balance=False, early=False):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
     PyTorch."""
@@ -435,14 +468,18 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
-    with _posted() as batches:
-        out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                              window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
-                                              return_lse=True, balance_documents=balance)
-        out.backward(shard(do))
+    context_parallel.LOANS_EARLY = early
+    try:
+        with _posted() as batches:
+            out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
+                                                  window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                                  return_lse=True, balance_documents=balance)
+            out.backward(shard(do))
+    finally:
+        context_parallel.LOANS_EARLY = False
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents} balance={balance}")
+             f"documents={documents} balance={balance} early={early}")
     _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
@@ -547,6 +584,96 @@ def _check_balanced_bytes(rank, world, device):
     row, lse_row = b * h * d * 4, b * h * 4
     want = [[row + 2 * n * row, 0, 2 * row + lse_row, 0], [0, row + lse_row, 0, row + 2 * n * row]][rank]
     assert sent == want, (rank, sent)
+
+
+def _expected_phases(rank, world, n, kind, early):
+    """{(pass, step, phase): how many intervals} the plan implies for this rank's kernels and waits, `kind` "ring"
+    (causal, head-tail), "halo" (a window of 2 on contiguous shards) or "documents" (balanced)."""
+    want = Counter()
+    if kind == "halo":
+        halo = halo_schedule(world, n, True, (2, 0), False)[rank]
+        neighbours = len(halo.before) + len(halo.after)
+        for pass_ in ("forward", "backward"):
+            want[pass_, 0, "kernels"] = 1
+            want[pass_, 1, "kernels"] = neighbours
+        want["forward", 1, "exchange wait"] = want["backward", 1, "grads wait"] = 1
+        return want
+    if kind == "ring":
+        steps = ring_schedule(world, n, True, NO_WINDOW, True)[rank]
+        for step, blocks in enumerate(steps):
+            for pass_ in ("forward", "backward"):
+                want[pass_, step, "kernels"] = len(blocks)
+                want[pass_, step, "exchange wait"] = int(step > 0)
+            want["backward", step, "grads wait"] = int(step > 0)
+        want["backward", len(steps) - 1, "return wait"] = int(len(steps) > 1)
+        return want
+    schedule, loans = balanced_schedule(ring_schedule(world, n, True, NO_WINDOW, True, TIMELINE_DOCUMENTS[world]),
+                                        SMALL_BALANCE)
+    lent = sum(len(loan.blocks) for loan in loans if loan.executor == rank)
+    involved = any(rank in (loan.owner, loan.executor) for loan in loans)
+    for visit in document_visits(schedule, rank):
+        blocks = visit.blocks
+        if early and involved and visit.step == 0:
+            blocks = sum(loans_split(blocks, loans, rank, SMALL_BALANCE), [])
+        for pass_ in ("forward", "backward"):
+            want[pass_, visit.step, "kernels"] = len(blocks)
+        want["forward", visit.step, "exchange wait"] = want["backward", visit.step, "grads wait"] = int(visit.step > 0)
+    for pass_ in ("forward", "backward"):
+        want[pass_, 0, "loan kernels"] = lent
+        want[pass_, 0, "loan rows wait"] = want[pass_, 0, "returns wait"] = int(involved)
+    return want
+
+
+# (shard length, documents) of the timeline's balanced documents on 2 and 3 ranks (loans at SMALL_BALANCE)
+TIMELINE_DOCUMENTS = {2: (0, 3, 11, 12, 20, 24), 3: (0, 1, 6, 10, 13, 18)}
+
+
+def _check_timeline(rank, world, device):
+    """Recorded (attngen.distributed.timeline), a forward and backward shows each step of this rank's plan with each
+    kernel and wait phase the plan implies, as many times as it implies (a wait once a step), and no other step;
+    each pass's phases sum to at most its call's time, and that to at most the pass's wall time; and the call posts
+    exactly the messages it posts unrecorded. The causal ring, the halo exchange, balanced documents with the loans
+    at the end of step 0 and early."""
+    n = {2: 12, 3: 6}[world]
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    for kind, early in (("ring", False), ("halo", False), ("documents", False), ("documents", True)):
+        arguments = {"ring": dict(causal=True),
+                     "halo": dict(causal=True, load_balance=False, window_size=(2, 0)),
+                     "documents": dict(causal=True, balance_documents=True,
+                                       cu_seqlens=torch.tensor(TIMELINE_DOCUMENTS[world], dtype=torch.int32,
+                                                               device=device))}[kind]
+        q, k, v = (torch.randn(1, 2, n, 16, device=device, requires_grad=True) for _ in range(3))
+        context_parallel.LOANS_EARLY = early
+        try:
+            posts, walls = [], []
+            for recording in (False, True):
+                with _posted() as batches, timeline() if recording else contextlib.nullcontext() as recorded:
+                    sync()  # (on a GPU the wall times hold the kernels' too)
+                    start = time.perf_counter()
+                    out = context_parallel_attention(q, k, v, **arguments)
+                    sync()
+                    middle = time.perf_counter()
+                    out.sum().backward()
+                    sync()
+                    walls += [1e3 * (middle - start), 1e3 * (time.perf_counter() - middle)]
+                posts.append(batches)
+        finally:
+            context_parallel.LOANS_EARLY = False
+        label = f"rank {rank}/{world} {kind} early={early}"
+        assert posts[0] == posts[1], label
+        rows = recorded.rows()
+        got = Counter((p, s, name) for p, s, name, _, _ in recorded.intervals if name != "call")
+        want = _expected_phases(rank, world, n, kind, early)
+        counted = ("kernels", "loan kernels", "exchange wait", "grads wait", "return wait", "loan rows wait",
+                   "returns wait")
+        assert {key: c for key, c in got.items() if key[2] in counted} == dict(+want), (label, got, want)
+        assert {key[:2] for key in got} == {key[:2] for key in want}, (label, got, want)
+        # (CUDA events time to about half a microsecond: each interval may round up by that much)
+        slack = 1e-3 * len(recorded.intervals) if device == "cuda" else 0.0
+        for pass_, wall in zip(("forward", "backward"), walls[2:]):
+            (call,) = [r["ms"] for r in rows if r["pass"] == pass_ and r["phase"] == "call"]
+            phases = sum(r["ms"] for r in rows if r["pass"] == pass_ and r["phase"] != "call")
+            assert phases <= call + slack and call <= wall + slack, (label, pass_, phases, call, wall)
 
 
 def _check_errors(rank, world, device):

@@ -31,6 +31,10 @@ Documents leave head-tail shards uneven (a document's causal work grows with the
 `balance_documents` a heavy rank lends part of its diagonal pieces to lighter ranks: the executor receives those
 query rows and their keys from the owner, runs them, and returns the partial (out, lse), merged by the owner in
 float32 like every other partial, and in the backward dQ, dK and dV (`Loan`). The shards stay as the caller made them.
+Under policy.context_parallel.LOANS_EARLY the executor runs the loans after the first of its own pieces
+(`balance.loans_split`), so that what they return travels under the rest of its work.
+
+`timeline()` records where a call's time goes on this rank, step by step (phases.py).
 """
 
 from __future__ import annotations
@@ -42,14 +46,16 @@ from ..api import sdpa
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW
 from ..policy import context_parallel
-from .balance import Loan, balanced_schedule, kept_scores, shares
+from .balance import Loan, balanced_schedule, kept_scores, loans_split, shares
 from .ring import (_halo_backward, _halo_forward, _Kernels, _Ring, _ring_backward, _ring_forward, _visits_backward,
                    _visits_forward)
 from .schedule import (Block, Halo, Pieces, Visit, chunks_of, document_pieces, document_visits, grouped_pieces,
                        halo_schedule, key_ranges, merged_blocks, pair_block, pair_blocks, ring_schedule,
                        shard_sequence, unshard_sequence)
 
-__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
+from .phases import Timeline, recorded_pass, timeline
+
+__all__ = ["Timeline", "context_parallel_attention", "shard_sequence", "timeline", "unshard_sequence"]
 
 
 class _ContextParallel(torch.autograd.Function):
@@ -57,32 +63,35 @@ class _ContextParallel(torch.autograd.Function):
     (`steps` a list of `Visit`s) as one differentiable call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, kernels, loans=()):
+    def forward(ctx, q, k, v, ring, steps, kernels, loans=(), split=None):
         ctx.halo_rows = ctx.received = None
-        if isinstance(steps, Halo):
-            out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
-        elif isinstance(steps[0], Visit):
-            out, lse, ctx.received, ctx.hosted = _visits_forward(ring, steps, loans, kernels, q, k, v)
-        else:
-            out, lse = _ring_forward(ring, steps, kernels, q, k, v)
-        out = out.to(q.dtype)
+        with recorded_pass("forward", q.device):
+            if isinstance(steps, Halo):
+                out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
+            elif isinstance(steps[0], Visit):
+                out, lse, ctx.received, ctx.hosted = _visits_forward(ring, steps, loans, split, kernels, q, k, v)
+            else:
+                out, lse = _ring_forward(ring, steps, kernels, q, k, v)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.steps, ctx.kernels, ctx.loans = ring, steps, kernels, loans
+        ctx.ring, ctx.steps, ctx.kernels, ctx.loans, ctx.split = ring, steps, kernels, loans, split
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if ctx.halo_rows is not None:
-            dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
-                                        do.contiguous())
-        elif ctx.received is not None:
-            dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.loans, ctx.kernels, q, k, v, ctx.received,
-                                          ctx.hosted, out, lse, do.contiguous())
-        else:
-            dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        with recorded_pass("backward", q.device):
+            if ctx.halo_rows is not None:
+                dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
+                                            do.contiguous())
+            elif ctx.received is not None:
+                dq, dk, dv = _visits_backward(ctx.ring, ctx.steps, ctx.loans, ctx.split, ctx.kernels, q, k, v,
+                                              ctx.received, ctx.hosted, out, lse, do.contiguous())
+            else:
+                dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
@@ -141,9 +150,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
         loans = tuple(loan for loan in loans if rank in (loan.owner, loan.executor))
     steps = halos[rank] if halos else document_visits(schedule, rank) if documents else schedule[rank]
+    split = None  # (LOANS_EARLY: the blocks on its own keys a rank runs before the loans, and after)
+    if loans and context_parallel.LOANS_EARLY:
+        split = loans_split(steps[0].blocks, loans, rank, context_parallel.BALANCE)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap),
-                                      loans)
+                                      loans, split)
     return (out, lse) if return_lse else out
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..lang.builtin import NO_WINDOW
 from ..policy.context_parallel import BalancePolicy
-from .schedule import Block, grouped_pieces, spans, packed_block
+from .schedule import Block, Pieces, grouped_pieces, spans, packed_block
 
 
 class Loan(NamedTuple):
@@ -157,6 +157,47 @@ def shares(schedule, loans=(), policy: BalancePolicy | None = None) -> list[floa
         work[lent.executor] += sum(_blocks_work(b, block_cost) for b in lent.blocks)
     mean = sum(work) / len(work)
     return [w / mean for w in work]
+
+
+def loans_split(blocks, loans, rank: int, policy: BalancePolicy):
+    """(the blocks rank `rank` runs on its own keys before the `loans` it executes, those it runs after) of its
+    blocks on its own keys (`blocks`, in their order) under LOANS_EARLY: the fewest whose kept scores reach
+    `policy.arrival_scores` for each query and key row those loans bring (so that the rows have arrived when they
+    start), a run of pieces cut between two of them where the target falls inside it, and something always left
+    after (the returns travel under it); all before where it executes none (an owner's wait on its sent rows stays
+    after its work)."""
+    executed = [lent for lent in loans if lent.executor == rank]
+    if not executed or not blocks:
+        return list(blocks), []
+    need = policy.arrival_scores * sum(b - a for lent in executed for a, b in (*lent.rows, *lent.keys))
+    done = 0
+    for i, b in enumerate(blocks):
+        if done >= need and i:
+            return list(blocks[:i]), list(blocks[i:])
+        if isinstance(b, Pieces) and (done + _blocks_work(b, 0) > need or i == len(blocks) - 1):
+            cut = _cut_pieces(b, need - done)
+            if cut is not None:
+                return [*blocks[:i], cut[0]], [cut[1], *blocks[i + 1:]]
+        done += _blocks_work(b, 0)
+    return list(blocks[:-1]), [blocks[-1]]
+
+
+def _cut_pieces(b: Pieces, target: float):
+    """(the first pieces of b, the rest) as two Pieces, the first the fewest whose kept scores reach `target`, at
+    most all but the last; None where b holds one piece."""
+    cuts = len(b.offsets) - 1
+    if cuts < 2:
+        return None
+    j, done = 1, 0
+    while j < cuts - 1:
+        length = b.offsets[j] - b.offsets[j - 1]
+        done += length * (length + 1) // 2 if b.causal else length * length
+        if done >= target:
+            break
+        j += 1
+    at = b.offsets[j]
+    return (Pieces(b.q_start, b.q_start + at, b.k_start, b.k_start + at, b.causal, b.offsets[:j + 1]),
+            Pieces(b.q_start + at, b.q_end, b.k_start + at, b.k_end, b.causal, tuple(x - at for x in b.offsets[j:])))
 
 
 def _blocks_work(b, block_cost: int) -> int:

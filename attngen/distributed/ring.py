@@ -5,6 +5,7 @@ direct exchange, each step's partial (out, lse) merged in float32."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ from ..api.kvcache import merge_states
 from ..lang.builtin import NO_WINDOW
 from ..runtime.registry import resolve
 from .schedule import Block, Halo, Pieces, Visit
+from .phases import at, phase
 
 # (above every visit's tags, 2 * step + 0 or 1)
 _LOAN_TAG = 1 << 12
@@ -49,9 +51,13 @@ def _exchange(ring: _Ring, tensors, send_to: int, recv_from: int, tag: int):
                  [(recv_from, t, tag + i) for i, t in enumerate(tensors)])
 
 
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
+def _wait(requests, name: str = "exchange wait") -> None:
+    """Wait on `requests`, recorded as phase `name` (phases.py) when recording and there are any."""
+    if not requests:
+        return
+    with phase(name):
+        for request in requests:
+            request.wait()
 
 
 class _Kernels:
@@ -121,13 +127,15 @@ def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
 def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
     """Merge block b's partial (out, lse) into `out` (float32 in the ring, the inputs' dtype in the halo exchange)
     and `lse` of this rank's queries."""
-    if isinstance(b, Pieces):
-        part, part_lse = _pieces_forward(kernels, b, q, k, v)
-    else:
-        kernel, scale = kernels(b)
-        part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
-                                        v[:, :, b.k_start:b.k_end], scale)
-    _merge(out, lse, slice(b.q_start, b.q_end), part, part_lse)
+    with phase("kernels"):
+        if isinstance(b, Pieces):
+            part, part_lse = _pieces_forward(kernels, b, q, k, v)
+        else:
+            kernel, scale = kernels(b)
+            part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
+                                            v[:, :, b.k_start:b.k_end], scale)
+    with phase("merge"):
+        _merge(out, lse, slice(b.q_start, b.q_end), part, part_lse)
 
 
 def _merge(out, lse, rows: slice, part, part_lse) -> None:
@@ -139,22 +147,24 @@ def _merge(out, lse, rows: slice, part, part_lse) -> None:
 
 
 def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
-    """(dq, dk, dv) of block b's rows and keys, in their dtype."""
-    if isinstance(b, Pieces):
-        return _pieces_grads(kernels, b, q, k, v, out, lse, do)
-    kernel, scale = kernels(b)
-    rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
-    return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                 lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+    """(dq, dk, dv) of block b's rows and keys, in their dtype (phase "kernels")."""
+    with phase("kernels"):
+        if isinstance(b, Pieces):
+            return _pieces_grads(kernels, b, q, k, v, out, lse, do)
+        kernel, scale = kernels(b)
+        rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
+        return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                     lse[:, :, rows].contiguous(), do[:, :, rows], scale)
 
 
 def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
     """Add block b's gradients to the float32 dq (of q's rows) and dk, dv (of k and v's rows)."""
     g = _block_grads(kernels, b, q, k, v, out, lse, do)
     rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
-    dq[:, :, rows] += g[0]
-    dk[:, :, keys] += g[1]
-    dv[:, :, keys] += g[2]
+    with phase("merge"):
+        dq[:, :, rows] += g[0]
+        dk[:, :, keys] += g[1]
+        dv[:, :, keys] += g[2]
 
 
 def _ring_forward(ring, steps, kernels, q, k, v):
@@ -163,11 +173,13 @@ def _ring_forward(ring, steps, kernels, q, k, v):
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     kv = (k, v)
     for step, blocks in enumerate(steps):
+        at(step)
         if step + 1 < len(steps):
             following, requests = _exchange(ring, kv, 1, -1, 0)
         for b in blocks:
             _forward_block(kernels, b, q, *kv, out, lse)
         if step + 1 < len(steps):
+            at(step + 1)  # (the wait for the next step's keys)
             _wait(requests)
             kv = tuple(following)
     return out, lse
@@ -180,6 +192,7 @@ def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
     incoming = None  # (buffers, requests): the dk, dv the previous rank has summed for the keys this rank holds next
     last = len(steps) - 1
     for step, blocks in enumerate(steps):
+        at(step)
         if step < last:
             following, requests = _exchange(ring, kv, 1, -1, 0)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
@@ -187,19 +200,21 @@ def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
         for b in blocks:
             _backward_block(kernels, b, q, *kv, out, lse, do, dq, dk, dv)
         if incoming is not None:
-            _wait(incoming[1])
-            dk += incoming[0][0]
-            dv += incoming[0][1]
+            _wait(incoming[1], "grads wait")
+            with phase("merge"):
+                dk += incoming[0][0]
+                dv += incoming[0][1]
         if step < last:
             # these keys go to the next rank: their gradient follows them there
             incoming = _exchange(ring, (dk, dv), 1, -1, 2)
+            at(step + 1)  # (the wait for the next step's keys)
             _wait(requests)
             kv = tuple(following)
     if last == 0:
         return dq, dk, dv
     # the keys held now are those of rank - last: their gradient goes home, ours comes from rank + last
     (dk, dv), requests = _exchange(ring, (dk, dv), -last, last, 4)
-    _wait(requests)
+    _wait(requests, "return wait")
     return dq, dk, dv
 
 
@@ -216,8 +231,11 @@ def _halo_forward(ring, halo: Halo, kernels, q, k, v):
     receives = [(-1, t[:, :, :halo.left], i) for i, t in enumerate((k, v)) if halo.left]
     receives += [(1, t[:, :, :halo.right], 2 + i) for i, t in enumerate((k, v)) if halo.right]
     buffers, requests = _post(ring, sends, receives)
+    at(0)
     kernel, scale = kernels(halo.own)
-    out, lse = kernel.forward(q, k, v, scale)
+    with phase("kernels"):
+        out, lse = kernel.forward(q, k, v, scale)
+    at(1)  # (the neighbours' rows)
     _wait(requests)
     before = tuple(buffers[:2]) if halo.left else None
     after = tuple(buffers[-2:]) if halo.right else None
@@ -232,6 +250,7 @@ def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, 
     block runs (each is one kernel's output, so its dtype loses nothing on the way)."""
     n = k.shape[2]
     sends, dq_parts = [], []
+    at(1)  # (the neighbours' rows)
     for rows, blocks, offset, tag in ((before, halo.before, -1, 0), (after, halo.after, 1, 2)):
         if rows is None:
             continue
@@ -239,22 +258,27 @@ def _halo_backward(ring, halo: Halo, kernels, q, k, v, before, after, out, lse, 
         for b in blocks:
             g = _block_grads(kernels, b, q, *rows, out, lse, do)
             dq_parts.append((slice(b.q_start, b.q_end), g[0]))
-            grads[0][:, :, b.k_start:b.k_end] += g[1]
-            grads[1][:, :, b.k_start:b.k_end] += g[2]
+            with phase("merge"):
+                grads[0][:, :, b.k_start:b.k_end] += g[1]
+                grads[1][:, :, b.k_start:b.k_end] += g[2]
         sends += [(offset, g, tag + i) for i, g in enumerate(grads)]
     receives = [(1, t[:, :, n - halo.to_next:], i) for i, t in enumerate((k, v)) if halo.to_next]
     receives += [(-1, t[:, :, :halo.to_prev], 2 + i) for i, t in enumerate((k, v)) if halo.to_prev]
     buffers, requests = _post(ring, sends, receives)
+    at(0)
     dq, dk, dv = _block_grads(kernels, halo.own, q, k, v, out, lse, do)
-    for rows, part in dq_parts:
-        dq[:, :, rows] += part
-    _wait(requests)
-    if halo.to_next:
-        dk[:, :, n - halo.to_next:] += buffers[0]
-        dv[:, :, n - halo.to_next:] += buffers[1]
-    if halo.to_prev:
-        dk[:, :, :halo.to_prev] += buffers[-2]
-        dv[:, :, :halo.to_prev] += buffers[-1]
+    with phase("merge"):
+        for rows, part in dq_parts:
+            dq[:, :, rows] += part
+    at(1)  # (the neighbours' rows' dK, dV)
+    _wait(requests, "grads wait")
+    with phase("merge"):
+        if halo.to_next:
+            dk[:, :, n - halo.to_next:] += buffers[0]
+            dv[:, :, n - halo.to_next:] += buffers[1]
+        if halo.to_prev:
+            dk[:, :, :halo.to_prev] += buffers[-2]
+            dv[:, :, :halo.to_prev] += buffers[-1]
     return dq, dk, dv
 
 
@@ -277,14 +301,17 @@ def _post_visit(ring, visit: Visit, k, v):
     return (*_post(ring, sends, receives), sends)
 
 
-def _visits_forward(ring, visits, loans, kernels, q, k, v):
+def _visits_forward(ring, visits, loans, split, kernels, q, k, v):
     """(out float32, lse, the K/V rows each visit received, the q, k, v rows of each loan this rank runs): each
     visit's exchange is posted before the previous visit's kernels run, the loans' rows before the first; a loan
-    runs after its executor's own keys (step 0), and its partial goes back to its owner while the other steps run.
+    runs after its executor's blocks on its own keys (`split`: (those before, those after) the loans, as
+    `balance.loans_split` cuts them; None: all before), and its partial goes back to its owner while the rest run.
 
     NOTE: NCCL matches a pair's messages by the order they are posted, so every rank posts the loans' rows first,
     then the exchange of step 1 (where it has one), the loans' partials, and the steps after 1: a rank with loans
-    whose first step after 0 is a later one posts it only after the partials."""
+    whose first step after 0 is a later one posts it only after the partials. With `split` the owner posts its
+    receives of the partials up front (at that place in the order): its NCCL stream then takes them while it runs
+    its own blocks, instead of only once those are done."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     received = []
@@ -294,7 +321,10 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
                        0)
     early = len(visits) > 1 and (not loans or visits[1].step == 1)
     posted = _post_visit(ring, visits[1], k, v) if early else None
+    partial_like = lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)])  # noqa: E731
+    owed = None if split is None else _post_loans(ring, loans, False, None, partial_like, 3, sends=False)
     for i, visit in enumerate(visits):
+        at(visit.step)
         kv = (k, v)
         if i:
             buffers, requests, _ = posted or _post_visit(ring, visit, k, v)
@@ -302,28 +332,38 @@ def _visits_forward(ring, visits, loans, kernels, q, k, v):
             kv = tuple(buffers) if visit.receive else (k[:, :, :0], v[:, :, :0])
             received.append(kv)
             posted = _post_visit(ring, visits[i + 1], k, v) if i + 1 < len(visits) else None
-        for b in visit.blocks:
-            _forward_block(kernels, b, q, *kv, out, lse)
+        blocks = visit.blocks
         if i == 0:
-            hosted, returns = _loans_forward(ring, loans, kernels, q, lse, lent)
+            first, blocks = split or (blocks, [])
+            for b in first:
+                _forward_block(kernels, b, q, *kv, out, lse)
+            hosted, returns = _loans_forward(ring, loans, kernels, q, lse, lent, partial_like, owed)
+            at(0)
+        for b in blocks:
+            _forward_block(kernels, b, q, *kv, out, lse)
+    at(0)
     back, requests, _ = returns
-    _wait(requests)
-    for loan, part in zip(loans, back):
-        if part is not None:
-            for rows, offset in _offsets(loan.rows):
-                _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
-                       part[1][:, :, offset:offset + rows.stop - rows.start])
+    _wait(requests, "returns wait")
+    with phase("returns merge") if loans else contextlib.nullcontext():
+        for loan, part in zip(loans, back):
+            if part is not None:
+                for rows, offset in _offsets(loan.rows):
+                    _merge(out, lse, rows, part[0][:, :, offset:offset + rows.stop - rows.start],
+                           part[1][:, :, offset:offset + rows.stop - rows.start])
     return out, lse, received, hosted
 
 
-def _loans_forward(ring, loans, kernels, q, lse, lent):
-    """(the rows of each loan this rank runs, the posted return of the partials): the loans this rank runs, on the
-    rows `lent` (`_post_loans`) brings, their partial (out, lse) posted back to their owners.
+def _loans_forward(ring, loans, kernels, q, lse, lent, partial_like, owed):
+    """(the rows of each loan this rank runs, the posted return of the partials (received, requests, sends)): the
+    loans this rank runs, on the rows `lent` (`_post_loans`) brings, their partial (out, lse) posted back to their
+    owners; the partials this rank owns are received into buffers like `partial_like(loan)`, or were posted already
+    (`owed`, not None).
 
     NOTE: a partial out travels in q's dtype, as a kernel returns it (only a query row that two of the loan's
     blocks reach, a piece cut by rows, is rounded once more), half the bytes of float32."""
+    at(0, "loan ")
     hosted, requests, _ = lent
-    _wait(requests)
+    _wait(requests, "rows wait")
     partials = {}
     for i, (loan, rows) in enumerate(zip(loans, hosted)):
         if rows is not None:
@@ -332,36 +372,53 @@ def _loans_forward(ring, loans, kernels, q, lse, lent):
             for b in loan.blocks:
                 _forward_block(kernels, b, *rows, part, part_lse)
             partials[i] = (part.to(q.dtype), part_lse)
-    returns = _post_loans(ring, loans, False, lambda i, _: partials[i],
-                          lambda loan: (q[:, :, :_length(loan.rows)], lse[:, :, :_length(loan.rows)]), 3)
-    return hosted, returns
+    returns = _post_loans(ring, loans, False, lambda i, _: partials[i], partial_like, 3, receives=owed is None)
+    return hosted, returns if owed is None else _joined(owed, returns)
 
 
-def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, out, lse, do):
+def _joined(owed, sent):
+    """The return of loans posted in two parts, the receives (`owed`) then the sends (`sent`), as one."""
+    return owed[0], owed[1] + sent[1], owed[2] + sent[2]
+
+
+def _visits_backward(ring, visits, loans, split, kernels, q, k, v, received, hosted, out, lse, do):
     """(dq, dk, dv) float32: the received rows' dK/dV go straight back to their ranks as each visit finishes, and
     the rows this rank sent come back with theirs; a loan's out, lse and dO rows go to its executor first, it runs
-    after the executor's own keys, and its dQ, dK and dV (in q, k and v's dtype, as the partial out) go back before
-    any visit's (so in one order on every rank)."""
+    between the executor's blocks on its own keys as `split` cuts them (None: after all), and its dQ, dK and dV (in
+    q, k and v's dtype, as the partial out) go back before any visit's (so in one order on every rank), the owner's
+    receives posted up front with `split` (as the forward's)."""
     lent = _post_loans(ring, loans, True, lambda _, loan: tuple(_rows(t, loan.rows) for t in (out, lse, do)),
                        lambda loan: tuple(t[:, :, :_length(loan.rows)] for t in (out, lse, do)), 0)
+
+    def grads_like(loan):
+        return q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))
+
+    owed = None if split is None else _post_loans(ring, loans, False, None, grads_like, 3, sends=False)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    for b in visits[0].blocks:
+    first, later = split or (visits[0].blocks, [])
+    at(0)
+    for b in first:
         _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
+    at(0, "loan ")
     saved, requests, _ = lent
-    _wait(requests)
+    _wait(requests, "rows wait")
     grads = {}
     for i, (loan, inputs, rest) in enumerate(zip(loans, hosted, saved)):
         if inputs is not None:
             grads[i] = tuple(torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in inputs)
             for b in loan.blocks:
                 _backward_block(kernels, b, *inputs, *rest, *grads[i])
-    back, returns, returned = _post_loans(
-        ring, loans, False, lambda i, _: tuple(g.to(t.dtype) for g, t in zip(grads[i], (q, k, v))),
-        lambda loan: (q[:, :, :_length(loan.rows)], *(t[:, :, :_length(loan.keys)] for t in (k, v))), 3)
+    returning = _post_loans(ring, loans, False, lambda i, _: tuple(g.to(t.dtype) for g, t in zip(grads[i], (q, k, v))),
+                            grads_like, 3, receives=owed is None)
+    back, returns, returned = returning if owed is None else _joined(owed, returning)
+    at(0)
+    for b in later:
+        _backward_block(kernels, b, q, k, v, out, lse, do, dq, dk, dv)
     pending = []
     for visit, rows in zip(visits[1:], received):
+        at(visit.step)
         grads_i = [torch.zeros(t.shape, device=t.device, dtype=torch.float32) for t in rows]
         for b in visit.blocks:
             _backward_block(kernels, b, q, *rows, out, lse, do, dq, *grads_i)
@@ -369,18 +426,22 @@ def _visits_backward(ring, visits, loans, kernels, q, k, v, received, hosted, ou
         sends = [(-visit.step, g, tag + i) for i, g in enumerate(grads_i) if visit.receive]
         receives = [(visit.step, t[:, :, :_length(visit.send)], tag + i) for i, t in enumerate((dk, dv))
                     if visit.send]
-        pending.append((visit.send, *_post(ring, sends, receives), grads_i))
-    for ranges, buffers, requests, _ in pending:
-        _wait(requests)
+        pending.append((visit.step, visit.send, *_post(ring, sends, receives), grads_i))
+    for step, ranges, buffers, requests, _ in pending:
+        at(step)
+        _wait(requests, "grads wait")
         if ranges:
-            _add_rows(dk, ranges, buffers[0])
-            _add_rows(dv, ranges, buffers[1])
-    _wait(returns)
-    for loan, part in zip(loans, back):
-        if part is not None:
-            _add_rows(dq, loan.rows, part[0])
-            _add_rows(dk, loan.keys, part[1])
-            _add_rows(dv, loan.keys, part[2])
+            with phase("merge"):
+                _add_rows(dk, ranges, buffers[0])
+                _add_rows(dv, ranges, buffers[1])
+    at(0)
+    _wait(returns, "returns wait")
+    with phase("returns merge") if loans else contextlib.nullcontext():
+        for loan, part in zip(loans, back):
+            if part is not None:
+                _add_rows(dq, loan.rows, part[0])
+                _add_rows(dk, loan.keys, part[1])
+                _add_rows(dv, loan.keys, part[2])
     return dq, dk, dv
 
 
@@ -398,29 +459,31 @@ def _add_rows(t, ranges, packed) -> None:
         t[:, :, rows] += packed[:, :, offset:offset + rows.stop - rows.start]
 
 
-def _post_loans(ring, loans, from_owner: bool, tensors, like, tag: int):
+def _post_loans(ring, loans, from_owner: bool, tensors, like, tag: int, sends: bool = True, receives: bool = True):
     """Post the messages of `loans` (those this rank owns or runs) one way, from each owner to its executor
-    (`from_owner`) or back: the sending side sends `tensors(i, loan)`, the other receives tensors like `like(loan)`.
-    Returns (the received tensors of each loan, None where this rank sends; the requests; the sends, kept alive
-    until the requests are waited on).
+    (`from_owner`) or back: the sending side sends `tensors(i, loan)`, the other receives tensors like `like(loan)`
+    (only the sends, or only the receives, where the other is False). Returns (the received tensors of each loan,
+    None where this rank sends or does not receive now; the requests; the sends, kept alive until the requests are
+    waited on).
 
     NOTE: a loan's messages are posted before every visit's (its rows) or after (what comes back), on every rank
     alike, so that the ranks post them in one order (NCCL matches a pair's messages by their order)."""
     if not loans:
         return [], [], []
-    sends, receives, counts = [], [], []
+    outgoing, incoming, counts = [], [], []
     for i, loan in enumerate(loans):
         sending = (loan.owner == ring.rank) == from_owner
         offset = (loan.executor if loan.owner == ring.rank else loan.owner) - ring.rank
-        if sending:
-            sends += [(offset, t.contiguous(), _LOAN_TAG + tag + j) for j, t in enumerate(tensors(i, loan))]
-            counts.append(0)
-        else:
-            receives += [(offset, t, _LOAN_TAG + tag + j) for j, t in enumerate(like(loan))]
+        if sending and sends:
+            outgoing += [(offset, t.contiguous(), _LOAN_TAG + tag + j) for j, t in enumerate(tensors(i, loan))]
+        elif not sending and receives:
+            incoming += [(offset, t, _LOAN_TAG + tag + j) for j, t in enumerate(like(loan))]
             counts.append(len(like(loan)))
-    buffers, requests = _post(ring, sends, receives)
+            continue
+        counts.append(0)
+    buffers, requests = _post(ring, outgoing, incoming)
     received = []
     for count in counts:
         received.append(tuple(buffers[:count]) if count else None)
         buffers = buffers[count:]
-    return received, requests, sends
+    return received, requests, outgoing

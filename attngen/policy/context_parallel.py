@@ -11,6 +11,13 @@ from dataclasses import dataclass
 # backward 649 TFLOP/s against 599 unbalanced (shares 0.994 / 1.006 against 0.851 / 1.149). On since.
 BALANCE_DOCUMENTS = True
 
+# Where an executor runs the loans (attngen.distributed.balance.loans_split): False, after all its blocks on its own
+# keys, so that the returns (partial out; dQ, dK, dV) travel under the later steps only, short under documents (two
+# H200s at 128k: 15.8% of the call exposed, against 10.3% unbalanced); True, after the first of those blocks that
+# cover the lent rows' arrival, the owner posting its receives of the returns up front, so that the returns travel
+# under the executor's remaining blocks. Not measured yet.
+LOANS_EARLY = False
+
 
 @dataclass(frozen=True, slots=True)
 class BalancePolicy:
@@ -21,10 +28,14 @@ class BalancePolicy:
         131,072 pairs are ~20 us.
     tolerance: moves stop once no rank is further from the mean than this share of it.
     min_rows: a split piece moves at least this many query rows (fewer cost more in launches than they balance).
+    arrival_scores: under LOANS_EARLY, the kept pairs an executor runs on its own keys before it starts the loans,
+        for each query or key row they bring: at d=128 in bf16 a head's q row is 256 bytes, ~1.7 ns at 150 GB/s,
+        the time of ~1,800 pairs of a head at ~550 TFLOP/s forward (a K and V row twice that); about twice that.
     """
     block_cost: int = 128 * 1024
     tolerance: float = 0.01
     min_rows: int = 64
+    arrival_scores: int = 4096
 
 
 BALANCE = BalancePolicy()
