@@ -417,6 +417,13 @@ CASES = {
         (2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True),
         # balanced: rank 2 takes part in a loan and its first step after 0 is step 2, posted after the loan's return
         (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 6, 10, 13, 18), True)],
+    # four ranks: on GPUs only (four interpreter processes would hold CI's two cores for minutes)
+    4: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0),
+        (2, 4, 2, 5, False, False, NO_WINDOW, 0.0),     # GQA, odd shards
+        (1, 2, 2, 6, True, True, (9, 0), 0.0),          # a window across chunks: the ring cut short
+        (1, 2, 1, 5, True, False, (3, 0), 5.0),         # the halo exchange, softcap, GQA
+        (1, 2, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18, 24)),          # a document over every rank
+        (1, 2, 2, 8, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 26, 32), True)],  # balanced
 }
 # the balanced cases again with the loans run after the executor's first block (policy LOANS_EARLY)
 for _cases in CASES.values():
@@ -566,8 +573,8 @@ def _check_document_bytes(rank, world, device):
     sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, cu_seqlens=documents,
                        balance_documents=False)
     row = b * h_kv * d * 4 * 2  # a row of k and v (dk and dv), float32 as the inputs
-    want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}[world][rank]
-    assert sent == want, (rank, sent)
+    want = {2: [[4 * row, 0], [0, 4 * row]], 3: [[4 * row, 0], [3 * row, 4 * row], [0, 3 * row]]}.get(world)
+    assert want is None or sent == want[rank], (rank, sent)  # (four ranks: the cases' numerics only)
 
 
 def _check_balanced_bytes(rank, world, device):
@@ -624,8 +631,8 @@ def _expected_phases(rank, world, n, kind, early):
     return want
 
 
-# (shard length, documents) of the timeline's balanced documents on 2 and 3 ranks (loans at SMALL_BALANCE)
-TIMELINE_DOCUMENTS = {2: (0, 3, 11, 12, 20, 24), 3: (0, 1, 6, 10, 13, 18)}
+# (shard length, documents) of the timeline's balanced documents on 2, 3 and 4 ranks (loans at SMALL_BALANCE)
+TIMELINE_DOCUMENTS = {2: (0, 3, 11, 12, 20, 24), 3: (0, 1, 6, 10, 13, 18), 4: (0, 1, 6, 10, 13, 19, 24)}
 
 
 def _check_timeline(rank, world, device):
@@ -634,7 +641,7 @@ def _check_timeline(rank, world, device):
     each pass's phases sum to at most its call's time, and that to at most the pass's wall time; and the call posts
     exactly the messages it posts unrecorded. The causal ring, the halo exchange, balanced documents with the loans
     at the end of step 0 and early."""
-    n = {2: 12, 3: 6}[world]
+    n = {2: 12, 3: 6, 4: 6}[world]
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     for kind, early in (("ring", False), ("halo", False), ("documents", False), ("documents", True)):
         arguments = {"ring": dict(causal=True),
@@ -725,9 +732,11 @@ def test_context_parallel_over_gloo(world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_context_parallel_over_nccl():
-    _spawn(2, "cuda")
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_over_nccl(world):
+    if not HAS_GPU or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _spawn(world, "cuda")
 
 
 def test_needs_an_initialised_group():
@@ -789,9 +798,9 @@ def _torch_worker(rank, world, path, device):
         dist.destroy_process_group()
 
 
-def _torch_spawn(device):
+def _torch_spawn(device, world=2):
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_torch_worker, args=(2, os.path.join(folder, "store"), device), nprocs=2)
+        mp.spawn(_torch_worker, args=(world, os.path.join(folder, "store"), device), nprocs=world)
 
 
 @CPU_ONLY
@@ -800,6 +809,8 @@ def test_torch_context_parallel_runs_attngen_over_gloo():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_torch_context_parallel_runs_attngen_over_nccl():
-    _torch_spawn("cuda")
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_context_parallel_runs_attngen_over_nccl(world):
+    if not HAS_GPU or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _torch_spawn("cuda", world)
