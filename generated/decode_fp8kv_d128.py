@@ -386,7 +386,7 @@ def _gl_e4m3_to_bf16(x):
 def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                   split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
                   stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p,
-                  qk_scale, v_descale, vw_smem, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  qk_scale, v_descale, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """The group's rows (row r: query head hkv * GROUP + r % GROUP, query r // GROUP) over key blocks
     [j0, j1), held as the NQ columns of transposed products: S^T = K Q^T, online softmax down the
@@ -394,7 +394,7 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
     # the keys fill wgmma's M (over the 8 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
     # and O^T [HEAD_DIM, NQ], a few registers a thread where rows padded to M = 64 took 16x as many
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, NQ, 16])
-    # the widened K tile as wgmma's A operand in registers (two 16-bit values a register)
+    # the widened K and V^T tiles as wgmma's A operand in registers (two 16-bit values a register)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # NOTE: wgmma's A fragment holds columns {2t, 2t+1, 2t+8, 2t+9} + 16c of a row (t = lane % 4), two bytes apart in
     # K's rows. S^T = K Q^T sums over the head dim, so K and Q both take column 64g + 16t + 4c' + 2h + l where the
@@ -404,8 +404,6 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
         lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[],
         shape=[BLOCK_N, HEAD_DIM])
-    # an e4m3 block read 16 bytes a thread along its rows, to be widened into a 16-bit tile
-    wide: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
     io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, io))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
@@ -450,19 +448,18 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         mbarrier.wait(v_ready.index(s), phase)
-        # V's block widened into the 16-bit tile wgmma reads transposed: 16 e4m3 bytes a load and no byte permutes,
-        # where V^T as a register operand is read a byte an element
-        v_wide = _gl_e4m3_to_bf16(v_smem.index(s).load(wide))
         if (j + 1) * BLOCK_N > n_k:  # the sequence's last block: zero its V rows past n_k
-            # Those slots hold whatever the cache has there: their P is 0, but 0 x NaN or Inf would still reach acc.
-            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide))
-            v_wide = gl.where((v_keys < n_k)[:, None], v_wide, 0.0)
-        vw_smem.store(v_wide)
-        fence_async_shared()
-        gl.thread_barrier()  # every warp has read the slot and written its part of the tile
-        acc = warpgroup_mma(vw_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-        mbarrier.arrive(v_empty.index(s), count=1)  # (the slot's bytes are in vw_smem: the loader refills it)
+            # Those rows hold whatever the cache has there (unwritten slots, the next sequence's keys; zeros
+            # past the tensor's end): their P is 0, but 0 x NaN or Inf would still reach acc.
+            v_block = v_smem.index(s)
+            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
+            v_block.store(gl.where((v_keys < n_k)[:, None], v_block.load(io), 0.0))
+            fence_async_shared()
+        v_tile = _gl_e4m3_to_bf16(v_smem.index(s).permute((1, 0)).load(a_op))
+        acc = warpgroup_mma(v_tile, p_smem.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        gl.thread_barrier()  # every warpgroup has read its rows of V^T: the slot goes back (one arrive a partition)
+        mbarrier.arrive(v_empty.index(s), count=1)
     # rows that saw no key give 0 and a log-sum-exp of -inf
     l_i = gl.sum(l_acc, 0)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -482,7 +479,7 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
 @gluon.jit
 def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                 split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
-                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem,
+                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale,
                 NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """K and V blocks [j0, j1) of (sequence b, K/V head hkv) into the ring by TMA, one copy each: the cache seen
@@ -529,8 +526,6 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
-    wide_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
-    vw_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], wide_layout)  # V's block widened
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -544,11 +539,11 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
         (_wsd_consumer, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                           b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
                           stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                          stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+                          stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
         (_wsd_loader, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                         b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
                         stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                        stride_bt_b, stride_bt_p, qk_scale, v_descale, vw_smem, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+                        stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
     ], [1], [LOADER_REGS])
 
 

@@ -133,7 +133,7 @@ def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypat
     assert program.warp_specialized.decode == hopper.DECODE_FP8_2WG == hopper.decode("fp8_e4m3", 128)
     assert program.warp_specialized.decode.constants()["CONSUMERS"] == 2
     printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
-    assert "2 consumer warpgroups, e4m3 widened by sign, V widened in shared memory" in printed
+    assert "2 consumer warpgroups, e4m3 widened by sign, K's head dim permuted" in printed
     assert compile_program(parse(_text("g2wg_d64", head_dim=64))).warp_specialized.decode == hopper.DECODE_FP8
     # the 16-bit kernel's source is the golden one with the switch on (test_golden renders the policy's defaults)
     for name in ("decode_paged16_d128", "decode_d128"):
@@ -144,7 +144,9 @@ def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypat
             assert render(spec, program) == f.read(), name
 
 
-def test_two_consumer_warpgroups_source(two_wg):
+def test_two_consumer_warpgroups_source(two_wg, monkeypatch):
+    """DECODE_FP8_2WG with V staged (stage_v, off by default: it lost its A/B)."""
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, stage_v=True))
     spec = parse(_text("g2wg_src", layout=LAYOUTS["paged16"]))
     source = render(spec, compile_program(spec))
     compile(source, "g2wg.py", "exec")
@@ -177,9 +179,22 @@ def test_two_consumer_warpgroups_source(two_wg):
     assert "stride_q_n + q_dims[None, :])" in source
 
 
+def test_two_consumer_warpgroups_default_reads_v_as_registers(two_wg):
+    """DECODE_FP8_2WG as shipped (stage_v off, permute_k on): V^T is wgmma's register operand, widened from the e4m3
+    ring as it lies (no 16-bit V tile); K read permuted."""
+    spec = parse(_text("g2wg_default_src", layout=LAYOUTS["paged16"]))
+    source = render(spec, compile_program(spec))
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert "v_tile = _gl_e4m3_to_bf16(v_smem.index(s).permute((1, 0)).load(a_op))" in loop
+    assert "acc = warpgroup_mma(v_tile, p_smem.permute((1, 0)), acc, is_async=True)" in loop
+    assert "vw_smem" not in source
+    assert "k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)" in loop
+
+
 def test_staged_k_source(two_wg, monkeypatch):
     """stage_k: K widened into kw_smem (wgmma's A operand from there), its slot released once the tile is there."""
-    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, stage_k=True, permute_k=False))
+    monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, stage_k=True, stage_v=True,
+                                                          permute_k=False))
     spec = parse(_text("g2wg_k_src"))
     source = render(spec, compile_program(spec))
     compile(source, "g2wg_k.py", "exec")
@@ -197,10 +212,11 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
     """Beside the one-warpgroup FP8 kernel: twelve warps (two consumer warpgroups and the loader's), half the wgmma
     instructions a warpgroup issues (each takes 64 of a block's keys and 64 of O^T's rows), no spills up to the most
     rows the shape takes (ptxas -v's registers in the message); both tiles register operands read as they lie (stage_v,
-    permute_k off) the same shared memory; DECODE_FP8_2WG (V staged, K permuted) 32 KB more and under half their
-    shared loads; K staged instead of permuted (stage_k) 32 KB more again."""
+    permute_k off) the same shared memory; V staged and K permuted 32 KB more and under half their shared loads; K
+    staged instead of permuted (stage_k) 32 KB more again."""
     shapes = {"1wg": None, "2wg_regs": replace(hopper.DECODE_FP8_2WG, stage_v=False, permute_k=False),
-              "2wg": hopper.DECODE_FP8_2WG, "2wg_k": replace(hopper.DECODE_FP8_2WG, stage_k=True, permute_k=False)}
+              "2wg": replace(hopper.DECODE_FP8_2WG, stage_v=True),
+              "2wg_k": replace(hopper.DECODE_FP8_2WG, stage_k=True, stage_v=True, permute_k=False)}
     jobs = []
     for key, shape in shapes.items():
         monkeypatch.setattr(hopper, "FP8_DECODE_2WG", shape is not None)
@@ -239,10 +255,11 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
 # operands read as they lie, with K staged instead of permuted, with K read as it lies; each under spec names of its own
 # (the kernel caches key on the switches, not on the shapes)
 SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
-          "2wg_k": {"stage_k": True, "permute_k": False}, "2wg_unpermuted": {"permute_k": False}}
+          "2wg_k": {"stage_k": True, "stage_v": True, "permute_k": False},
+          "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
 REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg") for layout in sorted(LAYOUTS)
-               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_unpermuted")])
+               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")])
 
 
 def _take_shape(monkeypatch, name) -> int:
