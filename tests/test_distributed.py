@@ -445,6 +445,7 @@ def _worker(rank, world, path, device, cases):
         for case in cases:
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
+        _check_ring_return(rank, world, device)
         _check_document_bytes(rank, world, device)
         _check_balanced_bytes(rank, world, device)
         _check_timeline(rank, world, device)
@@ -562,6 +563,26 @@ def _check_halo_bytes(rank, world, device):
     sent = _bytes_sent(device, (b, h_kv, n, d), causal=True, load_balance=False, window_size=(left, 0))
     rows = b * h_kv * left * d * 4 * 2  # k and v (dk and dv), float32 as the inputs
     assert sent == [rows if rank < world - 1 else 0, rows if rank > 0 else 0], (rank, sent)
+
+
+def _check_ring_return(rank, world, device):
+    """The causal ring's backward in bfloat16: each step's dK, dV travel to the next rank in float32 (partial sums),
+    and the last message, the whole sums going home, in bfloat16 (the caller rounds them to that anyway); the
+    gradients within bfloat16's error of float64."""
+    b, h, n, d = 1, 2, 8, 16
+    torch.manual_seed(99)
+    q, k, v, do = (torch.randn(b, h, world * n, d, dtype=torch.bfloat16, device=device) for _ in range(4))
+    want = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.float64)
+    low = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.bfloat16)
+    shard = lambda t: shard_sequence(t, world, rank, load_balance=True)  # noqa: E731
+    mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    with _posted() as batches:
+        context_parallel_attention(*mine, causal=True).backward(shard(do))
+    grads = [m for batch in batches for m in batch if m[0] == "send" and m[2] >= 2]  # (tags 0, 1: the keys)
+    assert [m[4] for m in grads] == [torch.float32] * 2 * (world - 1) + [torch.bfloat16] * 2, grads
+    assert [m[2] for m in grads[-2:]] == [4, 5] and all(m[3] == (b, h, n, d) for m in grads), grads
+    for got, i, name in zip((t.grad for t in mine), (2, 3, 4), ("dq", "dk", "dv")):
+        _compare(got, shard(want[i]), shard(low[i]), f"{name}, bfloat16 ring, rank {rank}/{world}")
 
 
 def _check_document_bytes(rank, world, device):
