@@ -430,8 +430,8 @@ for _cases in CASES.values():
     _cases += [(*case, True) for case in list(_cases) if case[9:10] == (True,)]
 # cases again with each merge of partial states in one kernel (policy FUSED_MERGE), by index above: on 2 ranks the
 # causal ring, the halo exchange (its out in q's dtype) and balanced documents (the loans' partials and their
-# returns), on 3 balanced documents with two lenders, batch 2 and GQA
-for _world, _picks in {2: (0, 4, 13), 3: (6,)}.items():
+# returns), on 3 balanced documents with two lenders, batch 2 and GQA, on 4 (GPUs) the ring and balanced documents
+for _world, _picks in {2: (0, 4, 13), 3: (6,), 4: (0, 5)}.items():
     CASES[_world] += [(*case, *(None, False, False)[len(case) - 8:], True) for case in
                       (CASES[_world][i] for i in _picks)]
 

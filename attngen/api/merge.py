@@ -9,9 +9,9 @@ natural-log. With m = max(lse_a, lse_b) (0 where both are -inf),
 
 `merge_states`' formula, so that an empty state (lse -inf) has weight 0 and two empty states give 0 and -inf. Each
 program reads BLOCK_M rows of both states at their own strides and dtypes, computes in float32 and writes the rows
-of the result, which may be state a itself: context parallelism merges each step's partial into its float32
-accumulator's rows in place, where PyTorch's element-wise ops took about fifteen launches and float32 temporaries
-over the strided rows, then two copies back.
+of the result, which may be state a itself: under policy.context_parallel.FUSED_MERGE context parallelism merges
+each step's partial into its float32 accumulator's rows this way, in place, reading and writing each element once
+(PyTorch's element-wise ops need float32 temporaries and a copy back).
 
 NOTE: the kernel is written by hand rather than taken from the IR's merge of split-KV partials
 (`passes.split_kv.merge_splits`): that one is a loop over the splits of one buffer, emitted into a spec's own
@@ -32,7 +32,10 @@ from ..env import interpreting
 from ..runtime.arguments import on_other_gpu
 
 
-@triton.jit(do_not_specialize=["rows"])  # (a ring step's rows vary: one binary for all)
+# (a step's rows vary, and the batch and head strides of a contiguous lse are multiples of them: specialised, a row
+# count not a multiple of 16 would compile another binary)
+@triton.jit(do_not_specialize=["rows", "stride_lse_a_b", "stride_lse_a_h", "stride_lse_b_b", "stride_lse_b_h",
+                               "stride_lse_o_b", "stride_lse_o_h"])
 def _merge_states(A, LSE_A, B, LSE_B, O, LSE_O, rows, width,
                   stride_a_b, stride_a_h, stride_a_n, stride_a_d, stride_lse_a_b, stride_lse_a_h, stride_lse_a_n,
                   stride_b_b, stride_b_h, stride_b_n, stride_b_d, stride_lse_b_b, stride_lse_b_h, stride_lse_b_n,
