@@ -46,7 +46,7 @@ def _merge_states(A, LSE_A, B, LSE_B, O, LSE_O, rows, width,
     b = tl.program_id(2).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
     live = offs_m < rows
     tile = live[:, None] & (offs_d[None, :] < width)
     lse_a = tl.load(LSE_A + b * stride_lse_a_b + h * stride_lse_a_h + offs_m * stride_lse_a_n, mask=live,
