@@ -8,6 +8,8 @@
 B=1, H=32, d=128, bf16, causal, N from --lengths (default 128k, 256k, 512k; a length that runs out of memory is
 recorded as such). Providers, each at the same shapes:
   attngen         attngen.distributed.context_parallel_attention (on one GPU: attngen.attention)
+  attngen_fused   the same with policy.context_parallel.FUSED_MERGE on: each step's partial merges into the
+                  accumulator in one kernel, in place (several GPUs only; its speed-up is over attngen's one-GPU row)
   torch_cudnn     torch's context_parallel with SDPA's cuDNN backend (on one GPU: SDPA cuDNN)
   torch_flash     torch's context_parallel with SDPA's flash backend, torch's own kernels
   torch_attngen   torch's context_parallel with SDPA's flash backend and attngen in the flash slot
@@ -24,6 +26,7 @@ recorded as such). Providers, each at the same shapes:
                   the light ones (several GPUs only; its speed-up is over attngen_document's one-GPU row)
   attngen_document_early  the same with policy.context_parallel.LOANS_EARLY on: an executor runs the loans after the
                   first of its own pieces, so that their returns travel under the rest (several GPUs only)
+  attngen_document_fused  balanced documents with policy.context_parallel.FUSED_MERGE on (several GPUs only)
   flex_document   FlexAttention under torch's context_parallel with a document block mask, head-tail shards
                   (the flex rows run where torch's FlexAttention context parallelism exists, found by its names,
                   not the version; elsewhere they are error rows)
@@ -52,16 +55,22 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROVIDERS = ("attngen", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window", "flex_window",
-             "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced",
-             "attngen_document_early", "flex_document")
+PROVIDERS = ("attngen", "attngen_fused", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window",
+             "flex_window", "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced",
+             "attngen_document_early", "attngen_document_fused", "flex_document")
 # attngen's rows that FlexAttention under context_parallel is the peer of
 FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document",
-              "attngen_document_balanced": "flex_document", "attngen_document_early": "flex_document"}
+              "attngen_document_balanced": "flex_document", "attngen_document_early": "flex_document",
+              "attngen_document_fused": "flex_document"}
 # providers whose one-GPU row is another's (the same computation on one GPU)
-ONE_GPU_ROW = {"attngen_document_balanced": "attngen_document", "attngen_document_early": "attngen_document"}
+ONE_GPU_ROW = {"attngen_fused": "attngen", "attngen_document_balanced": "attngen_document",
+               "attngen_document_early": "attngen_document", "attngen_document_fused": "attngen_document"}
 # attngen's providers on several GPUs that get the kernels-alone time
-KERNELS_ALONE = ("attngen", "attngen_window", "attngen_document", "attngen_document_balanced", "attngen_document_early")
+KERNELS_ALONE = ("attngen", "attngen_fused", "attngen_window", "attngen_document", "attngen_document_balanced",
+                 "attngen_document_early", "attngen_document_fused")
+# providers that run another's computation with a policy.context_parallel switch on
+SWITCHED = {"attngen_fused": "FUSED_MERGE", "attngen_document_early": "LOANS_EARLY",
+            "attngen_document_fused": "FUSED_MERGE"}
 # the phases (attngen.distributed.timeline) that wait on an exchange: the communication left exposed
 WAITS = ("exchange wait", "grads wait", "return wait", "loan rows wait", "returns wait")
 
@@ -124,13 +133,13 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
     import attngen
     from attngen.distributed import context_parallel_attention
 
+    switch = switched_on(SWITCHED[provider]) if provider in SWITCHED else contextlib.nullcontext()
     if provider.startswith("attngen_document"):
         cu_seqlens = torch.tensor(documents, dtype=torch.int32, device="cuda")
         balance = provider != "attngen_document"
         if world > 1:
-            context = loans_early() if provider == "attngen_document_early" else contextlib.nullcontext()
-            return context, lambda q, k, v: context_parallel_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens,
-                                                                       balance_documents=balance)
+            return switch, lambda q, k, v: context_parallel_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens,
+                                                                      balance_documents=balance)
         longest = max(b - a for a, b in zip(documents, documents[1:]))
 
         def varlen(q, k, v):  # (1, H, N, D) as (N, H, D) views: no copy
@@ -146,8 +155,8 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
             return contextlib.nullcontext(), lambda q, k, v: attngen.attention(q, k, v, is_causal=True,
                                                                                window_size=size, softcap=cap)
         balance = provider != "attngen_window"
-        return contextlib.nullcontext(), lambda q, k, v: context_parallel_attention(
-            q, k, v, causal=True, window_size=size, softcap=cap, load_balance=balance)
+        return switch, lambda q, k, v: context_parallel_attention(q, k, v, causal=True, window_size=size, softcap=cap,
+                                                                  load_balance=balance)
     backend = SDPBackend.CUDNN_ATTENTION if provider == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
 
     @contextlib.contextmanager
@@ -165,15 +174,16 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
 
 
 @contextlib.contextmanager
-def loans_early():
-    """policy.context_parallel.LOANS_EARLY on inside the block (the calls read it in their forward)."""
+def switched_on(name: str):
+    """policy.context_parallel's switch `name` on inside the block (the calls read it as they run)."""
     from attngen.policy import context_parallel
 
-    before, context_parallel.LOANS_EARLY = context_parallel.LOANS_EARLY, True
+    before = getattr(context_parallel, name)
+    setattr(context_parallel, name, True)
     try:
         yield
     finally:
-        context_parallel.LOANS_EARLY = before
+        setattr(context_parallel, name, before)
 
 
 def flex_context_parallel():
@@ -300,7 +310,7 @@ def exposed_communication(q, k, v, do, world: int, rank: int, reps: int, provide
     else:
         schedule = ring_schedule(world, q.shape[2], True, NO_WINDOW, True, documents and tuple(documents))
         loans = ()
-        if provider in ("attngen_document_balanced", "attngen_document_early"):
+        if provider.startswith("attngen_document_"):
             schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
         blocks = [b for step in schedule[rank] for b in (grouped_pieces(step) if documents else step)]
         blocks += [b for loan in loans if loan.executor == rank for b in loan.blocks]

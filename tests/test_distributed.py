@@ -6,8 +6,8 @@ head-tail chunks and without), and its argument errors; the halo exchange of a w
 (its schedule, its results and the bytes it sends); documents' work balanced across ranks (the plan's coverage
 and shares, its results and the bytes it sends), also with the loans run early (LOANS_EARLY); in every case, each
 rank's sends to another posted in the order the other posts its receives (NCCL pairs them by order); the per-step
-timeline (every step's phases, once each, within the call's time, the messages unchanged); the same on 2 GPUs over
-NCCL, marked gpu."""
+timeline (every step's phases, once each, within the call's time, the messages unchanged); a few cases with the
+merges in one kernel (FUSED_MERGE); the same on 2 and 4 GPUs over NCCL, marked gpu."""
 
 from __future__ import annotations
 
@@ -428,6 +428,12 @@ CASES = {
 # the balanced cases again with the loans run after the executor's first block (policy LOANS_EARLY)
 for _cases in CASES.values():
     _cases += [(*case, True) for case in list(_cases) if case[9:10] == (True,)]
+# cases again with each merge of partial states in one kernel (policy FUSED_MERGE), by index above: on 2 ranks the
+# causal ring, the halo exchange (its out in q's dtype) and balanced documents (the loans' partials and their
+# returns), on 3 balanced documents with two lenders, batch 2 and GQA, on 4 (GPUs) the ring and balanced documents
+for _world, _picks in {2: (0, 4, 13), 3: (6,), 4: (0, 5)}.items():
+    CASES[_world] += [(*case, *(None, False, False)[len(case) - 8:], True) for case in
+                      (CASES[_world][i] for i in _picks)]
 
 
 # every move, however small, at the cases' sizes; LOANS_EARLY's loans after an executor's first block
@@ -456,7 +462,7 @@ def _worker(rank, world, path, device, cases):
 
 
 def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
-                balance=False, early=False):
+                balance=False, early=False, fused=False):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
     PyTorch."""
@@ -476,7 +482,7 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
-    context_parallel.LOANS_EARLY = early
+    context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = early, fused
     try:
         with _posted() as batches:
             out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
@@ -484,10 +490,10 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
                                                   return_lse=True, balance_documents=balance)
             out.backward(shard(do))
     finally:
-        context_parallel.LOANS_EARLY = False
+        context_parallel.LOANS_EARLY = context_parallel.FUSED_MERGE = False
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents} balance={balance} early={early}")
+             f"documents={documents} balance={balance} early={early} fused={fused}")
     _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")

@@ -40,6 +40,9 @@ ALLOWED_LOCAL = {
     ("attngen.runtime.autograd", "attngen.runtime.ops"):
         "registers torch's custom ops the first time torch.compile traces a call; an eager process never "
         "pays for registering them (0.1 s of a cached process's first call)",
+    ("attngen.api.kvcache", "attngen.api.merge"):
+        "merge_states runs attngen.api.merge's Triton kernel on GPUs under policy.context_parallel.FUSED_MERGE, and "
+        "whether Triton interprets a kernel is fixed when it is defined: `import attngen` must not define it",
     ("attngen.__init__", "attngen.api.paged"):
         "PagedKVCache defines a Triton kernel, and whether Triton interprets it is fixed when it is defined: "
         "the CLI decides that after `import attngen`",

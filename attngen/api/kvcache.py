@@ -40,6 +40,7 @@ from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
 from ..lang.spec import FP8_DESCALES, MAX_HEAD_DIM, MAX_HEAD_DIM_LATENT, MAX_HEAD_DIM_V, DType
+from ..policy import context_parallel
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
                                  check_packed_indexing, check_scale, check_span, check_split_launch, check_tensor,
@@ -544,7 +545,8 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     D), lse (B, H, S_q) float32 natural-log. With m = max(lse_a, lse_b):
     out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
     lse = m + log(e^(lse_a - m) + e^(lse_b - m)). An empty state (lse -inf) has weight 0; two
-    empty states give 0 and -inf.
+    empty states give 0 and -inf. On GPUs under policy.context_parallel.FUSED_MERGE, one kernel computes it
+    (attngen.api.merge).
     """
     for name, t, dims in (("out_a", out_a, 4), ("lse_a", lse_a, 3), ("out_b", out_b, 4), ("lse_b", lse_b, 3)):
         check_tensor(name, t, dims, "(batch, seqlen_q, heads, head_dim)" if dims == 4 else "(batch, heads, seqlen_q)")
@@ -553,6 +555,12 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     b, s, h, _ = out_a.shape
     if tuple(lse_a.shape) != (b, h, s):
         raise KernelInputError(f"lse must be (batch, heads, seqlen_q) = {(b, h, s)}; got {tuple(lse_a.shape)}")
+    if context_parallel.FUSED_MERGE and _fusable(out_a, lse_a, out_b, lse_b):
+        from .merge import merge  # (defines a Triton kernel: see ALLOWED_LOCAL in tests/test_layers.py)
+
+        out, lse = torch.empty_like(out_a, memory_format=torch.contiguous_format), lse_a.new_empty((b, h, s))
+        merge(out_a.transpose(1, 2), lse_a, out_b.transpose(1, 2), lse_b, out.transpose(1, 2), lse)
+        return out, lse
     la, lb = lse_a.float().transpose(1, 2), lse_b.float().transpose(1, 2)
     m = torch.maximum(la, lb)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
@@ -560,3 +568,12 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     total = wa + wb
     out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / torch.where(total == 0, 1.0, total)[..., None]
     return out.to(out_a.dtype), (m + torch.log(total)).transpose(1, 2).contiguous()
+
+
+def _fusable(out_a, lse_a, out_b, lse_b) -> bool:
+    """Whether attngen.api.merge's kernel takes these states: on one GPU, outputs in 16- or 32-bit floats,
+    log-sum-exps in float32 (else PyTorch's ops merge them, and report a device that differs)."""
+    tensors = (out_a, lse_a, out_b, lse_b)
+    return (out_a.is_cuda and all(t.device == out_a.device for t in tensors)
+            and all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in (out_a, out_b))
+            and lse_a.dtype == lse_b.dtype == torch.float32)

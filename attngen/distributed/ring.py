@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from ..api import sdpa, varlen
 from ..api.kvcache import merge_states
+from ..api.merge import merge
 from ..lang.builtin import NO_WINDOW
+from ..policy import context_parallel
 from ..runtime.registry import resolve
 from .schedule import Block, Halo, Pieces, Visit
 from .phases import at, phase
@@ -139,7 +141,11 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
 
 
 def _merge(out, lse, rows: slice, part, part_lse) -> None:
-    """Merge the partial (part, part_lse) of `rows` into `out` and `lse`."""
+    """Merge the partial (part, part_lse) of `rows` into `out` and `lse` (in one kernel, in place, under
+    policy.context_parallel.FUSED_MERGE)."""
+    if context_parallel.FUSED_MERGE:
+        merge(out[:, :, rows], lse[:, :, rows], part, part_lse, out[:, :, rows], lse[:, :, rows])
+        return
     merged, merged_lse = merge_states(out[:, :, rows].transpose(1, 2), lse[:, :, rows],
                                       part.transpose(1, 2), part_lse)
     out[:, :, rows] = merged.transpose(1, 2)

@@ -20,6 +20,13 @@ BALANCE_DOCUMENTS = True
 # the timeline shows the returns' waits near zero either way, the exposed time being the merges. Off.
 LOANS_EARLY = False
 
+# How a partial state (out, lse) merges into another (attngen.distributed.ring._merge, and `attngen.merge_states` on
+# GPUs): False, PyTorch's element-wise ops (about fifteen launches with float32 temporaries over the accumulator's
+# strided rows, then two copies back: two H200s at 128k tokens of balanced documents, ~6 ms of a 20 ms forward);
+# True, one Triton kernel (attngen.api.merge) that reads both states' rows and writes the merged rows in place, in
+# one pass. Not measured yet.
+FUSED_MERGE = False
+
 
 @dataclass(frozen=True, slots=True)
 class BalancePolicy:
