@@ -581,7 +581,7 @@ reads the rows' delta past a sequence unmasked (GluonBackward.mask_scores): the 
 the sequences' and its descriptor ends 3 rows early, so that every copy's rows a tile reads are ones the row pass
 wrote (a row past the sequences: lse +inf, delta 0) or TMA's zeros past the end, and 0 times a finite delta is 0.
 ptxas (sm_90a, causal d=128, the ordered kernel with VARLEN_BWD_LEAN): 156 bytes of spills a thread -> 48, the
-consumers' loops 747 and 745 SASS instructions -> 609 and 558 with 4 and 2 spill loads in them (17 and 16 before,
+consumers' loops 747 and 745 SASS instructions -> 609 and 558 with 5 and 2 spill loads in them (17 and 16 before,
 and 4 and 6 spill stores; the plain dense causal kernel: 16 bytes, loops of ~607 and ~563 instructions, 3 and 1
 spill loads). Either half alone moved little (the mask on S^T 124 bytes, the delta unmasked 144): the P^T mask
 after the exponential and the delta mask each kept values live across the loop's waits. Not measured on a GPU."""
