@@ -688,6 +688,7 @@ def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
     program never takes it (the verifier refuses it there)."""
     import dataclasses
 
+    from attngen.cli import _gluon_backward_line
     from attngen.errors import InternalError
     from attngen.ir.verify import verify
 
@@ -700,6 +701,7 @@ def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
             monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", on)
             spec, program = _program(text)
             assert program.warp_specialized.backward.mask_scores is on
+            assert ("VARLEN_BWD_MASK_S" in _gluon_backward_line(program)) is on
             sources[variant, on] = render(spec, program)
     off, on = sources["causal", False], sources["causal", True]
     mask = "(rows[:, None] <= cols[None, :] + (n_k - n_q)) & (cols < n_q)[None, :]"
