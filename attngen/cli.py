@@ -245,9 +245,10 @@ def _gluon_backward_line(program: ir.Program) -> str:
                 "(policy/hopper.py VARLEN_BWD_PERSISTENT; dK and dV out through its dQ buffers)" if backward.persistent
                 else "one program per key tile of the dK/dV grid above")
     zeroed = " (a whole tile at once: VARLEN_BWD_LEAN)" if backward.zero_whole else ""
+    masked = " (S^T before exp2, the rows' delta unmasked: VARLEN_BWD_MASK_S)" if backward.mask_scores else ""
     return (f"the backward runs the Gluon kernel, {programs} (its dQ added by "
-            f"TMA reductions; rows past a sequence masked, its K and V rows past n_k zeroed{zeroed}, dK and dV of a "
-            f"tile ending past the sequence stored row-masked; {rows}{order})")
+            f"TMA reductions; rows past a sequence masked{masked}, its K and V rows past n_k zeroed{zeroed}, dK and dV "
+            f"of a tile ending past the sequence stored row-masked; {rows}{order})")
 
 
 def _gluon_dense_backward_line(program: ir.Program) -> str:

@@ -65,17 +65,21 @@ def gluon_varlen_backward(monkeypatch):
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
 
 
-@pytest.fixture(params=[(False, False, False), (True, False, False), (True, True, False), (True, False, True),
-                        (True, True, True)],
-                ids=["packed", "scheduled", "scheduled_lean", "scheduled_persistent", "scheduled_lean_persistent"])
+@pytest.fixture(params=[(False, False, False, False), (True, False, False, False), (True, True, False, False),
+                        (True, False, True, False), (True, True, True, False), (True, True, False, True),
+                        (False, True, False, True)],
+                ids=["packed", "scheduled", "scheduled_lean", "scheduled_persistent", "scheduled_lean_persistent",
+                     "scheduled_lean_mask_s", "packed_lean_mask_s"])
 def gluon_varlen_backward_scheduled(request, monkeypatch):
     """gluon_varlen_backward with hopper.VARLEN_BWD_SCHEDULE off (the packed order) and on, and on with
     hopper.VARLEN_BWD_LEAN (rows past a sequence zeroed a whole tile at once), VARLEN_BWD_PERSISTENT (a persistent
-    grid) or both."""
+    grid) or both; and VARLEN_BWD_MASK_S (S^T masked before the exponential, the rows' delta read unmasked) with
+    VARLEN_BWD_LEAN in either order."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", request.param[0])
     monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", request.param[1])
     monkeypatch.setattr(hopper, "VARLEN_BWD_PERSISTENT", request.param[2])
+    monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", request.param[3])
 
 
 # -- on the CPU ------------------------------------------------------------------------------------------
@@ -674,6 +678,78 @@ def test_the_lean_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch,
         assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
     off, on = (_ptxas_spills(job["ptx_to"]) for job in jobs)
     assert on <= VARLEN_BWD_LEAN_SPILLS[variant] < off, (variant, off, on)
+
+
+def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
+    """hopper.VARLEN_BWD_MASK_S (off until measured) is a switch of the kernel caches; with it on, the varlen
+    backward masks a masked block's S^T to -inf before exp2 where no score modifier sits between them (a softcap
+    spec keeps the P^T mask), its consumers read the rows' delta unmasked, and its launch pads the rows by 3 and ends
+    their descriptor 3 short of the padding; the module differs from the one without it in that alone; a dense
+    program never takes it (the verifier refuses it there)."""
+    import dataclasses
+
+    from attngen.cli import _gluon_backward_line
+    from attngen.errors import InternalError
+    from attngen.ir.verify import verify
+
+    assert "VARLEN_BWD_MASK_S" in hopper.SWITCHES
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    sources = {}
+    for variant in ("causal", "softcap_window"):
+        text = _text(f"gvlb_mask_s_{variant}", variant, direction="forward+backward")
+        for on in (False, True):
+            monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", on)
+            spec, program = _program(text)
+            assert program.warp_specialized.backward.mask_scores is on
+            assert ("VARLEN_BWD_MASK_S" in _gluon_backward_line(program)) is on
+            sources[variant, on] = render(spec, program)
+    off, on = sources["causal", False], sources["causal", True]
+    mask = "(rows[:, None] <= cols[None, :] + (n_k - n_q)) & (cols < n_q)[None, :]"
+    assert f"pt = gl.where({mask}, pt, 0.0)" in off and "pt = gl.where(" not in on
+    assert f"st = gl.where({mask}, st, float(\"-inf\"))" in on
+    assert on.index("st = gl.where(") < on.index("pt = gl.exp2(st * qk_scale - lse[None, :])")
+    assert "delta = gl.where(cols < n_q, delta, 0.0)" in off and "delta = gl.where" not in on
+    assert "n_pad = cdiv(TOTAL_Q + 3, block_m) * block_m" in on
+    assert "_WS_BWD_ROWS_LAYOUT, [4, H, 2, n_pad - 3])" in on
+    # nothing else moved: the lines the switch touches (comments included) are its own
+    strip = lambda src: [line for line in src.splitlines() if not any(
+        key in line for key in ("gl.where(", "pt = gl.exp2(st", "n_pad = cdiv(TOTAL_Q", "_WS_BWD_ROWS_LAYOUT",
+                                "(start_m < full_lo * BLOCK_M)", "ROWS_SMEM and (start_m + BLOCK_M > n_q)", "# "))]
+    assert strip(off) == strip(on)
+    # a score modifier between S^T and exp2 (softcap: -inf would not stay -inf): P^T masked, the delta unmasked
+    soft = sources["softcap_window", True]
+    assert "pt = gl.where(" in soft and "st = gl.where(" not in soft and "delta = gl.where" not in soft
+    dense_spec, dense = _program(_text("gvlb_mask_s_dense", "causal", direction="forward+backward").replace(
+        "    layout = varlen\n", ""))
+    assert dense.warp_specialized.backward.mask_scores is False
+    bad = dataclasses.replace(dense.warp_specialized.backward, mask_scores=True)
+    with pytest.raises(InternalError, match="mask_scores"):
+        verify(dataclasses.replace(dense, warp_specialized=dataclasses.replace(dense.warp_specialized, backward=bad)),
+               "test")
+
+
+VARLEN_BWD_MASK_S_SPILLS = {"causal": 48, "softcap_window": 588}
+"""Bytes a thread of the ordered, lean varlen Gluon backward spills with hopper.VARLEN_BWD_MASK_S (ptxas -v, sm_90a):
+against VARLEN_BWD_LEAN_SPILLS without it (156, 668)."""
+
+
+@pytest.mark.parametrize("variant", sorted(VARLEN_BWD_MASK_S_SPILLS))
+def test_the_mask_s_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch, tmp_path, variant):
+    """With hopper.VARLEN_BWD_MASK_S the ordered, lean Gluon varlen backward compiles for sm_90 with its TMA loads and
+    dQ reductions, and ptxas spills no more than VARLEN_BWD_MASK_S_SPILLS, less than the same kernel without it."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", True)
+    jobs = []
+    for on in (False, True):
+        monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", on)
+        kernel = attngen.load(_text(f"gvlb_sm90_mask_s_{variant}", variant, 128, "bf16", direction="forward+backward"))
+        assert ("delta = gl.where" in kernel.path.read_text()) is not on
+        jobs.append({"path": str(kernel.path), "gluon_ws": "backward", "ptx_to": str(tmp_path / f"{on}.ptx")})
+    for result in probe(jobs):
+        assert "error" not in result, result
+        assert result["tma_loads"] >= 4 and result["tma_reduces"] >= 1 and result["shared"] <= 232448, result
+    off, on = (_ptxas_spills(job["ptx_to"]) for job in jobs)
+    assert on <= VARLEN_BWD_MASK_S_SPILLS[variant] < off, (variant, off, on)
 
 
 def test_ws_ready_counts_the_average_sequence():

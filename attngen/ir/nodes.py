@@ -493,6 +493,10 @@ class GluonBackward:
     # varlen, ordered: a persistent grid (a program a multiprocessor taking the order's work items in turn), dK and
     # dV out through the dQ buffers while the next tile's K and V load
     persistent: bool = False
+    # varlen: a masked block's scores masked on S^T before the exponential, as the dense kernel does (where no score
+    # modifier sits between them), and the rows' delta past a sequence left unmasked: the rows' descriptor ends
+    # where the row pass's writes do, so what a tile reads there is finite (fewer ptxas spills in the loop)
+    mask_scores: bool = False
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"

@@ -425,6 +425,8 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                  "k > 0 K/V heads at a time, up to 0 < order_tiles <= 2^15 a head)")
         if b.zero_whole and not program.attr("varlen"):
             fail("backward: zero_whole zeroes K and V rows past a packed sequence (varlen only)")
+        if b.mask_scores and not program.attr("varlen"):
+            fail("backward: mask_scores bounds the rows past a packed sequence (varlen only)")
         if b.persistent and not (program.attr("varlen") and b.order_heads and b.dq_atomic):
             fail("backward: a persistent grid takes the ordered varlen grid's work items (varlen, order_heads, dq_atomic)")
         regs_ok("backward loader", b.loader_regs)

@@ -501,7 +501,7 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -574,6 +574,18 @@ Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py` at 6caf2da): it
 against the launch-per-tile kernel's 360 (with VARLEN_BWD_LEAN 362 against 413), 128k tokens of 14 documents 292
 against 371 (4 heads a group 313); its GPU tests pass. Off."""
 
+VARLEN_BWD_MASK_S = False
+"""Whether the Gluon varlen backward masks a masked block's S^T to -inf before the exponential, as the dense kernel
+does (where no score modifier sits between them: softcap's would not keep -inf), instead of P^T to 0 after it, and
+reads the rows' delta past a sequence unmasked (GluonBackward.mask_scores): the rows' buffer gets 3 rows more than
+the sequences' and its descriptor ends 3 rows early, so that every copy's rows a tile reads are ones the row pass
+wrote (a row past the sequences: lse +inf, delta 0) or TMA's zeros past the end, and 0 times a finite delta is 0.
+ptxas (sm_90a, causal d=128, the ordered kernel with VARLEN_BWD_LEAN): 156 bytes of spills a thread -> 48, the
+consumers' loops 747 and 745 SASS instructions -> 609 and 558 with 5 and 2 spill loads in them (17 and 16 before,
+and 4 and 6 spill stores; the plain dense causal kernel: 16 bytes, loops of ~607 and ~563 instructions, 3 and 1
+spill loads). Either half alone moved little (the mask on S^T 124 bytes, the delta unmasked 144): the P^T mask
+after the exponential and the delta mask each kept values live across the loop's waits. Not measured on a GPU."""
+
 VARLEN_BWD_PERSISTENT_ORDER_HEADS = 64
 """How many K/V heads' tiles the order takes together under VARLEN_BWD_PERSISTENT (VARLEN_BWD_ORDER_HEADS' role): all of
 them up to 64. A persistent grid deals the items by rounds, and each group of heads starts again from its longest
@@ -590,7 +602,8 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
     so a launch cannot pick the short shape by them), its groups not split (its grid is over the packed key tiles),
     lse and delta by TMA unless VARLEN_ROWS_SMEM is off, its key tiles in VARLEN_BWD_SCHEDULE's order, the rows past
-    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN, on a persistent grid with VARLEN_BWD_PERSISTENT.
+    a sequence zeroed a whole tile at once with VARLEN_BWD_LEAN, on a persistent grid with VARLEN_BWD_PERSISTENT,
+    its masked blocks masked on S^T and the rows' delta read unmasked with VARLEN_BWD_MASK_S.
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
@@ -600,7 +613,7 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
                    order_heads=((VARLEN_BWD_PERSISTENT_ORDER_HEADS if VARLEN_BWD_PERSISTENT else VARLEN_BWD_ORDER_HEADS)
                                 if VARLEN_BWD_SCHEDULE else 0),
                    order_tiles=VARLEN_BWD_ORDER_TILES if VARLEN_BWD_SCHEDULE else 0, zero_whole=VARLEN_BWD_LEAN,
-                   persistent=VARLEN_BWD_SCHEDULE and VARLEN_BWD_PERSISTENT)
+                   persistent=VARLEN_BWD_SCHEDULE and VARLEN_BWD_PERSISTENT, mask_scores=VARLEN_BWD_MASK_S)
 
 
 FP8_DECODE_GLUON = True
