@@ -728,6 +728,55 @@ def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
                "test")
 
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "packed"])
+@pytest.mark.parametrize("lens", [(1, 64, 127), (61, 3, 128), (5,)])
+def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens):
+    """What VARLEN_BWD_MASK_S's unmasked delta rests on, with the launch's own row pass (in the interpreter) over
+    rows poisoned with NaN first: within the rows' descriptor (copy s's first n_pad - 3 rows, n_pad from TOTAL_Q + 3)
+    every lse is a number and every delta finite, each sequence's own rows are inside it at copy q_start % 4 with
+    their own lse and delta, and rows past the sequences have lse +inf and delta 0 (TMA reads zeros past the
+    descriptor). Without the 3 rows of padding a TOTAL_Q that is a multiple of BLOCK_M puts copy 0's last rows
+    outside it (lens summing to 192)."""
+    monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", ordered)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", True)
+    module = attngen.load(_text(f"gvlb_mask_s_rows_{ordered}", "causal", 64, "fp16", direction="forward+backward")).module
+    source = inspect.getsource(module)
+    assert "n_pad = cdiv(TOTAL_Q + 3, block_m) * block_m" in source and "_WS_BWD_ROWS_LAYOUT, [4, H, 2, n_pad - 3])" in source
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    H, d, total = 2, 64, sum(lens)
+    block_m = module.WS_BWD_SHAPE["BLOCK_M"]
+    out, do = (torch.randn((total, H, d), generator=g, device=DEVICE).to(torch.float16) for _ in range(2))
+    lse = torch.randn((H, total), generator=g, device=DEVICE)
+    lse[:, 0] = float("-inf")  # (a row that saw no key: +inf in log2 units)
+    n_pad = (total + 3 + block_m - 1) // block_m * block_m
+    if ordered:  # the row pass writes the four shifted copies itself
+        copies = torch.full((4, H, 2, n_pad), float("nan"), device=DEVICE)
+        target = copies
+    else:  # the rows, then their copies (_ws_bwd_shifted_rows)
+        flat = torch.full((H * 2 * n_pad + 3,), float("nan"), device=DEVICE)
+        target = flat[:H * 2 * n_pad].view(1, H, 2, n_pad)
+    o4, do4, lse3 = module._ws_heads_first(out), module._ws_heads_first(do), lse.unsqueeze(0)
+    dq_acc = torch.empty((1, H, total, d), device=DEVICE)
+    block = module.WS_BWD_SHAPE["ROW_BLOCK"]
+    module.attn_bwd_prep_ws[(n_pad // block, H, 1)](o4, do4, lse3, target, dq_acc, lse3, *o4.stride(), *do4.stride(),
+                                                   *lse3.stride(), H, total, n_pad, 0, BLOCK=block, HEAD_DIM=d,
+                                                   CLAIMS=0, BLOCK_M=block_m, num_warps=4)
+    if not ordered:
+        copies = module._ws_bwd_shifted_rows(flat, H, n_pad)
+    seen = copies[..., :n_pad - 3]  # the descriptor's rows
+    assert not seen[:, :, 0].isnan().any() and seen[:, :, 1].isfinite().all()
+    lse2 = torch.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = (out.float() * do.float()).sum(-1).T  # (H, TOTAL_Q)
+    for q_start, n_q in zip(_offsets(lens).tolist(), lens):
+        s, cols = q_start % 4, torch.arange(q_start, q_start + n_q) - q_start % 4
+        assert int(cols.max()) < n_pad - 3, (q_start, n_q, n_pad)
+        torch.testing.assert_close(seen[s, :, 0, cols], lse2[:, q_start:q_start + n_q])
+        torch.testing.assert_close(seen[s, :, 1, cols], delta[:, q_start:q_start + n_q], rtol=1e-5, atol=1e-5)
+    for s in range(4):  # rows past the sequences
+        assert (seen[s, :, 0, total - s:] == float("inf")).all() and (seen[s, :, 1, total - s:] == 0).all()
+
+
 VARLEN_BWD_MASK_S_SPILLS = {"causal": 48, "softcap_window": 588}
 """Bytes a thread of the ordered, lean varlen Gluon backward spills with hopper.VARLEN_BWD_MASK_S (ptxas -v, sm_90a):
 against VARLEN_BWD_LEAN_SPILLS without it (156, 668)."""
