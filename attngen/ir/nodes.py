@@ -493,10 +493,13 @@ class GluonBackward:
     # varlen, ordered: a persistent grid (a program a multiprocessor taking the order's work items in turn), dK and
     # dV out through the dQ buffers while the next tile's K and V load
     persistent: bool = False
+    # (wide, not staged) a program takes two key tiles, the k-th longest and the k-th shortest of a causal head, its
+    # Q/dO ring running on from the first into the second (half the programs, each the same work)
+    paired: bool = False
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"
-        only where set: the other modules' constants stay as they were)."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES", "ORDER_HEADS" and
+        "PAIRED" only where set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -508,7 +511,8 @@ class GluonBackward:
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
                 "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
                 **({"PIECES": list(self.pieces)} if self.pieces else {}),
-                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {})}
+                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {}),
+                **({"PAIRED": True} if self.paired else {})}
 
 
 @dataclass(frozen=True, slots=True)
