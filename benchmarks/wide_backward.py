@@ -4,6 +4,8 @@ shapes suite runs it and without a mask (which the switch leaves as it is: a con
 paired either: its staged kernel's stages are its dQ tiles).
 
     python benchmarks/wide_backward.py             # on a Hopper GPU
+    python benchmarks/wide_backward.py --tail-waves 0   # every head paired (WIDE_BWD_PAIR_TAIL_WAVES: a table, not
+                                                        # a switch: caches do not key on it, so a run of its own)
     python benchmarks/wide_backward.py --simulate  # on any machine: the list-scheduling simulation of the grids
 
 Each row times the forward (under no_grad) and `torch.autograd.grad` on a retained graph (the shapes suite's
@@ -19,8 +21,9 @@ and whether the paired module was generated.
 causal, 64 without a mask) list-scheduled on 132 multiprocessors in launch order (each program, when one ends, to the
 next in order: one program a multiprocessor, as the wide kernel's shared memory allows), a program's time its steps
 plus a fixed cost c (launch, K and V load, ring fill, dK and dV stores); paired: programs of tiles p and 63 - p, whose
-fixed cost is c plus the second tile's exposed part `second` (its K and V load). Prints the makespan against the
-work's own (total / 132) and the causal rate against the no-mask one under each model.
+fixed cost is c plus the second tile's exposed part `second` (its K and V load); tail: the paired grid with its last
+heads single (the launcher's WIDE_BWD_PAIR_TAIL_WAVES). Prints the makespan against the work's own (total / 132) and
+the causal rate against the no-mask one under each model.
 """
 
 import argparse
@@ -45,16 +48,19 @@ def _makespan(jobs, programs=132):
     return end
 
 
-def simulate(heads=128, tiles=64):
+def simulate(heads=128, tiles=64, waves=2, programs=132):
     """Print the list-scheduling simulation described in the module docstring."""
-    print(f"192/128 B=1 H={heads} N={tiles * 64}: makespan in steps (work's own), causal rate / no-mask rate")
+    single = -(-waves * programs // tiles)  # (the launcher's ws_bwd_paired_heads)
+    print(f"192/128 B=1 H={heads} N={tiles * 64}: makespan in steps (work's own), causal rate / no-mask rate; "
+          f"tail: the last {single} heads single ({waves} waves)")
     for c, second in ((0, 0), (1, 0.5), (2, 1), (4, 1), (5, 2)):
         none = [tiles + c] * (heads * tiles)
         causal = [tiles - i + c for _ in range(heads) for i in range(tiles)]
         paired = [tiles + 1 + c + second for _ in range(heads) for _ in range(tiles // 2)]
+        tail = paired[:(heads - single) * (tiles // 2)] + causal[(heads - single) * tiles:]
         cells = []
         for name, jobs, useful in (("none", none, tiles * tiles), ("causal", causal, tiles * tiles / 2),
-                                   ("paired", paired, tiles * tiles / 2)):
+                                   ("paired", paired, tiles * tiles / 2), ("tail", tail, tiles * tiles / 2)):
             span = _makespan(jobs)
             cells.append((name, span, sum(jobs) / 132, heads * useful / span))
         rate_none = cells[0][3]
@@ -65,8 +71,12 @@ def simulate(heads=128, tiles=64):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulate", action="store_true", help="the grids' list-scheduling simulation (no GPU)")
-    if parser.parse_args().simulate:
-        simulate()
+    parser.add_argument("--tail-waves", type=int, default=None,
+                        help="hopper.WIDE_BWD_PAIR_TAIL_WAVES for the whole process (default: the policy's)")
+    args = parser.parse_args()
+    if args.simulate:
+        for waves in (2, 1) if args.tail_waves is None else (args.tail_waves,):
+            simulate(waves=waves)
         return
 
     import torch
@@ -103,8 +113,11 @@ def main() -> None:
         return False
 
     hopper.WIDE_BACKWARD = True
+    if args.tail_waves is not None:
+        hopper.WIDE_BWD_PAIR_TAIL_WAVES = args.tail_waves
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}; TFLOP/s forward / backward (torch.autograd.grad)")
+    print(f"{torch.cuda.get_device_name()}; TFLOP/s forward / backward (torch.autograd.grad); paired launches end in "
+          f"{hopper.WIDE_BWD_PAIR_TAIL_WAVES} waves of single tiles")
     print(f"{'row':<18} {'cuDNN':>9}" + "".join(f" {name:>9} {'x cuDNN':>11}" for name in SETTINGS)
           + f" {'grad diff':>10} paired module")
     for shape in rows:

@@ -410,14 +410,16 @@ def test_wide_backward_192_128_against_float64(mask, case, form, monkeypatch):
     assert m.WS_BWD_SHAPE.get("PIECES") == ([128, 64] if form == "split_tiles" else None)
 
 
-def deepseek_backward_against_float64(name, mask, case, monkeypatch):
+def deepseek_backward_against_float64(name, mask, case, monkeypatch, patch=None):
     """Check the (192, 128) kernel the policy gives now (spec `name` with `mask`, the case's heads) through the wide
-    Gluon backward: dQ, dK and dV against float64's, the forward's output and lse and the gradients poisoned first.
-    Returns the kernel's module."""
+    Gluon backward: dQ, dK and dV against float64's, the forward's output and lse and the gradients poisoned first;
+    `patch(module)` first where given. Returns the kernel's module."""
     heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
     kernel = attngen.load(spec_text(f"{name}{heads}", 192, "bf16", mask, head_dim_v=128,
                                     direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
     m = kernel.module
+    if patch is not None:
+        patch(m)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
     called = []

@@ -75,7 +75,7 @@ def test_the_verifier_checks_pairs(wide, monkeypatch):
 
 def test_the_switch_changes_only_the_paired_sources(wide, monkeypatch):
     """With the switch on, the sources without a mask and d=256's are those of the switch off; the paired one has the
-    pairs' partitions, the fourth barrier and a grid of half the key tiles."""
+    pairs' partitions, the fourth barrier, the steps counted on across a program's tiles and one axis of programs."""
     texts = {}
     for paired in (False, True):
         monkeypatch.setattr(hopper, "WIDE_BWD_PAIRED", paired)
@@ -88,71 +88,77 @@ def test_the_switch_changes_only_the_paired_sources(wide, monkeypatch):
     assert off != on
     for part in ("_ws_bwd_pair_consumer0, (", "_ws_bwd_pair_consumer1, (", "_ws_bwd_pair_loader, (",
                  "mbarrier.arrive(ds_bar.index(3), count=1)", "mbarrier.wait(ds_bar.index(3), 0)",
-                 "attn_bwd_dkdv_ws[(cdiv(cdiv(N_K, block_n), 2), H_KV * split, B)]",
+                 "attn_bwd_dkdv_ws[grid]", "_ws_bwd_pair_program(gl.program_id(0), gl.cdiv(N_K, BLOCK_N), PAIRED_HEADS)",
                  "mbarrier.wait(kv_bar, tile_i & 1)", "mbarrier.wait(ready.index(s), ((step0 + t) // STAGES) & 1)"):
         assert part in on and part not in off, part
     assert "attn_bwd_dkdv_ws[(cdiv(N_K, block_n), H_KV * split, B)]" in off
 
 
-def _pair_tile(module):
-    """The generated `_ws_bwd_pair_tile` as a Python function of (program, tile_i, n_tiles, N_Q, offset, BLOCK_M,
-    BLOCK_N): its source run over plain integers (program_id the given program)."""
-    source = textwrap.dedent(inspect.getsource(module._ws_bwd_pair_tile.fn)).split("\n", 1)[1]  # (no decorator)
-    program = {}
-    gl = types.SimpleNamespace(constexpr=int, program_id=lambda axis: program["p"], maximum=max,
-                               cdiv=lambda a, b: -(-a // b))
+def _generated(module, *names):
+    """The generated Gluon helpers `names` as Python functions over plain integers: their source run with a `gl` of
+    Python's arithmetic."""
+    gl = types.SimpleNamespace(constexpr=int, maximum=max, minimum=min, cdiv=lambda a, b: -(-a // b))
     scope = {"gl": gl}
-    exec(source, scope)
-
-    def run(p, *args):
-        program["p"] = p
-        return scope["_ws_bwd_pair_tile"](*args)
-    return run
+    for name in names:
+        exec(textwrap.dedent(inspect.getsource(getattr(module, name).fn)).split("\n", 1)[1], scope)  # (no decorator)
+    return [scope[name] for name in names]
 
 
-def test_the_pairs_take_every_key_tile_once_and_even_work(wide, monkeypatch):
-    """Over the launcher's grid of cdiv(T, 2) programs, each taking min(T - 2p, 2) tiles as its partitions do, the
-    generated pairing takes every key tile once; causal at N_Q = N_K, each program's query blocks add up to T + 1 (the
-    middle tile of an odd T alone: (T + 1) / 2); bottom-right with fewer queries, the tiles start where the per-tile
-    grid's do."""
+@pytest.mark.parametrize("heads, paired_heads", [(1, 1), (3, 2), (4, 0), (5, 3)])
+def test_the_pairs_take_every_key_tile_once_and_even_work(heads, paired_heads, wide, monkeypatch):
+    """Over the launcher's grid (the paired heads' cdiv(T, 2) programs each, then the others' T), the generated
+    `_ws_bwd_pair_program` and `_ws_bwd_pair_tile` take every key tile of every head once; causal at N_Q = N_K, a paired
+    head's programs have T + 1 query blocks each (the middle tile of an odd T alone: (T + 1) / 2) and a single head's
+    come longest first; bottom-right with fewer queries, a tile's first query row is the per-tile grid's."""
     monkeypatch.setattr(hopper, "WIDE_BWD_PAIRED", True)
-    pair_tile = _pair_tile(attngen.load(_deepseek("wide_pairs_tiles")).module)
+    program, pair_tile = _generated(attngen.load(_deepseek("wide_pairs_tiles")).module, "_ws_bwd_pair_program",
+                                    "_ws_bwd_pair_tile")
     for n_k, n_q, offset in ((64 * 64, 64 * 64, 0), (2049, 2049, 0), (1000, 2049, 0), (64, 64, 0), (3001, 1000, 2001)):
         n_tiles = -(-n_k // 64)
-        seen, work = [], []
-        for p in range(-(-n_tiles // 2)):
-            tiles = [pair_tile(p, i, n_tiles, n_q, offset, 64, 64) for i in range(min(n_tiles - 2 * p, 2))]
-            seen += [start_n // 64 for start_n, _, _ in tiles]
-            work.append(sum(n_m for _, _, n_m in tiles))
+        seen, work = [], {}
+        for w in range(paired_heads * -(-n_tiles // 2) + (heads - paired_heads) * n_tiles):
+            first, n_pair, bh = program(w, n_tiles, paired_heads)
+            assert n_pair == (min(n_tiles - 2 * first, 2) if bh < paired_heads else 1)
+            tiles = [pair_tile(first, i, n_tiles, n_q, offset, 64, 64) for i in range(n_pair)]
+            seen += [(bh, start_n // 64) for start_n, _, _ in tiles]
+            work.setdefault(bh, []).append(sum(n_m for _, _, n_m in tiles))
             for start_n, m_start, n_m in tiles:
                 assert m_start == max(start_n - offset, 0) // 64 * 64 and n_m == max(-(-(n_q - m_start) // 64), 0)
-        assert sorted(seen) == list(range(n_tiles)), (n_k, n_q)
+        assert sorted(seen) == [(h, t) for h in range(heads) for t in range(n_tiles)], (n_k, n_q)
         if n_q == n_k and n_k % 64 == 0:
             middle = [n_tiles // 2 + 1] if n_tiles % 2 else []
-            assert work == [n_tiles + 1] * (n_tiles // 2) + middle, work
+            for bh, steps in work.items():
+                assert steps == ([n_tiles + 1] * (n_tiles // 2) + middle if bh < paired_heads
+                                 else list(range(n_tiles, 0, -1))), (bh, steps)
 
 
-def test_the_launcher_takes_half_the_key_tiles(wide, monkeypatch):
-    """The launcher with the switch on, the Gluon kernel stubbed out (interpreter): cdiv(cdiv(N_K, 64), 2) programs a
-    head (the middle tile of an odd count alone)."""
+def test_the_launcher_ends_on_single_tiles(wide, monkeypatch):
+    """The launcher with the switch on, the Gluon kernel stubbed out (interpreter), 4 multiprocessors: one axis of
+    programs, the last cdiv(PAIR_TAIL_WAVES x 4, T) (batch, head)s single, the others paired (cdiv(T, 2) programs
+    each), and the kernel told how many are paired and the K/V heads."""
     monkeypatch.setattr(hopper, "WIDE_BWD_PAIRED", True)
     m = attngen.load(_deepseek("wide_pairs_launch")).module
-    assert m.WS_BWD_SHAPE["PAIRED"] is True
-    grids = []
+    assert m.WS_BWD_SHAPE["PAIRED"] is True and m.WS_BWD_SHAPE["PAIR_TAIL_WAVES"] == hopper.WIDE_BWD_PAIR_TAIL_WAVES
+    monkeypatch.setattr(m, "_ws_device", lambda device: (True, 4))
+    names, seen = m.attn_bwd_dkdv_ws.arg_names, []
 
     class Kernel:
         def __getitem__(self, grid):
-            return lambda *args, **kw: grids.append(grid)
+            return lambda *args, **kw: seen.append((grid, dict(zip(names, args))))
 
     monkeypatch.setattr(m, "attn_bwd_dkdv_ws", Kernel())
-    B, H = 1, 2
-    for n in (70, 200, 300):
+    B, H = 2, 3
+    for waves, n in ((2, 70), (2, 300), (1, 300), (0, 300), (2, 64 * 20)):
+        monkeypatch.setitem(m.WS_BWD_SHAPE, "PAIR_TAIL_WAVES", waves)
         q, k, dk = (torch.randn(B, H, n, 192).bfloat16() for _ in range(3))
         v, do, dv = (torch.randn(B, H, n, 128).bfloat16() for _ in range(3))
         lse = torch.zeros(B, H, n)
         m.launch_attn_bwd_dkdv_ws(q, k, v, do, lse, lse, dk, dv, 0.5, dq_acc=torch.zeros(B, H, n, 256),
-                                  rows=torch.zeros(B, H, 2, 384), split=1)
-    assert grids == [(1, H, B), (2, H, B), (3, H, B)]
+                                  rows=torch.zeros(B, H, 2, 64 * 20), split=1)
+    # (tiles, single heads): (2, 4), (5, 2), (5, 1), (5, 0), (20, 1) of the 6
+    assert [grid for grid, _ in seen] == [(4 * 2 + 2 * 1, 1, 1), (2 * 5 + 4 * 3, 1, 1), (1 * 5 + 5 * 3, 1, 1),
+                                          (6 * 3, 1, 1), (1 * 20 + 5 * 10, 1, 1)]
+    assert [args["PAIRED_HEADS"] for _, args in seen] == [2, 4, 5, 6, 5] and {args["H_KV"] for _, args in seen} == {H}
 
 
 def test_explain_says_the_tiles_are_paired(capsys, tmp_path, wide, monkeypatch):
@@ -190,10 +196,16 @@ def test_the_paired_backward_compiles_for_sm90_without_spills(wide, monkeypatch)
 @pytest.mark.parametrize("mask", ["causal(top_left)", "causal(bottom_right)"])
 @pytest.mark.parametrize("case", [Case(1, 4, 2, 1000, 2049), Case(1, 16, 16, 2049, 2049), Case(2, 8, 2, 3001, 3001),
                                   Case(1, 4, 4, 4096, 4096), Case(1, 4, 4, 2049, 1000), Case(1, 2, 2, 64, 64)])
-def test_paired_wide_backward_against_float64(mask, case, wide, monkeypatch):
-    """DeepSeek's (192, 128) through the paired wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's.
-    2049 keys: 33 tiles, the middle one alone; 1000 queries beside 2049 keys top-left: the second tiles of most pairs
-    have no query (their K and V loaded after the loop); 4096: every pair 65 query blocks a head."""
+@pytest.mark.parametrize("paired", ["every_head", "half_the_heads"])
+def test_paired_wide_backward_against_float64(mask, case, paired, wide, monkeypatch):
+    """DeepSeek's (192, 128) through the paired wide Gluon backward: dQ, dK (192 wide) and dV (128) against float64's,
+    every (batch, K/V head) paired (at these sizes the policy's tail waves would leave them all single) or the first
+    half. 2049 keys: 33 tiles, the middle one alone; 1000 queries beside 2049 keys top-left: the second tiles of most
+    pairs have no query (their K and V loaded after the loop); 4096: every pair 65 query blocks a head."""
     monkeypatch.setattr(hopper, "WIDE_BWD_PAIRED", True)
-    m = deepseek_backward_against_float64(f"wide_pairs_gpu_{mask[7:10]}", mask, case, monkeypatch)
+    every = paired == "every_head"
+    m = deepseek_backward_against_float64(f"wide_pairs_gpu_{mask[7:10]}", mask, case, monkeypatch,
+                                          patch=lambda m: monkeypatch.setattr(
+                                              m, "ws_bwd_paired_heads",
+                                              lambda heads, n_tiles, device: heads if every else heads // 2))
     assert m.WS_BWD_SHAPE.get("PAIRED") and m.WS_BWD_SHAPE.get("PIECES") == [128, 64]

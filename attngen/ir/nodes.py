@@ -494,8 +494,10 @@ class GluonBackward:
     # dV out through the dQ buffers while the next tile's K and V load
     persistent: bool = False
     # (wide, not staged) a program takes two key tiles, the k-th longest and the k-th shortest of a causal head, its
-    # Q/dO ring running on from the first into the second (half the programs, each the same work)
+    # Q/dO ring running on from the first into the second (half the programs, each the same work), but for the last
+    # (batch, head)s of a launch, whose single tiles fill its last `pair_tail_waves` waves of programs
     paired: bool = False
+    pair_tail_waves: int = 0
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES", "ORDER_HEADS" and
@@ -512,7 +514,7 @@ class GluonBackward:
                 "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
                 **({"PIECES": list(self.pieces)} if self.pieces else {}),
                 **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {}),
-                **({"PAIRED": True} if self.paired else {})}
+                **({"PAIRED": True, "PAIR_TAIL_WAVES": self.pair_tail_waves} if self.paired else {})}
 
 
 @dataclass(frozen=True, slots=True)

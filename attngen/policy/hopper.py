@@ -241,6 +241,17 @@ at c = 0 to 2 steps, with and without the mask. Pairs halve the launches and hid
 the first's last steps; the second tile's K and V load stays exposed (shared memory holds one K/V tile: 205,888 of
 232,448 B). Not measured: off."""
 
+WIDE_BWD_PAIR_TAIL_WAVES = 2
+"""Under WIDE_BWD_PAIRED, how many waves of programs (multiprocessors' worth) of single key tiles end a launch: the last
+cdiv(waves x multiprocessors, T) (batch, head)s are not paired (`ws_bwd_paired_heads` in the generated launcher). Pairs
+are all as long (T + 1 steps), so a launch of pairs alone ends in a part-filled wave: 4,096 pairs at (192, 128) B=1
+H=128 N=4096 are 31.03 waves of 132, and the list-scheduling simulation (`python benchmarks/wide_backward.py
+--simulate`, a program's time its steps plus a fixed cost c, plus `second` for a pair's second K/V load) puts all pairs
+at 0.969 of the no-mask rate where the per-tile grid makes 0.985 (c = 0), and 0.943 against 0.922 at c = 5, second = 2;
+with the last 5 heads single (2 waves) 0.985 and 0.957: never below the per-tile grid there. At other shapes the best
+count differs (H=16, N=4096: all pairs 1.09x the per-tile grid's rate at c = 0, 2 waves 1.01x): a value to measure
+(0: every head paired)."""
+
 
 @dataclass(frozen=True, slots=True)
 class BackwardFlags:
@@ -485,11 +496,13 @@ def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.G
     if head_dim == 256:
         wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES and pair in BWD_WIDE_STAGED_PAIRS else BWD_WIDE
         wide = BWD_WIDE_SPLIT if pieces else wide
+        paired = WIDE_BWD_PAIRED and causal and bool(pieces)
         return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
                                 min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True,
-                                pieces=pieces, paired=WIDE_BWD_PAIRED and causal and bool(pieces))
+                                pieces=pieces, paired=paired,
+                                pair_tail_waves=WIDE_BWD_PAIR_TAIL_WAVES if paired else 0)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -507,7 +520,7 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     causal column (a window, prefix or chunk skips query blocks as the causal mask does and masks a few), an
     unmasked one the column without a mask. DQ_CLAIM is off: its accumulator is zeroed only in the query blocks
     no key tile reaches under a causal mask, and a variant's mask leaves other blocks unreached."""
-    return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False)
+    return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False, pair_tail_waves=0)
 
 
 VARLEN_BACKWARD = True
