@@ -71,6 +71,12 @@ def test_the_verifier_checks_pairs(wide, monkeypatch):
             ws, backward=dataclasses.replace(ws.backward, paired=True)))
         with pytest.raises(InternalError, match="paired key tiles"):
             verify(broken, "test")
+    ws = program.warp_specialized
+    for paired, waves in ((True, -1), (False, 2)):  # (tail waves belong to a paired launch)
+        broken = dataclasses.replace(program, warp_specialized=dataclasses.replace(
+            ws, backward=dataclasses.replace(ws.backward, paired=paired, pair_tail_waves=waves)))
+        with pytest.raises(InternalError, match="pair_tail_waves"):
+            verify(broken, "test")
 
 
 def test_the_switch_changes_only_the_paired_sources(wide, monkeypatch):
