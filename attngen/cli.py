@@ -262,7 +262,9 @@ def _gluon_dense_backward_line(program: ir.Program) -> str:
                 f"{' + '.join(map(str, backward.pieces))} (policy/hopper.py SPLIT_TILES_192, BWD_WIDE_SPLIT): "
                 "consumer i holding piece i's columns of dK and dQ, the last one all of dV's too, S^T and dP^T for "
                 "half of a step's query rows, P^T and dS^T exchanged through shared memory; "
-                f"{backward.main.stages} stage(s) of Q and dO")
+                f"{backward.main.stages} stage(s) of Q and dO"
+                + ("; a program takes key tiles p and T - 1 - p of a head's T, the longest with the shortest "
+                   "(policy/hopper.py WIDE_BWD_PAIRED)" if backward.paired else ""))
     if backward.wide:
         return ("the backward runs the Gluon kernel's wide path (policy/hopper.py BWD_WIDE): both consumer "
                 "warpgroups on the program's keys, each holding half of dK's and dV's columns and computing S^T and "

@@ -405,12 +405,21 @@ def test_wide_backward_192_128_against_float64(mask, case, form, monkeypatch):
     monkeypatch.setattr(hopper, "WIDE_BACKWARD_STAGES", form == "two_stages")
     monkeypatch.setattr(hopper, "BWD_WIDE_STAGED_PAIRS", BOTH_PAIRS)  # (192, 128)'s staged kernel too
     monkeypatch.setattr(hopper, "SPLIT_TILES_192", form == "split_tiles")
-    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
-    kernel = attngen.load(spec_text(f"wide_gpu_ds{heads}_{mask[:6]}", 192, "bf16", mask, head_dim_v=128,
-                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
-    m = kernel.module
+    m = deepseek_backward_against_float64(f"wide_gpu_ds_{mask[:6]}", mask, case, monkeypatch)
     assert m.WS_BWD_SHAPE["STAGES"] == (1 if form == "one_stage" else 2)
     assert m.WS_BWD_SHAPE.get("PIECES") == ([128, 64] if form == "split_tiles" else None)
+
+
+def deepseek_backward_against_float64(name, mask, case, monkeypatch, patch=None):
+    """Check the (192, 128) kernel the policy gives now (spec `name` with `mask`, the case's heads) through the wide
+    Gluon backward: dQ, dK and dV against float64's, the forward's output and lse and the gradients poisoned first;
+    `patch(module)` first where given. Returns the kernel's module."""
+    heads = "" if case.heads == case.kv_heads else f"_g{case.heads}_{case.kv_heads}"
+    kernel = attngen.load(spec_text(f"{name}{heads}", 192, "bf16", mask, head_dim_v=128,
+                                    direction="forward+backward", heads=case.heads, kv_heads=case.kv_heads))
+    m = kernel.module
+    if patch is not None:
+        patch(m)
     monkeypatch.setitem(m.WS_SHAPE, "min_scores", 0)
     monkeypatch.setitem(m.WS_BWD_SHAPE, "min_scores", 0)
     called = []
@@ -428,3 +437,4 @@ def test_wide_backward_192_128_against_float64(mask, case, form, monkeypatch):
     assert called, "the wide Gluon backward did not run"
     results = compare_grads(kernel.spec, q, k, v, do, grads)
     assert all(r.ok for r in results), results
+    return m

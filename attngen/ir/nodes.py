@@ -497,10 +497,15 @@ class GluonBackward:
     # modifier sits between them), and the rows' delta past a sequence left unmasked: the rows' descriptor ends
     # where the row pass's writes do, so what a tile reads there is finite (fewer ptxas spills in the loop)
     mask_scores: bool = False
+    # (wide, not staged) a program takes two key tiles, the k-th longest and the k-th shortest of a causal head, its
+    # Q/dO ring running on from the first into the second (half the programs, each the same work), but for the last
+    # (batch, head)s of a launch, whose single tiles fill its last `pair_tail_waves` waves of programs
+    paired: bool = False
+    pair_tail_waves: int = 0
 
     def constants(self) -> dict:
-        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES" and "ORDER_HEADS"
-        only where set: the other modules' constants stay as they were)."""
+        """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES", "ORDER_HEADS" and
+        "PAIRED" only where set: the other modules' constants stay as they were)."""
         m, s = self.main, self.short
         return {"BLOCK_M": m.block_m, "BLOCK_N": m.block_n, "AHEAD": self.ahead, "consumers": m.consumers,
                 "consumer_regs": m.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": m.maxnreg,
@@ -512,7 +517,8 @@ class GluonBackward:
                 "SHORT_consumer_regs": s.consumer_regs, "SHORT_maxnreg": s.maxnreg,
                 "max_group_split": self.max_group_split, **({"wide": True} if self.wide else {}),
                 **({"PIECES": list(self.pieces)} if self.pieces else {}),
-                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {})}
+                **({"ORDER_HEADS": self.order_heads, "ORDER_TILES": self.order_tiles} if self.order_heads else {}),
+                **({"PAIRED": True, "PAIR_TAIL_WAVES": self.pair_tail_waves} if self.paired else {})}
 
 
 @dataclass(frozen=True, slots=True)

@@ -429,6 +429,10 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("backward: mask_scores bounds the rows past a packed sequence (varlen only)")
         if b.persistent and not (program.attr("varlen") and b.order_heads and b.dq_atomic):
             fail("backward: a persistent grid takes the ordered varlen grid's work items (varlen, order_heads, dq_atomic)")
+        if b.paired and (not b.wide or (b.main.stages > 1 and not b.pieces) or program.attr("varlen")):
+            fail("backward: paired key tiles are the wide path's, one-stage or in pieces (not staged, not varlen)")
+        if b.pair_tail_waves < 0 or (b.pair_tail_waves and not b.paired):
+            fail(f"backward: pair_tail_waves {b.pair_tail_waves} (waves of single tiles ending a paired launch)")
         regs_ok("backward loader", b.loader_regs)
         counts_ok("backward", b)
     if ws.decode is not None:

@@ -225,6 +225,34 @@ tiles 32 + 16 KB: 201 KB; `analysis.resources.wide_backward_shared_bytes`). Not 
 BWD_WIDE_SPLIT with stages=1, the first alternative to try."""
 
 
+WIDE_BWD_PAIRED = False
+"""Whether the wide backward's causal programs take two key tiles each (`GluonBackward.paired`) where its Q and K tiles
+are in pieces (SPLIT_TILES_192: ptxas, sm_90a, no spills either way; the 256-column one-stage form, which the
+template also pairs, spills 220 / 228 B against 32 / 24): program p key tile p and then tile T - 1 - p of its head's
+T (the longest with the shortest: 65 steps of 64 query rows each at N=4096, as a program without a mask takes 64),
+its loader asking for the second tile's first Q and dO blocks while the consumers finish the first, and loading the
+second's K and V once the first's dK and dV have left their buffers. Why: at (192, 128) B=1 H=128 N=4096 the causal
+backward ran 345 TFLOP/s against 376 without a mask (H200, SPLIT_TILES_192), where its 8,192 programs average 32.5
+steps against 64, so what a program pays once (its launch, K and V loaded and the ring filled before the first step,
+dK and dV stored after the last) weighs twice as much; read as that alone, the gap is about 5 steps a program
+(benchmarks/NOTES.md "Head shapes"). The launch order is not the gap: a list-scheduling simulation of the per-tile
+grid (132 programs at a time, a tile's time its steps plus a fixed cost c) is within 1.5% of the work's own makespan
+at c = 0 to 2 steps, with and without the mask. Pairs halve the launches and hide the second tile's ring fill behind
+the first's last steps; the second tile's K and V load stays exposed (shared memory holds one K/V tile: 205,888 of
+232,448 B). Not measured: off."""
+
+WIDE_BWD_PAIR_TAIL_WAVES = 2
+"""Under WIDE_BWD_PAIRED, how many waves of programs (multiprocessors' worth) of single key tiles end a launch: the last
+cdiv(waves x multiprocessors, T) (batch, head)s are not paired (`ws_bwd_paired_heads` in the generated launcher). Pairs
+are all as long (T + 1 steps), so a launch of pairs alone ends in a part-filled wave: 4,096 pairs at (192, 128) B=1
+H=128 N=4096 are 31.03 waves of 132, and the list-scheduling simulation (`python benchmarks/wide_backward.py
+--simulate`, a program's time its steps plus a fixed cost c, plus `second` for a pair's second K/V load) puts all pairs
+at 0.969 of the no-mask rate where the per-tile grid makes 0.985 (c = 0), and 0.943 against 0.922 at c = 5, second = 2;
+with the last 5 heads single (2 waves) 0.985 and 0.957: never below the per-tile grid there. At other shapes the best
+count differs (H=16, N=4096: all pairs 1.09x the per-tile grid's rate at c = 0, 2 waves 1.01x): a value to measure
+(0: every head paired)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackwardFlags:
     """The Gluon backward's switches and loader registers, the same at every head dim and mask."""
@@ -468,11 +496,13 @@ def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.G
     if head_dim == 256:
         wide = BWD_WIDE_STAGED if WIDE_BACKWARD_STAGES and pair in BWD_WIDE_STAGED_PAIRS else BWD_WIDE
         wide = BWD_WIDE_SPLIT if pieces else wide
+        paired = WIDE_BWD_PAIRED and causal and bool(pieces)
         return ir.GluonBackward(main=wide, short=wide, loader_regs=BWD_FLAGS.loader_regs, ahead=False,
                                 dq_atomic=True, rows_smem=True, prefetch=False, late_rows=0, split=False,
                                 dq_local_rows=0, dq_claim_keys=0, row_block=BWD_ROW_ELEMENTS // head_dim,
                                 min_keys=BWD_MIN_KEYS[causal], short_keys=0, min_scores=BWD_MIN_SCORES, wide=True,
-                                pieces=pieces)
+                                pieces=pieces, paired=paired,
+                                pair_tail_waves=WIDE_BWD_PAIR_TAIL_WAVES if paired else 0)
     key, f = (head_dim, causal), BWD_FLAGS
     # PREFETCH (the kernel without ROWS_SMEM loads the next step's lse and delta during this step):
     # causal only; it wins there (+15-20%) and loses 5% without a mask, by ptxas's spills (NOTES v10).
@@ -490,7 +520,7 @@ def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
     causal column (a window, prefix or chunk skips query blocks as the causal mask does and masks a few), an
     unmasked one the column without a mask. DQ_CLAIM is off: its accumulator is zeroed only in the query blocks
     no key tile reaches under a causal mask, and a variant's mask leaves other blocks unreached."""
-    return replace(backward(head_dim, masked), dq_claim_keys=0)
+    return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False, pair_tail_waves=0)
 
 
 VARLEN_BACKWARD = True
@@ -501,7 +531,7 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
