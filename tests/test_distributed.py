@@ -482,6 +482,7 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
+    shipped = context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE
     context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = early, fused
     try:
         with _posted() as batches:
@@ -490,7 +491,7 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
                                                   return_lse=True, balance_documents=balance)
             out.backward(shard(do))
     finally:
-        context_parallel.LOANS_EARLY = context_parallel.FUSED_MERGE = False
+        context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = shipped
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
              f"documents={documents} balance={balance} early={early} fused={fused}")
