@@ -239,7 +239,9 @@ dK and dV stored after the last) weighs twice as much; read as that alone, the g
 grid (132 programs at a time, a tile's time its steps plus a fixed cost c) is within 1.5% of the work's own makespan
 at c = 0 to 2 steps, with and without the mask. Pairs halve the launches and hide the second tile's ring fill behind
 the first's last steps; the second tile's K and V load stays exposed (shared memory holds one K/V tile: 205,888 of
-232,448 B). Not measured: off."""
+232,448 B). Measured (H200, 2026-11-28, `python benchmarks/wide_backward.py`, one process, its GPU tests passing):
+192/128 causal backward 361 TFLOP/s paired against 359 per tile (cuDNN 432), no mask 385 / 385 (cuDNN 313), d=256
+causal 370 / 373: a tie, so off. The fixed cost a program pays is not what holds the causal rate back."""
 
 WIDE_BWD_PAIR_TAIL_WAVES = 2
 """Under WIDE_BWD_PAIRED, how many waves of programs (multiprocessors' worth) of single key tiles end a launch: the last
