@@ -239,7 +239,7 @@ dK and dV stored after the last) weighs twice as much; read as that alone, the g
 grid (132 programs at a time, a tile's time its steps plus a fixed cost c) is within 1.5% of the work's own makespan
 at c = 0 to 2 steps, with and without the mask. Pairs halve the launches and hide the second tile's ring fill behind
 the first's last steps; the second tile's K and V load stays exposed (shared memory holds one K/V tile: 205,888 of
-232,448 B). Measured (H200, 2026-11-28, `python benchmarks/wide_backward.py`, one process, its GPU tests passing):
+232,448 B). Measured (H200, 2026-11-28, `python benchmarks/wide_backward.py` at f1790be, one process, its GPU tests passing):
 192/128 causal backward 361 TFLOP/s paired against 359 per tile (cuDNN 432), no mask 385 / 385 (cuDNN 313), d=256
 causal 370 / 373: a tie, so off. The fixed cost a program pays is not what holds the causal rate back."""
 
@@ -248,7 +248,7 @@ WIDE_BWD_PAIR_TAIL_WAVES = 2
 cdiv(waves x multiprocessors, T) (batch, head)s are not paired (`ws_bwd_paired_heads` in the generated launcher). Pairs
 are all as long (T + 1 steps), so a launch of pairs alone ends in a part-filled wave: 4,096 pairs at (192, 128) B=1
 H=128 N=4096 are 31.03 waves of 132, and the list-scheduling simulation (`python benchmarks/wide_backward.py
---simulate`, a program's time its steps plus a fixed cost c, plus `second` for a pair's second K/V load) puts all pairs
+--simulate` at f1790be, a program's time its steps plus a fixed cost c, plus `second` for a pair's second K/V load) puts all pairs
 at 0.969 of the no-mask rate where the per-tile grid makes 0.985 (c = 0), and 0.943 against 0.922 at c = 5, second = 2;
 with the last 5 heads single (2 waves) 0.985 and 0.957: never below the per-tile grid there. At other shapes the best
 count differs (H=16, N=4096: all pairs 1.09x the per-tile grid's rate at c = 0, 2 waves 1.01x): a value to measure
