@@ -937,7 +937,8 @@ def _format_shape(s: GluonShape) -> str:
             f" (maxnreg {s.maxnreg})")
 
 
-_PRINTED_WHERE_SET = ("order_heads", "order_tiles")  # (the varlen backward's order: printed where it has one)
+_PRINTED_WHERE_SET = ("order_heads", "order_tiles", "pair_tail_waves")  # (the varlen backward's order, the wide
+# backward's pairs: printed where set)
 
 
 def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
