@@ -1092,9 +1092,17 @@ def ws_ready(q, k, v, o, batch):
     return _ws_hopper(q.device) and tma_layouts(q, k, v, o)
 
 
+SM_MARGIN = 0
+"""Multiprocessors a persistent grid leaves to other work running beside it (FlashAttention-3's sm_margin): a
+program that finds no free multiprocessor waits for one, so a kernel beside it (context parallelism's NCCL
+exchanges) would hold back that many programs' whole share of the tiles. 0 outside such calls; set by the caller
+(attngen.distributed's ring: policy.context_parallel.SM_MARGIN)."""
+
+
 def _ws_programs(device):
-    """A persistent grid's program count on `device`: its multiprocessors (one program fills an SM's registers)."""
-    return _ws_device(device)[1]
+    """A persistent grid's program count on `device`: its multiprocessors (one program fills an SM's registers),
+    less SM_MARGIN (at least 1)."""
+    return max(_ws_device(device)[1] - SM_MARGIN, 1)
 
 
 def _ws_heads_first(t):
@@ -1369,10 +1377,6 @@ def _ws_bwd_consume(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
         if ROWS_SMEM and LATE_ROWS >= 1:  # delta read where it is used
             delta = rows_s.slice(BLOCK_M, BLOCK_M).load(col_s)
-        if ROWS_SMEM and (start_m + BLOCK_M > n_q):
-            # rows past the sequence's: another sequence's delta, or that of rows no one wrote (P^T is 0 there, but 0
-            # times a NaN is not 0; the pointer path loads 0 there)
-            delta = gl.where(cols < n_q, delta, 0.0)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         if DQ_ATOMIC and DQ_LOCAL:  # dS^T to shared memory, where this warpgroup reads it for its part of dQ = dS K
@@ -1677,7 +1681,7 @@ def ws_bwd_shape(n_k):
 @triton.jit(do_not_specialize=["stride_o_b", "stride_do_b", "stride_lse_b", "stride_lse_h", "N_Q", "N_PAD"])
 def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, stride_o_n, stride_o_d, stride_do_b,
                      stride_do_h, stride_do_n, stride_do_d, stride_lse_b, stride_lse_h, stride_lse_n, H, N_Q, N_PAD,
-                     ZERO_ROWS, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CLAIMS: tl.constexpr,
+                     ZERO_ROWS, CU_SEQLENS_Q, stride_cu, BATCH, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, CLAIMS: tl.constexpr,
                      BLOCK_M: tl.constexpr):
     """For BLOCK rows of one (batch, head): ROWS (float32, contiguous (B, H, 2, N_PAD)) gets lse in log2
     units (+inf where P must be 0: rows past N_Q, rows that saw no key) and delta = rowsum(dO * O);
@@ -1688,7 +1692,9 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, st
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     cols = tl.arange(0, HEAD_DIM)
-    live = rows < N_Q
+    # packed sequences, read unmasked (VARLEN_BWD_MASK_S): rows from the sequences' end CU_SEQLENS_Q[BATCH] on (no
+    # sequence's, never written by the forward) count as past N_Q: lse +inf, delta 0, so P and dS are 0 there
+    live = rows < tl.minimum(tl.load(CU_SEQLENS_Q + BATCH * stride_cu), N_Q)
     mask = live[:, None]
     o = tl.load(O + b * stride_o_b + h * stride_o_h + rows[:, None] * stride_o_n + cols[None, :] * stride_o_d,
                 mask=mask, other=0.0)
@@ -1713,7 +1719,7 @@ def attn_bwd_prep_ws(O, DO, LSE, ROWS, DQ_ACC, CLAIM, stride_o_b, stride_o_h, st
                      tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask & (rows < ZERO_ROWS)[:, None])
     else:
         tl.store(DQ_ACC + ((b * H + h) * N_Q + rows[:, None]) * HEAD_DIM + cols[None, :],
-                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=mask)
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=(rows < N_Q)[:, None])
 
 
 @triton.jit(do_not_specialize=["stride_dq_b", "N_Q"])  # one binary for all lengths
@@ -1826,14 +1832,17 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqle
     block_m, block_n, consumers = WS_BWD_SHAPE["BLOCK_M"], WS_BWD_SHAPE["BLOCK_N"], WS_BWD_SHAPE["consumers"]
     q4, o4, do4, dq4 = (_ws_heads_first(t) for t in (q, out, do, dq))
     lse3 = lse.unsqueeze(0)
-    n_pad = cdiv(TOTAL_Q, block_m) * block_m
+    # 3 rows more than the sequences', and the rows' descriptor 3 short of them: a copy's rows up to there are all
+    # ones the row pass wrote (lse +inf, delta 0 past the sequences), TMA's zeros after, so the kernel reads them
+    # unmasked
+    n_pad = cdiv(TOTAL_Q + 3, block_m) * block_m
     # the row pass writes the rows' four shifted copies (as _ws_bwd_shifted_rows lays them out); copy 0 is the rows
     copies = torch.empty((4, H, 2, n_pad), device=q.device, dtype=torch.float32)
     rows = copies[:1]
     dq_acc = torch.empty((1, H, TOTAL_Q, HEAD_DIM), device=q.device, dtype=torch.float32)
     grid = (n_pad // WS_BWD_SHAPE["ROW_BLOCK"], H, 1)  # (ROW_BLOCK divides BLOCK_M)
     attn_bwd_prep_ws[grid](o4, do4, lse3, copies, dq_acc, lse3, *o4.stride(), *do4.stride(), *lse3.stride(), H, TOTAL_Q,
-                           n_pad, 0, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, CLAIMS=0, BLOCK_M=block_m,
+                           n_pad, 0, cu_seqlens_q, cu_seqlens_q.stride(0), B, BLOCK=WS_BWD_SHAPE["ROW_BLOCK"], HEAD_DIM=HEAD_DIM, CLAIMS=0, BLOCK_M=block_m,
                            num_warps=4)
     # A consumer's columns of dQ, or with DQ_LOCAL its whole partial dQ (by the average sequence's rows). With
     # ROWS_SMEM the kernel reads lse and delta by TMA from shifted copies of `rows` (_ws_bwd_shifted_rows: a TMA
@@ -1853,7 +1862,7 @@ def launch_attn_bwd_ws(q, k, v, out, do, lse, dq, dk, dv, cu_seqlens_q, cu_seqle
     attn_bwd_dkdv_ws[(heads, tiles, H_KV // heads)](
         _gluon_desc(q4, q_block, _WS_BWD_Q_LAYOUT), kv[0], kv[1], _gluon_desc(do4, q_block, _WS_BWD_Q_LAYOUT), kv[2], kv[3],
         _gluon_desc(dq_acc, [1, 1, block_m, cols], _WS_BWD_DQ_LAYOUTS[cols]),
-        _gluon_desc(copies, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT) if rows_smem else kv[2],
+        _gluon_desc(copies, _WS_BWD_ROWS_BLOCK, _WS_BWD_ROWS_LAYOUT, [4, H, 2, n_pad - 3]) if rows_smem else kv[2],
         lse, delta, lse, dk, dv, 0, *lse.stride(), 0, *delta.stride(), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), H // H_KV, B, order, sm_scale, cu_seqlens_q, *cu_seqlens_q.stride(), cu_seqlens_k, *cu_seqlens_k.stride(), seqlens_k, *seqlens_k.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, STAGES=WS_BWD_SHAPE["STAGES"], AHEAD=WS_BWD_SHAPE["AHEAD"],

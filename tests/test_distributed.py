@@ -357,6 +357,39 @@ def test_contiguous_window_cuts_the_ring():
     assert all(len(steps) == 4 for steps in ring_schedule(4, 8, True, (5, 0), True))
 
 
+def test_the_rings_kernels_leave_sm_margin_multiprocessors_and_give_them_back(monkeypatch):
+    """Inside `_Kernels.margin()` every kernel module the call resolves (a block's dense kernel, a run of pieces' varlen
+    kernel; resolved before or inside it) has policy.context_parallel.SM_MARGIN as its SM_MARGIN, which its
+    persistent grids subtract from the multiprocessors (`_ws_programs`, at least 1); on leaving, even by an
+    exception, each module has its value from before back."""
+    from attngen.distributed.ring import _Kernels
+
+    monkeypatch.setattr(context_parallel, "SM_MARGIN", 6)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    kernels = _Kernels(q, k, v, None, 0.0)
+    dense = kernels(Block(0, 64, 0, 64, True, NO_WINDOW))[0].module
+    assert dense.SM_MARGIN == 0
+    with kernels.margin():
+        assert dense.SM_MARGIN == 6
+        packed = kernels(Pieces(0, 64, 0, 64, True, (0, 20, 64)))[0].module
+        assert packed is not dense and packed.SM_MARGIN == 6
+        monkeypatch.setattr(dense, "_ws_device", lambda device: (True, 132))
+        assert dense._ws_programs(q.device) == 126
+        monkeypatch.setattr(dense, "_ws_device", lambda device: (True, 4))
+        assert dense._ws_programs(q.device) == 1
+    assert dense.SM_MARGIN == 0 and packed.SM_MARGIN == 0
+    dense.SM_MARGIN = 2  # (another caller's setting)
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with kernels.margin():
+                assert dense.SM_MARGIN == 6
+                raise RuntimeError("inside")
+        assert dense.SM_MARGIN == 2 and packed.SM_MARGIN == 0
+    finally:
+        dense.SM_MARGIN = 0
+
+
 def test_shard_unshard_round_trip():
     x = torch.arange(2 * 3 * 24 * 4).reshape(2, 3, 24, 4)
     for world in (2, 3, 4):

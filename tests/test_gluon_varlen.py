@@ -664,8 +664,9 @@ whole-tile zeroing; without it 268 and 768 (VARLEN_BWD_SPILLS: the packed order'
 def test_the_lean_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch, tmp_path, variant):
     """With hopper.VARLEN_BWD_LEAN the Gluon varlen backward (the default tile order) compiles for sm_90 with its TMA
     loads and dQ reductions, and ptxas spills no more than VARLEN_BWD_LEAN_SPILLS, less than the same kernel without
-    the switch."""
+    the switch (VARLEN_BWD_MASK_S off: the numbers were measured before it)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
+    monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", False)
     jobs = []
     for lean in (False, True):
         monkeypatch.setattr(hopper, "VARLEN_BWD_LEAN", lean)
@@ -681,7 +682,7 @@ def test_the_lean_varlen_backward_compiles_for_sm90_and_spills_less(monkeypatch,
 
 
 def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
-    """hopper.VARLEN_BWD_MASK_S (off until measured) is a switch of the kernel caches; with it on, the varlen
+    """hopper.VARLEN_BWD_MASK_S (on since measured) is a switch of the kernel caches; with it on, the varlen
     backward masks a masked block's S^T to -inf before exp2 where no score modifier sits between them (a softcap
     spec keeps the P^T mask), its consumers read the rows' delta unmasked, and its launch pads the rows by 3 and ends
     their descriptor 3 short of the padding; the module differs from the one without it in that alone; a dense
@@ -714,8 +715,13 @@ def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
     # nothing else moved: the lines the switch touches (comments included) are its own
     strip = lambda src: [line for line in src.splitlines() if not any(
         key in line for key in ("gl.where(", "pt = gl.exp2(st", "n_pad = cdiv(TOTAL_Q", "_WS_BWD_ROWS_LAYOUT",
-                                "(start_m < full_lo * BLOCK_M)", "ROWS_SMEM and (start_m + BLOCK_M > n_q)", "# "))]
-    assert strip(off) == strip(on)
+                                "(start_m < full_lo * BLOCK_M)", "ROWS_SMEM and (start_m + BLOCK_M > n_q)", "# ",
+                                "live = rows < "))]
+    assert strip(off) == strip(on.replace("ZERO_ROWS, CU_SEQLENS_Q, stride_cu, BATCH, ", "ZERO_ROWS, ").replace(
+        "mask=(rows < N_Q)[:, None])", "mask=mask)").replace(" cu_seqlens_q, cu_seqlens_q.stride(0), B,", ""))
+    # the row pass reads rows up to the sequences' end, no further (rows past it: lse +inf, delta 0)
+    assert "live = rows < tl.minimum(tl.load(CU_SEQLENS_Q + BATCH * stride_cu), N_Q)" in on
+    assert "CU_SEQLENS_Q + BATCH" not in off
     # a score modifier between S^T and exp2 (softcap: -inf would not stay -inf): P^T masked, the delta unmasked
     soft = sources["softcap_window", True]
     assert "pt = gl.where(" in soft and "st = gl.where(" not in soft and "delta = gl.where" not in soft
@@ -729,14 +735,17 @@ def test_mask_s_masks_the_scores_and_bounds_the_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "packed"])
-@pytest.mark.parametrize("lens", [(1, 64, 127), (61, 3, 128), (5,)])
-def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens):
+@pytest.mark.parametrize("lens, tail", [((1, 64, 127), 0), ((61, 3, 128), 0), ((5,), 0), ((61, 3, 128), 7),
+                                        ((1, 64), 63)])
+def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens, tail):
     """What VARLEN_BWD_MASK_S's unmasked delta rests on, with the launch's own row pass (in the interpreter) over
     rows poisoned with NaN first: within the rows' descriptor (copy s's first n_pad - 3 rows, n_pad from TOTAL_Q + 3)
     every lse is a number and every delta finite, each sequence's own rows are inside it at copy q_start % 4 with
     their own lse and delta, and rows past the sequences have lse +inf and delta 0 (TMA reads zeros past the
-    descriptor). Without the 3 rows of padding a TOTAL_Q that is a multiple of BLOCK_M puts copy 0's last rows
-    outside it (lens summing to 192)."""
+    descriptor), also `tail` rows of q past cu_seqlens_q[B] whose out is NaN and lse a finite number (the forward
+    never wrote them); dQ's accumulator is zeroed on every row. Without the 3 rows of padding a TOTAL_Q that is a
+    multiple of BLOCK_M puts copy 0's last rows outside it (lens summing to 192); without the bound at
+    cu_seqlens_q[B] the tail's rows get their lse and a NaN delta (a GPU run's dQ past the sequences was not 0)."""
     monkeypatch.setattr(hopper, "VARLEN_BACKWARD", True)
     monkeypatch.setattr(hopper, "VARLEN_BWD_SCHEDULE", ordered)
     monkeypatch.setattr(hopper, "VARLEN_BWD_MASK_S", True)
@@ -744,11 +753,14 @@ def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens):
     source = inspect.getsource(module)
     assert "n_pad = cdiv(TOTAL_Q + 3, block_m) * block_m" in source and "_WS_BWD_ROWS_LAYOUT, [4, H, 2, n_pad - 3])" in source
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    H, d, total = 2, 64, sum(lens)
+    H, d, used = 2, 64, sum(lens)
+    total = used + tail
     block_m = module.WS_BWD_SHAPE["BLOCK_M"]
     out, do = (torch.randn((total, H, d), generator=g, device=DEVICE).to(torch.float16) for _ in range(2))
     lse = torch.randn((H, total), generator=g, device=DEVICE)
     lse[:, 0] = float("-inf")  # (a row that saw no key: +inf in log2 units)
+    out[used:] = float("nan")  # the tail: no sequence's, never written by the forward
+    cu_q = _offsets(lens)
     n_pad = (total + 3 + block_m - 1) // block_m * block_m
     if ordered:  # the row pass writes the four shifted copies itself
         copies = torch.full((4, H, 2, n_pad), float("nan"), device=DEVICE)
@@ -757,11 +769,12 @@ def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens):
         flat = torch.full((H * 2 * n_pad + 3,), float("nan"), device=DEVICE)
         target = flat[:H * 2 * n_pad].view(1, H, 2, n_pad)
     o4, do4, lse3 = module._ws_heads_first(out), module._ws_heads_first(do), lse.unsqueeze(0)
-    dq_acc = torch.empty((1, H, total, d), device=DEVICE)
+    dq_acc = torch.full((1, H, total, d), float("nan"), device=DEVICE)
     block = module.WS_BWD_SHAPE["ROW_BLOCK"]
     module.attn_bwd_prep_ws[(n_pad // block, H, 1)](o4, do4, lse3, target, dq_acc, lse3, *o4.stride(), *do4.stride(),
-                                                   *lse3.stride(), H, total, n_pad, 0, BLOCK=block, HEAD_DIM=d,
-                                                   CLAIMS=0, BLOCK_M=block_m, num_warps=4)
+                                                   *lse3.stride(), H, total, n_pad, 0, cu_q, cu_q.stride(0), len(lens),
+                                                   BLOCK=block, HEAD_DIM=d, CLAIMS=0, BLOCK_M=block_m, num_warps=4)
+    assert (dq_acc == 0).all()
     if not ordered:
         copies = module._ws_bwd_shifted_rows(flat, H, n_pad)
     seen = copies[..., :n_pad - 3]  # the descriptor's rows
@@ -774,7 +787,7 @@ def test_mask_s_rows_read_are_written_or_zero(monkeypatch, ordered, lens):
         torch.testing.assert_close(seen[s, :, 0, cols], lse2[:, q_start:q_start + n_q])
         torch.testing.assert_close(seen[s, :, 1, cols], delta[:, q_start:q_start + n_q], rtol=1e-5, atol=1e-5)
     for s in range(4):  # rows past the sequences
-        assert (seen[s, :, 0, total - s:] == float("inf")).all() and (seen[s, :, 1, total - s:] == 0).all()
+        assert (seen[s, :, 0, used - s:] == float("inf")).all() and (seen[s, :, 1, used - s:] == 0).all()
 
 
 VARLEN_BWD_MASK_S_SPILLS = {"causal": 48, "softcap_window": 588}
@@ -1027,8 +1040,8 @@ def test_flash_attn_varlen_func_takes_the_gluon_kernel(monkeypatch):
 
 def _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused=None, tail=100, seed=0):
     """The Gluon varlen backward on packed q, k, v, do of these lengths followed by `tail` rows that belong to no
-    sequence (its K/V rows, and those past seqused_k, NaN), after the forward; dq, dk and dv are poisoned with NaN
-    first, and their tail rows hold a sentinel. Checks that the Gluon kernel ran; that dk and dv kept the sentinel in
+    sequence (its K/V rows, and those past seqused_k, NaN), after the forward (then out's tail NaN, lse's 0: the
+    forward leaves them as they were); dq, dk and dv are poisoned with NaN first, and their tail rows hold a sentinel. Checks that the Gluon kernel ran; that dk and dv kept the sentinel in
     their tail and past seqused_k (a key tile that ends past its sequence stores row-masked); that dq's tail, which no
     sequence's rows reach but a tile's dQ reductions past its last sequence's rows do, got exactly 0 (dS is 0 past a
     sequence: the row pass writes 0 there and the reductions add only zeros); that every row of every sequence was
@@ -1048,6 +1061,8 @@ def _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused
     k[unused], v[unused] = float("nan"), float("nan")
     module = kernel.module
     out, lse = module.forward_varlen(q, k, v, cu_q, cu_k, used, **(tensors or {}))
+    # the rows past the sequences, which the forward leaves as they were: NaN out, a finite lse (P would not be 0)
+    out[total_q:], lse[:, total_q:] = float("nan"), 0.0
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     dq[total_q:] = 7.0
     dk[unused], dv[unused] = 7.0, 7.0
@@ -1099,23 +1114,13 @@ def test_gluon_varlen_backward_against_float64(variant, head_dim, lengths, monke
     monkeypatch.setitem(kernel.module.WS_BWD_SHAPE, "min_scores", 0)  # the Gluon kernels at every size here
     monkeypatch.setitem(kernel.module.WS_SHAPE, "min_scores", 0)
     lens_q, lens_k, heads, kv_heads, tensors = _gpu_case(variant, lengths)
-    # (the sinks' gradient sums over every row of q: rows outside every sequence would count, so none with sinks)
-    tail = 0 if "sinks" in tensors else 100
-    q, k, v, do, dq, dk, dv, cu_q, cu_k, rest = _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors,
-                                                              tail=tail)
+    # (the sinks' gradient sums over the sequences' rows only: the tail's count nothing)
+    q, k, v, do, dq, dk, dv, cu_q, cu_k, rest = _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors)
     _check_backward(kernel, q, k, v, do, dq, dk, dv, cu_q, cu_k, tensors=tensors)
     if "sinks" in tensors:
-        from attngen.testing.accuracy import spec_reference
+        from test_varlen import sinks_gradient
 
-        from test_varlen import _sequence
-
-        sinks = tensors["sinks"].double().requires_grad_()
-        total = 0
-        for b in range(len(lens_q)):
-            qs, ks, vs = (_sequence(t, cu, b) for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
-            ref, _ = spec_reference(kernel.spec, qs, ks, vs, kernel.spec.softmax_scale, {"sinks": sinks})
-            total = total + (ref * _sequence(do, cu_q, b).double()).sum()
-        (expected,) = torch.autograd.grad(total, sinks)
+        expected = sinks_gradient(kernel, q, k, v, do, cu_q, cu_k, tensors["sinks"])
         torch.testing.assert_close(rest[0].double(), expected, atol=5e-2, rtol=2e-2)
 
 

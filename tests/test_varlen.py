@@ -161,15 +161,41 @@ def test_backward_matches_float64_per_sequence(variant):
     out.backward(do)
     _check_grads(kernel, q, k, v, cu_q, cu_k, do, tensors)
     if "sinks" in tensors:
-        # d loss / d sinks sums over all sequences: against float64 autograd of the per-sequence references
-        sinks = tensors["sinks"].detach().double().requires_grad_()
-        total = 0
-        for b in range(len(lens_q)):
-            qs, ks, vs = (_sequence(t.detach(), cu, b) for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
-            ref, _ = spec_reference(kernel.spec, qs, ks, vs, kernel.spec.softmax_scale, {"sinks": sinks})
-            total = total + (ref * _sequence(do, cu_q, b).double()).sum()
-        (expected,) = torch.autograd.grad(total, sinks)
+        expected = sinks_gradient(kernel, q.detach(), k.detach(), v.detach(), do, cu_q, cu_k, tensors["sinks"])
         torch.testing.assert_close(tensors["sinks"].grad.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def sinks_gradient(kernel, q, k, v, do, cu_q, cu_k, sinks):
+    """d loss / d sinks (float64) for loss = sum(out * do) over the sequences of cu_q and cu_k: the sinks' gradient
+    sums over every sequence, so float64 autograd of the per-sequence references, summed."""
+    sinks = sinks.detach().double().requires_grad_()
+    total = 0
+    for b in range(cu_q.shape[0] - 1):
+        qs, ks, vs = (_sequence(t, cu, b) for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        ref, _ = spec_reference(kernel.spec, qs, ks, vs, kernel.spec.softmax_scale, {"sinks": sinks})
+        total = total + (ref * _sequence(do, cu_q, b).double()).sum()
+    return torch.autograd.grad(total, sinks)[0]
+
+
+def test_the_sinks_gradient_sums_only_the_sequences_rows():
+    """Packed tensors longer than the sequences (rows from cu_seqlens_q[-1] on are no sequence's; the forward leaves
+    their out and lse as they were, here a finite lse and out and dO of any value): the sinks' gradient sums over the
+    sequences' rows only, against float64 autograd of the per-sequence references."""
+    kernel = _kernel("direction = forward+backward\n heads = 2\n kv_heads = 1\n mask = causal & window(7)\n sinks = true",
+                     "vl_bwd_sinks_tail")
+    lens_q, lens_k, tail = [6, 0, 13], [10, 5, 13], 9
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v, cu_q, cu_k = _packed(kernel, [*lens_q, tail], lens_k, 2, 1, g)
+    cu_q = cu_q[:-1]
+    sinks = torch.randn(2, generator=g, device=DEVICE)
+    module = kernel.module
+    out, lse = module.forward_varlen(q, k, v, cu_q, cu_k, cu_k[1:] - cu_k[:-1], sinks=sinks)
+    out[sum(lens_q):] = torch.randn((tail, 2, kernel.spec.head_dim), generator=g, device=DEVICE)
+    lse[:, sum(lens_q):] = 0.0
+    do = torch.randn(out.shape, generator=g, device=DEVICE)
+    *_, dsinks = module.backward_varlen(q, k, v, out, lse, do, cu_q, cu_k, cu_k[1:] - cu_k[:-1], sinks=sinks)
+    expected = sinks_gradient(kernel, q, k, v, do, cu_q, cu_k, sinks)
+    torch.testing.assert_close(dsinks.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_backward_bf16_shipped_spec():

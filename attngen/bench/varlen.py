@@ -200,9 +200,10 @@ def mixed_rows(size: dict, device, check: bool, generator) -> list[Row]:
                                causal=True, block_table=table[:n_p], seqused_k=used[:n_p])
         return attention_with_kvcache(q[split:, None], pool_k, pool_v, used[n_p:], table[n_p:], causal=True)
 
-    params = dict(case="mixed", prompts=prompts, decodes=decodes, caches=caches, heads=heads, head_dim=d,
-                  page_size=page, causal=True)
-    row = Row("varlen", "forward", "attngen", params)
+    # (the cache lengths, drawn afresh each run, go with the row but not into its key: a run replaces the last one's)
+    params = dict(case="mixed", prompts=prompts, decodes=decodes, heads=heads, head_dim=d, page_size=page,
+                  min_cache=size["min_cache"], max_cache=size["max_cache"], causal=True)
+    row = Row("varlen", "forward", "attngen", params, extra={"caches": caches})
     try:
         if check:
             ref = varlen_attention(q, pool_k, pool_v, cu_q, cu_k, causal=True, seqused_k=used, block_table=table)[0]
@@ -212,7 +213,7 @@ def mixed_rows(size: dict, device, check: bool, generator) -> list[Row]:
         else:
             row.ms, separate_ms = _timed(one_call, (), "forward"), _timed(separate, (), "forward")
             row.tflops = _tflops(kept_scores(lengths_q, keys, True), heads, d, row.ms, False)
-            row.extra = dict(separate_ms=separate_ms, ratio=separate_ms / row.ms)
+            row.extra.update(separate_ms=separate_ms, ratio=separate_ms / row.ms)
     except Exception as e:  # noqa: BLE001
         row.error = error_text(e)
     return [row]

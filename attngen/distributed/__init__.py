@@ -65,7 +65,7 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, steps, kernels, loans=(), split=None):
         ctx.halo_rows = ctx.received = None
-        with recorded_pass("forward", q.device):
+        with recorded_pass("forward", q.device), kernels.margin():
             if isinstance(steps, Halo):
                 out, lse, *ctx.halo_rows = _halo_forward(ring, steps, kernels, q, k, v)
             elif isinstance(steps[0], Visit):
@@ -81,7 +81,7 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        with recorded_pass("backward", q.device):
+        with recorded_pass("backward", q.device), ctx.kernels.margin():
             if ctx.halo_rows is not None:
                 dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
                                             do.contiguous())

@@ -63,10 +63,33 @@ def _wait(requests, name: str = "exchange wait") -> None:
 
 
 class _Kernels:
-    """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call."""
+    """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call. Inside `margin()`
+    the kernels' persistent grids leave policy.context_parallel.SM_MARGIN multiprocessors to the exchanges' NCCL
+    kernels (the modules' SM_MARGIN, given back on leaving)."""
 
     def __init__(self, q, k, v, scale, softcap):
         self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
+        self.saved = None  # inside margin(): {module: its SM_MARGIN before}
+
+    @contextlib.contextmanager
+    def margin(self):
+        self.saved = {}
+        try:
+            for found in self.found.values():  # ((kernel, scale) by mask; cu_seqlens tensors by offsets)
+                if isinstance(found, tuple):
+                    self._hold(found[0])
+            yield
+        finally:
+            for module, before in self.saved.items():
+                module.SM_MARGIN = before
+            self.saved = None
+
+    def _hold(self, kernel) -> None:
+        module = getattr(kernel, "module", None)
+        if self.saved is not None and module is not None and hasattr(module, "SM_MARGIN") \
+                and module not in self.saved:
+            self.saved[module] = module.SM_MARGIN
+            module.SM_MARGIN = context_parallel.SM_MARGIN
 
     def __call__(self, block: Block | Pieces):
         if isinstance(block, Pieces):
@@ -79,6 +102,7 @@ class _Kernels:
                 variant = sdpa._checked_variant(q, block.causal, block.window, self.softcap, None, None)
             plan = sdpa._checked_plan(q, k, v, None, 0.0, block.causal, scale, True, variant)
             self.found[mask] = resolve(plan.key), plan.scale
+            self._hold(self.found[mask][0])
         return self.found[mask]
 
     def varlen(self, pieces: Pieces):
@@ -96,6 +120,7 @@ class _Kernels:
                                         longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, None, None,
                                         None, None)
             self.found[mask] = resolve(plan.key), plan.scale
+            self._hold(self.found[mask][0])
         return (*self.found[mask], cu)
 
 

@@ -606,7 +606,7 @@ Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py` at 6caf2da): it
 against the launch-per-tile kernel's 360 (with VARLEN_BWD_LEAN 362 against 413), 128k tokens of 14 documents 292
 against 371 (4 heads a group 313); its GPU tests pass. Off."""
 
-VARLEN_BWD_MASK_S = False
+VARLEN_BWD_MASK_S = True
 """Whether the Gluon varlen backward masks a masked block's S^T to -inf before the exponential, as the dense kernel
 does (where no score modifier sits between them: softcap's would not keep -inf), instead of P^T to 0 after it, and
 reads the rows' delta past a sequence unmasked (GluonBackward.mask_scores): the rows' buffer gets 3 rows more than
@@ -616,7 +616,12 @@ ptxas (sm_90a, causal d=128, the ordered kernel with VARLEN_BWD_LEAN): 156 bytes
 consumers' loops 747 and 745 SASS instructions -> 609 and 558 with 5 and 2 spill loads in them (17 and 16 before,
 and 4 and 6 spill stores; the plain dense causal kernel: 16 bytes, loops of ~607 and ~563 instructions, 3 and 1
 spill loads). Either half alone moved little (the mask on S^T 124 bytes, the delta unmasked 144): the P^T mask
-after the exponential and the delta mask each kept values live across the loop's waits. Not measured on a GPU."""
+after the exponential and the delta mask each kept values live across the loop's waits. The row pass reads out and
+lse only up to the sequences' end (cu_seqlens_q[B]): rows of packed tensors past it, which the forward never wrote,
+get lse +inf and delta 0 too (without that bound a NaN delta there reached dQ's rows past the sequences).
+Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py --settings main,mask_s` at f1790be's script): the
+bench's 8 documents in 16k tokens 411 -> 456 TFLOP/s, 128k tokens of 14 documents (H=32) 441 -> 491; its GPU tests
+pass (188, every setting of tests/test_gluon_varlen.py's backward). On."""
 
 VARLEN_BWD_PERSISTENT_ORDER_HEADS = 64
 """How many K/V heads' tiles the order takes together under VARLEN_BWD_PERSISTENT (VARLEN_BWD_ORDER_HEADS' role): all of
