@@ -35,7 +35,8 @@ FUSED_MERGE = True
 # an exchange's kernels hold theirs until its bytes have moved, which the ring overlaps with the step's kernels: on
 # four H200s the ring's forward timed alone came out bimodal, its step kernels twice as long when NCCL took more
 # time (NCCL_MAX_NCHANNELS=1: 56 -> 112 ms). 0: every multiprocessor, as outside context parallelism. Measured on
-# four H200s (2026-11-28, plain causal ring, H=32 d=128, one process, torch's context_parallel over cuDNN beside):
+# four H200s (2026-11-28, benchmarks/cp_margin.py at 4e4f6e9, plain causal ring, H=32 d=128, torch's context_parallel
+# over cuDNN in the same process):
 # a margin lost at every length, forward and forward + backward alike (128k: forward 1967 TFLOP/s at 0, 1860 at 8,
 # 2050 at 16, 1940 at 0 again; 256k 2037 / 1949 / 1882; 512k 2032 / 1938 / 1856): in a timed run the exchanges do
 # not hold the persistent grid back, and the margin's programs are simply lost. 0.
