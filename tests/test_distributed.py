@@ -485,6 +485,7 @@ def _worker(rank, world, path, device, cases):
             _check_case(rank, world, device, *case)
         _check_halo_bytes(rank, world, device)
         _check_ring_return(rank, world, device)
+        _check_exchange_group(rank, world, device)
         _check_document_bytes(rank, world, device)
         _check_balanced_bytes(rank, world, device)
         _check_timeline(rank, world, device)
@@ -623,6 +624,27 @@ def _check_ring_return(rank, world, device):
     assert [m[2] for m in grads[-2:]] == [4, 5] and all(m[3] == (b, h, n, d) for m in grads), grads
     for got, i, name in zip((t.grad for t in mine), (2, 3, 4), ("dq", "dk", "dv")):
         _compare(got, shard(want[i]), shard(low[i]), f"{name}, bfloat16 ring, rank {rank}/{world}")
+
+
+def _check_exchange_group(rank, world, device):
+    """policy.context_parallel.HIGH_PRIORITY_EXCHANGES: over NCCL the ring's messages go through a group of the same
+    ranks (numbered alike), made once and kept, and the first case (the causal ring, head-tail) holds its tolerance
+    through it; over gloo the caller's group, always."""
+    from attngen.distributed.ring import exchange_group
+
+    world_group = dist.group.WORLD
+    context_parallel.HIGH_PRIORITY_EXCHANGES = True
+    try:
+        group = exchange_group(world_group)
+        if device == "cpu":
+            assert group is world_group
+            return
+        assert group is not world_group and exchange_group(world_group) is group
+        assert dist.get_process_group_ranks(group) == list(range(world)) and dist.get_rank(group) == rank
+        _check_case(rank, world, device, *CASES[world][0])
+    finally:
+        context_parallel.HIGH_PRIORITY_EXCHANGES = False
+    assert exchange_group(world_group) is world_group
 
 
 def _check_document_bytes(rank, world, device):

@@ -48,7 +48,7 @@ from ..lang.builtin import NO_WINDOW
 from ..policy import context_parallel
 from .balance import Loan, balanced_schedule, kept_scores, loans_split, shares
 from .ring import (_halo_backward, _halo_forward, _Kernels, _Ring, _ring_backward, _ring_forward, _visits_backward,
-                   _visits_forward)
+                   _visits_forward, exchange_group)
 from .schedule import (Block, Halo, Pieces, Visit, chunks_of, document_pieces, document_visits, grouped_pieces,
                        halo_schedule, key_ranges, merged_blocks, pair_block, pair_blocks, ring_schedule,
                        shard_sequence, unshard_sequence)
@@ -154,8 +154,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if loans and context_parallel.LOANS_EARLY:
         split = loans_split(steps[0].blocks, loans, rank, context_parallel.BALANCE)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse = _ContextParallel.apply(q, k, v, _Ring(group, rank, world), steps, _Kernels(q, k, v, scale, softcap),
-                                      loans, split)
+    ring = _Ring(exchange_group(group), rank, world)
+    out, lse = _ContextParallel.apply(q, k, v, ring, steps, _Kernels(q, k, v, scale, softcap), loans, split)
     return (out, lse) if return_lse else out
 
 

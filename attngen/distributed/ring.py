@@ -35,6 +35,28 @@ class _Ring(NamedTuple):
         return dist.get_global_rank(self.group, (self.rank + offset) % self.world)
 
 
+_EXCHANGE_GROUPS: dict = {}
+
+
+def exchange_group(group):
+    """The group the ring's messages go through: `group`, or under policy.context_parallel.HIGH_PRIORITY_EXCHANGES
+    and NCCL a group of the same ranks whose stream has high priority, made on the first call (collective among
+    `group`'s ranks only, as every call is) and kept. Its rank numbering is `group`'s (ranks in order; a group that
+    numbers its ranks otherwise is kept as it is)."""
+    if not context_parallel.HIGH_PRIORITY_EXCHANGES or dist.get_backend(group) != "nccl":
+        return group
+    found = _EXCHANGE_GROUPS.get(group)
+    if found is None:
+        ranks = dist.get_process_group_ranks(group)
+        found = group
+        if ranks == sorted(ranks):
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+            found = dist.new_group(ranks, pg_options=options, use_local_synchronization=True)
+        _EXCHANGE_GROUPS[group] = found
+    return found
+
+
 def _post(ring: _Ring, sends, receives):
     """Post a send of each (group rank offset, tensor, tag) of `sends` and a receive of a tensor like the tensor of
     each (offset, tensor, tag) of `receives`; returns (the receive buffers, the requests). Every message of a call

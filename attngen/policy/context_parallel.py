@@ -42,6 +42,14 @@ FUSED_MERGE = True
 # not hold the persistent grid back, and the margin's programs are simply lost. 0.
 SM_MARGIN = 0
 
+# Whether the ring's messages go through a group of the caller's ranks whose NCCL stream has high priority
+# (ProcessGroupNCCL's is_high_priority_stream; made once per group, by its ranks alone), so that a step's exchange
+# kernel is dispatched ahead of the attention kernel's pending programs instead of after them. The hypothesis it
+# tests (NOTES.md, context parallelism [v51]): the ring's forward is bimodal (two H200s at 512k: 2045 and 2588 ms
+# for the same call), its slow mode the exchange run exposed after a step's kernels. Not measured: off. (Gloo and
+# other backends: the caller's group, always.)
+HIGH_PRIORITY_EXCHANGES = False
+
 
 @dataclass(frozen=True, slots=True)
 class BalancePolicy:
