@@ -81,6 +81,19 @@ def _ws_hopper(device):
     return _ws_device(device)[0]
 
 
+SM_MARGIN = 0
+"""Multiprocessors a persistent grid leaves to other work running beside it (FlashAttention-3's sm_margin): a
+program that finds no free multiprocessor waits for one, so a kernel beside it (context parallelism's NCCL
+exchanges) would hold back that many programs' whole share of the tiles. 0 outside such calls; set by the caller
+(attngen.distributed's ring: policy.context_parallel.SM_MARGIN)."""
+
+
+def _ws_programs(device):
+    """A persistent grid's program count on `device`: its multiprocessors (one program fills an SM's registers),
+    less SM_MARGIN (at least 1)."""
+    return max(_ws_device(device)[1] - SM_MARGIN, 1)
+
+
 def _gluon_desc(t, block, layout, shape=None, strides=None):
     """The Gluon TMA descriptor of `t` (as `shape` / `strides` if given) read in `block` boxes, filled in
     without the dataclass constructor: its checks (16-byte aligned base and strides, unit last stride,
@@ -690,19 +703,6 @@ def ws_ready(q, k, v, o):
     if not q.is_cuda or N_Q == 0 or N_K < WS_SHAPE["min_keys"] or B * H * N_Q * N_K < WS_SHAPE["min_scores"]:
         return False
     return _ws_hopper(q.device) and tma_layouts(q, k, v, o)
-
-
-SM_MARGIN = 0
-"""Multiprocessors a persistent grid leaves to other work running beside it (FlashAttention-3's sm_margin): a
-program that finds no free multiprocessor waits for one, so a kernel beside it (context parallelism's NCCL
-exchanges) would hold back that many programs' whole share of the tiles. 0 outside such calls; set by the caller
-(attngen.distributed's ring: policy.context_parallel.SM_MARGIN)."""
-
-
-def _ws_programs(device):
-    """A persistent grid's program count on `device`: its multiprocessors (one program fills an SM's registers),
-    less SM_MARGIN (at least 1)."""
-    return max(_ws_device(device)[1] - SM_MARGIN, 1)
 
 
 def launch_attn_fwd_ws(q, k, v, o, lse, sm_scale):
