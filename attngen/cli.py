@@ -176,7 +176,7 @@ def _print_passes(program: ir.Program) -> None:
         print("warp-specialize: on Hopper the forward runs the Gluon kernel on e4m3 tiles (wgmma k32), V read as "
               "V^T tiles through its (B, H_KV, D, N_K) view where its keys are contiguous (attention() copies V so; "
               "a V with its head dim contiguous runs the Triton kernel), qk_scale and V's descale loaded per tile, "
-              "the bf16 output stored through its Q buffers" + _fp8_exp2_line(program.warp_specialized.forward))
+              "the bf16 output stored through its Q buffers" + _fp8_kernel_line(program.warp_specialized.forward))
     elif warp_specialize_decode.fp8_refusal(program):
         print("warp-specialize-decode: no Hopper Gluon kernel (" + warp_specialize_decode.fp8_refusal(program) + ")")
     elif program.attr("head_dim_v") is not None and program.warp_specialized.forward is not None:
@@ -221,12 +221,15 @@ def _mla_line(program: ir.Program) -> str:
                if mla.overlap else ""))
 
 
-def _fp8_exp2_line(forward) -> str:
-    """The FP8 Gluon forward's exponentials, where part of them leave MUFU (policy/hopper.py FP8_EXP2_EMULATION)."""
+def _fp8_kernel_line(forward) -> str:
+    """The FP8 Gluon forward's exponentials where part of them leave MUFU (policy/hopper.py FP8_EXP2_EMULATION), and its P
+    operand where FP8_PERMUTE_P relabels it."""
+    permute = ("; P's e4m3 operand taken from the scores' registers, its keys permuted within each 16 and V^T's alike "
+               "(the launcher's copy of V; hopper.FP8_PERMUTE_P)" if forward.permute_p else "")
     if not forward.exp2_fma:
-        return ""
+        return permute
     return (f"; exp2 of the last 1/{2 ** forward.exp2_fma_halvings} of each key block's columns on the FMA pipe "
-            "(a degree-3 polynomial, codegen/exp2_fma.py), the rest on MUFU")
+            "(a degree-3 polynomial, codegen/exp2_fma.py), the rest on MUFU" + permute)
 
 
 def _gluon_backward_line(program: ir.Program) -> str:

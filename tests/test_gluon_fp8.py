@@ -38,16 +38,29 @@ def _program(name, head_dim=128, mask="causal", **extra):
 
 @pytest.fixture
 def fp8_gluon(monkeypatch):
-    """The FP8 Gluon forward switched on (off by default: no faster than the Triton kernel yet). The tests that build modules
-    under it render them into their own files, or load them under spec names and a kernel cache of their own: a
-    module cached meanwhile under a name the API shares would keep the kernel."""
+    """The FP8 Gluon forward switched on (on by default, at d=128), at both head dims it has shapes for (the policy
+    leaves d=64 on the Triton kernel, which is as fast there). The tests that build modules under it render them into
+    their own files, or load them under spec names and a kernel cache of their own: a module cached meanwhile under a
+    name the API shares would keep the kernel."""
     monkeypatch.setattr(hopper, "FP8_GLUON", True)
+    monkeypatch.setattr(hopper, "FP8_HEAD_DIMS", (64, 128))
 
 
 # -- the decision ----------------------------------------------------------------------------------------
 
 
-def test_by_default_fp8_stays_on_the_triton_kernel_and_explain_says_why(monkeypatch, capsys):
+def test_the_policys_fp8_decision_by_head_dim():
+    """As shipped: d=128 FP8 takes the Gluon forward with P's operand permuted and made beside its product; d=64 the
+    Triton kernel (as fast there), and `fp8_refusal` says so."""
+    _, d128 = _program("gf8_policy_128", 128)
+    forward = d128.warp_specialized.forward
+    assert forward.permute_p and not forward.early_p and warp_specialize.fp8_refusal(d128) is None
+    _, d64 = _program("gf8_policy_64", 64)
+    assert not d64.warp_specialized.forward
+    assert warp_specialize.fp8_refusal(d64) == "head dim 64: the FP8 Gluon forward takes 128"
+
+
+def test_with_the_switch_off_fp8_stays_on_the_triton_kernel_and_explain_says_why(monkeypatch, capsys):
     monkeypatch.setattr(hopper, "FP8_GLUON", False)
     _, program = _program("gf8_default")
     assert not program.warp_specialized and not warp_specialize.applies(program)
@@ -91,19 +104,32 @@ def test_sixteen_bit_programs_do_not_see_the_switch(monkeypatch):
     assert warp_specialize.fp8_refusal(on) is None
 
 
-def test_the_source_takes_the_irs_descales_and_p_cast(fp8_gluon):
+@pytest.mark.parametrize("permute_p", [True, False])
+def test_the_source_takes_the_irs_descales_and_p_cast(fp8_gluon, monkeypatch, permute_p):
     """The FP8 kernel's math is the IR's (pass descale): each tile's qk_scale over its q and k descales, V's factor
-    in the epilogue, P rounded to e4m3 as the IR casts it and carried as a k_width 4 operand; V read as V^T tiles."""
-    spec, program = _program("gf8_source")
+    in the epilogue, P rounded to e4m3 as the IR casts it and carried as a k_width 4 operand; V read as V^T tiles
+    (with FP8_PERMUTE_P, the launcher's copy of V with its keys permuted, and P relabelled in place)."""
+    monkeypatch.setattr(hopper, "FP8_PERMUTE_P", permute_p)
+    spec, program = _program(f"gf8_source_{permute_p}")
+    assert program.warp_specialized.forward.permute_p is permute_p
     source = render(spec, program)
     kernel = source[source.index("def _ws_rows("):source.index("def _ws_consume(")]
     assert "qk_scale = qk_scale * 1.4426950408889634 * gl.load(Q_DESCALE + b * stride_q_descale_0 + (h // GROUP)" \
         in kernel
     assert "v_descale = gl.load(V_DESCALE + b * stride_v_descale_0 + (h // GROUP) * stride_v_descale_1)" in kernel
     assert "(acc * v_descale / gl.convert_layout(l_i, row_o)[:, None]).to(gl.bfloat16)" in kernel
-    assert "p.to(gl.float8e4nv)" in kernel and "k_width=4" in kernel
+    assert "k_width=4" in kernel
     assert "v_smem.index(sp).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))" in kernel
-    assert "tma_layouts(q, k, v.transpose(2, 3), o)" in source  # a V with its head dim contiguous: Triton's
+    if permute_p:
+        helper = source[source.index("def _ws_p_operand("):source.index("def _ws_rows(")]
+        assert "assert_trivial=True" in helper and "cvt.rn.satfinite.e4m3x2.f32" in helper
+        assert "dtype=gl.float8e4nv" in helper and "p.to(gl.float8e4nv)" not in kernel
+        # beside the P V products (FP8_EARLY_P off): the loop's and the last block's
+        assert kernel.count("acc = warpgroup_mma(_ws_p_operand(p, BM, BLOCK_N, p_layout), ") == 2
+        assert "tma_layouts(q, k, o)" in source and "_gluon_desc(fp8_vt(v, permute=True), " in source
+    else:
+        assert "p.to(gl.float8e4nv)" in kernel and "_ws_p_operand" not in source
+        assert "tma_layouts(q, k, v.transpose(2, 3), o)" in source  # a V with its head dim contiguous: Triton's
 
 
 # -- compiled for sm_90 (Triton's compiler and ptxas, on the CPU) ----------------------------------------
@@ -272,6 +298,35 @@ def test_the_emulated_exp2_takes_a_share_of_mufu_off_without_spills(fp8_gluon, m
     assert text[True].count("wgmma.wait_group.sync.aligned 1;") == text[False].count("wgmma.wait_group.sync.aligned 1;") > 0
 
 
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_the_permuted_p_operand_moves_no_data_and_packs_once(fp8_gluon, monkeypatch, tmp_path, mask):
+    """Compiled for sm_90 (PTX): with FP8_PERMUTE_P and FP8_EARLY_P off (the policy's), P reaches the P V product
+    without warp shuffles (those left are the rows' max and sum, as in the 16-bit kernel) and with no byte permutes
+    (its four e4m3 values a register packed by the conversion itself), where the unpermuted operand takes shuffles
+    and hundreds of byte permutes; the same shared memory, spills within the FP8 shapes' 64-byte bound."""
+    results = {}
+    for permute in (True, False):
+        monkeypatch.setattr(hopper, "FP8_PERMUTE_P", permute)
+        monkeypatch.setattr(hopper, "FP8_EARLY_P", not permute)
+        spec, program = _program(f"gf8_permute_{mask}_{permute}", 128, mask)
+        path = tmp_path / f"{spec.name}.py"
+        path.write_text(render(spec, program))
+        (result,) = probe([{"path": str(path), "gluon_ws": True, "ptx_to": str(tmp_path / f"{permute}.ptx")}])
+        assert "error" not in result, result
+        ptx = (tmp_path / f"{permute}.ptx").read_text()
+        results[permute] = (result, ptx.count("shfl.sync"), ptx.count("prmt.b32"), _ptxas(tmp_path / f"{permute}.ptx"))
+    (on, shfl_on, prmt_on, (regs_on, spills_on)), (off, shfl_off, prmt_off, (_, spills_off)) = results[True], results[False]
+    bf16 = f"{ROOT}/generated/{'fwd_causal_d128' if mask == 'causal' else 'fwd_gqa_d128'}.py"
+    (plain,) = probe([{"path": bf16, "gluon_ws": True, "ptx_to": str(tmp_path / "bf16.ptx")}])
+    assert "error" not in plain, plain
+    shfl_bf16 = (tmp_path / "bf16.ptx").read_text().count("shfl.sync")
+    print(f"{mask}: shfl.sync {shfl_on} / {shfl_off} (bf16 {shfl_bf16}), prmt {prmt_on} / {prmt_off}, "
+          f"spills {spills_on} / {spills_off}")
+    assert shfl_on == shfl_bf16 < shfl_off and prmt_on == 0 < prmt_off
+    # (float32 P carried around the loop: at 3 stages 20 bytes spilled against 16)
+    assert on["shared"] == off["shared"] and regs_on <= hopper.FP8_FORWARD[128].maxnreg and spills_on <= 64
+
+
 @pytest.mark.parametrize("name", sorted(hopper.FP8_FORWARD_ALTERNATIVES))
 def test_fp8_alternative_shapes_compile(fp8_gluon, monkeypatch, tmp_path, name):
     """The shapes FP8_FORWARD_ALTERNATIVES offers for the d=128 A/B compile for sm_90 within shared memory and
@@ -290,6 +345,30 @@ def test_fp8_alternative_shapes_compile(fp8_gluon, monkeypatch, tmp_path, name):
     assert regs <= shape.maxnreg and spills <= 64
 
 
+@pytest.mark.parametrize("n_k", [48, 37, 5])
+def test_the_launchers_v_copy_matches_the_kernels_p_relabelling(fp8_gluon, monkeypatch, tmp_path, n_k):
+    """`fp8_vt(v, permute=True)` (the launcher's V^T under FP8_PERMUTE_P, a Triton copy: the interpreter here) against
+    `_ws_p_operand`'s relabelling of P's columns (the same reshape and permute, done here by torch): P V of the
+    relabelled P over the copy's keys is P V, in float64, for key counts that fill their last 16 and that do not (the
+    scores' columns past N_K are 0, as the mask leaves them); V given with its head dim contiguous and with its keys
+    contiguous. Without `permute` (the Triton FP8 kernel's V^T) the copy is V^T exactly."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    module = attngen.load(spec_text(f"gf8_vcopy_{n_k}", 64, "fp8_e4m3", "none", direction="forward")).module
+    gen = torch.Generator().manual_seed(n_k)
+    v = torch.randn(2, 3, n_k, 64, dtype=torch.float64, generator=gen)
+    p = torch.rand(2, 3, 7, n_k, dtype=torch.float64, generator=gen)
+    want = p @ v
+    n_pad = -(-n_k // 16) * 16
+    padded = torch.cat([p, p.new_zeros(2, 3, 7, n_pad - n_k)], dim=-1)
+    operand = padded.reshape(2, 3, 7, n_pad // 16, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(2, 3, 7, n_pad)
+    for given in (v, v.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        vt = module.fp8_vt(given, permute=True)
+        assert vt.shape == (2, 3, 64, n_pad) and vt.is_contiguous() and torch.isfinite(vt).all()
+        torch.testing.assert_close(operand @ vt.transpose(-1, -2), want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(module.fp8_vt(given), v.transpose(-1, -2))
+    assert not torch.equal(operand[..., :n_k], p) or n_k < 2  # (the relabelling moves columns)
+
+
 # -- real sizes (GPU) -----------------------------------------------------------------------------------
 
 
@@ -297,29 +376,36 @@ def test_fp8_alternative_shapes_compile(fp8_gluon, monkeypatch, tmp_path, name):
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("outliers", [False, True])
-@pytest.mark.parametrize("exp2_emulation", [False, True])
+@pytest.mark.parametrize("exp2_emulation, permute_p", [(False, True), (False, False), (True, True)])
 def test_gpu_fp8_gluon_forward_against_float64(fp8_gluon, monkeypatch, tmp_path, head_dim, causal, outliers,
-                                               exp2_emulation):
-    """The Gluon kernel (asserted taken: `ws_ready`) at N_Q = 4096, N_K = 4096 + 128 (and 4000 x 4096 without a
-    mask: a partial last row block), GQA 16/4, within test_fp8.py's element-wise e4m3 bound of float64 on the
-    dequantised inputs, its output poisoned first; level with the FP8 Triton kernel on the same inputs. With
-    FP8_EXP2_EMULATION, part of each block's exponentials on the FMA pipe, held to the same bounds."""
+                                               exp2_emulation, permute_p):
+    """The Gluon kernel (asserted taken: `ws_ready`) at N_Q = 4096, N_K = 4096 (and 4000 x 4096 + 100 without a
+    mask: a partial last row block, and a last key block whose 16 keys are not all there; + 128 unpermuted), GQA
+    16/4, within test_fp8.py's element-wise e4m3 bound of float64 on the dequantised inputs, its output poisoned
+    first; level with the FP8 Triton kernel on the same inputs. With FP8_EXP2_EMULATION, part of each block's exponentials on the FMA
+    pipe; with FP8_PERMUTE_P, P's operand relabelled and V (given with its head dim contiguous) copied by the
+    launcher with its keys permuted; held to the same bounds."""
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", exp2_emulation)
-    name = f"gf8_gpu_{head_dim}_{int(causal)}_{int(exp2_emulation)}"
+    monkeypatch.setattr(hopper, "FP8_PERMUTE_P", permute_p)
+    monkeypatch.setattr(hopper, "FP8_EARLY_P", not permute_p)  # (P converted beside its product where permuted)
+    name = f"gf8_gpu_{head_dim}_{int(causal)}_{int(exp2_emulation)}_{int(permute_p)}"
     kernel = attngen.load(spec_text(name, head_dim, "fp8_e4m3", "causal" if causal else "none",
                                     direction="forward"))
     assert kernel.module.WS_SHAPE.get("EXP2_FMA", 0.0) == (hopper.FP8_EXP2_FMA[head_dim] if exp2_emulation else 0.0)
-    n_q, n_k = (4096, 4096) if causal else (4000, 4096 + 128)
+    assert kernel.module.WS_SHAPE.get("PERMUTE_P", False) is permute_p
+    # (V^T's rows must be 16-byte aligned for TMA where V is given keys-contiguous: the permuted copy pads them)
+    n_q, n_k = (4096, 4096) if causal else (4000, 4096 + (100 if permute_p else 128))
     gen = torch.Generator(device="cuda").manual_seed(2)
     _, (q8, qd), (k8, kd), (v8, vd) = quantized(2, 16, 4, n_q, n_k, head_dim, outliers, gen)
-    v_t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)  # keys contiguous, as attention() lays V out
+    v_t = v8.transpose(-1, -2).contiguous().transpose(-1, -2)  # keys contiguous, as the Triton kernel reads V
+    v_in = v8 if permute_p else v_t  # (the launcher copies V, from any layout)
     module = kernel.module
     out = torch.full((2, 16, n_q, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((2, 16, n_q), float("nan"), device="cuda")
-    assert module.ws_ready(q8, k8, v_t, out)
+    assert module.ws_ready(q8, k8, v_in, out)
     descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    module.forward(q8, k8, v_t, out=out, lse=lse, **descales)
+    module.forward(q8, k8, v_in, out=out, lse=lse, **descales)
     triton_out, _ = module.forward(q8, k8, v_t, config={"warp_specialized": False}, **descales)
     qf, kf, vf = dequant(q8, qd, 16), dequant(k8, kd, 4), dequant(v8, vd, 4)
     for b in range(2):  # a batch at a time: float64 scores of 16 x 4096 x 4096 are 2 GiB
@@ -338,6 +424,7 @@ def test_explain_describes_the_switched_on_kernel(fp8_gluon, monkeypatch, tmp_pa
     out = capsys.readouterr().out
     assert "warp-specialize: on Hopper the forward runs the Gluon kernel on e4m3 tiles (wgmma k32)" in out
     assert "no Hopper Gluon kernel" not in out and "FMA pipe" not in out
+    assert "P's e4m3 operand taken from the scores' registers, its keys permuted within each 16" in out
     monkeypatch.setattr(hopper, "FP8_EXP2_EMULATION", True)
     monkeypatch.setitem(hopper.FP8_EXP2_FMA, 128, 0.25)
     assert main(["explain", str(path)]) == 0
@@ -353,3 +440,8 @@ def test_the_verifier_holds_an_fp8_forward_to_e4m3s_k_step(fp8_gluon):
     with pytest.raises(InternalError, match="not a multiple of 32"):
         verify(replace(program, warp_specialized=replace(program.warp_specialized, forward=odd)), "test")
     verify(program, "test")
+    # P's permuted operand is the e4m3 kernel's: a 16-bit program's P operand is already its scores' registers
+    bf16 = compile_program(parse(spec_text("gf8_verify_bf16", 128, "bf16", "causal", direction="forward")))
+    permuted = replace(bf16.warp_specialized.forward, permute_p=True)
+    with pytest.raises(InternalError, match="permute_p for 16-bit inputs"):
+        verify(replace(bf16, warp_specialized=replace(bf16.warp_specialized, forward=permuted)), "test")

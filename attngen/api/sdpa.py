@@ -59,7 +59,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     FP8: query, key and value all float8_e4m3fn (4-D; attngen.quantize_fp8 makes them), with FA3's descales
     `q_descale`, `k_descale`, `v_descale` (float32, (1,) or (batch, kv_heads); None is 1): each stored value x
     stands for x * descale. The output is bfloat16. Forward only (inputs that require grad are refused). V is
-    copied to a keys-contiguous layout unless it has one (`attngen.api.fp8.value_for_fp8`).
+    copied once per call into the layout the kernel's P V reads (keys contiguous; the Hopper kernel's V^T with its
+    keys permuted within each 16), unless the Triton kernel runs and V's keys are contiguous already.
     """
     fp8 = fp8_inputs.is_fp8(query, key, value)
     if fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
@@ -109,8 +110,7 @@ def _fp8_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
         variant = _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks)
     plan = _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant)
     tensors = (variant.tensors if variant is not None else ()) + extra
-    out, _ = autograd.attention_forward(plan.key, query, key, fp8_inputs.value_for_fp8(value), plan.scale,
-                                        tensors=tensors)
+    out, _ = autograd.attention_forward(plan.key, query, key, value, plan.scale, tensors=tensors)
     return out
 
 

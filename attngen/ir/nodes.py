@@ -436,6 +436,9 @@ class GluonForward:
     short_keys: int
     min_scores: int
     exp2_fma: float = 0.0  # share of a key block's columns whose exp2 runs on the FMA pipe (1/2^k; 0: none)
+    # FP8: P's e4m3 operand relabelled from the scores' registers (no shuffles), its keys permuted within each 16,
+    # and V^T's keys permuted alike by the launcher
+    permute_p: bool = False
     # the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192 (S is a product
     # per piece); (): one tile of the padded width
     pieces: tuple[int, ...] = ()
@@ -457,6 +460,7 @@ class GluonForward:
                 "SHORT_maxnreg": s.maxnreg, "min_keys": self.min_keys, "short_keys": self.short_keys,
                 "min_scores": self.min_scores, "BALANCE": self.balance,
                 **({"EXP2_FMA": self.exp2_fma} if self.exp2_fma else {}),
+                **({"PERMUTE_P": True} if self.permute_p else {}),
                 **({"PIECES": list(self.pieces)} if self.pieces else {})}
 
 

@@ -377,6 +377,8 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
         counts_ok("forward", f)
         if f.exp2_fma and not fp8:
             fail("forward: exp2 on the FMA pipe for 16-bit inputs (only the FP8 kernel is bound by the exponentials)")
+        if f.permute_p and not fp8:
+            fail("forward: permute_p for 16-bit inputs (their P operand is already the scores' registers)")
         if f.exp2_fma and (f.exp2_fma != 2.0 ** -f.exp2_fma_halvings or f.exp2_fma_halvings < 1
                            or any(s.block_n * f.exp2_fma < 8 for s in (f.main, f.short))):
             # a halving splits the tile by its columns' top bit, a thread's registers only down to 8 columns

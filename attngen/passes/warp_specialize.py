@@ -117,8 +117,7 @@ def fp8_refusal(program: ir.Program) -> str | None:
     if program.attr("dtype") != "fp8_e4m3":
         return None
     if not hopper.FP8_GLUON:
-        return ("policy/hopper.py FP8_GLUON is off: the FP8 Gluon forward runs no faster than the Triton kernel yet "
-                "(H200), which runs")
+        return "policy/hopper.py FP8_GLUON is off: the Triton kernel runs"
     d = program.attr("head_dim")
     if (d not in hopper.FP8_HEAD_DIMS or program.attr("head_dim_padded") != d
             or program.attr("head_dim_v") is not None):

@@ -416,40 +416,47 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
     return replace(variant, short=variant.main, short_keys=0)
 
 
-FP8_GLUON = False
-"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`). Off: its GPU tests pass (H200,
-2026-11-28, tests/test_gluon_fp8.py) but it runs no faster than the Triton FP8 kernel (B=1 H=16 d=128, TFLOP/s,
-N=4096 / 16384: 684 / 727 without a mask against 718 / 764, causal 609 / 688 against 581 / 696), ~1.1x the bf16
-forward where the issue asks 1.5x; while off, warp-specialize leaves FP8 specs on the Triton kernel and
-`attngen explain` says why (`fp8_refusal`)."""
+FP8_GLUON = True
+"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`); while off, warp-specialize leaves
+FP8 specs on the Triton kernel and `attngen explain` says why (`fp8_refusal`). On since it beat the Triton FP8 kernel
+with FP8_PERMUTE_P and FP8_EARLY_P off (H200, 2026-11-28, benchmarks/fp8_permute.py at d=128, 16 heads, 32k tokens,
+TFLOP/s with the launcher's copy of V: 804 / 812 / 819 without a mask at N = 4096 / 8192 / 16384 against the Triton
+kernel's 719 / 746 / 754 on V already keys-contiguous, causal 692 / 738 / 763 against 599 / 674 / 720; the bf16
+Gluon forward 629-633 and 568-611). Before those two it ran no faster than the Triton kernel (684 / 727 without a
+mask at N = 4096 / 16384 against 718 / 764, causal 609 / 688 against 581 / 696)."""
 
-FP8_HEAD_DIMS = (64, 128)
+FP8_HEAD_DIMS = (128,)
+"""The head dims FP8 specs take the Gluon forward at (FP8_FORWARD has shapes for 64 and 128). d=64 stays on the Triton
+kernel: there the Gluon one (FP8_PERMUTE_P, FP8_EARLY_P off) ran 475 / 499 TFLOP/s without a mask at N = 4096 / 16384
+against the Triton kernel's 493 / 508, causal 422 / 469 against 415 / 476 (H200, 2026-11-28, benchmarks/fp8_permute.py
+--head-dim 64, 16 heads, 32k tokens; FP8 at d=64 is no faster than bf16 there: 514-527 and 428-482)."""
 
 FP8_FORWARD = {
     64: ir.GluonShape(block_m=192, block_n=64, stages=3, consumers=3, consumer_regs=160, maxnreg=128),
-    128: ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+    128: ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
 }
-"""The FP8 Gluon forward's launch shape by head dim, at every length. d=128: the 16-bit kernel's (FORWARD_MAIN), as
-FlashAttention 3's FP8 kernel takes 128 rows in two consumer warpgroups, 2 stages; its K and V blocks are half the
-bytes (16 KB each a stage), and its Q buffers are allocated as the bf16 output tiles a Q tile fills half of (64 KB
-for the persistent grid's two): 131,480 bytes of shared memory (ptxas, CPU: 168 registers, 8-20 bytes spilled,
-the bf16 kernel 24). d=64: FA3's 192 rows in three consumer warpgroups, but 64-key blocks in 3 stages: with
-128-key blocks a consumer's 160 registers spill 608-760 bytes (the bf16 kernel 356; P's change from the scores'
-layout to the e4m3 operand's, in shuffles and byte permutes, holds both at once), with 64 none (90,588 bytes of
-shared memory). Not measured on a GPU: a third stage at d=128 (+32 KB), d=64 at two consumers of 128-key blocks (no
-spills either), and FA3's 176- and 160-key blocks (not powers of two) are the first things to try."""
+"""The FP8 Gluon forward's launch shape by head dim, at every length. d=128: the 16-bit kernel's tiles (FORWARD_MAIN), as
+FlashAttention 3's FP8 kernel takes 128 rows in two consumer warpgroups; its K and V blocks are half the bytes (16 KB
+each a stage), so a third stage fits (164,312 bytes of shared memory; ptxas, sm_90a: 168 registers, 8-20 bytes
+spilled, as at 2 stages). 3 stages since they beat 2 with FP8_PERMUTE_P (H200, 2026-11-28, benchmarks/fp8_permute.py
+--alternatives, 16 heads, 32k tokens, TFLOP/s at N = 4096 / 8192 / 16384: 796 / 832 / 834 without a mask against
+800 / 830 / 822, causal 693 / 770 / 790 against 685 / 751 / 758; before FP8_PERMUTE_P they tied). Its Q buffers are
+allocated as the bf16 output tiles a Q tile fills half of (64 KB for the persistent grid's two). d=64 (not taken:
+FP8_HEAD_DIMS): FA3's 192 rows in three consumer warpgroups, but 64-key blocks in 3 stages: with 128-key blocks a
+consumer's 160 registers spill 608-760 bytes (the bf16 kernel 356), with 64 none (90,588 bytes of shared memory).
+Not measured on a GPU: d=64 at two consumers of 128-key blocks (no spills either), and FA3's 176- and 160-key blocks
+(not powers of two)."""
 
 
 FP8_FORWARD_ALTERNATIVES = {
-    "stages3": ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
+    "stages2": ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
 }
 """Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
-of its own: the cache keys on SWITCHES, not on the tables). e4m3 halves a block's bytes, so the ring can hold more
-keys. "stages3": a third stage of 128-key blocks, 164,312 bytes of shared memory (ptxas, sm_90a: 168 registers,
-8-20 bytes spilled, as at 2 stages; with FP8_EXP2_EMULATION the same). Wider blocks: FA3's FP8 kernel takes 176 keys
-at d=128, which a register tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill
-1,572-1,740 bytes a consumer thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the
-accumulator's 64) and ptxas serialises their wgmma: not worth a GPU run. Not measured on a GPU."""
+of its own: the cache keys on SWITCHES, not on the tables). "stages2": the shape before 3 stages (131,480 bytes of
+shared memory; 0-4% slower, see FP8_FORWARD). Wider blocks: FA3's FP8 kernel takes 176 keys at d=128, which a register
+tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill 1,572-1,740 bytes a consumer
+thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the accumulator's 64) and ptxas
+serialises their wgmma: not worth a GPU run."""
 
 
 FP8_EXP2_EMULATION = False
@@ -478,13 +485,38 @@ the products' 0.0625. A half (the other setting to try: ptxas gives it the same 
 issue-bound at ~0.07. Not measured."""
 
 
+FP8_PERMUTE_P = True
+"""Whether the FP8 Gluon forward takes P's e4m3 operand for P V straight from the scores' registers (`GluonForward.
+permute_p`). wgmma's accumulator gives a thread columns {2t, 2t+1, 2t+8, 2t+9} + 16c of its rows (t = lane % 4), and
+its 8-bit A operand wants {4t .. 4t+3} + 16c: Triton moves P between the two by warp shuffles and byte permutes at
+every key block (ptxas, sm_90a, d=128 without a mask: 99 shfl.sync, 512 prmt in the kernel). P V sums over the keys,
+so a fixed permutation of the keys in both P and V changes nothing: P's operand column 16g + 8a + 4b + 2c + l is
+taken from the scores' column 16g + 8c + 4a + 2b + l (a relabelling of each thread's registers: no data moves, the
+compiler checks it), and the launcher writes V^T with its keys in that order (one copy of V, the one the keys-
+contiguous layout FP8's P V needs took before; padded to 16 keys). With it: 35 shfl.sync (the rows' max and sum),
+192 prmt (packing 4 bytes a register), spills 20 -> 8 bytes; on the H200 the Gluon FP8 kernel issued ~45% more
+instructions than the bf16 one at the same speed (ncu, NOTES.md FP8 prefill [v52]). P's e4m3 values are packed four
+a register by one inline-asm conversion (two cvt.rn.satfinite.e4m3x2.f32 and a mov, the IR's cast), which only pays
+where P is converted beside its product (FP8_EARLY_P off): carried around the loop as e4m3, Triton keeps each byte in
+a register of its own and packs them again at the product (ptxas: 447-512 PRMT in the kernel against 64)."""
+
+FP8_EARLY_P = False
+"""Whether the FP8 Gluon forward converts P to its e4m3 operand as soon as the softmax makes it (`GluonForward.early_p`,
+the 16-bit kernels' FORWARD_FLAGS.early_p) or beside the P V product that takes it. With FP8_PERMUTE_P, beside it:
+the inline-asm packing then folds into the operand (ptxas, sm_90a, d=128 without a mask: PRMT 447 -> 64, LOP3 647 ->
+395 in the kernel) at 48 more registers of float32 P carried around the loop (spills 8 -> 20 bytes, as without
+FP8_PERMUTE_P). Not measured yet."""
+
+
 def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for an FP8 program (head dim in FP8_HEAD_DIMS, no variant): the
-    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length, and with
-    FP8_EXP2_EMULATION the share FP8_EXP2_FMA of the exponentials on the FMA pipe."""
+    16-bit kernel's flags and thresholds (guesses: not measured), one shape (FP8_FORWARD) at every length, with
+    FP8_EXP2_EMULATION the share FP8_EXP2_FMA of the exponentials on the FMA pipe, FP8_PERMUTE_P's P operand made where
+    FP8_EARLY_P says."""
     shape = FP8_FORWARD[head_dim]
     exp2_fma = FP8_EXP2_FMA[head_dim] if FP8_EXP2_EMULATION else 0.0
-    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0, exp2_fma=exp2_fma)
+    return replace(forward(head_dim, causal), main=shape, short=shape, short_keys=0, exp2_fma=exp2_fma,
+                   permute_p=FP8_PERMUTE_P, early_p=FP8_EARLY_P)
 
 
 def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.GluonBackward:
@@ -533,7 +565,8 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED")
+            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED",
+            "FP8_PERMUTE_P", "FP8_EARLY_P")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
