@@ -44,13 +44,13 @@ SM_MARGIN = 0
 
 # Whether the ring's messages go through a group of the caller's ranks whose NCCL stream has high priority
 # (ProcessGroupNCCL's is_high_priority_stream; made once per group, by its ranks alone), so that a step's exchange
-# kernel is dispatched ahead of the attention kernel's pending programs instead of after them. The hypothesis it
-# tests (NOTES.md, context parallelism [v51]): the ring's forward is bimodal (two H200s at 512k: 2045 and 2588 ms
-# for the same call), its slow mode the exchange run exposed after a step's kernels. Measured on two H200s (2026-11-28,
-# benchmarks/cp_priority.py at 256k, plain causal H=32 d=128, with and without TORCH_NCCL_HIGH_PRIORITY=1): a tie
-# (forward 1168-1174 TFLOP/s on against 1162-1189 off, forward + backward 1063-1072 against 1062-1066), no slow mode
-# in either; 512k and four GPUs, where the slow mode showed, not yet. Off. (Gloo and other backends: the caller's
-# group, always.)
+# kernel is dispatched ahead of the attention kernel's pending programs instead of after them. The hypothesis it tests
+# (NOTES.md, context parallelism [v51]): the ring's forward is bimodal (two H200s at 512k: 2045 and 2588 ms for the same
+# call), its slow mode the exchange run exposed after a step's kernels. Measured on two H200s (2026-11-28,
+# benchmarks/cp_priority.py at 9ee44a8, 256k, plain causal H=32 d=128, with and without TORCH_NCCL_HIGH_PRIORITY=1): a
+# tie (forward 1168-1174 TFLOP/s on against 1162-1189 off, forward + backward 1063-1072 against 1062-1066), no slow mode
+# in either; 512k and four GPUs, where the slow mode showed, not yet. Off. (Gloo and other backends: the caller's group,
+# always.)
 HIGH_PRIORITY_EXCHANGES = False
 
 

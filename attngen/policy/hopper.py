@@ -417,35 +417,35 @@ def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
 
 
 FP8_GLUON = True
-"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`); while off, warp-specialize leaves
-FP8 specs on the Triton kernel and `attngen explain` says why (`fp8_refusal`). On since it beat the Triton FP8 kernel
-with FP8_PERMUTE_P and FP8_EARLY_P off (H200, 2026-11-28, benchmarks/fp8_permute.py at d=128, 16 heads, 32k tokens,
+"""Whether FP8 specs (dtype = fp8_e4m3) get the Gluon forward (`forward_fp8`); while off, warp-specialize leaves FP8
+specs on the Triton kernel and `attngen explain` says why (`fp8_refusal`). On since it beat the Triton FP8 kernel with
+FP8_PERMUTE_P and FP8_EARLY_P off (H200, 2026-11-28, benchmarks/fp8_permute.py at 9ee44a8, d=128, 16 heads, 32k tokens,
 TFLOP/s with the launcher's copy of V: 804 / 812 / 819 without a mask at N = 4096 / 8192 / 16384 against the Triton
-kernel's 719 / 746 / 754 on V already keys-contiguous, causal 692 / 738 / 763 against 599 / 674 / 720; the bf16
-Gluon forward 629-633 and 568-611). Before those two it ran no faster than the Triton kernel (684 / 727 without a
-mask at N = 4096 / 16384 against 718 / 764, causal 609 / 688 against 581 / 696)."""
+kernel's 719 / 746 / 754 on V already keys-contiguous, causal 692 / 738 / 763 against 599 / 674 / 720; the bf16 Gluon
+forward 629-633 and 568-611). Before those two it ran no faster than the Triton kernel (684 / 727 without a mask at N =
+4096 / 16384 against 718 / 764, causal 609 / 688 against 581 / 696)."""
 
 FP8_HEAD_DIMS = (128,)
 """The head dims FP8 specs take the Gluon forward at (FP8_FORWARD has shapes for 64 and 128). d=64 stays on the Triton
 kernel: there the Gluon one (FP8_PERMUTE_P, FP8_EARLY_P off) ran 475 / 499 TFLOP/s without a mask at N = 4096 / 16384
 against the Triton kernel's 493 / 508, causal 422 / 469 against 415 / 476 (H200, 2026-11-28, benchmarks/fp8_permute.py
---head-dim 64, 16 heads, 32k tokens; FP8 at d=64 is no faster than bf16 there: 514-527 and 428-482)."""
+at 9ee44a8 --head-dim 64, 16 heads, 32k tokens; FP8 at d=64 is no faster than bf16 there: 514-527 and 428-482)."""
 
 FP8_FORWARD = {
     64: ir.GluonShape(block_m=192, block_n=64, stages=3, consumers=3, consumer_regs=160, maxnreg=128),
     128: ir.GluonShape(block_m=128, block_n=128, stages=3, consumers=2, consumer_regs=240, maxnreg=168),
 }
-"""The FP8 Gluon forward's launch shape by head dim, at every length. d=128: the 16-bit kernel's tiles (FORWARD_MAIN), as
-FlashAttention 3's FP8 kernel takes 128 rows in two consumer warpgroups; its K and V blocks are half the bytes (16 KB
-each a stage), so a third stage fits (164,312 bytes of shared memory; ptxas, sm_90a: 168 registers, 8-20 bytes
-spilled, as at 2 stages). 3 stages since they beat 2 with FP8_PERMUTE_P (H200, 2026-11-28, benchmarks/fp8_permute.py
---alternatives, 16 heads, 32k tokens, TFLOP/s at N = 4096 / 8192 / 16384: 796 / 832 / 834 without a mask against
-800 / 830 / 822, causal 693 / 770 / 790 against 685 / 751 / 758; before FP8_PERMUTE_P they tied). Its Q buffers are
-allocated as the bf16 output tiles a Q tile fills half of (64 KB for the persistent grid's two). d=64 (not taken:
-FP8_HEAD_DIMS): FA3's 192 rows in three consumer warpgroups, but 64-key blocks in 3 stages: with 128-key blocks a
-consumer's 160 registers spill 608-760 bytes (the bf16 kernel 356), with 64 none (90,588 bytes of shared memory).
-Not measured on a GPU: d=64 at two consumers of 128-key blocks (no spills either), and FA3's 176- and 160-key blocks
-(not powers of two)."""
+"""The FP8 Gluon forward's launch shape by head dim, at every length. d=128: the 16-bit kernel's tiles (FORWARD_MAIN),
+as FlashAttention 3's FP8 kernel takes 128 rows in two consumer warpgroups; its K and V blocks are half the bytes (16 KB
+each a stage), so a third stage fits (164,312 bytes of shared memory; ptxas, sm_90a: 168 registers, 8-20 bytes spilled,
+as at 2 stages). 3 stages since they beat 2 with FP8_PERMUTE_P (H200, 2026-11-28, benchmarks/fp8_permute.py at 9ee44a8
+--alternatives, 16 heads, 32k tokens, TFLOP/s at N = 4096 / 8192 / 16384: 796 / 832 / 834 without a mask against 800 /
+830 / 822, causal 693 / 770 / 790 against 685 / 751 / 758; before FP8_PERMUTE_P they tied). Its Q buffers are allocated
+as the bf16 output tiles a Q tile fills half of (64 KB for the persistent grid's two). d=64 (not taken: FP8_HEAD_DIMS):
+FA3's 192 rows in three consumer warpgroups, but 64-key blocks in 3 stages: with 128-key blocks a consumer's 160
+registers spill 608-760 bytes (the bf16 kernel 356), with 64 none (90,588 bytes of shared memory). Not measured on a
+GPU: d=64 at two consumers of 128-key blocks (no spills either), and FA3's 176- and 160-key blocks (not powers of
+two)."""
 
 
 FP8_FORWARD_ALTERNATIVES = {
@@ -487,25 +487,28 @@ issue-bound at ~0.07. Not measured."""
 
 FP8_PERMUTE_P = True
 """Whether the FP8 Gluon forward takes P's e4m3 operand for P V straight from the scores' registers (`GluonForward.
-permute_p`). wgmma's accumulator gives a thread columns {2t, 2t+1, 2t+8, 2t+9} + 16c of its rows (t = lane % 4), and
-its 8-bit A operand wants {4t .. 4t+3} + 16c: Triton moves P between the two by warp shuffles and byte permutes at
-every key block (ptxas, sm_90a, d=128 without a mask: 99 shfl.sync, 512 prmt in the kernel). P V sums over the keys,
-so a fixed permutation of the keys in both P and V changes nothing: P's operand column 16g + 8a + 4b + 2c + l is
-taken from the scores' column 16g + 8c + 4a + 2b + l (a relabelling of each thread's registers: no data moves, the
-compiler checks it), and the launcher writes V^T with its keys in that order (one copy of V, the one the keys-
-contiguous layout FP8's P V needs took before; padded to 16 keys). With it: 35 shfl.sync (the rows' max and sum),
-192 prmt (packing 4 bytes a register), spills 20 -> 8 bytes; on the H200 the Gluon FP8 kernel issued ~45% more
-instructions than the bf16 one at the same speed (ncu, NOTES.md FP8 prefill [v52]). P's e4m3 values are packed four
-a register by one inline-asm conversion (two cvt.rn.satfinite.e4m3x2.f32 and a mov, the IR's cast), which only pays
-where P is converted beside its product (FP8_EARLY_P off): carried around the loop as e4m3, Triton keeps each byte in
-a register of its own and packs them again at the product (ptxas: 447-512 PRMT in the kernel against 64)."""
+permute_p`). wgmma's accumulator gives a thread columns {2t, 2t+1, 2t+8, 2t+9} + 16c of its rows (t = lane % 4), and its
+8-bit A operand wants {4t .. 4t+3} + 16c: Triton moves P between the two by warp shuffles and byte permutes at every key
+block (ptxas, sm_90a, d=128 without a mask: 99 shfl.sync, 512 prmt in the kernel). P V sums over the keys, so a fixed
+permutation of the keys in both P and V changes nothing: P's operand column 16g + 8a + 4b + 2c + l is taken from the
+scores' column 16g + 8c + 4a + 2b + l (a relabelling of each thread's registers: no data moves, the compiler checks it),
+and the launcher writes V^T with its keys in that order (one copy of V, the one the keys- contiguous layout FP8's P V
+needs took before; padded to 16 keys). With it: 35 shfl.sync (the rows' max and sum), 192 prmt (packing 4 bytes a
+register), spills 20 -> 8 bytes; on the H200 the Gluon FP8 kernel issued ~45% more instructions than the bf16 one at the
+same speed (ncu, NOTES.md FP8 prefill [v52]); with it and FP8_EARLY_P off as many, 660 us against 820 (B=4 H=16 N=4096
+d=128). P's e4m3 values are packed four a register by one inline-asm conversion (two cvt.rn.satfinite.e4m3x2.f32 and a
+mov, the IR's cast), which only pays where P is converted beside its product (FP8_EARLY_P off): carried around the loop
+as e4m3, Triton keeps each byte in a register of its own and packs them again at the product (ptxas: 447-512 PRMT in the
+kernel against 64)."""
 
 FP8_EARLY_P = False
 """Whether the FP8 Gluon forward converts P to its e4m3 operand as soon as the softmax makes it (`GluonForward.early_p`,
 the 16-bit kernels' FORWARD_FLAGS.early_p) or beside the P V product that takes it. With FP8_PERMUTE_P, beside it:
 the inline-asm packing then folds into the operand (ptxas, sm_90a, d=128 without a mask: PRMT 447 -> 64, LOP3 647 ->
 395 in the kernel) at 48 more registers of float32 P carried around the loop (spills 8 -> 20 bytes, as without
-FP8_PERMUTE_P). Not measured yet."""
+FP8_PERMUTE_P). Measured (H200, 2026-11-28, benchmarks/fp8_permute.py at 9ee44a8, d=128, 16 heads, 32k tokens, TFLOP/s,
+N = 4096 / 8192 / 16384): early 704 / 717 / 723 without a mask and 636 / 681 / 713 causal, beside the product 804 /
+812 / 819 and 692 / 738 / 763 (unpermuted 697 / 694 / 705 and 633 / 661 / 677)."""
 
 
 def forward_fp8(head_dim: int, causal: bool) -> ir.GluonForward:
