@@ -450,13 +450,17 @@ two)."""
 
 FP8_FORWARD_ALTERNATIVES = {
     "stages2": ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
+    "consumers3": ir.GluonShape(block_m=192, block_n=64, stages=3, consumers=3, consumer_regs=160, maxnreg=128),
 }
 """Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
 of its own: the cache keys on SWITCHES, not on the tables). "stages2": the shape before 3 stages (131,480 bytes of
 shared memory; 0-4% slower, see FP8_FORWARD). Wider blocks: FA3's FP8 kernel takes 176 keys at d=128, which a register
 tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill 1,572-1,740 bytes a consumer
 thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the accumulator's 64) and ptxas
-serialises their wgmma: not worth a GPU run."""
+serialises their wgmma: not worth a GPU run. "consumers3": three consumer warpgroups of 64 rows over 64-key blocks in
+3 stages (the d=64 shape at d=128: one more warpgroup to hide the softmax's latency behind, which the profile's barrier
+and wait stalls ask for), 180,700 bytes, 44 bytes spilled with FP8_EARLY_P off (0 with it on; 128-key blocks spill
+~1.4 KB and serialise the wgmma): not measured on a GPU."""
 
 
 FP8_EXP2_EMULATION = False
