@@ -131,15 +131,3 @@ def checked_descales(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             raise KernelInputError(f"{name} is on {t.device} and query on {query.device}")
         out.append(t)
     return tuple(out)
-
-
-def value_for_fp8(value: torch.Tensor) -> torch.Tensor:
-    """V laid out with its keys contiguous (each (batch, head)'s (head_dim, seq) matrix row-major), where it is not,
-    as an FP8 module's forward lays it out for its Triton kernel (tuning launches that kernel on V so laid out):
-    Hopper's FP8 tensor-core product takes both operands K-major, and for P V the keys are the K dimension. A V with
-    head_dim contiguous would be transposed in registers at every key block (and not prefetched: Triton then loads
-    it synchronously); this copy (seq * head_dim bytes per head) is the cheaper place. A V already laid out so
-    (`v.transpose(-1, -2).contiguous().transpose(-1, -2)`) is taken as it is."""
-    if value.stride(-2) == 1 or value.shape[-2] <= 1:
-        return value
-    return value.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -3,9 +3,10 @@
 d=128, 16 heads, batch 16384 / N, N = 4096, 8192, 16384, causal and not; inputs standard normal (`outliers`: also
 with three channels of q and k 20x larger, at N=4096). Providers (forward only):
 - `attngen_fp8`: `attngen.attention` on q, k, v quantised per head (`attngen.quantize_fp8`, outside the timing),
-  V in the usual (batch, heads, seq, head_dim) layout, so the timing includes the copy to the keys-contiguous
-  layout Hopper's FP8 P V takes (attngen/api/fp8.py `value_for_fp8`);
-- `attngen_fp8_vt`: the same with V already keys-contiguous (no copy: what a caller that keeps V so pays);
+  V in the usual (batch, heads, seq, head_dim) layout, so the timing includes the module's copy of V into the
+  layout its kernel's P V reads (`fp8_vt` in the generated module);
+- `attngen_fp8_vt`: the same with V already keys-contiguous (the Triton kernel then takes it as it is; the Hopper
+  kernel still copies it, in its own key order);
 - `attngen_fp8_rot`: `attngen_fp8_vt` with q and k rotated by a Hadamard matrix before quantising
   (`attngen.quantize_fp8_qkv(..., rotate=True)`, outside the timing): the same kernel on other e4m3 inputs;
 - `attngen_bf16`: `attngen.attention` on the bf16 inputs;

@@ -12,7 +12,6 @@ import torch
 
 from ..analysis.masks import fa_flops
 from ..runtime import warmup
-from ..api.fp8 import value_for_fp8
 from ..lang.spec import DESCALES
 from ..runtime.arguments import new_output
 from ..testing.accuracy import Case, random_inputs, runtime_tensors
@@ -67,8 +66,8 @@ class ForwardTunable(Tunable):
         q, k, v = random_inputs(self.spec, case, device, generator)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         tensors = {}
-        if self.spec.dtype.fp8:  # V as attention() hands it over (keys contiguous), the descales random per head
-            v = value_for_fp8(v)
+        if self.spec.dtype.fp8:  # V keys-contiguous, as the module's forward copies it (`fp8_vt`), the descales random
+            v = self.kernel.module.fp8_vt(v).transpose(2, 3)  # per head
             tensors = {name: t for name, t in runtime_tensors(self.spec, case, device, generator).items()
                        if name in DESCALES}
         return {"q": q, "k": k, "v": v, "out": new_output(q, v, self.spec.dtype.output.torch), "lse": lse,
