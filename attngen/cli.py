@@ -209,13 +209,20 @@ def _mla_line(program: ir.Program) -> str:
     if mla is None:
         return "no Hopper Gluon kernel (" + warp_specialize_mla.refusal(program) + ")"
     d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
+    if mla.seesaw:
+        scores = (f"the blocks taken in pairs (hopper.MLA_SEESAW, FlashMLA's seesaw): consumer 0 computes the first's "
+                  f"whole S over all {d} columns and its softmax, consumer 1 the second's from consumer 0's row maxima, "
+                  f"so one warpgroup's softmax runs beside the other's products; each adds both blocks' P V into "
+                  f"{d_v // mla.consumers} of the {d_v} value columns")
+    else:
+        scores = (f"{mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} of the keys over all "
+                  f"{d} columns (S once), exchanging row maxima, each adding P V into {d_v // mla.consumers} of the "
+                  f"{d_v} value columns")
     return (f"on Hopper the Gluon MLA kernel runs calls of at least {mla.min_rows} packed query rows (heads x N_Q; "
             f"fewer keep the Triton kernel): {mla.rows} rows x {mla.block_n} keys a tile "
             f"(128 heads in {128 // mla.rows} programs), Q [{mla.rows}, {d}] resident in "
             f"shared memory, a TMA ring of {mla.stages} latent tiles [{mla.block_n}, {d}] (V = its first {d_v} "
-            f"columns, no second load); {mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} "
-            f"of the keys over all {d} columns (S once), exchanging row maxima, each adding P V into "
-            f"{d_v // mla.consumers} of the {d_v} value columns; the Triton path's merge, its split count one "
+            f"columns, no second load); {scores}; the Triton path's merge, its split count one "
             f"wave's (programs x splits within the multiprocessors: policy/splits.py choose_wave_splits)"
             + ("; each consumer issues the next block's S before this block's softmax and P V (hopper.MLA_OVERLAP)"
                if mla.overlap else ""))

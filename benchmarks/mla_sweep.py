@@ -1,7 +1,8 @@
 """MLA decode configs on one GPU: which tiles, warps, stages and split counts read the latent cache fastest.
 
     python benchmarks/mla_sweep.py [--heads 16 128] [--batch 64] [--seqlen 8192] [--wide]
-                                   [--gluon [--splits 0 2 4 8] [--overlap] [--shapes 64x2 32x4]] [-o sweep.json]
+                                   [--gluon [--splits 0 2 4 8] [--overlap] [--seesaw] [--defer-pv] [--shapes 64x2 32x4]]
+                                   [-o sweep.json]
 
 specs/mla_decode.attn (576/512, `v = k[:512]`, pages of 64) at issue 51's bench shapes (batch 64, every sequence
 8,192 tokens, one new token, 16 and 128 query heads over one latent head), through the tuner's own view of the
@@ -13,7 +14,9 @@ Candidates the resource model rejects (`infeasible`) are skipped before compilin
 run-time heuristic (attngen/policy/splits.py). About 3 minutes on an H200 (`--wide`: more candidates, longer).
 `--gluon`: instead, the Gluon MLA kernel (policy hopper.MLA_GLUON, turned on in this process for its own module) at
 0, 2, 4 and 8 splits beside the Triton kernel's default config, the same inputs and checks; `--gluon --overlap`:
-also the overlapped schedule (policy hopper.MLA_OVERLAP, a module of its own) at the same split counts; `--shapes`:
+also the overlapped schedule (policy hopper.MLA_OVERLAP, a module of its own) at the same split counts; `--seesaw`:
+also the seesaw schedule (hopper.MLA_SEESAW) likewise, `--defer-pv` the serial one with its P V wait deferred
+(hopper.MLA_DEFER_PV); `--shapes`:
 also both schedules at each block size x stages given (modules of their own, through the policy objects). GPU only.
 """
 
@@ -80,38 +83,45 @@ def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cud
     return measure(tuner, inputs, configs, heads, default, timer)
 
 
-def load_gluon(overlap: bool = False, shape: tuple[int, int] | None = None):
+def load_gluon(overlap: bool = False, shape: tuple[int, int] | None = None, seesaw: bool = False,
+               defer_pv: bool = False):
     """The spec's kernel with the Gluon MLA kernel (policy hopper.MLA_GLUON on, hopper.MLA_OVERLAP as given) for the
     load and the switches back after: both are part of the kernel cache's key, so each setting is a module of its
     own and all can run in one process. `shape`: (block_n, stages) in place of the policy's for that schedule
     (hopper.mla_decode()), an experiment through the policy objects; kernel caches key on the switches, not on the
     shapes, so such a module is generated under a spec name of its own. Returns the kernel and its schedule's name
     ("serial 64x2", "overlapped 32x4")."""
-    previous = hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP
-    hopper.MLA_GLUON, hopper.MLA_OVERLAP = True, overlap
+    previous = (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV, hopper.MLA_DECODE,
+                hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW)
+    hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV = True, overlap, seesaw, defer_pv
     spec = SPEC
     if shape is not None:
         block_n, stages = shape
-        hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP = (replace(m, block_n=block_n, stages=stages)
-                                                        for m in (hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP))
+        hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW = (
+            replace(m, block_n=block_n, stages=stages)
+            for m in (hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW))
         with open(SPEC) as f:
             spec = f.read().replace("kernel mla_decode ", f"kernel mla_decode_{block_n}x{stages} ")
     try:
         kernel, m = attngen.load(spec), hopper.mla_decode()
     finally:
-        hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP = previous
+        (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV, hopper.MLA_DECODE,
+         hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW) = previous
     if not kernel.part("kvcache").has_gluon():
         raise RuntimeError(f"{SPEC} has no Gluon MLA kernel with hopper.MLA_GLUON on: explain says why")
-    return kernel, f"{'overlapped' if m.overlap else 'serial'} {m.block_n}x{m.stages}"
+    name = "seesaw" if m.seesaw else "overlapped" if m.overlap else "serial, P V deferred" if m.defer_pv else "serial"
+    return kernel, f"{name} {m.block_n}x{m.stages}"
 
 
 def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8), device="cuda",
-                         timer=bench_graph, overlap: bool = False, shapes=()) -> list[dict]:
+                         timer=bench_graph, overlap: bool = False, shapes=(), seesaw: bool = False,
+                         defer_pv: bool = False) -> list[dict]:
     """The Gluon MLA kernel (templates/gluon_mla_decode.py.j2) at each split count of `splits` (0: the run-time
     rule) beside the Triton kernel at its default config, in one module (`load_gluon`); a config's warp_specialized
     picks the kernel. `overlap`: also the overlapped schedule's module (hopper.MLA_OVERLAP) at the same split
-    counts; `shapes`: also both schedules at each (block_n, stages). Rows as `sweep`'s, each Gluon row with its
-    module's `schedule`."""
+    counts; `shapes`: also both schedules at each (block_n, stages); `seesaw`: also the seesaw schedule's module
+    (hopper.MLA_SEESAW), and at each of `shapes` (even stages); `defer_pv`: also the serial schedule with its P V
+    wait deferred (hopper.MLA_DEFER_PV). Rows as `sweep`'s, each Gluon row with its module's `schedule`."""
     kernel, name = load_gluon()
     tuner, inputs, default, _ = _setup(kernel, heads, batch, seqlen, device)
     if not kernel.module.wsm_ready(inputs["q"].transpose(1, 2), inputs["k"], inputs["out"].transpose(1, 2)):
@@ -120,7 +130,10 @@ def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8
     gluon = [dict(default, num_splits=s, warp_specialized=1) for s in splits]
     rows = measure(tuner, inputs, [triton], heads, triton, timer)
     others = [load_gluon(overlap=True)] if overlap else []
+    others += [load_gluon(seesaw=True)] if seesaw else []
+    others += [load_gluon(defer_pv=True)] if defer_pv else []
     others += [load_gluon(o, shape) for shape in shapes for o in (False, True)]
+    others += [load_gluon(seesaw=True, shape=shape) for shape in shapes] if seesaw else []
     for other, other_name in [(kernel, name)] + others:  # the same inputs through each module's launcher
         rows += measure(tunable(other.part("kvcache")), inputs, gluon, heads, triton, timer, other_name)
     return rows
@@ -179,6 +192,10 @@ def main() -> None:
                         help="with --gluon: the Gluon kernel's split counts (0: the run-time rule)")
     parser.add_argument("--overlap", action="store_true",
                         help="with --gluon: also the overlapped schedule (hopper.MLA_OVERLAP) at the same split counts")
+    parser.add_argument("--seesaw", action="store_true",
+                        help="with --gluon: also the seesaw schedule (hopper.MLA_SEESAW) at the same split counts")
+    parser.add_argument("--defer-pv", action="store_true",
+                        help="with --gluon: also the serial schedule with its P V wait deferred (hopper.MLA_DEFER_PV)")
     parser.add_argument("--shapes", nargs="+", default=[], metavar="BLOCK_NxSTAGES",
                         help="with --gluon: also both schedules at these shapes (e.g. 64x2 32x4), through the policy")
     parser.add_argument("-o", "--output", default=None, help="also write the rows as JSON")
@@ -193,7 +210,7 @@ def main() -> None:
         if args.gluon:
             shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
             rows = gluon_against_triton(heads, args.batch, args.seqlen, tuple(args.splits), overlap=args.overlap,
-                                        shapes=shapes)
+                                        shapes=shapes, seesaw=args.seesaw, defer_pv=args.defer_pv)
         else:
             rows = sweep(kernel, heads, args.batch, args.seqlen, WIDE if args.wide else CANDIDATES)
         print(table(rows), flush=True)

@@ -357,7 +357,8 @@ def _wsm_consume(Q, OP, LP, BT, kv_desc, rope_desc, q_smem, qr_smem, kv_smem, kr
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]  # the rotary columns: HEAD_DIM - HEAD_DIM_V
     KH: gl.constexpr = BLOCK_N // 2  # a warpgroup's keys of each block, for the scores
     dtype: gl.constexpr = kv_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KH, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_bar = bars.index(0)  # both halves of Q stored (phase 0), both row sums stored at the end
@@ -394,6 +395,8 @@ def _wsm_consume(Q, OP, LP, BT, kv_desc, rope_desc, q_smem, qr_smem, kv_smem, kr
     first_limit = n_k - N_Q + row0 // GROUP + 1
     m_own_smem = x_smem.slice(WG * ROWS, ROWS)  # (what the other warpgroup reads)
     m_other = x_smem.slice((1 - WG) * ROWS, ROWS)
+    l_own_smem = m_own_smem
+    l_other = m_other
     for j in range(j0, j1):
         t = j - j0
         s = t % STAGES
@@ -442,11 +445,11 @@ def _wsm_consume(Q, OP, LP, BT, kv_desc, rope_desc, q_smem, qr_smem, kv_smem, kr
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(s), count=1)  # (this warpgroup's reads of the tile are done)
     # the row sums over both warpgroups' keys; rows that saw no key give 0 and a log-sum-exp of -inf
-    m_own_smem.store(l_i)
+    l_own_smem.store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(q_bar, count=1)
     mbarrier.wait(q_bar, 1)
-    l_i = l_i + m_other.load(row_s)
+    l_i = l_i + l_other.load(row_s)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))
     out = acc / l_o[:, None]
@@ -553,7 +556,8 @@ def attn_fwd_wsm(Q, OP, LP, SEQLENS, BT, kv_desc, rope_desc, N_Q, GROUP, NUM_SPL
     # (a 64-byte swizzle: each warpgroup's BLOCK_N / 2 key columns are whole swizzle atoms)
     p_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_N], gl.NVMMASharedLayout(
         swizzle_byte_width=64, element_bitwidth=dtype.primitive_bitwidth, rank=2))
-    x_smem = gl.allocate_shared_memory(gl.float32, [2 * ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    x_smem = gl.allocate_shared_memory(gl.float32, [2 * ROWS],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())

@@ -21,7 +21,8 @@ descales, V^T descriptor and bf16 output) and adds {"warps": ..., "wgmma": count
 count, "global_stores": count}, for the forward "wgmma_e4m3": how many of its wgmma take e4m3 operands (a decode job:
 "shared_loads", its ld.shared count, and with "ptxas": true ptxas -v's "registers", "spill_stores" and "spill_loads").
 {"gluon_ws": "mla"}: the Gluon MLA decode kernel, `attn_fwd_wsm`, as its launcher launches it, with "wgmma_s" and
-"wgmma_pv" (its m64n(BLOCK_N / 2) score and m64n256 P V instructions) and "ptxas" as a decode job's.
+"wgmma_pv" (its m64n(BLOCK_N / 2) score (seesaw: m64nBLOCK_N) and m64n256 P V instructions) and "ptxas" as a decode
+job's.
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def _compile_gluon_mla(module, job):
     from triton.backends.nvidia.compiler import CUDABackend
 
     shape, fn = module.WSM_SHAPE, module.attn_fwd_wsm
+    seesaw = shape.get("SEESAW", False)  # (its scores a whole block's: m64nBLOCK_N)
     pool = torch.empty(64 * module.PAGE_SIZE, module.HEAD_DIM, dtype=module.DTYPE)
 
     def desc(cols, layout):
@@ -213,7 +215,7 @@ def _compile_gluon_mla(module, job):
     compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4, maxnreg=shape["maxnreg"])
     return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
-            "wgmma_s": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{shape['BLOCK_N'] // 2}k16"),
+            "wgmma_s": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{shape['BLOCK_N'] // (1 if seesaw else 2)}k16"),
             "wgmma_pv": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
             **(_ptxas(ptx) if job.get("ptxas") else {})}
 

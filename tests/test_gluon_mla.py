@@ -135,6 +135,45 @@ def test_the_overlap_switch_puts_the_overlapped_schedule_in_the_ir_and_the_sourc
     assert "each consumer issues the next block's S before this block's softmax and P V (hopper.MLA_OVERLAP)" in text
 
 
+def test_the_seesaw_switch_puts_the_seesaw_schedule_in_the_ir_and_the_source(monkeypatch, capsys):
+    """hopper.MLA_SEESAW selects MLA_DECODE_SEESAW (ir.GluonMlaDecode.seesaw; MLA_DECODE's tiles): consumer 0 takes
+    a pair's first block's whole scores and softmax and hands its row maxima and P over (one mbarrier), consumer 1
+    the second's from them, each adding its own block's P V from registers and the other's from the shared P tile;
+    kernel caches key on the switch; explain says which schedule runs; the verifier takes it on even stages only."""
+    monkeypatch.setattr(hopper, "MLA_GLUON", True)
+    monkeypatch.setattr(hopper, "MLA_SEESAW", True)
+    assert "MLA_SEESAW" in hopper.SWITCHES
+    spec = load_file(MLA_SPEC)
+    program = compile_program(spec)
+    m = program.warp_specialized.mla
+    assert m == hopper.MLA_DECODE_SEESAW and m.seesaw and replace(m, seesaw=False) == hopper.MLA_DECODE
+    source = render(spec, program)
+    compile(source, "mla_seesaw.py", "exec")
+    consume = source.split("def _wsm_consume(")[1].split("@gluon.jit")[0]
+    loop = consume.split("for t in range(0, gl.cdiv(j1 - j0, 2)):")[1].split("# the row sums")[0]
+    first, second = loop.split("        else:\n")
+    # consumer 0: its block's scores, softmax, P and row maxima handed over, then P_a V_a from registers; P_b V_b
+    # from the shared tile once consumer 1 has stored it
+    assert (first.index("sc = warpgroup_mma(q_smem.index(0), kv_smem.index(2 * sa)") < first.index("p_smem.store(p)")
+            < first.index("mbarrier.arrive(a_bar, count=1)") < first.index("gl.convert_layout(p, p_op)")
+            < first.index("mbarrier.wait(b_bar, t & 1)") < first.index("acc = warpgroup_mma(p_smem, kv_smem.index(2 * sb)"))
+    # consumer 1: the second block's scores before a_bar; P_a V_a from the tile, then its own P stored, b_bar
+    assert (second.index("kv_smem.index(2 * sb).permute") < second.index("mbarrier.wait(a_bar, t & 1)")
+            < second.index("acc = warpgroup_mma(p_smem, kv_smem.index(2 * sa + 1)") < second.index("p_smem.store(p)")
+            < second.index("mbarrier.arrive(b_bar, count=1)") < second.index("gl.convert_layout(p, p_op)"))
+    assert "p = gl.exp2(sc * qk_scale - m_use[:, None])" in first and "keep = (keys[None, :] <= diag[:, None])" in second
+    assert "mbarrier.init(bars.index(1), count=1)" in source and "'SEESAW': True" in source
+    assert main(["explain", MLA_SPEC]) == 0
+    text = capsys.readouterr().out
+    assert "from 64 packed rows, blocks in seesaw pairs" in text and "(hopper.MLA_SEESAW, FlashMLA's seesaw)" in text
+    verify(program, "test")
+    verify(replace(program, warp_specialized=replace(program.warp_specialized, mla=replace(m, block_n=32, stages=4))),
+           "test")  # (the 32 x 4 shape measured beside it)
+    for shape, words in ((dict(stages=3), "seesaw"), (dict(overlap=True), "seesaw"), (dict(defer_pv=True), "serial")):
+        with pytest.raises(InternalError, match=words):
+            verify(replace(program, warp_specialized=replace(program.warp_specialized, mla=replace(m, **shape))), "t")
+
+
 def test_the_verifier_refuses_the_overlap_on_one_stage(mla_overlap):
     """The next block's scores read a second tile of the ring while this block's P V reads the first."""
     program = compile_program(load_file(MLA_SPEC))
@@ -163,31 +202,41 @@ def test_a_spec_without_a_latent_cache_is_not_the_pass_s(mla_gluon):
     assert program.warp_specialized.mla is None and program.warp_specialized.decode is not None
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, monkeypatch, tmp_path, overlap):
+@pytest.mark.parametrize("schedule", ["serial", "overlap", "seesaw", "defer"])
+def test_the_gluon_mla_decode_compiles_for_sm90(mla_gluon, monkeypatch, tmp_path, schedule):
     """ptxas (sm_90a) on the kernel as its launcher launches it: 12 warps (two consumer warpgroups and the loader
     padded to one), the scores once (36 m64n(BLOCK_N / 2)k16 a warpgroup: 576 columns over two consumers of half the
     block's keys each), P V on m64n256k16 (BLOCK_N / 16 a warpgroup), three TMA copies a block, the resource model's
     shared memory (within sm_90's 232,448 bytes), at most maxnreg registers, few spilled bytes and no wgmma
     serialised. Serial: blocks of 64 keys; overlapped (hopper.MLA_OVERLAP): of 32 in 4 stages, and each product in
-    the code twice (the split's first block's scores before the loop, its last block's P V after it)."""
+    the code twice (the split's first block's scores before the loop, its last block's P V after it). Seesaw
+    (hopper.MLA_SEESAW): each consumer a whole block's scores (36 m64n64k16) and each block's P V twice in the code
+    (its own block's from registers, the other's from the shared tile). Deferred P V (hopper.MLA_DEFER_PV): the
+    scores in the code twice (the split's first block's before the loop), each P V twice (its last block's after)."""
+    overlap, seesaw, defer = (schedule == name for name in ("overlap", "seesaw", "defer"))
     monkeypatch.setattr(hopper, "MLA_OVERLAP", overlap)
+    monkeypatch.setattr(hopper, "MLA_SEESAW", seesaw)
+    monkeypatch.setattr(hopper, "MLA_DEFER_PV", defer)
     spec = load_file(MLA_SPEC)
     program = compile_program(spec)
     path = tmp_path / "mla_gluon_sm90.py"
     path.write_text(render(spec, program))
     (result,) = probe([{"path": str(path), "gluon_ws": "mla", "ptxas": True}])
     assert "error" not in result, result
-    m, copies = program.warp_specialized.mla, 2 if overlap else 1
-    assert m.overlap == overlap and m.block_n == (32 if overlap else 64) and result["warps"] == 12, result
-    assert result["wgmma_s"] == copies * 2 * 36 and result["wgmma_pv"] == copies * 2 * m.block_n // 16, result
+    m, copies = program.warp_specialized.mla, 2 if overlap or seesaw or defer else 1
+    assert (m.overlap, m.seesaw, m.defer_pv) == (overlap, seesaw, defer) and m.block_n == (32 if overlap else 64), m
+    assert result["warps"] == 12, result
+    assert result["wgmma_s"] == (2 if overlap or defer else 1) * 2 * 36, result
+    assert result["wgmma_pv"] == copies * 2 * m.block_n // 16, result
     assert result["wgmma"] == result["wgmma_s"] + result["wgmma_pv"] and result["tma_loads"] >= 3, result
-    model = shared_bytes_mla(576, 2, m.rows, m.block_n, m.stages)
+    model = shared_bytes_mla(576, 2, m.rows, m.block_n, m.stages, m.seesaw)
     assert model <= result["shared"] <= model + 1024 and result["shared"] <= SHARED_LIMIT[(9, 0)], (model, result)
     assert result["registers"] <= m.maxnreg and not result["wgmma_serialized"], result
     # NOTE: ptxas reports 56 bytes of spill stores (52 of loads) serial at maxnreg 168, none overlapped (its S
     # accumulators are [64, 16]); the bound catches a regression
-    bound = 128 if not overlap else 0
+    # (seesaw: 384 / 380 bytes, all in consumer 1, the worker partition: wgmma descriptors of its scores reloaded;
+    # deferred P V: 36 / 52)
+    bound = 0 if overlap else 400 if seesaw else 128
     assert result["spill_stores"] <= bound and result["spill_loads"] <= bound, result
 
 
@@ -215,6 +264,7 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
     assert name == "serial 32x4" and (kernel.module.WSM_SHAPE["BLOCK_N"], kernel.module.WSM_SHAPE["STAGES"]) == (32, 4)
     assert (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP) == policy
     assert sweep.load_gluon(overlap=True)[1] == "overlapped 32x4" and sweep.load_gluon()[1] == "serial 64x2"
+    assert sweep.load_gluon(seesaw=True)[1] == "seesaw 64x2" and hopper.MLA_SEESAW is False
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------
@@ -222,20 +272,24 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the Gluon MLA kernel is sm_90's")
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("schedule", ["serial", "overlap", "seesaw", "defer"])
 @pytest.mark.parametrize("n_q", [1, 2])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q, overlap):
+def test_gpu_gluon_mla_decode_at_real_sizes(mla_gluon, monkeypatch, heads, n_q, schedule):
     """DeepSeek-V3's decode at batch 4 x up to 4k keys (a full sequence, N_Q keys, odd lengths), 576/512 bf16,
     64-token pages shuffled over a pool whose other slots are NaN, at the rule's split count, one split and 3, in
-    both schedules (hopper.MLA_OVERLAP; a split of one block has no next block to overlap); the Gluon kernel runs
-    (the Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay gives the eager
-    result."""
+    each schedule (hopper.MLA_OVERLAP: a split of one block has no next block to overlap; hopper.MLA_SEESAW: splits
+    of odd and even block counts, an odd one's last pair without its second block; hopper.MLA_DEFER_PV: the serial
+    one with its P V waited for behind the next block's S); the Gluon kernel runs (the
+    Triton partial kernel would raise) and its launches are counted; a CUDA graph's replay gives the eager result."""
     from test_mla import _within
 
-    monkeypatch.setattr(hopper, "MLA_OVERLAP", overlap)
+    monkeypatch.setattr(hopper, "MLA_OVERLAP", schedule == "overlap")
+    monkeypatch.setattr(hopper, "MLA_SEESAW", schedule == "seesaw")
+    monkeypatch.setattr(hopper, "MLA_DEFER_PV", schedule == "defer")
     module = attngen.load(MLA_SPEC).module
-    assert hasattr(module, "attn_fwd_wsm") and hasattr(module, "_wsm_scores") == overlap
+    assert hasattr(module, "attn_fwd_wsm") and hasattr(module, "_wsm_scores") == (schedule == "overlap")
+    assert module.WSM_SHAPE.get("SEESAW", False) == (schedule == "seesaw")
     # (calls of fewer packed rows than MIN_ROWS keep the Triton kernel: the padded tile is tested here all the same)
     monkeypatch.setitem(module.WSM_SHAPE, "MIN_ROWS", 1)
 

@@ -558,7 +558,10 @@ class GluonMlaDecode:
     warpgroups of `consumer_regs` registers beside a loader warp of `loader_regs`, launched at `maxnreg`; taken by
     calls with at least `min_rows` packed query rows a latent head (fewer: the Triton kernel's narrower tiles).
     `overlap`: each consumer issues the next block's S = Q K^T before this block's softmax and P V, and waits for
-    both at the block's end (off: it waits for each product as it issues it)."""
+    both at the block's end (off: it waits for each product as it issues it). `seesaw`: the consumers take blocks in
+    pairs, consumer 0 the first's whole S and softmax, consumer 1 the second's, each adding both blocks' P V into its
+    half of the value columns (FlashMLA's schedule: one warpgroup's softmax beside the other's products).
+    `defer_pv` (serial only): block j's P V is waited for after block j + 1's S is issued, not before."""
 
     block_n: int
     stages: int
@@ -569,12 +572,15 @@ class GluonMlaDecode:
     maxnreg: int
     min_rows: int = 1
     overlap: bool = False
+    seesaw: bool = False
+    defer_pv: bool = False
 
     def constants(self) -> dict:
         """The generated module's WSM_SHAPE: what its launcher reads at run time."""
         return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "consumers": self.consumers,
                 "consumer_regs": self.consumer_regs, "loader_regs": self.loader_regs, "maxnreg": self.maxnreg,
-                "MIN_ROWS": self.min_rows}
+                "MIN_ROWS": self.min_rows, **({"SEESAW": True} if self.seesaw else {}),
+                **({"DEFER_PV": True} if self.defer_pv else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -970,7 +976,8 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "
                    f"{m.consumers} consumers x {m.consumer_regs} regs (maxnreg {m.maxnreg}), loader {m.loader_regs} regs, "
-                   f"from {m.min_rows} packed rows" + (", the next block's S overlapped" if m.overlap else ""))
+                   f"from {m.min_rows} packed rows" + (", the next block's S overlapped" if m.overlap else "")
+                   + (", blocks in seesaw pairs" if m.seesaw else ""))
     return out
 
 

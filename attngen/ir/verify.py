@@ -311,6 +311,11 @@ def _mla_ok(program: ir.Program, fail, regs_ok) -> None:
         fail(f"MLA decode from {m.min_rows} packed rows (at least 1)")
     if m.overlap and m.stages < 2:
         fail(f"MLA decode overlapped on {m.stages} stage: the next block's S reads a second tile of the ring")
+    if m.defer_pv and (m.overlap or m.seesaw):
+        fail("MLA decode: the deferred P V wait is the serial schedule's")
+    if m.seesaw and (m.overlap or m.stages % 2):
+        fail(f"MLA decode seesaw on {m.stages} stages{', overlapped' if m.overlap else ''}: its pairs of blocks take "
+             "an even number of stages (a pair's two in consecutive ones), and it is not overlapped")
     regs_ok("MLA decode consumers", m.consumer_regs)
     regs_ok("MLA decode loader", m.loader_regs)
     if not 0 < m.maxnreg <= 255:

@@ -56,7 +56,7 @@ def refusal(program: ir.Program) -> str | None:
         return ("the Gluon MLA kernel takes split-KV, packed query heads, no mask or a causal one aligned "
                 "bottom-right, a 16-bit cache and `auto` tiles")
     m, limit = hopper.mla_decode(), Target.default().shared_limit
-    need = shared_bytes_mla(program.attr("head_dim"), 2, m.rows, m.block_n, m.stages)
+    need = shared_bytes_mla(program.attr("head_dim"), 2, m.rows, m.block_n, m.stages, m.seesaw)
     if need > limit:
         return (f"the Gluon MLA kernel's Q, {m.stages} stages of [{m.block_n}, {shape[0]}] latent tiles and P need "
                 f"{need} bytes of shared memory, more than sm_90's {limit}")

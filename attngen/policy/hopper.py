@@ -450,17 +450,18 @@ two)."""
 
 FP8_FORWARD_ALTERNATIVES = {
     "stages2": ir.GluonShape(block_m=128, block_n=128, stages=2, consumers=2, consumer_regs=240, maxnreg=168),
-    "consumers3": ir.GluonShape(block_m=192, block_n=64, stages=3, consumers=3, consumer_regs=160, maxnreg=128),
 }
 """Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
 of its own: the cache keys on SWITCHES, not on the tables). "stages2": the shape before 3 stages (131,480 bytes of
-shared memory; 0-4% slower, see FP8_FORWARD). Wider blocks: FA3's FP8 kernel takes 176 keys at d=128, which a register
-tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill 1,572-1,740 bytes a consumer
-thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the accumulator's 64) and ptxas
-serialises their wgmma: not worth a GPU run. "consumers3": three consumer warpgroups of 64 rows over 64-key blocks in
-3 stages (the d=64 shape at d=128: one more warpgroup to hide the softmax's latency behind, which the profile's barrier
-and wait stalls ask for), 180,700 bytes, 44 bytes spilled with FP8_EARLY_P off (0 with it on; 128-key blocks spill
-~1.4 KB and serialise the wgmma): not measured on a GPU."""
+shared memory; 0-4% slower, see FP8_FORWARD). Measured and dropped (H200, 2026-11-28, benchmarks/fp8_permute.py at
+9ee44a8 --alternatives, 16 heads, 32k tokens, TFLOP/s at N = 4096 / 16384 against FP8_FORWARD[128]'s): three consumer
+warpgroups of 64 rows over 64-key blocks in 3 stages 770 / 807 against 812 / 839 without a mask, 672 / 768 against 702
+/ 785 causal; one program a tile instead of the persistent grid (FORWARD_FLAGS.persistent off) 765 / 823 and 661 /
+805, and with the consumers taking turns (pingpong, TRIM off) 768 / 812 and 670 / 794: a tie with one program a tile,
+below the persistent grid but at causal N = 16384. Wider blocks: FA3's FP8 kernel takes 176 keys at d=128, which a
+register tile of power-of-two shape cannot (192 neither); 256-key blocks (197,016 bytes) spill 1,572-1,740 bytes a
+consumer thread at 240 registers (its [64, 256] float32 scores are 128 registers beside the accumulator's 64) and
+ptxas serialises their wgmma: not worth a GPU run."""
 
 
 FP8_EXP2_EMULATION = False
@@ -571,9 +572,9 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "SPLIT_TILES_192",
-            "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED",
-            "FP8_PERMUTE_P", "FP8_EARLY_P")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "MLA_SEESAW",
+            "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT",
+            "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -787,7 +788,45 @@ three blocks earlier. sm_90 compile: 226,160 bytes of shared memory, no spills (
 scores' wgmma at N = 16 (each warpgroup half of 32 keys), which read Q from shared memory twice as often a key."""
 
 
+MLA_SEESAW = False
+"""Whether the Gluon MLA decode kernel takes FlashMLA's seesaw schedule (`MLA_DECODE_SEESAW`, `mla_decode`). The serial
+schedule's profile (ncu, H200, 2026-11-28, 128 heads, batch 64 x 8k keys, 1 split: 313 us) shows the two consumers in
+lockstep: tensor pipe 52% active, shared-memory pipe 52%, issue 24%, DRAM 41% of its peak (the latent cache read once:
+the second program of a sequence's rows reads it from L2), the top stall the barrier (5.5 warps an issue). The seesaw
+takes the blocks in pairs: consumer 0 computes the first block's whole S (m64n64 over 576 columns: Q read once every 64
+keys), its softmax and P, consumer 1 the second's from consumer 0's new row maxima, issued once consumer 0's scores
+are done (so that they run beside its softmax); each adds both blocks' P V into its 256 value columns, its own block's
+P from registers and the other's from the shared P tile. Off: it lost (H200, 2026-11-28, `python
+benchmarks/mla_sweep.py --gluon --seesaw --heads 128 --splits 0 1 --shapes 32x4`, batch 64 x 8k keys, CUDA-graph
+replays; its GPU tests pass): 64 x 2 414-416 TFLOP/s against the serial schedule's 452-470 in the same runs (the same
+with consumer 1's scores ordered after consumer 0's or not), 32 x 4 426-434 (the serial schedule at 32 x 4: 321). A
+pair holds both stages of the ring for most of its time: the copy of the next pair's first tile starts once both
+warpgroups' P V over it are done, its second once the pair ends, where the serial schedule releases a block's stage a
+whole block before its reuse; the copies' latency stands in each pair. In 32-key blocks and 4 stages the copies are a
+pair ahead, but a block's P V is half as long and the sync points a key twice as many. ptxas (sm_90a): 64 x 2 230,744
+bytes of shared memory, 384 bytes spilled (consumer 1, the worker partition: its score products' descriptors
+reloaded); 32 x 4 226,680, 44. Next: the ring's tiles released and refilled by their column pieces (S starts on the
+first piece to land), which would shorten the latency both schedules wait for."""
+
+MLA_DECODE_SEESAW = replace(MLA_DECODE, seesaw=True)
+"""The seesaw schedule's shape: MLA_DECODE's tiles (64 rows, 64-key blocks, a ring of 2 whole latent tiles: a pair's
+two blocks)."""
+
+
+MLA_DEFER_PV = False
+"""Whether the serial schedule waits for block j's P V only after block j + 1's S is issued (`GluonMlaDecode.defer_pv`),
+so that the tensor cores take the scores right behind the product instead of after the wait, the stage's release,
+the next ready wait and the issue. Off: it lost (H200, 2026-11-28, `python benchmarks/mla_sweep.py --gluon --defer-pv
+--heads 128 [--batch B]`; its GPU tests pass): batch 64 x 8k 414-420 TFLOP/s against 443-445, batch 32 382 against
+409, batch 128 425 against 440. Block j's stage now goes back after block j + 1's ready wait and S issue, and that
+delay reaches the loader's next copy into it: the ring's latency, not the issue gap, bounds this kernel (as
+MLA_SEESAW found). ptxas: 36 bytes spilled (serial 56)."""
+
+
 def mla_decode() -> ir.GluonMlaDecode:
-    """The Gluon MLA decode kernel's shape under the switches: MLA_DECODE, overlapped where MLA_OVERLAP is on."""
-    return MLA_DECODE_OVERLAP if MLA_OVERLAP else MLA_DECODE
+    """The Gluon MLA decode kernel's shape under the switches: MLA_DECODE (its P V wait deferred where MLA_DEFER_PV is
+    on); the seesaw schedule where MLA_SEESAW is on, else overlapped where MLA_OVERLAP is on."""
+    if MLA_SEESAW or MLA_OVERLAP:
+        return MLA_DECODE_SEESAW if MLA_SEESAW else MLA_DECODE_OVERLAP
+    return replace(MLA_DECODE, defer_pv=True) if MLA_DEFER_PV else MLA_DECODE
 
