@@ -85,12 +85,12 @@ def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cud
 
 def load_gluon(overlap: bool = False, shape: tuple[int, int] | None = None, seesaw: bool = False,
                defer_pv: bool = False):
-    """The spec's kernel with the Gluon MLA kernel (policy hopper.MLA_GLUON on, hopper.MLA_OVERLAP as given) for the
-    load and the switches back after: both are part of the kernel cache's key, so each setting is a module of its
-    own and all can run in one process. `shape`: (block_n, stages) in place of the policy's for that schedule
+    """The spec's kernel with the Gluon MLA kernel (policy hopper.MLA_GLUON on; hopper.MLA_OVERLAP, MLA_SEESAW and
+    MLA_DEFER_PV as given) for the load and the switches back after: all are part of the kernel cache's key, so each
+    setting is a module of its own and all can run in one process. `shape`: (block_n, stages) in place of the policy's for that schedule
     (hopper.mla_decode()), an experiment through the policy objects; kernel caches key on the switches, not on the
     shapes, so such a module is generated under a spec name of its own. Returns the kernel and its schedule's name
-    ("serial 64x2", "overlapped 32x4")."""
+    ("serial 64x2", "overlapped 32x4", "seesaw 64x2", "serial, P V deferred 64x2")."""
     previous = (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV, hopper.MLA_DECODE,
                 hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW)
     hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV = True, overlap, seesaw, defer_pv

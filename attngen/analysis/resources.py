@@ -156,8 +156,8 @@ def shared_bytes_mla(head_dim: int, elem_bytes: int, rows: int, block_n: int, st
     """The Gluon MLA decode kernel's shared memory (templates/gluon_mla_decode.py.j2): Q's rows x head_dim, `stages`
     latent tiles of block_n x head_dim, the [rows, block_n] P tile, two float32 rows of the warpgroups' exchange
     (`seesaw`: four, the row maxima and the sums apart) and the mbarriers (ready and empty a stage, three more;
-    `seesaw` four). An
-    sm_90 compile of (576, 512) at 64 x 64, 2 stages takes 288 bytes more (alignment; tests/test_gluon_mla.py)."""
+    `seesaw` four). An sm_90 compile of (576, 512) at 64 x 64, 2 stages takes 288 bytes more (alignment;
+    tests/test_gluon_mla.py)."""
     tiles = (rows + stages * block_n) * head_dim * elem_bytes + rows * block_n * elem_bytes
     return tiles + (4 if seesaw else 2) * rows * 4 + (2 * stages + (4 if seesaw else 3)) * 8
 

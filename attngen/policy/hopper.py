@@ -453,8 +453,9 @@ FP8_FORWARD_ALTERNATIVES = {
 }
 """Shapes to A/B against FP8_FORWARD[128] on a GPU (a run sets FP8_FORWARD[128] to one in a process and kernel cache
 of its own: the cache keys on SWITCHES, not on the tables). "stages2": the shape before 3 stages (131,480 bytes of
-shared memory; 0-4% slower, see FP8_FORWARD). Measured and dropped (H200, 2026-11-28, benchmarks/fp8_permute.py at
-9ee44a8 --alternatives, 16 heads, 32k tokens, TFLOP/s at N = 4096 / 16384 against FP8_FORWARD[128]'s): three consumer
+shared memory; 0-4% slower, see FP8_FORWARD). Measured and dropped (H200, 2026-11-28, fp8_permute.py --alternatives:
+benchmarks/ at 9ee44a8 for consumers3, benchmarks/experiments/ at f8a468a for the flags; 16 heads, 32k tokens, TFLOP/s
+at N = 4096 / 16384 against FP8_FORWARD[128]'s, NOTES.md v53): three consumer
 warpgroups of 64 rows over 64-key blocks in 3 stages 770 / 807 against 812 / 839 without a mask, 672 / 768 against 702
 / 785 causal; one program a tile instead of the persistent grid (FORWARD_FLAGS.persistent off) 765 / 823 and 661 /
 805, and with the consumers taking turns (pingpong, TRIM off) 768 / 812 and 670 / 794: a tie with one program a tile,
