@@ -803,11 +803,16 @@ replays; its GPU tests pass): 64 x 2 414-416 TFLOP/s against the serial schedule
 with consumer 1's scores ordered after consumer 0's or not), 32 x 4 426-434 (the serial schedule at 32 x 4: 321). A
 pair holds both stages of the ring for most of its time: the copy of the next pair's first tile starts once both
 warpgroups' P V over it are done, its second once the pair ends, where the serial schedule releases a block's stage a
-whole block before its reuse; the copies' latency stands in each pair. In 32-key blocks and 4 stages the copies are a
-pair ahead, but a block's P V is half as long and the sync points a key twice as many. ptxas (sm_90a): 64 x 2 230,744
-bytes of shared memory, 384 bytes spilled (consumer 1, the worker partition: its score products' descriptors
-reloaded); 32 x 4 226,680, 44. Next: the ring's tiles released and refilled by their column pieces (S starts on the
-first piece to land), which would shorten the latency both schedules wait for."""
+whole block before its reuse. But that is not what it loses to: with every sequence's table on the same 128 pages
+(the tiles L2-resident; .scratch experiment, same process) serial 478, seesaw 460, the deferred P V 474 against 446,
+416, 425 on distinct pages: the copies cost every schedule 7-12%. Under Nsight Compute the seesaw issues 20% fewer
+instructions than the serial schedule, its tensor pipe 46% busy (52%), its top stalls long scoreboard (7.2 warps an
+issue against 1.7) and barrier (6.0 against 5.5): consumer 1, the worker partition, reloads its score products' wgmma
+descriptors from local memory (ptxas, sm_90a: 384 bytes spilled there, 230,744 bytes of shared memory; the roles
+swapped between the partitions, 372: the worker partition spills either role, though it is given 240 registers as
+the default one is). In 32-key blocks and 4 stages (44 bytes spilled) a block's P V is half as long and the sync
+points a key twice as many. Next: the seesaw with both consumers in one 8-warp partition (its roles chosen by the
+warpgroup's index at run time), so neither is a worker partition."""
 
 MLA_DECODE_SEESAW = replace(MLA_DECODE, seesaw=True)
 """The seesaw schedule's shape: MLA_DECODE's tiles (64 rows, 64-key blocks, a ring of 2 whole latent tiles: a pair's
@@ -820,8 +825,8 @@ so that the tensor cores take the scores right behind the product instead of aft
 the next ready wait and the issue. Off: it lost (H200, 2026-11-28, `python benchmarks/mla_sweep.py --gluon --defer-pv
 --heads 128 [--batch B]`; its GPU tests pass): batch 64 x 8k 414-420 TFLOP/s against 443-445, batch 32 382 against
 409, batch 128 425 against 440. Block j's stage now goes back after block j + 1's ready wait and S issue, and that
-delay reaches the loader's next copy into it: the ring's latency, not the issue gap, bounds this kernel (as
-MLA_SEESAW found). ptxas: 36 bytes spilled (serial 56)."""
+delay reaches the loader's next copy into it: with the tiles L2-resident it ties the serial schedule (474 against 478,
+MLA_SEESAW), so the issue gap it closes was not worth anything. ptxas: 36 bytes spilled (serial 56)."""
 
 
 def mla_decode() -> ir.GluonMlaDecode:
