@@ -8,6 +8,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --fp8-2wg  FP8 with one consumer warpgroup and with two (hopper.FP8_DECODE_2WG
                                                off, then on, for each call), beside bf16, in one process
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
+    python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
     python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
     python benchmarks/fp8_decode.py --fp8-2wg --permute-k 0     DECODE_FP8_2WG with K's fragments read as they lie
     python benchmarks/fp8_decode.py --fp8-2wg --stage-k 1 --permute-k 0    with K widened in shared memory too
@@ -52,23 +53,25 @@ def gluon_fp8_modules() -> tuple[int, int]:
     return one, two
 
 
-_PLANNED_WITH = {"FP8_DECODE_2WG": None}  # the setting the plans in PLANS were made with
+_PLANNED_WITH = {"switches": None}  # the setting the plans in PLANS were made with
 
 
-def switched(call, two_wg: bool):
-    """`call` made with hopper.FP8_DECODE_2WG set to `two_wg` (the module is chosen, and the graph captured, then)."""
+def switched(call, two_wg: bool, halves: bool = False):
+    """`call` made with hopper.FP8_DECODE_2WG set to `two_wg` and FP8_DECODE_HALVES to `halves` (the module is chosen,
+    and the graph captured, then)."""
     def run():
-        saved, hopper.FP8_DECODE_2WG = hopper.FP8_DECODE_2WG, two_wg
+        saved = hopper.FP8_DECODE_2WG, hopper.FP8_DECODE_HALVES
+        hopper.FP8_DECODE_2WG, hopper.FP8_DECODE_HALVES = two_wg, halves
         # NOTE: a call's plan (the module it runs) is kept by its arguments' signature, which holds no switch: the
         # other setting's call of the same tensors would take its plan. Cleared only when the setting changes, so
         # that bench_graph's captured call reuses its first call's plan (planning checks values on the host)
-        if _PLANNED_WITH["FP8_DECODE_2WG"] != two_wg:
+        if _PLANNED_WITH["switches"] != (two_wg, halves):
             PLANS.clear()
-            _PLANNED_WITH["FP8_DECODE_2WG"] = two_wg
+            _PLANNED_WITH["switches"] = two_wg, halves
         try:
             return call()
         finally:
-            hopper.FP8_DECODE_2WG = saved
+            hopper.FP8_DECODE_2WG, hopper.FP8_DECODE_HALVES = saved
     return run
 
 
@@ -77,6 +80,8 @@ def main() -> None:
     parser.add_argument("--gluon", action="store_true", help="switch hopper.FP8_DECODE_GLUON on")
     parser.add_argument("--fp8-2wg", action="store_true",
                         help="time FP8 with hopper.FP8_DECODE_2WG off and on (one and two consumer warpgroups)")
+    parser.add_argument("--halves", action="store_true",
+                        help="also two consumer warpgroups as partitions of their own (hopper.FP8_DECODE_HALVES)")
     parser.add_argument("--stages-2wg", type=int, default=None, help="hopper.DECODE_FP8_2WG's stages")
     parser.add_argument("--stage-k", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_k")
     parser.add_argument("--stage-v", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_v")
@@ -93,8 +98,9 @@ def main() -> None:
             hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, **{name: bool(getattr(args, name))})
     # the FP8 kernels timed: (name, FP8_DECODE_2WG), each beside bf16
     fp8_kinds = [("fp8 1wg", False), ("fp8 2wg", True)] if args.fp8_2wg else [("fp8", hopper.FP8_DECODE_2WG)]
+    fp8_kinds = [(name, on, False) for name, on in fp8_kinds] + ([("fp8 half", True, True)] if args.halves else [])
     gen = torch.Generator("cuda").manual_seed(0)
-    kinds = ", ".join(f"{name}: FP8_DECODE_2WG = {on}" for name, on in fp8_kinds)
+    kinds = ", ".join(f"{name}: FP8_DECODE_2WG = {on}, HALVES = {half}" for name, on, half in fp8_kinds)
     print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}; {kinds}; "
           f"DECODE_FP8_2WG = {hopper.DECODE_FP8_2WG}")
     print(f"{'B':>3} {'ctx':>6} {'layout':<10} {'kernel':<8} {'ms':>8} {'tokens/s':>9} {'GB/s':>6} {'x bf16':>7} "
@@ -122,8 +128,8 @@ def main() -> None:
             for layout, (bf16_call, fp8_call) in calls.items():
                 bf16_ms = bench_graph(bf16_call)
                 rows = [("bf16", bf16_ms, DTYPE.itemsize, None)]
-                for name, two_wg in fp8_kinds:
-                    call = switched(fp8_call, two_wg)
+                for name, two_wg, halves in fp8_kinds:
+                    call = switched(fp8_call, two_wg, halves)
                     err = (call().float() - want.float()).abs().max().item()
                     rows.append((name, bench_graph(call), FP8.itemsize, err))
                 for name, ms, itemsize, err in rows:

@@ -352,10 +352,9 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_sta
 # The cache is e4m3: the ring holds its bytes (a block of BLOCK_N keys is half a 16-bit one's), and the consumer
 # widens each K and V tile to bfloat16 in registers (exact: every e4m3 value is a bfloat16 one), wgmma's A
 # operand from registers; K's factor scales the scores with the softmax scale and V's the output (pass descale).
-# 2 consumer warpgroups share each block, the wgmma's M split between them: each widens and
-# multiplies BLOCK_N / 2 of its keys for S^T and HEAD_DIM / 2 rows of O^T over all its keys (P^T in
-# shared memory from all of them), so the column max and sum meet through shared memory and no merge is left for
-# the end; a ring slot is released once every warpgroup has read it.
+# Two consumer warpgroups, each a partition of its own (hopper.FP8_DECODE_HALVES), take half of every block's keys each
+# with a softmax state of its own (its column max, sums and O^T over all of the head dim): no barrier between them
+# inside the loop; warpgroup 1 hands its state to warpgroup 0 at the end, which merges the two and stores.
 
 @gluon.jit
 def _gl_e4m3_to_bf16(x):
@@ -386,14 +385,15 @@ def _gl_e4m3_to_bf16(x):
 def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                   split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s,
                   stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p,
-                  qk_scale, v_descale, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PAGE: gl.constexpr, CAUSAL: gl.constexpr):
+                  qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PAGE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
     """The group's rows (row r: query head hkv * GROUP + r % GROUP, query r // GROUP) over key blocks
     [j0, j1), held as the NQ columns of transposed products: S^T = K Q^T, online softmax down the
     columns, O^T += V^T P^T; the partial output and log-sum-exp stored."""
-    # the keys fill wgmma's M (over the 8 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
+    KB: gl.constexpr = BLOCK_N // 2  # this warpgroup's keys of each block: [WG * KB, (WG + 1) * KB)
+    # the keys fill wgmma's M (over the 4 warps) and the query rows its N: one layout for S^T [BLOCK_N, NQ]
     # and O^T [HEAD_DIM, NQ], a few registers a thread where rows padded to M = 64 took 16x as many
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, NQ, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
     # the widened K and V^T tiles as wgmma's A operand in registers (two 16-bit values a register)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # NOTE: wgmma's A fragment holds columns {2t, 2t+1, 2t+8, 2t+9} + 16c of a row (t = lane % 4), two bytes apart in
@@ -402,9 +402,9 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
     # contiguous bytes (one load, no permutes to pack them), and reshapes relabel them as a_op's, in place
     k_rows: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[],
-        shape=[BLOCK_N, HEAD_DIM])
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[KB, HEAD_DIM])
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, io))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
     # Q's columns in K's order (k_rows)
@@ -414,9 +414,9 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
     q_smem.store(gl.load(q_ptr, mask=(rows < GROUP * N_Q)[:, None], other=0.0))
     fence_async_shared()
     acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)
-    zero_s = gl.zeros([BLOCK_N, NQ], gl.float32, layout=mma)
+    zero_s = gl.zeros([KB, NQ], gl.float32, layout=mma)
     # the row sums, kept per key slot and rescaled like acc: one cross-warp sum at the end, not one a block
-    l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=mma)
+    l_acc = gl.zeros([KB, NQ], gl.float32, layout=mma)
     s_cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, mma))
     # column n's diagonal: the last key its query sees (the IR's causal mask)
     diag = n_k - N_Q + s_cols // GROUP
@@ -426,60 +426,77 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         s = (j - j0) % STAGES
         phase = ((j - j0) // STAGES) & 1
         mbarrier.wait(k_ready.index(s), phase)
-        k_tile = _gl_e4m3_to_bf16(k_smem.index(s).load(k_rows))
-        k_tile = k_tile.reshape([BLOCK_N, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([BLOCK_N, HEAD_DIM])
+        k_tile = _gl_e4m3_to_bf16(k_smem.index(s).slice(WG * KB, KB).load(k_rows))
+        k_tile = k_tile.reshape([KB, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([KB, HEAD_DIM])
         k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)  # (a relabelling: no data moves)
         sc = warpgroup_mma(k_tile, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        mbarrier.arrive(k_empty.index(s), count=1)
         if (j + 1) * BLOCK_N > first_limit:  # a block some row must not see all of
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+            keys = j * BLOCK_N + WG * KB + gl.arange(0, KB, layout=gl.SliceLayout(1, mma))
             keep = (keys[:, None] <= diag[None, :]) & (keys < n_k)[:, None]
             sc = gl.where(keep, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(sc * qk_scale - m_use[None, :])
-        # NOTE: the column max met in shared memory behind a barrier of the partition's warps, each past its wait
-        # for S^T: every warpgroup has read its K tile, and the slot goes back to the loader (one arrive a partition)
-        mbarrier.arrive(k_empty.index(s), count=1)
         l_acc = l_acc * alpha[None, :] + p
         m_i = m_new
         acc = acc * alpha[None, :]
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        p_smem.index(WG).store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         mbarrier.wait(v_ready.index(s), phase)
         if (j + 1) * BLOCK_N > n_k:  # the sequence's last block: zero its V rows past n_k
             # Those rows hold whatever the cache has there (unwritten slots, the next sequence's keys; zeros
             # past the tensor's end): their P is 0, but 0 x NaN or Inf would still reach acc.
-            v_block = v_smem.index(s)
-            v_keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
+            v_block = v_smem.index(s).slice(WG * KB, KB)
+            v_keys = j * BLOCK_N + WG * KB + gl.arange(0, KB, layout=gl.SliceLayout(1, io))
             v_block.store(gl.where((v_keys < n_k)[:, None], v_block.load(io), 0.0))
             fence_async_shared()
-        v_tile = _gl_e4m3_to_bf16(v_smem.index(s).permute((1, 0)).load(a_op))
-        acc = warpgroup_mma(v_tile, p_smem.permute((1, 0)), acc, is_async=True)
+        v_tile = _gl_e4m3_to_bf16(v_smem.index(s).slice(WG * KB, KB).permute((1, 0)).load(a_op))
+        acc = warpgroup_mma(v_tile, p_smem.index(WG).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        gl.thread_barrier()  # every warpgroup has read its rows of V^T: the slot goes back (one arrive a partition)
         mbarrier.arrive(v_empty.index(s), count=1)
     # rows that saw no key give 0 and a log-sum-exp of -inf
     l_i = gl.sum(l_acc, 0)
+    # the two warpgroups' states meet: warpgroup 1 stores its max, sum and O^T, warpgroup 0 merges them into its own
+    # and stores the result (warpgroup 1 runs the epilogue too, its stores masked off: n_store 0)
+    if WG == 1:
+        x_smem.slice(0, NQ).store(m_i)
+        x_smem.slice(NQ, NQ).store(l_i)
+        o_smem.store(acc)
+        gl.thread_barrier()
+        mbarrier.arrive(merge_bar, count=1)
+        n_store = 0
+    else:
+        mbarrier.wait(merge_bar, 0)
+        m_1 = x_smem.slice(0, NQ).load(gl.SliceLayout(0, mma))
+        l_1 = x_smem.slice(NQ, NQ).load(gl.SliceLayout(0, mma))
+        m_new = gl.maximum(m_i, m_1)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, alpha_1 = gl.exp2(m_i - m_use), gl.exp2(m_1 - m_use)
+        acc = acc * alpha[None, :] + o_smem.load(mma) * alpha_1[None, :]
+        l_i = l_i * alpha + l_1 * alpha_1
+        m_i = m_new
+        n_store = GROUP * N_Q
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    out_t: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [2, 4], [0, 1])  # O^T, the head dim contiguous
+    out_t: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])  # O^T, the head dim contiguous
     out = gl.convert_layout(acc * v_descale / l_safe[None, :], out_t)
     o_rows = gl.arange(0, NQ, layout=gl.SliceLayout(0, out_t))
     o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_t))
     o_ptr = (OP + b.to(gl.int64) * stride_op_b + split.to(gl.int64) * stride_op_s
              + (hkv * GROUP + o_rows % GROUP).to(gl.int64)[None, :] * stride_op_h
              + (o_rows // GROUP)[None, :] * stride_op_n + o_cols[:, None])
-    gl.store(o_ptr, out.to(OP.dtype.element_ty), mask=(o_rows < GROUP * N_Q)[None, :])
+    gl.store(o_ptr, out.to(OP.dtype.element_ty), mask=(o_rows < n_store)[None, :])
     lp = (LP + b.to(gl.int64) * stride_lp_b + split.to(gl.int64) * stride_lp_s
           + (hkv * GROUP + s_cols % GROUP).to(gl.int64) * stride_lp_h + (s_cols // GROUP) * stride_lp_n)
-    gl.store(lp, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=s_cols < GROUP * N_Q)
+    gl.store(lp, (m_i + gl.log2(l_safe)) * 0.6931471805599453, mask=s_cols < n_store)
 
 
 @gluon.jit
 def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hkv,
                 split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b, stride_op_s, stride_op_h,
-                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale,
+                stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n, stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar,
                 NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                 PAGE: gl.constexpr, CAUSAL: gl.constexpr):
     """K and V blocks [j0, j1) of (sequence b, K/V head hkv) into the ring by TMA, one copy each: the cache seen
@@ -498,6 +515,34 @@ def _wsd_loader(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k
         tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, hkv * HEAD_DIM], v_ready.index(s), v_smem.index(s))
 
 
+@gluon.jit
+def _wsd_consumer0(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                   b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                   stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                   stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ: gl.constexpr, BLOCK_N:
+                   gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 0: keys [0 * BLOCK_N, 1 * BLOCK_N) / 2 of each block, and the merge."""
+    _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                  b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                  stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                  stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ, BLOCK_N, HEAD_DIM,
+                  STAGES, PAGE, CAUSAL, 0)
+
+
+@gluon.jit
+def _wsd_consumer1(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                   b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                   stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                   stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ: gl.constexpr, BLOCK_N:
+                   gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup 1: keys [1 * BLOCK_N, 2 * BLOCK_N) / 2 of each block."""
+    _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                  b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                  stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                  stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ, BLOCK_N, HEAD_DIM,
+                  STAGES, PAGE, CAUSAL, 1)
+
+
 @gluon.jit(do_not_specialize=["N_Q", "GROUP", "NUM_SPLITS", "stride_q_b", "stride_q_h", "stride_q_n", "stride_op_b",
                               "stride_op_s", "stride_op_h", "stride_op_n", "stride_lp_b", "stride_lp_s", "stride_lp_h",
                               "stride_lp_n", "stride_bt_b"])
@@ -505,7 +550,7 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
                  stride_op_b, stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
                  stride_seqlens_b, stride_bt_b, stride_bt_p, sm_scale, K_DESCALE, stride_k_descale_0, stride_k_descale_1, V_DESCALE, stride_v_descale_0, stride_v_descale_1, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
-                 LOADER_REGS: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """one program per (split, K/V head, sequence): a TMA loader warp, 2 consumer warpgroups"""
     split = gl.program_id(0)
     hkv = gl.program_id(1)
@@ -521,8 +566,13 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     v_descale = gl.load(V_DESCALE + b.to(gl.int64) * stride_v_descale_0 + hkv * stride_v_descale_1)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_DIM], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, HEAD_DIM], q_layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], gl.bfloat16)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, BLOCK_N], p_layout)  # P^T, wgmma's B
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N // 2], gl.bfloat16)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, NQ, BLOCK_N // 2], p_layout)  # each warpgroup's P^T
+    # warpgroup 1's max and sum, and its O^T, handed to warpgroup 0 at the end
+    x_smem = gl.allocate_shared_memory(gl.float32, [2 * NQ], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    o_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM, NQ], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    merge_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(merge_bar, count=1)
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], layout)
@@ -532,22 +582,29 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
-        (_wsd_consumer, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                          b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
-                          stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                          stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
+        (_wsd_consumer0, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                           b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                           stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                           stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ, BLOCK_N, HEAD_DIM,
+                           STAGES, PAGE, CAUSAL)),
+        (_wsd_consumer1, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                           b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
+                           stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
+                           stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ, BLOCK_N, HEAD_DIM,
+                           STAGES, PAGE, CAUSAL)),
         (_wsd_loader, (Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                         b, hkv, split, j0, j1, n_k, N_Q, GROUP, stride_q_b, stride_q_h, stride_q_n, stride_op_b,
                         stride_op_s, stride_op_h, stride_op_n, stride_lp_b, stride_lp_s, stride_lp_h, stride_lp_n,
-                        stride_bt_b, stride_bt_p, qk_scale, v_descale, NQ, BLOCK_N, HEAD_DIM, STAGES, PAGE, CAUSAL)),
-    ], [1], [LOADER_REGS])
+                        stride_bt_b, stride_bt_p, qk_scale, v_descale, x_smem, o_smem, merge_bar, NQ, BLOCK_N, HEAD_DIM,
+                        STAGES, PAGE, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2}
+WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2, 'HALVES': True, 'consumer_regs': 240, 'maxnreg': 168}
 WSD_CAUSAL = True
 _WSD_BOX = [WSD_SHAPE["BLOCK_N"], HEAD_DIM]  # rows of one TMA copy: a block of one head's keys
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)
@@ -599,7 +656,8 @@ def launch_attn_fwd_wsd(q, k_cache, v_cache, o_part, lse_part, seqlens, block_ta
         q.stride(0), q.stride(1), q.stride(2), *o_part.stride()[:4], *lse_part.stride(), seqlens.stride(0),
         *table_strides, sm_scale, k_descale, *k_descale.stride(), v_descale, *v_descale.stride(), NQ=_wsd_columns((H // H_KV) * N_Q), BLOCK_N=WSD_SHAPE["BLOCK_N"],
         HEAD_DIM=HEAD_DIM, STAGES=WSD_SHAPE["STAGES"], PAGE=page, CAUSAL=WSD_CAUSAL,
-        LOADER_REGS=WSD_SHAPE["loader_regs"], num_warps=8,
+        LOADER_REGS=WSD_SHAPE["loader_regs"], num_warps=4,
+        CONSUMER_REGS=WSD_SHAPE["consumer_regs"], maxnreg=WSD_SHAPE["maxnreg"],
     )
 
 

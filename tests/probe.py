@@ -65,8 +65,13 @@ def _compile_gluon_ws(module, job):
                 "BT": "*i32"}
         # a variant's tensors, an FP8 cache's descale factors
         ptrs.update({p: "*fp32" for p in ("SINKS", "ALIBI_SLOPES", "K_DESCALE", "V_DESCALE") if p in fn.arg_names})
-        # four warps a consumer warpgroup (WSD_SHAPE has "CONSUMERS" where more than one)
-        compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4 * shape.get("CONSUMERS", 1))
+        # four warps a consumer warpgroup (WSD_SHAPE has "CONSUMERS" where more than one); "HALVES": a partition each,
+        # the default one four warps, launched at maxnreg
+        if shape.get("HALVES"):
+            const["CONSUMER_REGS"] = shape["consumer_regs"]
+            compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4, maxnreg=shape["maxnreg"])
+        else:
+            compiled, ptx = _compile_split_kv(fn, descs, ptrs, const, job, num_warps=4 * shape.get("CONSUMERS", 1))
         return {"shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
                 "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared"),
                 f"wgmma_n{const['NQ']}": ptx.count(f"wgmma.mma_async.sync.aligned.m64n{const['NQ']}k16"),

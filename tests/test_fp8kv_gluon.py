@@ -39,9 +39,11 @@ def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_
 @pytest.fixture
 def fp8_gluon(monkeypatch):
     """The Gluon FP8 decode with one consumer warpgroup (hopper.FP8_DECODE_GLUON on, FP8_DECODE_2WG off: the tests
-    of DECODE_FP8's kernel; `two_wg` turns the second on)."""
+    of DECODE_FP8's kernel; `two_wg` turns the second on, the shared state's: FP8_DECODE_HALVES off; `halves` the
+    policy's)."""
     monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", True)
     monkeypatch.setattr(hopper, "FP8_DECODE_2WG", False)
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", False)
 
 
 @pytest.fixture
@@ -116,8 +118,42 @@ def test_the_fp8_gluon_decode_compiles_for_sm90(fp8_gluon, tmp_path):
 
 
 def test_the_policy_takes_two_consumer_warpgroups_by_default():
-    assert hopper.FP8_DECODE_GLUON and hopper.FP8_DECODE_2WG  # (on since their H200 runs)
-    assert compile_program(parse(_text("g2wg_default"))).warp_specialized.decode == hopper.DECODE_FP8_2WG
+    assert hopper.FP8_DECODE_GLUON and hopper.FP8_DECODE_2WG and hopper.FP8_DECODE_HALVES  # (on since their H200 runs)
+    assert "FP8_DECODE_HALVES" in hopper.SWITCHES
+    shape = compile_program(parse(_text("g2wg_default"))).warp_specialized.decode
+    assert shape == replace(hopper.DECODE_FP8_2WG, halves=True) and shape.constants()["HALVES"]
+    # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
+    window = compile_program(parse(_text("g2wg_window", mask="window(300)")))
+    assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
+
+
+def test_halves_source(two_wg, monkeypatch, tmp_path):
+    """FP8_DECODE_HALVES: each consumer warpgroup a partition of its own (4 warps, 12 with the loader's, launched at
+    maxnreg) over its half of every block's keys, with its own P^T tile and softmax state; both release each slot
+    (two arrivals); warpgroup 1 hands its max, sum and O^T over at the end and warpgroup 0 merges and stores. ptxas:
+    no spills up to the shape's rows."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", True)
+    spec = parse(_text("ghalves_src", layout=LAYOUTS["paged16"]))
+    source = render(spec, compile_program(spec))
+    compile(source, "ghalves.py", "exec")
+    assert "warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])" in source and "warps_per_cta=[8, 1]" not in source
+    assert "(_wsd_consumer0, (" in source and "(_wsd_consumer1, (" in source and "], [4, 1], [CONSUMER_REGS, LOADER_REGS])" in source
+    assert "mbarrier.init(k_empty.index(i), count=2)" in source and "mbarrier.init(v_empty.index(i), count=2)" in source
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert "k_smem.index(s).slice(WG * KB, KB).load(k_rows)" in loop and "p_smem.index(WG).store(" in loop
+    assert "keys = j * BLOCK_N + WG * KB + gl.arange(0, KB" in loop and "gl.thread_barrier()" not in loop
+    merge = source.split("# the two warpgroups' states meet")[1].split("l_safe = ")[0]
+    assert (merge.index("o_smem.store(acc)") < merge.index("mbarrier.arrive(merge_bar, count=1)")
+            < merge.index("mbarrier.wait(merge_bar, 0)") < merge.index("acc = acc * alpha[None, :] + o_smem.load(mma)"))
+    printed = "\n".join(ir.format_warp_specialized(compile_program(spec).warp_specialized))
+    assert "2 consumer warpgroups, e4m3 widened by sign, K's head dim permuted, each a partition over half" in printed
+    assert "mask=(o_rows < n_store)[None, :])" in source and "maxnreg=WSD_SHAPE[\"maxnreg\"]" in source
+    path = tmp_path / "ghalves_sm90.py"
+    path.write_text(source)
+    results = probe([{"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True} for rows in (8, 32)])
+    for result in results:
+        assert "error" not in result and result["warps"] == 12, results
+        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, results
 
 
 def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypatch):
@@ -256,16 +292,17 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
 # (the kernel caches key on the switches, not on the shapes)
 SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
           "2wg_k": {"stage_k": True, "stage_v": True, "permute_k": False},
-          "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}}
+          "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}, "2wg_halves": {}}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
-REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg") for layout in sorted(LAYOUTS)
+REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg", "2wg_halves") for layout in sorted(LAYOUTS)
                for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")])
 
 
 def _take_shape(monkeypatch, name) -> int:
-    """Switch the policy to SHAPES[name]; its consumer warpgroups."""
+    """Switch the policy to SHAPES[name] ("..._halves": hopper.FP8_DECODE_HALVES on); its consumer warpgroups."""
     fields = SHAPES[name]
     monkeypatch.setattr(hopper, "FP8_DECODE_2WG", fields is not None)
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", name.endswith("halves"))
     monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, **(fields or {})))
     return 1 if fields is None else 2
 
@@ -276,13 +313,15 @@ def _take_shape(monkeypatch, name) -> int:
 def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, shape):
     """B = 16, 32/8 heads, d = 128, up to 8k keys (odd lengths), shuffled 16-token pages, per-(sequence, head)
     descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split, with
-    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG, and the A/Bs of its fields)."""
+    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG, and the A/Bs of its fields; FP8_DECODE_HALVES: each a
+    partition over half of every block's keys, merged at the end)."""
     from test_fp8kv import _check, _dequantized, _descale
 
     consumers = _take_shape(monkeypatch, shape)
     mask = "causal(bottom_right)" if causal else "none"
     module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout])).module
     assert hasattr(module, "attn_fwd_wsd") and module.WSD_SHAPE.get("CONSUMERS", 1) == consumers
+    assert module.WSD_SHAPE.get("HALVES", False) == shape.endswith("halves")
 
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton partial kernel ran: the Gluon kernel should have")

@@ -532,7 +532,9 @@ class GluonDecode:
     block_n / consumers keys of S^T and head_dim / consumers rows of O^T), an FP8 cache's e4m3 widened by
     sign-extending byte permutes where `widen_by_sign` (else by masks), and its K and V tiles widened into 16-bit
     shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers), K's register
-    operand read 16 bytes a load where `permute_k` (the head dim permuted in K and Q alike)."""
+    operand read 16 bytes a load where `permute_k` (the head dim permuted in K and Q alike). `halves` (two
+    consumers): each consumer warpgroup a partition of its own over half of every block's keys with a softmax state of
+    its own, the two merged at the end, instead of the M of both products split between them."""
 
     block_n: int
     stages: int
@@ -543,12 +545,16 @@ class GluonDecode:
     stage_k: bool = False
     stage_v: bool = False
     permute_k: bool = False
+    halves: bool = False
+    consumer_regs: int = 240  # (halves: the consumer partitions' registers, the loader's loader_regs, launched at maxnreg)
+    maxnreg: int = 168
 
     def constants(self) -> dict:
         """The generated module's WSD_SHAPE: what its launcher reads at run time ("CONSUMERS" only where more than
-        one: the other modules' constants stay as they were)."""
+        one, the partitions' registers where `halves`: the other modules' constants stay as they were)."""
         return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs,
-                **({"CONSUMERS": self.consumers} if self.consumers > 1 else {})}
+                **({"CONSUMERS": self.consumers} if self.consumers > 1 else {}),
+                **({"HALVES": True, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg} if self.halves else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -971,7 +977,9 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
                    f"loader {d.loader_regs} regs" + (f", {d.consumers} consumer warpgroups" if d.consumers > 1 else "")
                    + (", e4m3 widened by sign" if d.widen_by_sign else "")
                    + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on)
-                   + (", K's head dim permuted" if d.permute_k else ""))
+                   + (", K's head dim permuted" if d.permute_k else "")
+                   + (f", each a partition over half of every block's keys ({d.consumer_regs} regs, maxnreg "
+                      f"{d.maxnreg}), merged at the end" if d.halves else ""))
     if ws.mla is not None:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "

@@ -454,6 +454,12 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                  f"{program.attr('head_dim')} (each takes 64 keys and 64 rows of O^T a block, or a multiple)")
         if d.permute_k and (d.stage_k or (d.consumers, d.block_n, program.attr("head_dim")) != (2, 128, 128)):
             fail("decode: permute_k's layout is two warpgroups' over 128 keys and 128 columns of K in registers")
+        if d.halves and (d.consumers != 2 or d.stage_k or d.stage_v or program.attr("score") is not None
+                         or program.attr("sinks", False) or not 0 < d.maxnreg <= 255):
+            fail("decode: halves takes two consumer warpgroups with K and V^T as register operands and no score "
+                 "modifier or sink (a variant's hooks take the shared state)")
+        if d.halves:
+            regs_ok("decode consumers", d.consumer_regs)
         fp8_only = d.consumers > 1 or d.widen_by_sign or d.stage_k or d.stage_v or d.permute_k
         if fp8_only and program.attr("kv_dtype") is None:
             fail("decode: consumer warpgroups and the widening by sign or in shared memory are the FP8 cache's (a "

@@ -90,4 +90,6 @@ def run(program: ir.Program) -> ir.Program:
     if not applies(program):
         return program
     shape = hopper.decode(program.attr("kv_dtype"), program.attr("head_dim"))
+    if shape.halves and not plain(program):  # (a variant's hooks take the shared state)
+        shape = replace(shape, halves=False)
     return replace(program, warp_specialized=replace(program.warp_specialized, decode=shape))

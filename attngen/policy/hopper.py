@@ -573,9 +573,9 @@ causal d=128): 343 TFLOP/s against the Triton varlen backward's 311 (Flex 324, v
 by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.md, varlen)."""
 
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
-            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "MLA_OVERLAP", "MLA_SEESAW",
-            "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN", "VARLEN_BWD_PERSISTENT",
-            "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P")
+            "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "FP8_DECODE_HALVES", "MLA_OVERLAP",
+            "MLA_SEESAW", "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN",
+            "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -746,7 +746,24 @@ def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
     queries' 16-bit dtype)."""
     if kv_dtype is None:
         return DECODE
-    return DECODE_FP8_2WG if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0 else DECODE_FP8
+    if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0:
+        return replace(DECODE_FP8_2WG, halves=True) if FP8_DECODE_HALVES else DECODE_FP8_2WG
+    return DECODE_FP8
+
+
+FP8_DECODE_HALVES = True
+"""Whether the two consumer warpgroups of the FP8 decode kernel (DECODE_FP8_2WG) are partitions of their own, each over
+half of every block's keys with a softmax state of its own (its column max and sums, O^T over the whole head dim),
+merged at the end (`GluonDecode.halves`; variants keep the shared state), instead of one 8-warp partition that
+splits the M of both products. The two-warpgroup kernel's profile (ncu, H200, NOTES.md FP8 prefill [v52]) puts the
+barriers between its warpgroups first among its stalls (2.7 cycles an instruction): each block's column max and P^T
+meet across all 8 warps. With halves the only barriers a block are a warpgroup's own; each thread holds O^T's whole
+head dim (twice the accumulator: NQ / 4 registers, where the split held NQ / 8) and reads V^T over its half of the
+keys. ptxas (sm_90a, d=128): no spills up to 32 rows (DECODE_FP8_2WG.rows), 147,664 bytes of shared memory at 8.
+Measured (H200, 2026-11-28, `python benchmarks/fp8_decode.py --fp8-2wg --halves`, 32/8 heads, CUDA graphs, FP8
+tokens/s over bf16's; its GPU tests pass): contiguous 1.48-1.64x against the shared state's 1.40-1.45x, paged 16
+1.45-1.55x against 1.37-1.39x; e4m3 read at up to 3.7 TB/s. Paged runs 0.93-0.96x of contiguous (the shared
+state's 0.96-0.97x): the faster consumers leave the loader's sixteen 16-token copies a block more exposed."""
 
 
 MLA_GLUON = True
