@@ -210,10 +210,10 @@ def _mla_line(program: ir.Program) -> str:
         return "no Hopper Gluon kernel (" + warp_specialize_mla.refusal(program) + ")"
     d, d_v = program.attr("head_dim"), program.attr("head_dim_v")
     if mla.seesaw:
-        scores = (f"the blocks taken in pairs (hopper.MLA_SEESAW, FlashMLA's seesaw): consumer 0 computes the first's "
-                  f"whole S over all {d} columns and its softmax, consumer 1 the second's from consumer 0's row maxima, "
-                  f"so one warpgroup's softmax runs beside the other's products; each adds both blocks' P V into "
-                  f"{d_v // mla.consumers} of the {d_v} value columns")
+        scores = (f"the blocks taken in pairs (hopper.MLA_SEESAW, FlashMLA's seesaw): consumer 0 computes the "
+                  f"first's whole S over all {d} columns and its softmax, consumer 1 the second's from consumer 0's "
+                  f"row maxima, so one warpgroup's softmax runs beside the other's products; each adds both blocks' "
+                  f"P V into {d_v // mla.consumers} of the {d_v} value columns")
     else:
         scores = (f"{mla.consumers} consumer warpgroups each computing S for {mla.block_n // 2} of the keys over all "
                   f"{d} columns (S once), exchanging row maxima, each adding P V into {d_v // mla.consumers} of the "

@@ -84,24 +84,30 @@ def sweep(kernel, heads: int, batch: int, seqlen: int, spaces: dict, device="cud
 
 
 def load_gluon(overlap: bool = False, shape: tuple[int, int] | None = None, seesaw: bool = False,
-               defer_pv: bool = False):
+               defer_pv: bool = False, min_rows: int | None = None):
     """The spec's kernel with the Gluon MLA kernel (policy hopper.MLA_GLUON on; hopper.MLA_OVERLAP, MLA_SEESAW and
     MLA_DEFER_PV as given) for the load and the switches back after: all are part of the kernel cache's key, so each
-    setting is a module of its own and all can run in one process. `shape`: (block_n, stages) in place of the policy's for that schedule
-    (hopper.mla_decode()), an experiment through the policy objects; kernel caches key on the switches, not on the
-    shapes, so such a module is generated under a spec name of its own. Returns the kernel and its schedule's name
-    ("serial 64x2", "overlapped 32x4", "seesaw 64x2", "serial, P V deferred 64x2")."""
+    setting is a module of its own and all can run in one process. `shape`: (block_n, stages) in place of the
+    policy's for that schedule (hopper.mla_decode()), `min_rows` in place of its fewest packed rows (16 heads' 16 rows
+    take the Triton kernel otherwise), experiments through the policy objects; kernel caches key on the switches, not
+    on the shapes, so such a module is generated under a spec name of its own. Returns the kernel and its schedule's
+    name ("serial 64x2", "overlapped 32x4", "seesaw 64x2", "serial, P V deferred 64x2")."""
     previous = (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV, hopper.MLA_DECODE,
                 hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW)
     hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_SEESAW, hopper.MLA_DEFER_PV = True, overlap, seesaw, defer_pv
-    spec = SPEC
+    fields, suffix = {}, ""
     if shape is not None:
-        block_n, stages = shape
+        fields.update(block_n=shape[0], stages=shape[1])
+        suffix += f"_{shape[0]}x{shape[1]}"
+    if min_rows is not None:
+        fields.update(min_rows=min_rows)
+        suffix += f"_rows{min_rows}"
+    spec = SPEC
+    if fields:
         hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW = (
-            replace(m, block_n=block_n, stages=stages)
-            for m in (hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW))
+            replace(m, **fields) for m in (hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP, hopper.MLA_DECODE_SEESAW))
         with open(SPEC) as f:
-            spec = f.read().replace("kernel mla_decode ", f"kernel mla_decode_{block_n}x{stages} ")
+            spec = f.read().replace("kernel mla_decode ", f"kernel mla_decode{suffix} ")
     try:
         kernel, m = attngen.load(spec), hopper.mla_decode()
     finally:
@@ -122,18 +128,20 @@ def gluon_against_triton(heads: int, batch: int, seqlen: int, splits=(0, 2, 4, 8
     counts; `shapes`: also both schedules at each (block_n, stages); `seesaw`: also the seesaw schedule's module
     (hopper.MLA_SEESAW), and at each of `shapes` (even stages); `defer_pv`: also the serial schedule with its P V
     wait deferred (hopper.MLA_DEFER_PV). Rows as `sweep`'s, each Gluon row with its module's `schedule`."""
-    kernel, name = load_gluon()
+    # calls of fewer packed rows than the policy's min_rows keep the Triton kernel: here every module takes them
+    fewest = None if heads >= hopper.mla_decode().min_rows else 1
+    kernel, name = load_gluon(min_rows=fewest)
     tuner, inputs, default, _ = _setup(kernel, heads, batch, seqlen, device)
     if not kernel.module.wsm_ready(inputs["q"].transpose(1, 2), inputs["k"], inputs["out"].transpose(1, 2)):
         raise RuntimeError("the Gluon MLA kernel cannot run these inputs here (wsm_ready): it needs an sm_90 GPU")
     triton = dict(default, warp_specialized=0)
     gluon = [dict(default, num_splits=s, warp_specialized=1) for s in splits]
     rows = measure(tuner, inputs, [triton], heads, triton, timer)
-    others = [load_gluon(overlap=True)] if overlap else []
-    others += [load_gluon(seesaw=True)] if seesaw else []
-    others += [load_gluon(defer_pv=True)] if defer_pv else []
-    others += [load_gluon(o, shape) for shape in shapes for o in (False, True)]
-    others += [load_gluon(seesaw=True, shape=shape) for shape in shapes] if seesaw else []
+    others = [load_gluon(overlap=True, min_rows=fewest)] if overlap else []
+    others += [load_gluon(seesaw=True, min_rows=fewest)] if seesaw else []
+    others += [load_gluon(defer_pv=True, min_rows=fewest)] if defer_pv else []
+    others += [load_gluon(o, shape, min_rows=fewest) for shape in shapes for o in (False, True)]
+    others += [load_gluon(seesaw=True, shape=shape, min_rows=fewest) for shape in shapes] if seesaw else []
     for other, other_name in [(kernel, name)] + others:  # the same inputs through each module's launcher
         rows += measure(tunable(other.part("kvcache")), inputs, gluon, heads, triton, timer, other_name)
     return rows

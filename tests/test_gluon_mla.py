@@ -265,6 +265,9 @@ def test_the_sweep_s_gluon_comparison_loads_the_switched_module_and_refuses_to_t
     assert (hopper.MLA_GLUON, hopper.MLA_OVERLAP, hopper.MLA_DECODE, hopper.MLA_DECODE_OVERLAP) == policy
     assert sweep.load_gluon(overlap=True)[1] == "overlapped 32x4" and sweep.load_gluon()[1] == "serial 64x2"
     assert sweep.load_gluon(seesaw=True)[1] == "seesaw 64x2" and hopper.MLA_SEESAW is False
+    # 16 heads' 16 packed rows: a module whose min_rows lets the Gluon kernel take them, the policy left as it was
+    kernel, _ = sweep.load_gluon(min_rows=1)
+    assert kernel.module.WSM_SHAPE["MIN_ROWS"] == 1 and hopper.MLA_DECODE.min_rows == 64
 
 
 # -- on a Hopper GPU -------------------------------------------------------------------------------------------

@@ -546,7 +546,8 @@ class GluonDecode:
     stage_v: bool = False
     permute_k: bool = False
     halves: bool = False
-    consumer_regs: int = 240  # (halves: the consumer partitions' registers, the loader's loader_regs, launched at maxnreg)
+    # (halves: the consumer partitions' registers, the loader's loader_regs, launched at maxnreg)
+    consumer_regs: int = 240
     maxnreg: int = 168
 
     def constants(self) -> dict:
@@ -554,7 +555,8 @@ class GluonDecode:
         one, the partitions' registers where `halves`: the other modules' constants stay as they were)."""
         return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs,
                 **({"CONSUMERS": self.consumers} if self.consumers > 1 else {}),
-                **({"HALVES": True, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg} if self.halves else {})}
+                **({"HALVES": True, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg}
+                   if self.halves else {})}
 
 
 @dataclass(frozen=True, slots=True)
