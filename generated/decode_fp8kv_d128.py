@@ -396,25 +396,29 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
     # the widened K and V^T tiles as wgmma's A operand in registers (two 16-bit values a register)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # NOTE: wgmma's A fragment holds columns {2t, 2t+1, 2t+8, 2t+9} + 16c of a row (t = lane % 4), two bytes apart in
-    # K's rows. S^T = K Q^T sums over the head dim, so K and Q both take column 64g + 16t + 4c' + 2h + l where the
-    # product has 64g + 16c' + 8h + 2t + l (c = 4g + c'): `k_rows` then holds each thread's 16 values of a row as 16
-    # contiguous bytes (one load, no permutes to pack them), and reshapes relabel them as a_op's, in place
-    k_rows: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-        shape=[KB, HEAD_DIM])
     io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, io))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io))
-    # Q's columns in K's order (k_rows)
-    q_dims = (cols & 64) + ((cols >> 1) & 3) * 16 + ((cols >> 4) & 3) * 4 + ((cols >> 3) & 1) * 2 + (cols & 1)
     q_ptr = (Q + b.to(gl.int64) * stride_q_b + (hkv * GROUP + rows % GROUP).to(gl.int64)[:, None] * stride_q_h
-             + (rows // GROUP)[:, None] * stride_q_n + q_dims[None, :])
-    q_smem.store(gl.load(q_ptr, mask=(rows < GROUP * N_Q)[:, None], other=0.0))
+             + (rows // GROUP)[:, None] * stride_q_n + cols[None, :])
+    # Q as the sum of two e4m3 terms a row (hi, and lo = what hi's rounding left, rounded: about 8 significant bits,
+    # a 16-bit q's own), so that S^T = K Q^T is two e4m3 products with both operands in shared memory (K's block is
+    # not widened); each column of S^T is scaled back by its row's factor: the least power of two f with
+    # max |q| / f <= 448 (e4m3's largest: a significand up to 1.75 at exponent e takes 2^(e - 8), else 2^(e - 7)),
+    # so the scaling is exact and only the roundings to e4m3 are not
+    q_f = gl.load(q_ptr, mask=(rows < GROUP * N_Q)[:, None], other=0.0).to(gl.float32)
+    q_bits = gl.max(gl.abs(q_f), 1).to(gl.int32, bitcast=True)
+    f_exp = gl.maximum((q_bits >> 23) - 8 + ((q_bits & 0x7FFFFF) > 0x600000).to(gl.int32), 1)
+    q_factor = (f_exp << 23).to(gl.float32, bitcast=True)
+    q_x = q_f * ((254 - f_exp) << 23).to(gl.float32, bitcast=True)[:, None]
+    q_hi = q_x.to(gl.float8e4nv)
+    q_smem.index(0).store(q_hi)
+    q_smem.index(1).store((q_x - q_hi.to(gl.float32)).to(gl.float8e4nv))
+    q_factor = gl.convert_layout(q_factor, gl.SliceLayout(0, mma))
     fence_async_shared()
     acc = gl.zeros([HEAD_DIM, NQ], gl.float32, layout=mma)
-    zero_s = gl.zeros([KB, NQ], gl.float32, layout=mma)
+    mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
+    zero_s = gl.zeros([KB, NQ], gl.float32, layout=mma8)  # (e4m3 wgmma's K step: 32)
     # the row sums, kept per key slot and rescaled like acc: one cross-warp sum at the end, not one a block
     l_acc = gl.zeros([KB, NQ], gl.float32, layout=mma)
     s_cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, mma))
@@ -426,11 +430,11 @@ def _wsd_consumer(Q, OP, LP, BT, k_desc, v_desc, q_smem, p_smem, k_smem, v_smem,
         s = (j - j0) % STAGES
         phase = ((j - j0) // STAGES) & 1
         mbarrier.wait(k_ready.index(s), phase)
-        k_tile = _gl_e4m3_to_bf16(k_smem.index(s).slice(WG * KB, KB).load(k_rows))
-        k_tile = k_tile.reshape([KB, 2, 4, 4, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([KB, HEAD_DIM])
-        k_tile = gl.convert_layout(k_tile, a_op, assert_trivial=True)  # (a relabelling: no data moves)
-        sc = warpgroup_mma(k_tile, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        k_op = k_smem.index(s).slice(WG * KB, KB)  # (e4m3 in shared memory: wgmma's A operand as it lies)
+        sc = warpgroup_mma(k_op, q_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sc = warpgroup_mma(k_op, q_smem.index(1).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc, ))
+        sc = gl.convert_layout(sc, mma, assert_trivial=True) * q_factor[None, :]  # (the layouts place values alike)
         mbarrier.arrive(k_empty.index(s), count=1)
         if (j + 1) * BLOCK_N > first_limit:  # a block some row must not see all of
             keys = j * BLOCK_N + WG * KB + gl.arange(0, KB, layout=gl.SliceLayout(1, mma))
@@ -564,8 +568,8 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     # the cache's factors of (sequence b, K/V head hkv)
     qk_scale = sm_scale * 1.4426950408889634 * gl.load(K_DESCALE + b.to(gl.int64) * stride_k_descale_0 + hkv * stride_k_descale_1)
     v_descale = gl.load(V_DESCALE + b.to(gl.int64) * stride_v_descale_0 + hkv * stride_v_descale_1)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_DIM], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, HEAD_DIM], q_layout)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_DIM], gl.float8e4nv)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, HEAD_DIM], q_layout)  # Q's e4m3 terms
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N // 2], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, NQ, BLOCK_N // 2], p_layout)  # each warpgroup's P^T
     # warpgroup 1's max and sum, and its O^T, handed to warpgroup 0 at the end
@@ -604,7 +608,7 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2, 'HALVES': True, 'consumer_regs': 240, 'maxnreg': 168}
+WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2, 'HALVES': True, 'consumer_regs': 240, 'maxnreg': 168, 'Q_E4M3': 2, 'ONE_WAVE': True}
 WSD_CAUSAL = True
 _WSD_BOX = [WSD_SHAPE["BLOCK_N"], HEAD_DIM]  # rows of one TMA copy: a block of one head's keys
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)
@@ -707,6 +711,37 @@ def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int 
     return splits
 
 
+@functools.lru_cache(maxsize=4096)
+def choose_wave_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
+    """Splits for a launch of `programs` whose programs hold a multiprocessor each and gain nothing from more loads
+    in flight: the Gluon MLA decode kernel (128 query heads over one latent head, ~230 KB of shared memory a program,
+    bound by the tensor cores) and the FP8 cache's Gluon decode kernel (a ring of 4 x 32 KB a program: FP8 tokens/s
+    over bf16's on the H200 at 32/8 heads, one wave against choose_num_splits' count, 1.20 (16) against 1.13 (8) at
+    batch 1 x 8k, 1.72 (1) against 1.59 (2) at 16 x 8k, 1.88 (1) against 1.81 (4) at 16 x 32k: policy/hopper.py
+    FP8_DECODE_ONE_WAVE).
+
+    Such a launch gains nothing from more loads in flight, which is what `choose_num_splits` buys; it gains from
+    filling the multiprocessors once, and every split beyond that adds a wave's tail, a partial output and the
+    merge's read of it. So the count is the most splits that keep programs x splits within one wave:
+    floor(sms / programs), at least 1 (more programs than SMs: no split). Measured on the H200 (132 SMs; 128 heads,
+    64 rows a program, `python benchmarks/mla_sweep.py --gluon --heads 128 --batch B --splits ...`), TFLOP/s:
+
+        batch x keys   programs   best (splits)     choose_num_splits' count
+        128 x 8k         256       449 (1)          410 (2)
+         64 x 8k         128       457 (1)          369 (4)
+         32 x 8k          64       410 (2)          367 (4)
+          8 x 8k          16       266 (8)          266 (8)
+          2 x 32k          4       254 (32)         254 (32)
+
+    The count is at most the key blocks and `max_splits`, and is lowered while a split would get no block."""
+    if programs <= 0 or key_blocks <= 1:
+        return 1
+    splits = max(1, min(max_splits, key_blocks, sms // programs))
+    while splits > 1 and math.ceil(key_blocks / splits) == math.ceil(key_blocks / (splits - 1)):
+        splits -= 1
+    return splits
+
+
 
 def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_scale=None, out=None, lse=None,
                     num_splits=0, config=None, k_descale=None, v_descale=None):
@@ -734,13 +769,15 @@ def forward_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_sca
         return out, lse
     config = dict(DEFAULT_CONFIG, **(config or {}))
     B, H, N_Q, D = q.shape
+    # The Gluon kernel where it runs (config["warp_specialized"] = False asks for the Triton kernel,
+    # which `config` tunes); the same merge either way, the split count by the kernel's own rule.
+    ws = config.pop("warp_specialized", True) and wsd_ready(q, k_cache, v_cache, out)
     if num_splits == 0:
         programs = B * k_cache.shape[1] * cdiv(N_Q * (H // k_cache.shape[1]), config["BLOCK_M"])
         max_keys = k_cache.shape[2]
-        num_splits = choose_num_splits(programs, cdiv(max_keys, config["BLOCK_N"]), multiprocessors(q.device))
-    # The Gluon kernel where it runs (config["warp_specialized"] = False asks for the Triton kernel,
-    # which `config` tunes); the same split count and merge either way.
-    ws = config.pop("warp_specialized", True) and wsd_ready(q, k_cache, v_cache, out)
+        # the Gluon kernel's programs hold a multiprocessor each, with a ring deep enough for its loads: one wave
+        rule = choose_wave_splits if ws else choose_num_splits
+        num_splits = rule(programs, cdiv(max_keys, config["BLOCK_N"]), multiprocessors(q.device))
     if num_splits == 1:
         # One split needs no merge: the partial kernel writes the outputs itself.
         if ws:

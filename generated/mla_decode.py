@@ -670,8 +670,12 @@ def choose_num_splits(programs: int, key_blocks: int, sms: int, max_splits: int 
 
 @functools.lru_cache(maxsize=4096)
 def choose_wave_splits(programs: int, key_blocks: int, sms: int, max_splits: int = 128) -> int:
-    """Splits for a launch of `programs` whose programs are bound by the tensor cores and hold a multiprocessor each
-    (the Gluon MLA decode kernel: 128 query heads over one latent head, ~230 KB of shared memory a program).
+    """Splits for a launch of `programs` whose programs hold a multiprocessor each and gain nothing from more loads
+    in flight: the Gluon MLA decode kernel (128 query heads over one latent head, ~230 KB of shared memory a program,
+    bound by the tensor cores) and the FP8 cache's Gluon decode kernel (a ring of 4 x 32 KB a program: FP8 tokens/s
+    over bf16's on the H200 at 32/8 heads, one wave against choose_num_splits' count, 1.20 (16) against 1.13 (8) at
+    batch 1 x 8k, 1.72 (1) against 1.59 (2) at 16 x 8k, 1.88 (1) against 1.81 (4) at 16 x 32k: policy/hopper.py
+    FP8_DECODE_ONE_WAVE).
 
     Such a launch gains nothing from more loads in flight, which is what `choose_num_splits` buys; it gains from
     filling the multiprocessors once, and every split beyond that adds a wave's tail, a partial output and the

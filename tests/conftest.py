@@ -61,3 +61,31 @@ def empty_plans(monkeypatch):
     monkeypatch.setattr(PLANS, "_table", table)
     monkeypatch.setattr(PLANS, "get", table.get)
     return PLANS
+
+
+def record_split_launches(monkeypatch, gluon: str, ready, caches: int) -> tuple[list, list]:
+    """attngen.attention_with_kvcache's modules, loaded as usual but with their Gluon kernel's readiness check
+    (`wsm_ready` or `wsd_ready`, per `gluon`) replaced by `ready` and every partial launch recording
+    (kind, the split count) instead of running (`caches`: both launchers' cache arguments before o_part): for the
+    tests of the split count a call takes where the Gluon kernel runs, which the interpreter has not (they also fake
+    KVCachePart.gluon_runs_here). Returns (modules loaded, launches)."""
+    from attngen.api import kvcache
+    from attngen.runtime.parts import KVCachePart
+
+    modules, counts = [], []
+    real_load = kvcache.load
+
+    def loaded(spec):  # the API's kernel, its launches recording the split count instead of running
+        kernel = real_load(spec)
+        kernel.part("kvcache")._configs.clear()  # (configs memoised by earlier tests without the fake)
+        module = kernel.module
+        modules.append(module)
+        monkeypatch.setattr(module, f"{gluon}_ready", ready)
+        monkeypatch.setattr(module, f"launch_attn_fwd_{gluon}", lambda q, *a: counts.append((gluon, a[caches].shape[1])))
+        monkeypatch.setattr(module, "launch_attn_fwd", lambda q, *a, **kw: counts.append(("triton", a[caches].shape[1])))
+        monkeypatch.setattr(module, "launch_attn_combine", lambda *args, **kwargs: None)
+        return kernel
+
+    monkeypatch.setattr(kvcache, "load", loaded)
+    return modules, counts
+

@@ -47,11 +47,13 @@ def _dequantized(cache, descale, paged: bool):
     return cache.double() * d.expand(cache.shape[0], cache.shape[2])[:, None, :, None]
 
 
-def _check(out, q, k64, v64, lens, table, **variant):
-    """The kernel's error against float64 on the dequantised cache within the 16-bit kernel's rule."""
+def _check(out, q, k64, v64, lens, table, q_e4m3=0, **variant):
+    """The kernel's error against float64 on the dequantised cache within the 16-bit kernel's rule (`q_e4m3`: for a
+    kernel that takes q's rows as that many e4m3 terms, the 16-bit computation takes them so too)."""
     ref, _ = reference.kvcache_attention(q.cpu(), k64.cpu(), v64.cpu(), lens.cpu(),
                                          None if table is None else table.cpu(), **variant)
-    low, _ = reference.kvcache_attention(q.cpu(), k64.cpu().to(q.dtype), v64.cpu().to(q.dtype), lens.cpu(),
+    q_low = reference.e4m3_rows(q.cpu(), q_e4m3).to(q.dtype) if q_e4m3 else q.cpu()
+    low, _ = reference.kvcache_attention(q_low, k64.cpu().to(q.dtype), v64.cpu().to(q.dtype), lens.cpu(),
                                          None if table is None else table.cpu(), dtype=q.dtype, **variant)
     assert out.dtype == q.dtype
     assert not torch.isnan(out).any(), "unwritten (poisoned) output elements"
@@ -299,6 +301,57 @@ def test_explain_says_the_fp8_cache_takes_the_gluon_decode(capsys, monkeypatch):
     assert "(acc * v_descale) / l_safe" in summary and "widened to bf16" in summary and "Q_DESCALE" not in summary
 
 
+def _kernel_rounding(x, terms):
+    """The Gluon kernel's q_e4m3 as it is written there (templates/gluon_decode.py.j2), emulated on the CPU: the
+    factor's exponent from the bits of the row's maximum, the scaling by its reciprocal's bits."""
+    xf = x.float()
+    bits = xf.abs().amax(-1).view(torch.int32)
+    f_exp = torch.clamp((bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).int(), min=1)
+    factor, inverse = (f_exp << 23).view(torch.float32), ((254 - f_exp) << 23).view(torch.float32)
+    scaled = xf * inverse[..., None]
+    hi = scaled.to(FP8).float()
+    total = hi.double() + ((scaled - hi).to(FP8).double() if terms == 2 else 0.0)
+    return total * factor[..., None].double()
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_e4m3_rows_is_the_kernels_rounding_of_q(terms):
+    """reference.e4m3_rows (what the checks hold the q_e4m3 kernel to) equals the kernel's bit arithmetic on rows of
+    every scale (zero, tiny, 448 exactly, a significand just past 1.75); each row's factor is a power of two that puts
+    its maximum within e4m3's 448; one term moves an element by up to 2^-4 of the row's largest, two by far less."""
+    gen = torch.Generator().manual_seed(54)
+    x = torch.randn(300, 128, generator=gen) * torch.exp(4 * torch.randn(300, 1, generator=gen))
+    x[0], x[1, 5], x[2], x[3, 0], x[4, 0], x[5, 0] = 0.0, 448.0, 1e-30, 1.75, 1.7578125, -3.5
+    x = x.to(torch.bfloat16)
+    got = reference.e4m3_rows(x, terms)
+    assert torch.equal(got, _kernel_rounding(x, terms))
+    assert (got[0] == 0).all() and got[1, 5] == 448.0
+    xd = x.double()
+    moved = ((got - xd).abs() / xd.abs().amax(-1, keepdim=True).clamp(min=1e-300))[6:]
+    if terms == 1:
+        assert 2.0 ** -7 < moved.max() <= 2.0 ** -4
+    else:  # (a bf16 value's 8 significant bits are two e4m3 terms' 4 + 4, but for what falls below e4m3's range)
+        assert moved.max() <= 2.0 ** -12
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_the_q_e4m3_bound_is_the_same_precision_computation_rounding_q(terms):
+    """accuracy.compare's q_e4m3: an output computed from q as e4m3 terms (in float64, then bf16) passes with that
+    q_e4m3; one term's output fails the exact-q bound (a few percent off: the rounding of q is shared by every key's
+    score and does not average out), two terms' passes it too; an output further off fails either."""
+    from attngen.testing.accuracy import Case, compare
+
+    spec = parse(spec_text("q8cmp", 64, "bf16", "none", direction="forward"))
+    gen = torch.Generator().manual_seed(55)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=gen).to(torch.bfloat16) for n in (9, 300, 300))
+    case = Case(1, 4, 4, 9, 300)
+    out, lse = reference.attention(reference.e4m3_rows(q, terms), k.double(), v.double(), spec.mask, 0.125)
+    out = out.to(torch.bfloat16)
+    assert compare(spec, case, out, lse, q, k, v, q_e4m3=terms).ok
+    assert compare(spec, case, out, lse, q, k, v).ok == (terms == 2)
+    assert not compare(spec, case, out * (1.2 if terms == 1 else 1.05), lse, q, k, v, q_e4m3=terms).ok
+
+
 # -- real sizes on a GPU -------------------------------------------------------------------------------------
 
 
@@ -325,8 +378,12 @@ def test_gpu_fp8_decode_at_real_sizes(paged):
         k, v = pool_k, pool_v
     out = torch.full_like(q, float("nan"))
     attngen.attention_with_kvcache(q, k, v, lens, table, out=out, k_descale=k_descale, v_descale=v_descale)
-    # (the reference on the contiguous dequantised cache: the same values the pages hold)
-    _check(out, q, k64, v64, lens, None)
+    # (the reference on the contiguous dequantised cache: the same values the pages hold; on Hopper the Gluon kernel
+    # runs these, and takes q's rows as the policy's e4m3 terms)
+    from attngen.policy import hopper
+
+    hopper_gluon = torch.cuda.get_device_capability() == (9, 0) and hopper.FP8_DECODE_GLUON
+    _check(out, q, k64, v64, lens, None, q_e4m3=hopper.FP8_DECODE_Q8 if hopper_gluon else 0)
 
 
 def test_paged_fp8_kernel_compiles_for_sm90():

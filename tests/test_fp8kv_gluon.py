@@ -12,6 +12,7 @@ Each spec here has a name of its own: a module compiled with the switch on must 
 shares through the disk cache.
 """
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 import attngen
 from attngen.codegen import render
 from attngen import ir
+from attngen.errors import InternalError
+from attngen.ir.verify import verify
 from attngen.lang.spec import load_file, parse
 from attngen.passes import compile_program, warp_specialize_decode
 from attngen.policy import hopper
@@ -40,10 +43,12 @@ def _text(name, mask="causal(bottom_right)", layout="contiguous", kv_dtype="fp8_
 def fp8_gluon(monkeypatch):
     """The Gluon FP8 decode with one consumer warpgroup (hopper.FP8_DECODE_GLUON on, FP8_DECODE_2WG off: the tests
     of DECODE_FP8's kernel; `two_wg` turns the second on, the shared state's: FP8_DECODE_HALVES off; `halves` the
-    policy's)."""
+    policy's), q exact and K widened (FP8_DECODE_Q8 0), the memory-bound split rule (FP8_DECODE_ONE_WAVE off)."""
     monkeypatch.setattr(hopper, "FP8_DECODE_GLUON", True)
     monkeypatch.setattr(hopper, "FP8_DECODE_2WG", False)
     monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", False)
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8", 0)
+    monkeypatch.setattr(hopper, "FP8_DECODE_ONE_WAVE", False)
 
 
 @pytest.fixture
@@ -121,7 +126,10 @@ def test_the_policy_takes_two_consumer_warpgroups_by_default():
     assert hopper.FP8_DECODE_GLUON and hopper.FP8_DECODE_2WG and hopper.FP8_DECODE_HALVES  # (on since their H200 runs)
     assert "FP8_DECODE_HALVES" in hopper.SWITCHES
     shape = compile_program(parse(_text("g2wg_default"))).warp_specialized.decode
-    assert shape == replace(hopper.DECODE_FP8_2WG, halves=True) and shape.constants()["HALVES"]
+    # (q as two e4m3 terms a row, K read from the ring as S^T's operand: no K permuted for the register operand)
+    assert hopper.FP8_DECODE_Q8 == 2
+    assert shape == replace(hopper.DECODE_FP8_2WG, halves=True, q_e4m3=2, permute_k=False, one_wave=True)
+    assert shape.constants()["HALVES"] and shape.constants()["Q_E4M3"] == 2
     # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
     window = compile_program(parse(_text("g2wg_window", mask="window(300)")))
     assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
@@ -154,6 +162,83 @@ def test_halves_source(two_wg, monkeypatch, tmp_path):
     for result in results:
         assert "error" not in result and result["warps"] == 12, results
         assert result["spill_stores"] == 0 and result["spill_loads"] == 0, results
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_split_loader_source(two_wg, monkeypatch, tmp_path, layout):
+    """FP8_DECODE_SPLIT_LOADER: K's copies and V's each from a loader warp of its own, each
+    waiting on its own ring's slots; `explain` says so; ptxas: no spills, with and without halves."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_SPLIT_LOADER", True)
+    assert "FP8_DECODE_SPLIT_LOADER" in hopper.SWITCHES
+    sources = {}
+    for halves in (True, False):
+        monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", halves)
+        spec = parse(_text(f"gsplit_{layout}_{halves}", layout=LAYOUTS[layout]))
+        program = compile_program(spec)
+        assert program.warp_specialized.decode.split_loader and program.warp_specialized.decode.halves == halves
+        printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
+        assert "K's and V's copies from a loader warp each" in printed
+        sources[halves] = source = render(spec, program)
+        compile(source, "gsplit.py", "exec")
+        assert "(_wsd_loader_k, (" in source and "(_wsd_loader_v, (" in source and "(_wsd_loader, (" not in source
+        loaders = "LOADER_REGS, LOADER_REGS])" if halves else "[1, 1], [LOADER_REGS, LOADER_REGS])"
+        assert loaders in source
+        # each loader's loop takes its own tensor's copies only, behind its own ring's empty barriers
+        loop = source.split("def _wsd_loader(")[1].split("@gluon.jit")[0]
+        k_part, v_part = loop.split("if KV == 0:")[1].split("if KV == 1:")
+        assert "k_empty" in k_part and "v_desc" not in k_part and "v_empty" in v_part and "k_desc" not in v_part
+        assert "_wsd_loader(Q, OP" in source.split("def _wsd_loader_v(")[1].split("@gluon.jit")[0]
+    paths = []
+    for halves, source in sources.items():
+        paths.append(tmp_path / f"gsplit_{layout}_{halves}.py")
+        paths[-1].write_text(source)
+    results = probe([{"path": str(p), "gluon_ws": "decode", "rows": 32, "ptxas": True} for p in paths])
+    for result in results:  # (4 + 4 + 1 + 1 and 8 + 1 + 1 warps, launched as 12)
+        assert "error" not in result and result["warps"] == 12, results
+        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, results
+        assert result["tma_loads"] >= 2, results
+
+
+@pytest.mark.parametrize("terms, halves, p8", [(2, True, False), (1, True, False), (2, False, False), (1, True, True)])
+def test_q_e4m3_source(two_wg, monkeypatch, tmp_path, terms, halves, p8):
+    """FP8_DECODE_Q8: q's rows as e4m3 terms in shared memory, S^T = K Q^T on e4m3 wgmma with K's block read from the
+    ring as it lies (no K widened in registers; V still is), each column scaled back by its row's power of two;
+    `explain` says so, the verifier refuses it with K permuted; sm_90: no spills, e4m3 wgmma. FP8_DECODE_P8 (off): P^T
+    in e4m3 (times 2^8, taken out with V's factor) and V^T's bytes as P V's e4m3 operand, every wgmma e4m3."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", halves)
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8", terms)
+    monkeypatch.setattr(hopper, "FP8_DECODE_P8", p8)
+    assert "FP8_DECODE_Q8" in hopper.SWITCHES
+    spec = parse(_text(f"gq8_{terms}_{halves}_{p8}", layout=LAYOUTS["paged16"]))
+    program = compile_program(spec)
+    shape = program.warp_specialized.decode
+    assert shape.q_e4m3 == terms and not shape.permute_k and shape.halves == halves
+    assert shape.constants()["Q_E4M3"] == terms
+    printed = "\n".join(ir.format_warp_specialized(program.warp_specialized))
+    assert ("Q as two e4m3 terms a row" if terms == 2 else "Q rounded to e4m3 a row") in printed
+    source = render(spec, program)
+    compile(source, "gq8.py", "exec")
+    assert f"q_smem = gl.allocate_shared_memory(gl.float8e4nv, [{terms}, NQ, HEAD_DIM], q_layout)" in source
+    loop = source.split("for j in range(j0, j1):")[1].split("# rows that saw no key")[0]
+    assert "k_tile" not in loop and ("v_tile = _gl_e4m3_to_bf16(" in loop) == (not p8)
+    assert ("p * 256.0).to(gl.float8e4nv)" in loop) == p8 and ("v_descale * 0.00390625" in source) == p8
+    assert loop.count("sc = warpgroup_mma(k_op, q_smem.index(") == terms
+    assert "* q_factor[None, :]" in loop
+    assert ("q_smem.index(1).store((q_x - q_hi.to(gl.float32)).to(gl.float8e4nv))" in source) == (terms == 2)
+    for bad in (dict(permute_k=True), dict(q_e4m3=3)):
+        with pytest.raises(InternalError, match="q_e4m3"):
+            verify(replace(program, warp_specialized=replace(program.warp_specialized, decode=replace(shape, **bad))),
+                   "test")
+    path = tmp_path / f"gq8_{terms}_{halves}_{p8}.py"
+    path.write_text(source)
+    ptx = tmp_path / "gq8.ptx"
+    (result,) = probe([{"path": str(path), "gluon_ws": "decode", "rows": 32, "ptxas": True, "ptx_to": str(ptx)}])
+    assert "error" not in result and result["spill_stores"] == 0 and result["spill_loads"] == 0, result
+    e4m3 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx.read_text())
+    # S^T's K step is 32 e4m3 values: 4 a 128-wide head dim, for each term, in each consumer partition (and with P in
+    # e4m3, P V's: 128 rows of V^T, 2 x m64, over a half block's 64 keys, 2 x k32)
+    assert len(e4m3) == (4 * terms + (4 if p8 else 0)) * (2 if halves else 1), len(e4m3)
+    assert ("bf16.bf16" in ptx.read_text()) == (not p8)  # P V: bf16 (V widened) or e4m3
 
 
 def test_two_consumer_warpgroups_are_a_switch_of_the_policy(fp8_gluon, monkeypatch):
@@ -292,17 +377,29 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
 # (the kernel caches key on the switches, not on the shapes)
 SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
           "2wg_k": {"stage_k": True, "stage_v": True, "permute_k": False},
-          "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}, "2wg_halves": {}}
+          "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}, "2wg_halves": {},
+          "2wg_halves_split": {}, "2wg_halves_q8": {}, "2wg_halves_q8x1": {}, "2wg_q8": {}, "1wg_q8": None}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
 REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg", "2wg_halves") for layout in sorted(LAYOUTS)
-               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")])
+               for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")]
+              + [(layout, True, "2wg_halves_split") for layout in sorted(LAYOUTS)]
+              + [(layout, causal, "2wg_halves_q8") for layout in sorted(LAYOUTS) for causal in (True, False)]
+              + [("paged16", True, shape) for shape in ("2wg_halves_q8x1", "2wg_q8", "1wg_q8")])
+
+
+def _terms(name) -> int:
+    """The e4m3 terms a row of q the shape takes (FP8_DECODE_Q8)."""
+    return 1 if "q8x1" in name else 2 if "q8" in name else 0
 
 
 def _take_shape(monkeypatch, name) -> int:
-    """Switch the policy to SHAPES[name] ("..._halves": hopper.FP8_DECODE_HALVES on); its consumer warpgroups."""
+    """Switch the policy to SHAPES[name] ("halves" in it: hopper.FP8_DECODE_HALVES on, "split":
+    FP8_DECODE_SPLIT_LOADER, "q8": FP8_DECODE_Q8 2, "q8x1": 1); its consumer warpgroups."""
     fields = SHAPES[name]
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8", _terms(name))
     monkeypatch.setattr(hopper, "FP8_DECODE_2WG", fields is not None)
-    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", name.endswith("halves"))
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", "halves" in name)
+    monkeypatch.setattr(hopper, "FP8_DECODE_SPLIT_LOADER", "split" in name)
     monkeypatch.setattr(hopper, "DECODE_FP8_2WG", replace(hopper.DECODE_FP8_2WG, **(fields or {})))
     return 1 if fields is None else 2
 
@@ -321,7 +418,9 @@ def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, caus
     mask = "causal(bottom_right)" if causal else "none"
     module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout])).module
     assert hasattr(module, "attn_fwd_wsd") and module.WSD_SHAPE.get("CONSUMERS", 1) == consumers
-    assert module.WSD_SHAPE.get("HALVES", False) == shape.endswith("halves")
+    assert module.WSD_SHAPE.get("HALVES", False) == ("halves" in shape)
+    assert hasattr(module, "_wsd_loader_v") == ("split" in shape)
+    assert module.WSD_SHAPE.get("Q_E4M3", 0) == _terms(shape)
 
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton partial kernel ran: the Gluon kernel should have")
@@ -353,7 +452,7 @@ def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, caus
         module.forward_kvcache(q.transpose(1, 2), *caches, out=out, num_splits=num_splits,
                                k_descale=k_descale, v_descale=v_descale)
         # (the reference on the contiguous dequantised cache: the same values the pages hold)
-        _check(out.transpose(1, 2), q, k64, v64, lens, None, causal=causal)
+        _check(out.transpose(1, 2), q, k64, v64, lens, None, q_e4m3=_terms(shape), causal=causal)
 
 
 @pytest.mark.gpu
@@ -378,3 +477,42 @@ def test_gpu_every_e4m3_byte_widens_exactly(fp8_gluon, monkeypatch, shape):
                            k_descale=ones, v_descale=ones)
     want = v[:, 0].float().repeat_interleave(heads // kv_heads, dim=1).to(torch.bfloat16)  # (batch, heads, d)
     assert torch.equal(out[:, :, 0], want)
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_the_split_count_fills_one_wave_where_the_gluon_kernel_runs(monkeypatch, gluon):
+    """FP8_DECODE_ONE_WAVE: where the FP8 cache's Gluon decode kernel runs (`gluon_runs_here` and `wsd_ready`, faked
+    here: the interpreter has no sm_90) its programs hold a multiprocessor each, so the split count fills one wave
+    (policy/splits.py choose_wave_splits; on the H200 one split at batch 16 x 8k gave 1.72x bf16's tokens/s, the
+    memory-bound rule's 2 gave 1.59x): attention_with_kvcache's plan and the module's own count (num_splits=0) both
+    take it. Where the Triton kernel runs, both keep the memory-bound rule. The shape is one where the two differ."""
+    from attngen.runtime.parts import KVCachePart
+    from attngen.runtime.plans import PLANS
+    from conftest import record_split_launches
+
+    assert hopper.FP8_DECODE_ONE_WAVE and "FP8_DECODE_ONE_WAVE" in hopper.SWITCHES
+    kv_heads = 8
+    PLANS.clear()  # (a plan kept from an earlier call of this signature would not load the faked kernel)
+    # (ready for the module's view of a contiguous cache, (batch, K/V heads, seq, dim), as the real one)
+    modules, counts = record_split_launches(
+        monkeypatch, "wsd", lambda q, k, v, out: gluon and k.shape[1] == v.shape[1] == kv_heads, caches=2)
+    monkeypatch.setattr(KVCachePart, "gluon_runs_here", lambda self: gluon)
+    gen = torch.Generator().manual_seed(4)
+    heads, n = 32, 64 * 128
+    q = torch.randn(1, 1, heads, 128, generator=gen).bfloat16()
+    k, v = (torch.randn(1, n, kv_heads, 128, generator=gen).to(FP8) for _ in range(2))
+    lens = torch.tensor([n - 37], dtype=torch.int32)
+    attngen.attention_with_kvcache(q, k, v, lens)
+    PLANS.clear()  # (nor should a later call keep this one's plan of the faked kernel)
+    module = modules[-1]
+    assert module.WSD_SHAPE["ONE_WAVE"]
+    config = module.DEFAULT_CONFIG | {"warp_specialized": int(gluon)}
+    out = torch.empty(1, heads, 1, 128, dtype=torch.bfloat16)
+    ones = torch.ones(1, kv_heads)
+    module.forward_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, None, out=out, num_splits=0,
+                           config=dict(config), k_descale=ones, v_descale=ones)
+    programs = kv_heads * -(-(heads // kv_heads) // config["BLOCK_M"])  # batch 1, one query
+    key_blocks = -(-n // config["BLOCK_N"])
+    wave, memory = module.choose_wave_splits(programs, key_blocks, 8), module.choose_num_splits(programs, key_blocks, 8)
+    assert wave != memory  # (8: the interpreter's stand-in for the SMs)
+    assert counts == [("wsd", wave)] * 2 if gluon else [("triton", memory)] * 2

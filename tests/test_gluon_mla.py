@@ -364,26 +364,12 @@ def test_the_split_count_fills_one_wave_where_the_gluon_kernel_runs(mla_gluon, m
     (policy/splits.py choose_wave_splits; on the H200 1 split at batch 64 x 8k gave 457 TFLOP/s, the memory-bound
     rule's 4 gave 369): attention_with_kvcache's plan and the module's own count (num_splits=0) both take it. Where
     the Triton kernel runs, both keep the memory-bound rule. The shape is one where the two rules differ."""
-    from attngen.api import kvcache
     from attngen.runtime.parts import KVCachePart
     from attngen.runtime.plans import PLANS
+    from conftest import record_split_launches
 
-    modules, counts = [], []
     PLANS.clear()  # (a plan kept from an earlier call of this signature would not load the faked kernel)
-
-    def loaded(spec):  # the API's kernel, its launches recording the split count instead of running
-        kernel = real_load(spec)
-        kernel.part("kvcache")._configs.clear()  # (configs memoised by earlier tests without the fake)
-        module = kernel.module
-        modules.append(module)
-        monkeypatch.setattr(module, "wsm_ready", lambda *args: gluon)
-        monkeypatch.setattr(module, "launch_attn_fwd_wsm", lambda q, k, o_part, *a: counts.append(("wsm", o_part.shape[1])))
-        monkeypatch.setattr(module, "launch_attn_fwd", lambda q, k, o_part, *a, **kw: counts.append(("triton", o_part.shape[1])))
-        monkeypatch.setattr(module, "launch_attn_combine", lambda *args, **kwargs: None)
-        return kernel
-
-    real_load = kvcache.load
-    monkeypatch.setattr(kvcache, "load", loaded)
+    modules, counts = record_split_launches(monkeypatch, "wsm", lambda *args: gluon, caches=1)
     monkeypatch.setattr(KVCachePart, "gluon_runs_here", lambda self: gluon)
     gen = torch.Generator().manual_seed(3)
     heads, pages = 128, 20

@@ -434,7 +434,8 @@ def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softm
         tuned_splits = config.pop("num_splits", 0)
         num_splits = num_splits or tuned_splits or _auto_splits(kernel.module, config, batch, heads, kv_heads,
                                                                 seqlen_q, capacity, q.device,
-                                                                _one_wave(kernel.module, config, q, k_cache, out))
+                                                                _one_wave(kernel.module, config, q, k_cache, out,
+                                                                          v_cache, page_size is not None))
         check_split_launch(batch, heads, kv_heads, seqlen_q, v_cache.shape[-1], num_splits, "q", "k_cache")
     return _Plan(part, config, num_splits, float(softmax_scale), uniform, batch, heads, seqlen_q, capacity, page_size,
                  tensors=tuple(tensors.items()))
@@ -495,12 +496,20 @@ def _auto_splits(module, config: dict, batch: int, heads: int, kv_heads: int, se
     return rule(programs, -(-capacity // config["BLOCK_N"]), module.multiprocessors(device))
 
 
-def _one_wave(module, config: dict, q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """Whether the module's Gluon MLA kernel runs this call (q and out in flash-attn's (batch, seq, heads, dim)
-    layout; out None: one laid out as q), so that its split count follows the one-wave rule as the module's own."""
+def _one_wave(module, config: dict, q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None,
+              v_cache: torch.Tensor | None = None, paged: bool = True) -> bool:
+    """Whether the module's Gluon MLA kernel, or its Gluon decode kernel where that takes the one-wave rule (an FP8
+    cache's: WSD_SHAPE["ONE_WAVE"]), runs this call (q, out and a contiguous cache in flash-attn's (batch, seq,
+    heads, dim) layout, seen by the module as `run` hands them over; out None: one laid out as q), so that its split
+    count follows the one-wave rule as the module's own."""
     if not hasattr(module, "choose_wave_splits") or not config.get("warp_specialized", True):
         return False
-    return bool(module.wsm_ready(q.transpose(1, 2), k_cache, (q if out is None else out).transpose(1, 2)))
+    out4 = (q if out is None else out).transpose(1, 2)
+    if hasattr(module, "wsm_ready"):
+        return bool(module.wsm_ready(q.transpose(1, 2), k_cache, out4))
+    if not paged:  # (the module's (batch, K/V heads, seq, dim) view of the sequences' caches)
+        k_cache, v_cache = k_cache[:q.shape[0]].transpose(1, 2), v_cache[:q.shape[0]].transpose(1, 2)
+    return bool(module.WSD_SHAPE.get("ONE_WAVE") and module.wsd_ready(q.transpose(1, 2), k_cache, v_cache, out4))
 
 
 def _check_indexing(q4, q, k_cache, v_cache, block_table, capacity: int, page_size: int | None) -> None:

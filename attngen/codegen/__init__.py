@@ -102,7 +102,8 @@ def render(spec: Spec, program: ir.Program) -> str:
         attrs=dict(program.attrs),
         entries=entries,
         backward_config=backward_config(spec) if backward else {},
-        split_heuristic=_split_heuristic_source(bool(program.warp_specialized.mla))
+        split_heuristic=_split_heuristic_source(bool(program.warp_specialized.mla) or bool(
+            program.warp_specialized.decode and program.warp_specialized.decode.one_wave))
         if program.attr("split_kv") == "auto" else "",
         imports_functools=program.attr("split_kv") == "auto" or triton_split,
         gluon_fwd=program.warp_specialized.forward,
@@ -184,7 +185,8 @@ def _runtime_tensors(spec: Spec, kernel=None) -> list[dict]:
 
 def _split_heuristic_source(waves: bool) -> str:
     """The run-time split-count rules (attngen/policy/splits.py), pasted into modules that choose at launch;
-    `waves`: also the one-wave rule of a kernel whose programs hold a multiprocessor each (the Gluon MLA kernel)."""
+    `waves`: also the one-wave rule of a kernel whose programs hold a multiprocessor each (the Gluon MLA kernel, the
+    FP8 cache's Gluon decode kernel)."""
     import inspect
 
     rules = (splits.multiprocessors, splits.choose_num_splits) + ((splits.choose_wave_splits,) if waves else ())

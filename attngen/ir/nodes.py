@@ -534,7 +534,14 @@ class GluonDecode:
     shared tiles that wgmma reads where `stage_k`, `stage_v` (else wgmma's A operand in registers), K's register
     operand read 16 bytes a load where `permute_k` (the head dim permuted in K and Q alike). `halves` (two
     consumers): each consumer warpgroup a partition of its own over half of every block's keys with a softmax state of
-    its own, the two merged at the end, instead of the M of both products split between them."""
+    its own, the two merged at the end, instead of the M of both products split between them. `split_loader`: K's
+    copies and V's each issued by a loader warp of its own (a paged cache's are a copy a page). `q_e4m3` (an FP8
+    cache, 0 off): the queries as `q_e4m3` e4m3 terms a row (1: rounded; 2: that and the rounding's remainder rounded,
+    about a 16-bit value's bits), scaled by a power of two a row, so that S^T = K Q^T is e4m3 products of two
+    shared-memory operands, K's block not widened, each column scaled back by its row's factor; `p_e4m3`
+    (with it) P^T rounded to e4m3 (times 2^8) so that O^T += V^T P^T is an e4m3 product too, V^T's bytes not widened.
+    `one_wave`: its launch's split count is the one-wave rule's (policy/splits.py choose_wave_splits: programs x
+    splits within the multiprocessors), each program holding one with a ring deep enough for its loads."""
 
     block_n: int
     stages: int
@@ -546,6 +553,10 @@ class GluonDecode:
     stage_v: bool = False
     permute_k: bool = False
     halves: bool = False
+    split_loader: bool = False
+    q_e4m3: int = 0
+    p_e4m3: bool = False
+    one_wave: bool = False
     # (halves: the consumer partitions' registers, the loader's loader_regs, launched at maxnreg)
     consumer_regs: int = 240
     maxnreg: int = 168
@@ -556,7 +567,8 @@ class GluonDecode:
         return {"BLOCK_N": self.block_n, "STAGES": self.stages, "ROWS": self.rows, "loader_regs": self.loader_regs,
                 **({"CONSUMERS": self.consumers} if self.consumers > 1 else {}),
                 **({"HALVES": True, "consumer_regs": self.consumer_regs, "maxnreg": self.maxnreg}
-                   if self.halves else {})}
+                   if self.halves else {}), **({"Q_E4M3": self.q_e4m3} if self.q_e4m3 else {}),
+                **({"ONE_WAVE": True} if self.one_wave else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -981,7 +993,12 @@ def format_warp_specialized(ws: WarpSpecialized) -> list[str]:
                    + "".join(f", {t} widened in shared memory" for t, on in (("K", d.stage_k), ("V", d.stage_v)) if on)
                    + (", K's head dim permuted" if d.permute_k else "")
                    + (f", each a partition over half of every block's keys ({d.consumer_regs} regs, maxnreg "
-                      f"{d.maxnreg}), merged at the end" if d.halves else ""))
+                      f"{d.maxnreg}), merged at the end" if d.halves else "")
+                   + (", K's and V's copies from a loader warp each" if d.split_loader else "")
+                   + ({0: "", 1: ", Q rounded to e4m3 a row (S^T an e4m3 product, K not widened)",
+                       2: ", Q as two e4m3 terms a row (S^T two e4m3 products, K not widened)"}[d.q_e4m3])
+                   + (", split into one wave" if d.one_wave else "")
+                   + (", P^T rounded to e4m3 (P V an e4m3 product, V not widened)" if d.p_e4m3 else ""))
     if ws.mla is not None:
         m = ws.mla
         out.append(f"gluon MLA decode: {m.rows}x{m.block_n} tiles (packed query rows x keys), {m.stages} stages, "

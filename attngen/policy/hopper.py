@@ -575,7 +575,8 @@ by TMA from shifted copies (VARLEN_ROWS_SMEM; by pointer 250) (benchmarks/NOTES.
 SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD", "FP8_DECODE_GLUON", "MLA_GLUON",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "FP8_DECODE_HALVES", "MLA_OVERLAP",
             "MLA_SEESAW", "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN",
-            "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P")
+            "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P",
+            "FP8_DECODE_SPLIT_LOADER", "FP8_DECODE_Q8", "FP8_DECODE_P8", "FP8_DECODE_ONE_WAVE")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -747,8 +748,14 @@ def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
     if kv_dtype is None:
         return DECODE
     if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0:
-        return replace(DECODE_FP8_2WG, halves=True) if FP8_DECODE_HALVES else DECODE_FP8_2WG
-    return DECODE_FP8
+        shape = replace(DECODE_FP8_2WG, halves=True) if FP8_DECODE_HALVES else DECODE_FP8_2WG
+        shape = replace(shape, split_loader=True) if FP8_DECODE_SPLIT_LOADER else shape
+    else:
+        shape = DECODE_FP8
+    shape = replace(shape, one_wave=FP8_DECODE_ONE_WAVE)
+    if FP8_DECODE_P8:
+        return replace(shape, q_e4m3=max(1, FP8_DECODE_Q8), p_e4m3=True, permute_k=False)
+    return replace(shape, q_e4m3=FP8_DECODE_Q8, permute_k=False) if FP8_DECODE_Q8 else shape
 
 
 FP8_DECODE_HALVES = True
@@ -764,6 +771,63 @@ Measured (H200, 2026-11-28, `python benchmarks/fp8_decode.py --fp8-2wg --halves`
 tokens/s over bf16's; its GPU tests pass): contiguous 1.48-1.64x against the shared state's 1.40-1.45x, paged 16
 1.45-1.55x against 1.37-1.39x; e4m3 read at up to 3.7 TB/s. Paged runs 0.93-0.96x of contiguous (the shared
 state's 0.96-0.97x): the faster consumers leave the loader's sixteen 16-token copies a block more exposed."""
+
+FP8_DECODE_SPLIT_LOADER = False
+"""Whether the two-warpgroup FP8 decode kernel (DECODE_FP8_2WG) issues K's copies and V's from a loader warp each
+(`GluonDecode.split_loader`) instead of one warp issuing both: over a paged cache of 16-token pages a 128-key
+block is sixteen TMA copies (eight of K, eight of V), each behind a page lookup, from the one warp. Measured (H200,
+2026-11-29, `python benchmarks/fp8_decode.py --split-loader --e4m3-products`): paged 16 0.92-0.94x of contiguous with
+it against 0.89-0.96x without, within the runs' spread, and no faster with q in e4m3 either: the copies' issue is not
+what paged pays. Off."""
+
+FP8_DECODE_Q8 = 2
+"""How many e4m3 terms the Gluon decode kernel over an FP8 cache takes each query row as (`GluonDecode.q_e4m3`; 0: q
+as given, K widened to 16 bits in registers): q / f for a power of two f a row (exact) rounded to e4m3, and with 2 the
+rounding's remainder rounded too, so that S^T = K Q^T is one or two e4m3 wgmma reading K's block straight from the
+ring, with no widening of K. Two terms hold a bf16 q's 8 significant bits (`attngen.testing.reference.e4m3_rows`: the
+checks hold the kernel to a computation that takes q so, `accuracy.compare`'s q_e4m3); one term (FlashAttention 3's
+FP8 convention) rounds each element by up to 2^-4, an error every key's score shares, which does not average out.
+Measured (H200, 2026-11-29, `python benchmarks/fp8_decode.py --e4m3-products`, 32/8 heads, d=128, CUDA graphs, FP8
+tokens/s over bf16's and the relative error against float64 of the dequantised cache, bf16's 2.3e-3, one process):
+
+| batch x keys | widened K (0) [an earlier run] | one term | two terms | two terms: paged 16 / contiguous |
+|---|---|---|---|---|
+| 16 x 8k | 1.50 / 1.45 | 1.61 / 1.59 | 1.58 / 1.58 | 0.974 |
+| 16 x 32k | 1.63 / 1.51 | 1.87 / 1.78 | 1.84 / 1.75 | 0.965 |
+| 64 x 8k | 1.60 / 1.51 | 1.85 / 1.80 | 1.82 / 1.77 | 0.969 |
+| 64 x 32k | 1.61 / 1.46 | 1.86 / 1.72 | 1.79 / 1.77 | 0.975 |
+| relative error | (K's rounding only) | 2.7e-2 | 3.4-3.6e-3 | |
+
+(contiguous / paged 16 in each cell.) Against float64 of the unquantised cache, the cache's own rounding dominates:
+3.8-3.9e-2 with two terms, 4.7-4.8e-2 with one. Two terms: e4m3 read at up to 4.05 TB/s (bf16: up to 4.5)."""
+
+
+FP8_DECODE_ONE_WAVE = True
+"""Whether a call of the Gluon decode kernel over an FP8 cache takes the one-wave split count (`GluonDecode.one_wave`,
+policy/splits.py choose_wave_splits: as many splits as keep programs x splits within the multiprocessors, one split
+from 132 programs) instead of the memory-bound rule (choose_num_splits, fitted to the 16-bit kernels' tuned entries):
+each program holds a multiprocessor (147-197 KB of shared memory, 384 threads at 168 registers) with a ring of 4 x
+32 KB in flight, so more splits only add a wave's tail, partial outputs and the merge. Measured (H200, 2026-11-29,
+`python benchmarks/fp8_decode.py --batches B --contexts N --splits S`, 32/8 heads, q as two e4m3 terms, FP8 tokens/s
+over bf16's, contiguous / paged 16):
+
+| batch x keys | the memory-bound rule (splits) | one wave (splits) |
+|---|---|---|
+| 1 x 8k | 1.13 / 1.08 (8) | 1.20 / 1.17 (16) |
+| 4 x 32k | 1.58 / 1.56 (8) | 1.65 / 1.64 (4) |
+| 16 x 8k | 1.59 / 1.56 (2) | 1.72 / 1.71 (1) |
+| 16 x 32k | 1.81 / 1.73 (4) | 1.88 / 1.83 (1) |
+| 64 x 32k | 1.89 / 1.83 (2) | 1.88 / 1.86 (1) |
+
+(64 x 8k takes one split either way: 1.82 / 1.77.) Paged 16 at 0.97-0.99x of contiguous with one wave."""
+
+
+FP8_DECODE_P8 = False
+"""FP8_DECODE_Q8 and P^T rounded to e4m3 as well (`GluonDecode.p_e4m3`, times 2^8 to keep small weights normal), so
+that P V is an e4m3 product too and V^T's bytes go to wgmma without widening: both products as FlashAttention 3's FP8
+kernels take them (q as one term). Measured with FP8_DECODE_Q8's runs: 1.40-1.69x bf16 against one term of q alone's
+1.59-1.87x, and a relative error of 3.6-3.8e-2 (V^T's bytes are still gathered a byte a key for the register operand;
+the widening was not the cost): off."""
 
 
 MLA_GLUON = True

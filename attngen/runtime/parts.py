@@ -165,6 +165,12 @@ class KVCachePart:
         ws = self.kernel.program.warp_specialized
         return ws.decode is not None or ws.mla is not None
 
+    def rounds_q(self) -> int:
+        """The e4m3 terms its Gluon decode kernel takes q's rows as (an FP8 cache's `q_e4m3`) where it runs; 0: q as
+        given."""
+        ws = self.kernel.program.warp_specialized
+        return ws.decode.q_e4m3 if ws.decode is not None and self.gluon_runs_here() else 0
+
     def gluon_runs_here(self) -> bool:
         """Whether this process can run it: compiled mode on an sm_90 GPU."""
         return (self.has_gluon() and not interpreting() and torch.cuda.is_available()

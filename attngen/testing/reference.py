@@ -64,6 +64,25 @@ def weights(scores: torch.Tensor, lse: torch.Tensor, fp8_probs: bool = False) ->
     return p.to(torch.float8_e4m3fn).to(p.dtype) / torch.where(total == 0, torch.ones_like(total), total)
 
 
+def e4m3_rows(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """x's rows (the last axis) as the FP8 decode kernel's `q_e4m3` multiplies them, in float64: each row scaled by
+    the least power of two f with max |x| / f <= 448 (e4m3's largest), rounded to nearest e4m3 (`terms` 2: plus the
+    rounding's remainder rounded to e4m3) and scaled back by f (the scaling exact, as in the kernel, which takes f from
+    the bits of the row's maximum)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa x 2^exponent, mantissa in [0.5, 1)
+    # 448 = 0.875 x 2^9: amax / 2^(exponent - 9) = 2 mantissa x 2^8 <= 448 while mantissa <= 0.875
+    f_exp = (exponent - 9 + (mantissa > 0.875).to(exponent.dtype)).clamp(min=-126)
+    factor = torch.ldexp(torch.ones_like(amax), f_exp)
+    scaled = xf / factor
+    hi = scaled.to(torch.float8_e4m3fn).float()
+    total = hi.double()
+    if terms == 2:
+        total = total + (scaled - hi).to(torch.float8_e4m3fn).double()
+    return total * factor.double()
+
+
 def attention_grads(q, k, v, do, mask: Mask = Mask.NONE, scale: float | None = None, dtype=torch.float64,
                     max_scores: int = 1 << 26):
     """(dq, dk, dv) of sum(attention(q, k, v) * do), in `dtype`, by autograd through `attention`.
