@@ -349,9 +349,10 @@ def launch_attn_combine(o_part, lse_part, o, lse, *, BLOCK_S, num_warps, num_sta
 # whole blocks, so a sequence's last block holds slots past its length: their scores are masked, and their
 # V rows are zeroed in shared memory before P V. The partial output and log-sum-exp go where attn_fwd's
 # would.
-# The cache is e4m3: the ring holds its bytes (a block of BLOCK_N keys is half a 16-bit one's), and the consumer
-# widens each K and V tile to bfloat16 in registers (exact: every e4m3 value is a bfloat16 one), wgmma's A
-# operand from registers; K's factor scales the scores with the softmax scale and V's the output (pass descale).
+# The cache is e4m3: the ring holds its bytes (a block of BLOCK_N keys is half a 16-bit one's). Each query row is
+# taken as two e4m3 terms times a power of two, so S^T = K Q^T runs on e4m3 wgmma reading K's block from the
+# ring as it lies; the consumer widens each V tile to bfloat16 in registers (exact) as wgmma's A operand.
+# K's factor scales the scores with the softmax scale and V's the output (pass descale).
 # Two consumer warpgroups, each a partition of its own (hopper.FP8_DECODE_HALVES), take half of every block's keys each
 # with a softmax state of its own (its column max, sums and O^T over all of the head dim): no barrier between them
 # inside the loop; warpgroup 1 hands its state to warpgroup 0 at the end, which merges the two and stores.

@@ -130,6 +130,10 @@ def test_the_policy_takes_two_consumer_warpgroups_by_default():
     assert hopper.FP8_DECODE_Q8 == 2
     assert shape == replace(hopper.DECODE_FP8_2WG, halves=True, q_e4m3=2, permute_k=False, one_wave=True)
     assert shape.constants()["HALVES"] and shape.constants()["Q_E4M3"] == 2
+    # d=64's one-warpgroup kernel keeps q as given and K widened (not yet run on a GPU with q in e4m3)
+    assert hopper.FP8_DECODE_Q8_HEAD_DIMS == (128,)
+    d64 = compile_program(parse(_text("g2wg_default_d64", head_dim=64))).warp_specialized.decode
+    assert d64.q_e4m3 == 0 and d64.consumers == 1 and d64.one_wave
     # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
     window = compile_program(parse(_text("g2wg_window", mask="window(300)")))
     assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
@@ -516,3 +520,21 @@ def test_the_split_count_fills_one_wave_where_the_gluon_kernel_runs(monkeypatch,
     wave, memory = module.choose_wave_splits(programs, key_blocks, 8), module.choose_num_splits(programs, key_blocks, 8)
     assert wave != memory  # (8: the interpreter's stand-in for the SMs)
     assert counts == [("wsd", wave)] * 2 if gluon else [("triton", memory)] * 2
+
+
+def test_q_e4m3_at_d64_compiles_for_sm90(fp8_gluon, monkeypatch, tmp_path):
+    """d=64's one-warpgroup kernel with q as two e4m3 terms (FP8_DECODE_Q8_HEAD_DIMS widened to it; the policy keeps
+    it off until it runs on a GPU): S^T's two e4m3 products (128 keys: two m64; d = 64: two k32 steps), no spills up to
+    32 rows."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8", 2)
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8_HEAD_DIMS", (64, 128))
+    spec = parse(_text("gq8_d64", "none", "contiguous", head_dim=64))
+    program = compile_program(spec)
+    assert program.warp_specialized.decode.q_e4m3 == 2 and program.warp_specialized.decode.consumers == 1
+    path, ptx = tmp_path / "gq8_d64.py", tmp_path / "gq8_d64.ptx"
+    path.write_text(render(spec, program))
+    results = probe([{"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True, "ptx_to": str(ptx)}
+                     for rows in (8, 32)])
+    for result in results:
+        assert "error" not in result and result["spill_stores"] == 0 and result["spill_loads"] == 0, results
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx.read_text())) == 2 * 2 * 2

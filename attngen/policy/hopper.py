@@ -753,6 +753,8 @@ def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
     else:
         shape = DECODE_FP8
     shape = replace(shape, one_wave=FP8_DECODE_ONE_WAVE)
+    if head_dim not in FP8_DECODE_Q8_HEAD_DIMS:
+        return shape
     if FP8_DECODE_P8:
         return replace(shape, q_e4m3=max(1, FP8_DECODE_Q8), p_e4m3=True, permute_k=False)
     return replace(shape, q_e4m3=FP8_DECODE_Q8, permute_k=False) if FP8_DECODE_Q8 else shape
@@ -776,9 +778,10 @@ FP8_DECODE_SPLIT_LOADER = False
 """Whether the two-warpgroup FP8 decode kernel (DECODE_FP8_2WG) issues K's copies and V's from a loader warp each
 (`GluonDecode.split_loader`) instead of one warp issuing both: over a paged cache of 16-token pages a 128-key
 block is sixteen TMA copies (eight of K, eight of V), each behind a page lookup, from the one warp. Measured (H200,
-2026-11-29, `python benchmarks/fp8_decode.py --split-loader --e4m3-products`): paged 16 0.92-0.94x of contiguous with
-it against 0.89-0.96x without, within the runs' spread, and no faster with q in e4m3 either: the copies' issue is not
-what paged pays. Off."""
+2026-11-29, `python benchmarks/fp8_decode.py --split-loader --e4m3-products`, 32/8 heads, batch 16 and 64 x 8k and
+32k): paged 16 0.94-0.96x of contiguous with it against 0.89-0.95x without in the same run, at the same tokens/s
+within 2%, 0.92x with a ring of 6 stages, and 0.97-0.98x against 0.98-0.99x with q and P in e4m3: the copies' issue
+is not what paged pays. Off."""
 
 FP8_DECODE_Q8 = 2
 """How many e4m3 terms the Gluon decode kernel over an FP8 cache takes each query row as (`GluonDecode.q_e4m3`; 0: q
@@ -800,6 +803,11 @@ tokens/s over bf16's and the relative error against float64 of the dequantised c
 
 (contiguous / paged 16 in each cell.) Against float64 of the unquantised cache, the cache's own rounding dominates:
 3.8-3.9e-2 with two terms, 4.7-4.8e-2 with one. Two terms: e4m3 read at up to 4.05 TB/s (bf16: up to 4.5)."""
+
+FP8_DECODE_Q8_HEAD_DIMS = (128,)
+"""The head dims FP8_DECODE_Q8 applies at: d=128, whose kernels (two warpgroups, and one) ran on the H200 with it.
+d=64's one-warpgroup kernel with q in e4m3 compiles for sm_90 without spills (tests/test_fp8kv_gluon.py) but has not
+run on a GPU yet: it keeps K widened."""
 
 
 FP8_DECODE_ONE_WAVE = True
@@ -825,7 +833,7 @@ over bf16's, contiguous / paged 16):
 FP8_DECODE_P8 = False
 """FP8_DECODE_Q8 and P^T rounded to e4m3 as well (`GluonDecode.p_e4m3`, times 2^8 to keep small weights normal), so
 that P V is an e4m3 product too and V^T's bytes go to wgmma without widening: both products as FlashAttention 3's FP8
-kernels take them (q as one term). Measured with FP8_DECODE_Q8's runs: 1.40-1.69x bf16 against one term of q alone's
+kernels take them (q as one term). Measured with FP8_DECODE_Q8's runs: 1.50-1.69x bf16 against one term of q alone's
 1.59-1.87x, and a relative error of 3.6-3.8e-2 (V^T's bytes are still gathered a byte a key for the register operand;
 the widening was not the cost): off."""
 
