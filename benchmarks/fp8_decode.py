@@ -10,6 +10,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
     python benchmarks/fp8_decode.py --split-loader   also halves with a loader warp each for K's and V's copies
+    python benchmarks/fp8_decode.py --head-dim 64 [--q8-d64]   d=64 (one warpgroup), K widened or q in e4m3
     python benchmarks/fp8_decode.py --e4m3-products  also halves with Q as one e4m3 term and as two (FP8_DECODE_Q8
                                                      1 and 2: S^T on e4m3 products), and with P in e4m3 too
     python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
@@ -36,7 +37,7 @@ os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-fp8dec-")
 import torch  # noqa: E402
 
 from attngen.api.kvcache import attention_with_kvcache  # noqa: E402
-from attngen.bench.decode import D, DTYPE, H, H_KV, bench_graph, paged_copy  # noqa: E402
+from attngen.bench.decode import DTYPE, H, H_KV, bench_graph, paged_copy  # noqa: E402
 from attngen.policy import hopper  # noqa: E402
 from attngen.runtime.plans import PLANS  # noqa: E402
 
@@ -116,10 +117,15 @@ def main() -> None:
     parser.add_argument("--permute-k", type=int, choices=(0, 1), default=None,
                         help="hopper.DECODE_FP8_2WG's permute_k")
     parser.add_argument("--splits", type=int, default=0, help="the FP8 calls' num_splits (0: the split rule's)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    parser.add_argument("--q8-d64", action="store_true",
+                        help="q as e4m3 terms at d=64 too (hopper.FP8_DECODE_Q8_HEAD_DIMS = (64, 128))")
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--contexts", default="8192,32768")
     args = parser.parse_args()
     hopper.FP8_DECODE_GLUON = args.gluon or hopper.FP8_DECODE_GLUON
+    if args.q8_d64:  # (not a switch: this process's modules all take it, in a cache of their own)
+        hopper.FP8_DECODE_Q8_HEAD_DIMS = (64, 128)
     if args.stages_2wg:
         hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, stages=args.stages_2wg)
     for name in ("stage_k", "stage_v", "permute_k"):
@@ -145,9 +151,9 @@ def main() -> None:
           f"{'paged/contig':>12} {'rel64':>8} {'vs bf16 kv':>10}")
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
-            q = torch.randn(batch, 1, H, D, device="cuda", dtype=DTYPE, generator=gen)
-            k = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
-            v = torch.randn(batch, ctx, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
+            q = torch.randn(batch, 1, H, args.head_dim, device="cuda", dtype=DTYPE, generator=gen)
+            k = torch.randn(batch, ctx, H_KV, args.head_dim, device="cuda", dtype=DTYPE, generator=gen)
+            v = torch.randn(batch, ctx, H_KV, args.head_dim, device="cuda", dtype=DTYPE, generator=gen)
             # per-head scales from each head's absolute maximum, as a calibration would set them (bench.decode's)
             k_descale, v_descale = (t.abs().amax(dim=(0, 1, 3)).float() / 448.0 for t in (k, v))
             k8, v8 = (k.float() / k_descale[:, None]).to(FP8), (v.float() / v_descale[:, None]).to(FP8)
@@ -176,7 +182,7 @@ def main() -> None:
                                  (relative(out, ref_fp8), relative(out, ref_bf16))))
                 for name, ms, itemsize, (err, total) in rows:
                     contiguous.setdefault(name, ms)
-                    gbps = 2 * batch * ctx * H_KV * D * itemsize / ms / 1e6
+                    gbps = 2 * batch * ctx * H_KV * args.head_dim * itemsize / ms / 1e6
                     print(f"{batch:>3} {ctx:>6} {layout:<10} {name:<8} {ms:>8.4f} {batch / ms * 1e3:>9.0f} "
                           f"{gbps:>6.0f} {bf16_ms / ms:>7.2f} {contiguous[name] / ms:>12.3f} "
                           f"{err:>8.1e} {'' if total is None else f'{total:.1e}':>10}", flush=True)

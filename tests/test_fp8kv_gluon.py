@@ -382,13 +382,15 @@ def test_two_consumer_warpgroups_compile_for_sm90(two_wg, tmp_path, monkeypatch)
 SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": False},
           "2wg_k": {"stage_k": True, "stage_v": True, "permute_k": False},
           "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}, "2wg_halves": {},
-          "2wg_halves_split": {}, "2wg_halves_q8": {}, "2wg_halves_q8x1": {}, "2wg_q8": {}, "1wg_q8": None}
+          "2wg_halves_split": {}, "2wg_halves_q8": {}, "2wg_halves_q8x1": {}, "2wg_q8": {}, "1wg_q8": None,
+          "1wg_q8_d64": None}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
 REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg", "2wg_halves") for layout in sorted(LAYOUTS)
                for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")]
               + [(layout, True, "2wg_halves_split") for layout in sorted(LAYOUTS)]
               + [(layout, causal, "2wg_halves_q8") for layout in sorted(LAYOUTS) for causal in (True, False)]
-              + [("paged16", True, shape) for shape in ("2wg_halves_q8x1", "2wg_q8", "1wg_q8")])
+              + [("paged16", True, shape) for shape in ("2wg_halves_q8x1", "2wg_q8", "1wg_q8")]
+              + [(layout, True, "1wg_q8_d64") for layout in sorted(LAYOUTS)])
 
 
 def _terms(name) -> int:
@@ -398,9 +400,10 @@ def _terms(name) -> int:
 
 def _take_shape(monkeypatch, name) -> int:
     """Switch the policy to SHAPES[name] ("halves" in it: hopper.FP8_DECODE_HALVES on, "split":
-    FP8_DECODE_SPLIT_LOADER, "q8": FP8_DECODE_Q8 2, "q8x1": 1); its consumer warpgroups."""
+    FP8_DECODE_SPLIT_LOADER, "q8": FP8_DECODE_Q8 2, "q8x1": 1, "d64": at d=64 too); its consumer warpgroups."""
     fields = SHAPES[name]
     monkeypatch.setattr(hopper, "FP8_DECODE_Q8", _terms(name))
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8_HEAD_DIMS", (64, 128) if "d64" in name else (128,))
     monkeypatch.setattr(hopper, "FP8_DECODE_2WG", fields is not None)
     monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", "halves" in name)
     monkeypatch.setattr(hopper, "FP8_DECODE_SPLIT_LOADER", "split" in name)
@@ -412,15 +415,17 @@ def _take_shape(monkeypatch, name) -> int:
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90's")
 @pytest.mark.parametrize("layout, causal, shape", REAL_SIZES)
 def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, causal, shape):
-    """B = 16, 32/8 heads, d = 128, up to 8k keys (odd lengths), shuffled 16-token pages, per-(sequence, head)
-    descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and at one split, with
-    one consumer warpgroup and with two (hopper.FP8_DECODE_2WG, and the A/Bs of its fields; FP8_DECODE_HALVES: each a
-    partition over half of every block's keys, merged at the end)."""
+    """B = 16, 32/8 heads, d = 128 (and 64: "d64" shapes), up to 8k keys (odd lengths), shuffled 16-token pages,
+    per-(sequence, head) descales; the Gluon kernel runs (the Triton one would raise), at the rule's split count and
+    at one split, with one consumer warpgroup and with two (hopper.FP8_DECODE_2WG, and the A/Bs of its fields;
+    FP8_DECODE_HALVES: each a partition over half of every block's keys, merged at the end; FP8_DECODE_Q8: q as
+    e4m3 terms, the bound that of a computation taking q so)."""
     from test_fp8kv import _check, _dequantized, _descale
 
     consumers = _take_shape(monkeypatch, shape)
     mask = "causal(bottom_right)" if causal else "none"
-    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout])).module
+    d = 64 if "d64" in shape else 128
+    module = attngen.load(_text(f"gfp8_gpu_{layout}_{mask[:4]}_{shape}", mask, LAYOUTS[layout], head_dim=d)).module
     assert hasattr(module, "attn_fwd_wsd") and module.WSD_SHAPE.get("CONSUMERS", 1) == consumers
     assert module.WSD_SHAPE.get("HALVES", False) == ("halves" in shape)
     assert hasattr(module, "_wsd_loader_v") == ("split" in shape)
@@ -431,7 +436,7 @@ def test_gpu_fp8_gluon_decode_at_real_sizes(fp8_gluon, monkeypatch, layout, caus
 
     monkeypatch.setattr(module, "launch_attn_fwd", no_triton)
     gen = torch.Generator().manual_seed(52)
-    batch, heads, kv_heads, d, n, page = 16, 32, 8, 128, 8192, 16
+    batch, heads, kv_heads, n, page = 16, 32, 8, 8192, 16
     lens = torch.randint(n // 2, n + 1, (batch,), generator=gen, dtype=torch.int32)
     lens[0], lens[1] = n, 1  # a full cache and a single key
     lens = lens.cuda()
