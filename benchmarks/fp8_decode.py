@@ -1,12 +1,14 @@
 """FP8 KV-cache decode against bf16 decode (issue 52: >= 1.8x bf16's tokens/s from batch 16 and 8k keys, paged
-within 5% of contiguous): batch 16 and 64 x 8k and 32k keys, 32/8 heads, d = 128, one query a sequence, a
+within 5% of contiguous): batch 16 and 64 x 8k and 32k keys, 32/8 heads, d = 128 (or 64), one query a sequence, a
 contiguous cache and the same tokens in shuffled 16-token pages, each call replayed in a CUDA graph
 (attngen.bench.decode's timer).
 
     python benchmarks/fp8_decode.py            the FP8 cache on the kernel the policy picks as shipped
     python benchmarks/fp8_decode.py --gluon    with policy hopper.FP8_DECODE_GLUON switched on
     python benchmarks/fp8_decode.py --fp8-2wg  FP8 with one consumer warpgroup and with two (hopper.FP8_DECODE_2WG
-                                               off, then on, for each call), beside bf16, in one process
+                                               off, then on, for each call; K widened, the shared state), beside
+                                               bf16, in one process
+    python benchmarks/fp8_decode.py --splits 1 the FP8 calls at a fixed split count (0: the policy's rule)
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
     python benchmarks/fp8_decode.py --split-loader   also halves with a loader warp each for K's and V's copies
@@ -110,7 +112,8 @@ def main() -> None:
     parser.add_argument("--split-loader", action="store_true",
                         help="also halves with K's and V's copies from a loader warp each (FP8_DECODE_SPLIT_LOADER)")
     parser.add_argument("--e4m3-products", action="store_true",
-                        help="also halves with Q quantised to e4m3 (FP8_DECODE_Q8), and with P too (FP8_DECODE_P8)")
+                        help="also halves with Q as one and as two e4m3 terms (FP8_DECODE_Q8 1, 2), and with P in e4m3 "
+                             "too (FP8_DECODE_P8)")
     parser.add_argument("--stages-2wg", type=int, default=None, help="hopper.DECODE_FP8_2WG's stages")
     parser.add_argument("--stage-k", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_k")
     parser.add_argument("--stage-v", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_v")

@@ -326,11 +326,9 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None, tensors: dict | No
 
 
 def _rounds_q(kernel) -> int:
-    """The e4m3 terms the kernel's Gluon decode kernel (an FP8 cache's, `q_e4m3`) takes q's rows as where it may run
-    (compiled on an sm_90 GPU); 0: q as given."""
-    decode = kernel.program.warp_specialized.decode
-    runs = not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    return decode.q_e4m3 if decode is not None and runs else 0
+    """The e4m3 terms the kernel's Gluon decode kernel (an FP8 cache's, `q_e4m3`) takes q's rows as where it runs
+    (KVCachePart.rounds_q); 0: q as given, and for a kernel without one."""
+    return kernel.part("kvcache").rounds_q() if kernel.program.warp_specialized.decode is not None else 0
 
 
 def run_case(kernel, case: Case, device, generator=None) -> Result:
