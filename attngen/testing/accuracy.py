@@ -326,9 +326,11 @@ def compare_grads(spec: Spec, q, k, v, do, grads, scale=None, tensors: dict | No
 
 
 def _rounds_q(kernel) -> int:
-    """The e4m3 terms the kernel's Gluon decode kernel (an FP8 cache's, `q_e4m3`) takes q's rows as where it runs
-    (KVCachePart.rounds_q); 0: q as given, and for a kernel without one."""
-    return kernel.part("kvcache").rounds_q() if kernel.program.warp_specialized.decode is not None else 0
+    """The e4m3 terms the kernel's Gluon decode kernel (a split-KV spec over an FP8 cache: `q_e4m3`) takes q's rows
+    as where it runs (KVCachePart.rounds_q); 0: q as given, and for every other spec."""
+    if kernel.spec.kv_dtype is None or not kernel.spec.is_split:
+        return 0
+    return kernel.part("kvcache").rounds_q()
 
 
 def run_case(kernel, case: Case, device, generator=None) -> Result:
