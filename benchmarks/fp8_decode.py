@@ -147,7 +147,8 @@ def main() -> None:
     fp8_kinds += [("fp8 q8x2", kind(True, True, False, q8=2))] if args.e4m3_products else []
     fp8_kinds += [("fp8 p8", kind(True, True, False, q8=1, p8=True))] if args.e4m3_products else []
     gen = torch.Generator("cuda").manual_seed(0)
-    kinds = "; ".join(f"{name}: " + ", ".join(f"{k} = {v}" for k, v in settings.items()) for name, settings in fp8_kinds)
+    kinds = "; ".join(f"{name}: " + ", ".join(f"{k} = {v}" for k, v in settings.items())
+                      for name, settings in fp8_kinds)
     print(f"{torch.cuda.get_device_name()}; hopper.FP8_DECODE_GLUON = {hopper.FP8_DECODE_GLUON}; {kinds}; "
           f"DECODE_FP8_2WG = {hopper.DECODE_FP8_2WG}")
     print(f"{'B':>3} {'ctx':>6} {'layout':<10} {'kernel':<8} {'ms':>8} {'tokens/s':>9} {'GB/s':>6} {'x bf16':>7} "

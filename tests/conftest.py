@@ -81,8 +81,10 @@ def record_split_launches(monkeypatch, gluon: str, ready, caches: int) -> tuple[
         module = kernel.module
         modules.append(module)
         monkeypatch.setattr(module, f"{gluon}_ready", ready)
-        monkeypatch.setattr(module, f"launch_attn_fwd_{gluon}", lambda q, *a: counts.append((gluon, a[caches].shape[1])))
-        monkeypatch.setattr(module, "launch_attn_fwd", lambda q, *a, **kw: counts.append(("triton", a[caches].shape[1])))
+        monkeypatch.setattr(module, f"launch_attn_fwd_{gluon}",
+                            lambda q, *a: counts.append((gluon, a[caches].shape[1])))
+        monkeypatch.setattr(module, "launch_attn_fwd",
+                            lambda q, *a, **kw: counts.append(("triton", a[caches].shape[1])))
         monkeypatch.setattr(module, "launch_attn_combine", lambda *args, **kwargs: None)
         return kernel
 

@@ -458,11 +458,13 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
                          or program.attr("sinks", False) or not 0 < d.maxnreg <= 255):
             fail("decode: halves takes two consumer warpgroups with K and V^T as register operands and no score "
                  "modifier or sink (a variant's hooks take the shared state)")
-        if d.q_e4m3 not in (0, 1, 2) or d.q_e4m3 and (d.stage_k or d.permute_k or program.attr("kv_dtype") != "fp8_e4m3"):
+        q8_bad = d.q_e4m3 and (d.stage_k or d.permute_k or program.attr("kv_dtype") != "fp8_e4m3")
+        if d.q_e4m3 not in (0, 1, 2) or q8_bad:
             fail("decode: q_e4m3 (0, 1 or 2 e4m3 terms) reads K's e4m3 block from shared memory as S^T's operand (an "
                  "FP8 cache, K neither staged nor permuted)")
         if d.p_e4m3 and (not d.q_e4m3 or d.stage_v):
-            fail("decode: p_e4m3 makes both products e4m3 (with q_e4m3) and reads V^T's bytes from the ring (not staged)")
+            fail("decode: p_e4m3 makes both products e4m3 (with q_e4m3) and reads V^T's bytes from the ring (not "
+                 "staged)")
         if d.halves:
             regs_ok("decode consumers", d.consumer_regs)
         fp8_only = d.consumers > 1 or d.widen_by_sign or d.stage_k or d.stage_v or d.permute_k or d.q_e4m3
