@@ -12,7 +12,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
     python benchmarks/fp8_decode.py --split-loader   also halves with a loader warp each for K's and V's copies
-    python benchmarks/fp8_decode.py --head-dim 64 [--q8-d64]   d=64 (one warpgroup), K widened or q in e4m3
+    python benchmarks/fp8_decode.py --head-dim 64 [--block-n 128]   d=64 (two warpgroups, halves), its key block
     python benchmarks/fp8_decode.py --e4m3-products  also halves with Q as one e4m3 term and as two (FP8_DECODE_Q8
                                                      1 and 2: S^T on e4m3 products), and with P in e4m3 too
     python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
@@ -121,14 +121,14 @@ def main() -> None:
                         help="hopper.DECODE_FP8_2WG's permute_k")
     parser.add_argument("--splits", type=int, default=0, help="the FP8 calls' num_splits (0: the split rule's)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    parser.add_argument("--q8-d64", action="store_true",
-                        help="q as e4m3 terms at d=64 too (hopper.FP8_DECODE_Q8_HEAD_DIMS = (64, 128))")
+    parser.add_argument("--block-n", type=int, default=None,
+                        help="the two-warpgroup kernel's key block at this head dim (hopper.FP8_DECODE_2WG_BLOCK_N)")
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--contexts", default="8192,32768")
     args = parser.parse_args()
     hopper.FP8_DECODE_GLUON = args.gluon or hopper.FP8_DECODE_GLUON
-    if args.q8_d64:  # (not a switch: this process's modules all take it, in a cache of their own)
-        hopper.FP8_DECODE_Q8_HEAD_DIMS = (64, 128)
+    if args.block_n:
+        hopper.FP8_DECODE_2WG_BLOCK_N = {**hopper.FP8_DECODE_2WG_BLOCK_N, args.head_dim: args.block_n}
     if args.stages_2wg:
         hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, stages=args.stages_2wg)
     for name in ("stage_k", "stage_v", "permute_k"):

@@ -130,10 +130,11 @@ def test_the_policy_takes_two_consumer_warpgroups_by_default():
     assert hopper.FP8_DECODE_Q8 == 2
     assert shape == replace(hopper.DECODE_FP8_2WG, halves=True, q_e4m3=2, permute_k=False, one_wave=True)
     assert shape.constants()["HALVES"] and shape.constants()["Q_E4M3"] == 2
-    # d=64's one-warpgroup kernel keeps q as given and K widened (not yet run on a GPU with q in e4m3)
-    assert hopper.FP8_DECODE_Q8_HEAD_DIMS == (128,)
+    # d=64 takes the halves too (each warpgroup all of O^T's 64 rows over its half of a block), over 256-key blocks
+    # (each half two m64 tiles of S^T), q as two e4m3 terms
+    assert 64 in hopper.FP8_DECODE_Q8_HEAD_DIMS and 64 in hopper.FP8_DECODE_2WG_HEAD_DIMS
     d64 = compile_program(parse(_text("g2wg_default_d64", head_dim=64))).warp_specialized.decode
-    assert d64.q_e4m3 == 0 and d64.consumers == 1 and d64.one_wave
+    assert d64 == replace(shape, block_n=hopper.FP8_DECODE_2WG_BLOCK_N[64]) and d64.block_n == 256
     # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
     window = compile_program(parse(_text("g2wg_window", mask="window(300)")))
     assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
@@ -383,14 +384,15 @@ SHAPES = {"1wg": None, "2wg": {}, "2wg_regs": {"stage_v": False, "permute_k": Fa
           "2wg_k": {"stage_k": True, "stage_v": True, "permute_k": False},
           "2wg_v": {"stage_v": True}, "2wg_unpermuted": {"stage_v": True, "permute_k": False}, "2wg_halves": {},
           "2wg_halves_split": {}, "2wg_halves_q8": {}, "2wg_halves_q8x1": {}, "2wg_q8": {}, "1wg_q8": None,
-          "1wg_q8_d64": None}
+          "1wg_q8_d64": None, "2wg_halves_q8_d64": {}}
 # every layout and mask for the shipped shapes, one for the A/Bs' others
 REAL_SIZES = ([(layout, causal, shape) for shape in ("1wg", "2wg", "2wg_halves") for layout in sorted(LAYOUTS)
                for causal in (True, False)] + [("paged16", True, shape) for shape in ("2wg_regs", "2wg_k", "2wg_v", "2wg_unpermuted")]
               + [(layout, True, "2wg_halves_split") for layout in sorted(LAYOUTS)]
               + [(layout, causal, "2wg_halves_q8") for layout in sorted(LAYOUTS) for causal in (True, False)]
               + [("paged16", True, shape) for shape in ("2wg_halves_q8x1", "2wg_q8", "1wg_q8")]
-              + [(layout, True, "1wg_q8_d64") for layout in sorted(LAYOUTS)])
+              + [(layout, True, "1wg_q8_d64") for layout in sorted(LAYOUTS)]
+              + [(layout, causal, "2wg_halves_q8_d64") for layout in sorted(LAYOUTS) for causal in (True, False)])
 
 
 def _terms(name) -> int:
@@ -528,9 +530,8 @@ def test_the_split_count_fills_one_wave_where_the_gluon_kernel_runs(monkeypatch,
 
 
 def test_q_e4m3_at_d64_compiles_for_sm90(fp8_gluon, monkeypatch, tmp_path):
-    """d=64's one-warpgroup kernel with q as two e4m3 terms (FP8_DECODE_Q8_HEAD_DIMS widened to it; the policy keeps
-    it off until it runs on a GPU): S^T's two e4m3 products (128 keys: two m64; d = 64: two k32 steps), no spills up to
-    32 rows."""
+    """d=64's one-warpgroup kernel (FP8_DECODE_2WG off) with q as two e4m3 terms: S^T's two e4m3 products (128 keys:
+    two m64; d = 64: two k32 steps), no spills up to 32 rows."""
     monkeypatch.setattr(hopper, "FP8_DECODE_Q8", 2)
     monkeypatch.setattr(hopper, "FP8_DECODE_Q8_HEAD_DIMS", (64, 128))
     spec = parse(_text("gq8_d64", "none", "contiguous", head_dim=64))
@@ -543,3 +544,32 @@ def test_q_e4m3_at_d64_compiles_for_sm90(fp8_gluon, monkeypatch, tmp_path):
     for result in results:
         assert "error" not in result and result["spill_stores"] == 0 and result["spill_loads"] == 0, results
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx.read_text())) == 2 * 2 * 2
+
+
+def test_d64_halves_compile_for_sm90(fp8_gluon, monkeypatch, tmp_path):
+    """d=64 with the policy's two warpgroups (halves over 256-key blocks, q as two e4m3 terms): each warpgroup's half
+    of a block is two m64 tiles of S^T (two e4m3 terms each, two k32 steps) and O^T's 64 rows over its 128 keys; no
+    spills at 8 and 32 rows, contiguous and paged. Without halves two warpgroups cannot split d=64's O^T (verify)."""
+    monkeypatch.setattr(hopper, "FP8_DECODE_2WG", True)
+    monkeypatch.setattr(hopper, "FP8_DECODE_HALVES", True)
+    monkeypatch.setattr(hopper, "FP8_DECODE_Q8", 2)
+    jobs = []
+    for layout, rows in (("contiguous", 32), ("paged16", 8)):
+        spec = parse(_text(f"gd64_halves_{layout}", "causal(bottom_right)", LAYOUTS[layout], head_dim=64))
+        program = compile_program(spec)
+        shape = program.warp_specialized.decode
+        assert (shape.consumers, shape.halves, shape.block_n, shape.q_e4m3) == (2, True, 256, 2)
+        path = tmp_path / f"gd64_halves_{layout}.py"
+        path.write_text(render(spec, program))
+        jobs.append({"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True,
+                     "ptx_to": str(tmp_path / f"{layout}.ptx")})
+    results = probe(jobs)
+    for result in results:
+        assert "error" not in result and result["warps"] == 12, results
+        assert result["spill_stores"] == 0 and result["spill_loads"] == 0, results
+    ptx = (tmp_path / "contiguous.ptx").read_text()
+    # per warpgroup and block: 2 m64 tiles x 2 terms x 2 k32 steps of S^T
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx)) == 2 * 2 * 2 * 2
+    shared = replace(program.warp_specialized.decode, halves=False)
+    with pytest.raises(InternalError, match="head dim 64"):
+        verify(replace(program, warp_specialized=replace(program.warp_specialized, decode=shared)), "test")

@@ -107,7 +107,7 @@ def gbps(batch: int, ctx: int, ms: float, itemsize: int = DTYPE.itemsize) -> flo
 
 def paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor) -> torch.Tensor:
     """The contiguous cache (B, ctx, H_KV, D) in a pool of pages placed at `perm`."""
-    pages = cache.reshape(-1, page, H_KV, D)
+    pages = cache.reshape(-1, page, *cache.shape[2:])
     pool = torch.empty_like(pages)
     pool[perm] = pages
     return pool

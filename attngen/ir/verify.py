@@ -448,8 +448,10 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
             fail("decode on a program without a split-KV KV cache")
         if d.block_n % 16 or d.stages < 1 or d.rows & (d.rows - 1) or not 8 <= d.rows <= 256:
             fail(f"decode: {d.block_n}-key blocks, {d.stages} stages, {d.rows} rows (wgmma's N: a power of two, 8-256)")
-        # each consumer warpgroup's wgmma takes M = 64 of a block's keys (S^T) and of the head dim's rows (O^T)
-        if d.consumers not in (1, 2) or d.block_n % (64 * d.consumers) or program.attr("head_dim") % (64 * d.consumers):
+        # each consumer warpgroup's wgmma takes M = 64 of a block's keys (S^T) and of the head dim's rows (O^T; with
+        # halves every warpgroup holds all of O^T's rows)
+        rows_split = 1 if d.halves else d.consumers
+        if d.consumers not in (1, 2) or d.block_n % (64 * d.consumers) or program.attr("head_dim") % (64 * rows_split):
             fail(f"decode: {d.consumers} consumer warpgroups over {d.block_n}-key blocks at head dim "
                  f"{program.attr('head_dim')} (each takes 64 keys and 64 rows of O^T a block, or a multiple)")
         if d.permute_k and (d.stage_k or (d.consumers, d.block_n, program.attr("head_dim")) != (2, 128, 128)):

@@ -742,14 +742,41 @@ contiguous); with stage_v 1.24-1.29x; stage_v off and 3 stages 1.36-1.43x (a tie
 1.19-1.25x; with stage_v, permute_k off 1.11-1.13x; stage_k with stage_v 1.08-1.10x."""
 
 
+FP8_DECODE_2WG_HEAD_DIMS = (64, 128)
+"""The head dims at which FP8_DECODE_2WG takes two consumer warpgroups: d=128 in either form; d=64 with halves only (the
+shared state's split of O^T's rows needs 128; halves give each warpgroup all of them, over its half of the keys).
+ptxas (sm_90a, d=64, q as two e4m3 terms, halves): no spills at 8 and 32 rows. Measured at d=64: FP8_DECODE_Q8_HEAD_DIMS
+and FP8_DECODE_2WG_BLOCK_N."""
+
+FP8_DECODE_2WG_BLOCK_N = {64: 256}
+"""Key blocks of the two-warpgroup FP8 decode kernel by head dim where not DECODE_FP8_2WG's 128: at d=64 a block of 256
+keys is the bytes of d=128's 128 (each warpgroup's half two m64 tiles of S^T), so a program waits on half the barriers
+per byte. ptxas (sm_90a, halves, q in e4m3): no spills at 8 and 32 rows, 143-177 KB of shared memory at 4 stages
+(d=128 at 256 keys: 271 KB at 3 stages, spills). Measured (H200, 2026-11-29, `python benchmarks/fp8_decode.py
+--head-dim 64 [--block-n 128] [--stages-2wg 3]`, 32/8 heads, FP8 tokens/s over bf16's, contiguous / paged 16):
+
+| batch x keys | 128-key blocks | 256 | 256, 3 stages |
+|---|---|---|---|
+| 16 x 8k | 1.59 / 1.55 | 1.65 / 1.69 | 1.69 / 1.72 |
+| 16 x 32k | 1.50 / 1.51 | 1.92 / 1.87 | 1.92 / 1.87 |
+| 64 x 8k | 1.43 / 1.42 | 1.64 / 1.70 | 1.70 / 1.67 |
+| 64 x 32k | 1.47 / 1.47 | 1.81 / 1.76 | 1.78 / 1.74 |
+
+Paged 16 at 0.94-0.99x of contiguous at 256 (0.94 at 32k keys: the loader's 32 page copies a block); e4m3 read at up
+to 3.7 TB/s (bf16's d=64 kernel reads 3.9-4.1)."""
+
+
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
     """The Gluon decode kernel's shape for a head dim in DECODE_HEAD_DIMS over a cache of `kv_dtype` (None: the
     queries' 16-bit dtype)."""
     if kv_dtype is None:
         return DECODE
-    if FP8_DECODE_2WG and head_dim % (64 * DECODE_FP8_2WG.consumers) == 0:
+    # (the shared state splits O^T's rows between the warpgroups; halves give each all of them)
+    rows_split = head_dim % (64 * DECODE_FP8_2WG.consumers) == 0
+    if FP8_DECODE_2WG and head_dim in FP8_DECODE_2WG_HEAD_DIMS and (rows_split or FP8_DECODE_HALVES):
         shape = replace(DECODE_FP8_2WG, halves=True) if FP8_DECODE_HALVES else DECODE_FP8_2WG
         shape = replace(shape, split_loader=True) if FP8_DECODE_SPLIT_LOADER else shape
+        shape = replace(shape, block_n=FP8_DECODE_2WG_BLOCK_N.get(head_dim, shape.block_n))
     else:
         shape = DECODE_FP8
     shape = replace(shape, one_wave=FP8_DECODE_ONE_WAVE)
@@ -804,10 +831,12 @@ tokens/s over bf16's and the relative error against float64 of the dequantised c
 (contiguous / paged 16 in each cell.) Against float64 of the unquantised cache, the cache's own rounding dominates:
 3.8-3.9e-2 with two terms, 4.7-4.8e-2 with one. Two terms: e4m3 read at up to 4.05 TB/s (bf16: up to 4.5)."""
 
-FP8_DECODE_Q8_HEAD_DIMS = (128,)
-"""The head dims FP8_DECODE_Q8 applies at: d=128, whose kernels (two warpgroups, and one) ran on the H200 with it.
-d=64's one-warpgroup kernel with q in e4m3 compiles for sm_90 without spills (tests/test_fp8kv_gluon.py) but has not
-run on a GPU yet: it keeps K widened."""
+FP8_DECODE_Q8_HEAD_DIMS = (64, 128)
+"""The head dims FP8_DECODE_Q8 applies at: d=128 and d=64, whose kernels (two warpgroups, and one) ran on the H200 with
+it (tests/test_fp8kv_gluon.py, marked gpu). d=64 (H200, 2026-11-29, `python benchmarks/fp8_decode.py --head-dim 64`,
+32/8 heads, FP8 tokens/s over bf16's at batch 16 and 64 x 8k and 32k): one warpgroup 0.90-0.93x with K widened,
+1.17-1.24x with q in e4m3; two warpgroups (FP8_DECODE_2WG_HEAD_DIMS) 1.42-1.58x at 128-key blocks, 1.64-1.92x at
+256 (FP8_DECODE_2WG_BLOCK_N)."""
 
 
 FP8_DECODE_ONE_WAVE = True
