@@ -11,7 +11,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --splits 1 the FP8 calls at a fixed split count (0: the policy's rule)
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
-    python benchmarks/fp8_decode.py --split-loader   also halves with a loader warp each for K's and V's copies
+    python benchmarks/fp8_decode.py --split-loader   also the shipped kernel with a loader warp each for K's and V's copies
     python benchmarks/fp8_decode.py --head-dim 64 [--block-n 128]   d=64 (two warpgroups, halves), its key block
     python benchmarks/fp8_decode.py --e4m3-products  also halves with Q as one e4m3 term and as two (FP8_DECODE_Q8
                                                      1 and 2: S^T on e4m3 products), and with P in e4m3 too
@@ -142,7 +142,7 @@ def main() -> None:
                    hopper.FP8_DECODE_Q8, hopper.FP8_DECODE_P8)
     fp8_kinds = [("fp8 1wg", kind(False)), ("fp8 2wg", kind(True))] if args.fp8_2wg else [("fp8", shipped)]
     fp8_kinds += [("fp8 half", kind(True, True))] if args.halves else []
-    fp8_kinds += [("fp8 sl", kind(True, True, True))] if args.split_loader else []
+    fp8_kinds += [("fp8 sl", {**shipped, "FP8_DECODE_SPLIT_LOADER": True})] if args.split_loader else []
     fp8_kinds += [("fp8 q8", kind(True, True, False, q8=1))] if args.e4m3_products else []
     fp8_kinds += [("fp8 q8x2", kind(True, True, False, q8=2))] if args.e4m3_products else []
     fp8_kinds += [("fp8 p8", kind(True, True, False, q8=1, p8=True))] if args.e4m3_products else []
