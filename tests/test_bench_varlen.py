@@ -41,3 +41,26 @@ def test_every_row_checks_against_float64():
     rows = varlen.bench_varlen(check=True, progress=lambda _: None)
     assert {r.params["case"] for r in rows} == {"documents", "long_and_short", "mixed", "slot"}
     assert [r.error for r in rows if r.error] == []
+
+
+def test_slot_rows_take_the_median_of_alternating_timings(monkeypatch):
+    """The slot's timings: each side timed SLOT_ROUNDS times, the sides taking turns (attngen, slot, attngen, ...),
+    each row its side's median; a side that raises is its row's error, the other side still timed."""
+    from attngen.bench import varlen as bench_varlen
+
+    order, values = [], iter([5.0, 9.0, 1.0, 8.0, 3.0, 7.0])
+
+    def timed(fn, inputs, direction):
+        order.append(fn())
+        return next(values)
+
+    monkeypatch.setattr(bench_varlen, "_timed", timed)
+    medians = bench_varlen._slot_medians({"attngen": lambda: "a", "slot": lambda: "s"}, (), "forward")
+    assert order == ["a", "s"] * bench_varlen.SLOT_ROUNDS and medians == {"attngen": 3.0, "slot": 8.0}
+
+    def failing():
+        raise RuntimeError("no flash kernel here")
+
+    values = iter([2.0, 4.0, 3.0])
+    medians = bench_varlen._slot_medians({"attngen": lambda: "a", "slot": failing}, (), "backward")
+    assert medians["attngen"] == 3.0 and isinstance(medians["slot"], RuntimeError)
