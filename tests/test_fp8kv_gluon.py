@@ -136,8 +136,9 @@ def test_the_policy_takes_two_consumer_warpgroups_by_default():
     d64 = compile_program(parse(_text("g2wg_default_d64", head_dim=64))).warp_specialized.decode
     assert d64 == replace(shape, block_n=hopper.FP8_DECODE_2WG_BLOCK_N[64]) and d64.block_n == 256
     # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
-    window = compile_program(parse(_text("g2wg_window", mask="window(300)")))
-    assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
+    for d in (64, 128):
+        window = compile_program(parse(_text(f"g2wg_window_d{d}", mask="window(300)", head_dim=d)))
+        assert window.warp_specialized.decode is None or not window.warp_specialized.decode.halves
 
 
 def test_halves_source(two_wg, monkeypatch, tmp_path):
