@@ -11,7 +11,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --splits 1 the FP8 calls at a fixed split count (0: the policy's rule)
     python benchmarks/fp8_decode.py --fp8-2wg --stages-2wg 4    DECODE_FP8_2WG's ring at 4 stages
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
-    python benchmarks/fp8_decode.py --split-loader   also the shipped kernel with a loader warp each for K's and V's copies
+    python benchmarks/fp8_decode.py --split-loader   also the shipped kernel with a loader warp for each of K and V
     python benchmarks/fp8_decode.py --head-dim 64 [--block-n 128]   d=64 (two warpgroups, halves), its key block
     python benchmarks/fp8_decode.py --e4m3-products  also halves with Q as one e4m3 term and as two (FP8_DECODE_Q8
                                                      1 and 2: S^T on e4m3 products), and with P in e4m3 too

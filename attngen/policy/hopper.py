@@ -713,29 +713,29 @@ kernel. DECODE's stages and loader registers, not measured on this ring yet."""
 
 
 FP8_DECODE_2WG = True
-"""Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`) at d=128 instead
-of one (`DECODE_FP8`). Its GPU tests pass (H200, 2026-11-28, tests/test_fp8kv_gluon.py); `benchmarks/fp8_decode.py
---fp8-2wg` (H200, 32/8 heads, batch 16 and 64 x 8k and 32k keys): tokens/s 1.17-1.22x bf16's at 3 stages, 1.23-1.29x
-at DECODE_FP8_2WG's 4, against one warpgroup's 1.04-1.11x; 2.4-2.9 TB/s of e4m3 read (bf16: 3.9-4.6 TB/s of its
-bytes), paged 16 within 3.2% of contiguous; 1.35-1.42x with stage_v off (DECODE_FP8_2WG's A/Bs). The issue's 1.8x is
-not reached: the consumers are still the bound."""
+"""Whether the Gluon decode kernel over an FP8 cache takes two consumer warpgroups (`DECODE_FP8_2WG`; at the head dims
+of FP8_DECODE_2WG_HEAD_DIMS) instead of one (`DECODE_FP8`). Its GPU tests pass (H200, 2026-11-28,
+tests/test_fp8kv_gluon.py); `benchmarks/fp8_decode.py --fp8-2wg` (H200, 32/8 heads, batch 16 and 64 x 8k and 32k keys):
+tokens/s 1.17-1.22x bf16's at 3 stages, 1.23-1.29x at DECODE_FP8_2WG's 4, against one warpgroup's 1.04-1.11x; 2.4-2.9
+TB/s of e4m3 read (bf16: 3.9-4.6 TB/s of its bytes), paged 16 within 3.2% of contiguous; 1.35-1.42x with stage_v off
+(DECODE_FP8_2WG's A/Bs). The issue's 1.8x is not reached: the consumers are still the bound."""
 
 DECODE_FP8_2WG = replace(DECODE_FP8, stages=4, consumers=2, widen_by_sign=True, stage_v=False, permute_k=True)
 """The Gluon decode kernel's shape over an e4m3 cache with two consumer warpgroups: one warpgroup, which widens both
 tiles, runs both products and the softmax of each block, was the bound (2.1-2.4 TB/s of e4m3 where the 16-bit kernel
-reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T
-(the column max meets through shared memory) and 64 of the head dim's 128 rows of O^T += V^T P^T (over all the
-block's keys, P^T shared), which halves each thread's registers for the tiles and needs no merge at the end.
-widen_by_sign: e4m3 widened by a sign-extending byte permute, a shift and a mask a pair (4 PTX instructions for 2 values
-where the masks took 6). stage_v (off: it lost): V's block read 16 bytes a thread, widened and stored into a 16-bit
-tile (32 KB) that wgmma reads transposed, where V^T as a register operand is read a byte an element (ld.shared.b8) and
-packed by three byte permutes each 4 values: 48 shared loads a thread a block instead of 116, but the store, the
-barrier and wgmma's read of the 16-bit tile cost more than the loads saved. A ring of 4 stages of 128 keys (128 KB at
-d=128): 1.23-1.29x bf16's tokens/s with stage_v against 3 stages' 1.17-1.22x; d=64 keeps DECODE_FP8 (O^T's 64 rows
-are one warpgroup's wgmma). permute_k: K stays wgmma's register operand but is read 16 bytes a load (a 2-byte load and
-byte permutes to pack each 4 values before), the head dim permuted in K and Q alike (S^T sums over it; the template
-says how). stage_k (off; excludes permute_k) stages K as V instead: 32 KB more shared memory and wgmma's 32 KB read of
-it a block.
+reads ~4), so both take every block, each widening and multiplying half of it: 64 of its 128 keys of S^T = K Q^T (the
+column max meets through shared memory) and 64 of the head dim's 128 rows of O^T += V^T P^T (over all the block's keys,
+P^T shared), which halves each thread's registers for the tiles and needs no merge at the end. widen_by_sign: e4m3
+widened by a sign-extending byte permute, a shift and a mask a pair (4 PTX instructions for 2 values where the masks
+took 6). stage_v (off: it lost): V's block read 16 bytes a thread, widened and stored into a 16-bit tile (32 KB) that
+wgmma reads transposed, where V^T as a register operand is read a byte an element (ld.shared.b8) and packed by three
+byte permutes each 4 values: 48 shared loads a thread a block instead of 116, but the store, the barrier and wgmma's
+read of the 16-bit tile cost more than the loads saved. A ring of 4 stages of 128 keys (128 KB at d=128): 1.23-1.29x
+bf16's tokens/s with stage_v against 3 stages' 1.17-1.22x; d=64 takes this shape only as halves (O^T's 64 rows are one
+warpgroup's wgmma: FP8_DECODE_2WG_HEAD_DIMS). permute_k: K stays wgmma's register operand but is read 16 bytes a load (a
+2-byte load and byte permutes to pack each 4 values before), the head dim permuted in K and Q alike (S^T sums over it;
+the template says how). stage_k (off; excludes permute_k) stages K as V instead: 32 KB more shared memory and wgmma's 32
+KB read of it a block.
 The A/Bs (H200, 2026-11-28, `benchmarks/fp8_decode.py --fp8-2wg [...]`, 32/8 heads, batch 16 and 64 x 8k and 32k,
 contiguous and paged 16, FP8 tokens/s over bf16's in one process): this shape 1.35-1.42x (paged 0.96-0.97x of
 contiguous); with stage_v 1.24-1.29x; stage_v off and 3 stages 1.36-1.43x (a tie); stage_v and permute_k both off
