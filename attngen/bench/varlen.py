@@ -22,6 +22,7 @@ sizes against float64 instead of timing; on a CPU in Triton's interpreter.
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import torch
 
@@ -282,7 +283,7 @@ def _slot_medians(runs: dict, inputs, direction) -> dict:
                     times[name].append(_timed(fn, inputs, direction))
             except Exception as e:  # noqa: BLE001 - a side that cannot run is its row's result
                 errors[name] = e
-    return {name: errors.get(name) or sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {name: errors.get(name) or statistics.median_high(t) for name, t in times.items()}
 
 
 def _flash_backend():
