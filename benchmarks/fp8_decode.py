@@ -13,6 +13,7 @@ contiguous cache and the same tokens in shuffled 16-token pages, each call repla
     python benchmarks/fp8_decode.py --fp8-2wg --halves   also the two warpgroups as partitions (FP8_DECODE_HALVES)
     python benchmarks/fp8_decode.py --split-loader   also the shipped kernel with a loader warp for each of K and V
     python benchmarks/fp8_decode.py --head-dim 64 [--block-n 128]   d=64 (two warpgroups, halves), its key block
+    python benchmarks/fp8_decode.py --block-n 128 --stages-2wg 4   d=128's form before 256-key blocks in 2 stages
     python benchmarks/fp8_decode.py --e4m3-products  also halves with Q as one e4m3 term and as two (FP8_DECODE_Q8
                                                      1 and 2: S^T on e4m3 products), and with P in e4m3 too
     python benchmarks/fp8_decode.py --fp8-2wg --stage-v 0       DECODE_FP8_2WG with V^T a register operand
@@ -114,7 +115,8 @@ def main() -> None:
     parser.add_argument("--e4m3-products", action="store_true",
                         help="also halves with Q as one and as two e4m3 terms (FP8_DECODE_Q8 1, 2), and with P in e4m3 "
                              "too (FP8_DECODE_P8)")
-    parser.add_argument("--stages-2wg", type=int, default=None, help="hopper.DECODE_FP8_2WG's stages")
+    parser.add_argument("--stages-2wg", type=int, default=None,
+                        help="hopper.DECODE_FP8_2WG's stages (and the head dim's FP8_DECODE_2WG_STAGES)")
     parser.add_argument("--stage-k", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_k")
     parser.add_argument("--stage-v", type=int, choices=(0, 1), default=None, help="hopper.DECODE_FP8_2WG's stage_v")
     parser.add_argument("--permute-k", type=int, choices=(0, 1), default=None,
@@ -129,8 +131,9 @@ def main() -> None:
     hopper.FP8_DECODE_GLUON = args.gluon or hopper.FP8_DECODE_GLUON
     if args.block_n:
         hopper.FP8_DECODE_2WG_BLOCK_N = {**hopper.FP8_DECODE_2WG_BLOCK_N, args.head_dim: args.block_n}
-    if args.stages_2wg:
+    if args.stages_2wg:  # (a head dim with stages of its own in FP8_DECODE_2WG_STAGES takes them there)
         hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, stages=args.stages_2wg)
+        hopper.FP8_DECODE_2WG_STAGES = {**hopper.FP8_DECODE_2WG_STAGES, args.head_dim: args.stages_2wg}
     for name in ("stage_k", "stage_v", "permute_k"):
         if getattr(args, name) is not None:
             hopper.DECODE_FP8_2WG = replace(hopper.DECODE_FP8_2WG, **{name: bool(getattr(args, name))})

@@ -609,7 +609,7 @@ def attn_fwd_wsd(Q, OP, LP, SEQLENS, BT, k_desc, v_desc, N_Q, GROUP, NUM_SPLITS,
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-WSD_SHAPE = {'BLOCK_N': 128, 'STAGES': 4, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2, 'HALVES': True, 'consumer_regs': 240, 'maxnreg': 168, 'Q_E4M3': 2, 'ONE_WAVE': True}
+WSD_SHAPE = {'BLOCK_N': 256, 'STAGES': 2, 'ROWS': 32, 'loader_regs': 40, 'CONSUMERS': 2, 'HALVES': True, 'consumer_regs': 240, 'maxnreg': 168, 'Q_E4M3': 2, 'ONE_WAVE': True}
 WSD_CAUSAL = True
 _WSD_BOX = [WSD_SHAPE["BLOCK_N"], HEAD_DIM]  # rows of one TMA copy: a block of one head's keys
 _WSD_LAYOUT = gl.NVMMASharedLayout.get_default_for(_WSD_BOX, gl.float8e4nv)

@@ -128,13 +128,17 @@ def test_the_policy_takes_two_consumer_warpgroups_by_default():
     shape = compile_program(parse(_text("g2wg_default"))).warp_specialized.decode
     # (q as two e4m3 terms a row, K read from the ring as S^T's operand: no K permuted for the register operand)
     assert hopper.FP8_DECODE_Q8 == 2
-    assert shape == replace(hopper.DECODE_FP8_2WG, halves=True, q_e4m3=2, permute_k=False, one_wave=True)
+    # (at d=128 over 256-key blocks in two stages: FP8_DECODE_2WG_BLOCK_N, FP8_DECODE_2WG_STAGES)
+    assert shape == replace(hopper.DECODE_FP8_2WG, halves=True, q_e4m3=2, permute_k=False, one_wave=True,
+                            block_n=hopper.FP8_DECODE_2WG_BLOCK_N[128], stages=hopper.FP8_DECODE_2WG_STAGES[128])
+    assert (shape.block_n, shape.stages) == (256, 2)
     assert shape.constants()["HALVES"] and shape.constants()["Q_E4M3"] == 2
     # d=64 takes the halves too (each warpgroup all of O^T's 64 rows over its half of a block), over 256-key blocks
     # (each half two m64 tiles of S^T), q as two e4m3 terms
     assert 64 in hopper.FP8_DECODE_Q8_HEAD_DIMS and 64 in hopper.FP8_DECODE_2WG_HEAD_DIMS
     d64 = compile_program(parse(_text("g2wg_default_d64", head_dim=64))).warp_specialized.decode
-    assert d64 == replace(shape, block_n=hopper.FP8_DECODE_2WG_BLOCK_N[64]) and d64.block_n == 256
+    assert d64 == replace(shape, block_n=hopper.FP8_DECODE_2WG_BLOCK_N[64], stages=hopper.DECODE_FP8_2WG.stages)
+    assert d64.block_n == 256
     # a variant keeps the shared state (its hooks' per-column reads and sinks take one partition's layouts)
     for d in (64, 128):
         window = compile_program(parse(_text(f"g2wg_window_d{d}", mask="window(300)", head_dim=d)))
@@ -238,12 +242,15 @@ def test_q_e4m3_source(two_wg, monkeypatch, tmp_path, terms, halves, p8):
     path = tmp_path / f"gq8_{terms}_{halves}_{p8}.py"
     path.write_text(source)
     ptx = tmp_path / "gq8.ptx"
-    (result,) = probe([{"path": str(path), "gluon_ws": "decode", "rows": 32, "ptxas": True, "ptx_to": str(ptx)}])
+    # (the halves' 256-key blocks at d=128, FP8_DECODE_2WG_BLOCK_N: a few bytes of spills at 32 rows, none at 16)
+    rows = 16 if halves else 32
+    (result,) = probe([{"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True, "ptx_to": str(ptx)}])
     assert "error" not in result and result["spill_stores"] == 0 and result["spill_loads"] == 0, result
-    e4m3 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3", ptx.read_text())
-    # S^T's K step is 32 e4m3 values: 4 a 128-wide head dim, for each term, in each consumer partition (and with P in
-    # e4m3, P V's: 128 rows of V^T, 2 x m64, over a half block's 64 keys, 2 x k32)
-    assert len(e4m3) == (4 * terms + (4 if p8 else 0)) * (2 if halves else 1), len(e4m3)
+    e4m3 = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k32\.f32\.e4m3\.e4m3", ptx.read_text())
+    # S^T's K step is 32 e4m3 values: 4 a 128-wide head dim, for each term and m64 tile of a consumer's keys, in each
+    # consumer partition (and with P in e4m3, P V's: 128 rows of V^T, 2 x m64, over a half block's keys in k32 steps)
+    half = shape.block_n // 2 if halves else 64
+    assert len(e4m3) == (4 * terms * (half // 64) + (half // 16 if p8 else 0)) * (2 if halves else 1), len(e4m3)
     assert ("bf16.bf16" in ptx.read_text()) == (not p8)  # P V: bf16 (V widened) or e4m3
 
 

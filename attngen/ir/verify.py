@@ -454,16 +454,16 @@ def _warp_specialized_ok(program: ir.Program, stage: str) -> None:
         if d.consumers not in (1, 2) or d.block_n % (64 * d.consumers) or program.attr("head_dim") % (64 * rows_split):
             fail(f"decode: {d.consumers} consumer warpgroups over {d.block_n}-key blocks at head dim "
                  f"{program.attr('head_dim')} (each takes 64 keys and 64 rows of O^T a block, or a multiple)")
+        q8_bad = d.q_e4m3 and (d.stage_k or d.permute_k or program.attr("kv_dtype") != "fp8_e4m3")
+        if d.q_e4m3 not in (0, 1, 2) or q8_bad:
+            fail("decode: q_e4m3 (0, 1 or 2 e4m3 terms) reads K's e4m3 block from shared memory as S^T's operand (an "
+                 "FP8 cache, K neither staged nor permuted)")
         if d.permute_k and (d.stage_k or (d.consumers, d.block_n, program.attr("head_dim")) != (2, 128, 128)):
             fail("decode: permute_k's layout is two warpgroups' over 128 keys and 128 columns of K in registers")
         if d.halves and (d.consumers != 2 or d.stage_k or d.stage_v or program.attr("score") is not None
                          or program.attr("sinks", False) or not 0 < d.maxnreg <= 255):
             fail("decode: halves takes two consumer warpgroups with K and V^T as register operands and no score "
                  "modifier or sink (a variant's hooks take the shared state)")
-        q8_bad = d.q_e4m3 and (d.stage_k or d.permute_k or program.attr("kv_dtype") != "fp8_e4m3")
-        if d.q_e4m3 not in (0, 1, 2) or q8_bad:
-            fail("decode: q_e4m3 (0, 1 or 2 e4m3 terms) reads K's e4m3 block from shared memory as S^T's operand (an "
-                 "FP8 cache, K neither staged nor permuted)")
         if d.p_e4m3 and (not d.q_e4m3 or d.stage_v):
             fail("decode: p_e4m3 makes both products e4m3 (with q_e4m3) and reads V^T's bytes from the ring (not "
                  "staged)")

@@ -748,12 +748,14 @@ shared state's split of O^T's rows needs 128; halves give each warpgroup all of 
 ptxas (sm_90a, d=64, q as two e4m3 terms, halves): no spills at 8 and 32 rows. Measured at d=64: FP8_DECODE_Q8_HEAD_DIMS
 and FP8_DECODE_2WG_BLOCK_N."""
 
-FP8_DECODE_2WG_BLOCK_N = {64: 256}
-"""Key blocks of the two-warpgroup FP8 decode kernel by head dim where not DECODE_FP8_2WG's 128: at d=64 a block of 256
-keys is the bytes of d=128's 128 (each warpgroup's half two m64 tiles of S^T), so a program waits on half the barriers
-per byte. ptxas (sm_90a, halves, q in e4m3): no spills at 8 and 32 rows, 143-177 KB of shared memory at 4 stages
-(d=128 at 256 keys: 271 KB at 3 stages, spills). Measured (H200, 2026-11-29, `python benchmarks/fp8_decode.py
---head-dim 64 [--block-n 128] [--stages-2wg 3]`, 32/8 heads, FP8 tokens/s over bf16's, contiguous / paged 16):
+FP8_DECODE_2WG_BLOCK_N = {64: 256, 128: 256}
+"""Key blocks of the two-warpgroup FP8 decode kernel by head dim where not DECODE_FP8_2WG's 128 (their stages:
+FP8_DECODE_2WG_STAGES; d=128's measurement there), for the halves (FP8_DECODE_HALVES) reading K from the ring as it
+lies (q in e4m3: K widened in permute_k's register layout takes 128-key blocks). At d=64 a block of 256 keys is the
+bytes of d=128's 128 (each warpgroup's half two m64 tiles of S^T), so a program waits on half the barriers per byte.
+ptxas (sm_90a, halves, q in e4m3): no spills at 8 and 32 rows, 143-177 KB of shared memory at 4 stages (d=128 at 256
+keys: 271 KB at 3 stages, spills). Measured (H200, 2026-11-29, `python benchmarks/fp8_decode.py --head-dim 64
+[--block-n 128] [--stages-2wg 3]`, 32/8 heads, FP8 tokens/s over bf16's, contiguous / paged 16):
 
 | batch x keys | 128-key blocks | 256 | 256, 3 stages |
 |---|---|---|---|
@@ -764,6 +766,23 @@ per byte. ptxas (sm_90a, halves, q in e4m3): no spills at 8 and 32 rows, 143-177
 
 Paged 16 at 0.94-0.99x of contiguous at 256 (0.94 at 32k keys: the loader's 32 page copies a block); e4m3 read at up
 to 3.7 TB/s (bf16's d=64 kernel reads 3.9-4.1)."""
+
+FP8_DECODE_2WG_STAGES = {128: 2}
+"""The ring's stages of the two-warpgroup FP8 decode kernel by head dim where not DECODE_FP8_2WG's 4. d=128 at 256-key
+blocks (FP8_DECODE_2WG_BLOCK_N) holds two of them: 3 would need 271 KB of shared memory; at 2, ptxas (sm_90a, halves,
+q in e4m3) spills nothing at up to 16 rows (8: 150 KB of shared memory), 20 bytes at 32 (205 KB). Measured (H200,
+2026-11-29, `python benchmarks/fp8_decode.py --block-n 256 --stages-2wg 2` against `python benchmarks/fp8_decode.py`
+as then shipped (128-key blocks, 4 stages), each twice, alternating, 32/8 heads, FP8 tokens/s over bf16's, contiguous
+/ paged 16):
+
+| batch x keys | 128 keys, 4 stages | 256 keys, 2 stages |
+|---|---|---|
+| 16 x 8k | 1.73-1.74 / 1.72 | 1.73-1.74 / 1.75 |
+| 16 x 32k | 1.92-1.93 / 1.86-1.87 | 1.98 / 1.93 |
+| 64 x 8k | 1.81-1.82 / 1.77 | 1.85 / 1.80-1.81 |
+| 64 x 32k | 1.74-1.77 / 1.76-1.77 | 1.86-1.87 / 1.84-1.87 |
+
+Paged 0.97-1.00x of contiguous; e4m3 read at up to 4.2 TB/s."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
@@ -776,15 +795,17 @@ def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
     if FP8_DECODE_2WG and head_dim in FP8_DECODE_2WG_HEAD_DIMS and (rows_split or FP8_DECODE_HALVES):
         shape = replace(DECODE_FP8_2WG, halves=True) if FP8_DECODE_HALVES else DECODE_FP8_2WG
         shape = replace(shape, split_loader=True) if FP8_DECODE_SPLIT_LOADER else shape
-        shape = replace(shape, block_n=FP8_DECODE_2WG_BLOCK_N.get(head_dim, shape.block_n))
     else:
         shape = DECODE_FP8
     shape = replace(shape, one_wave=FP8_DECODE_ONE_WAVE)
-    if head_dim not in FP8_DECODE_Q8_HEAD_DIMS:
-        return shape
-    if FP8_DECODE_P8:
-        return replace(shape, q_e4m3=max(1, FP8_DECODE_Q8), p_e4m3=True, permute_k=False)
-    return replace(shape, q_e4m3=FP8_DECODE_Q8, permute_k=False) if FP8_DECODE_Q8 else shape
+    if head_dim in FP8_DECODE_Q8_HEAD_DIMS and FP8_DECODE_P8:
+        shape = replace(shape, q_e4m3=max(1, FP8_DECODE_Q8), p_e4m3=True, permute_k=False)
+    elif head_dim in FP8_DECODE_Q8_HEAD_DIMS and FP8_DECODE_Q8:
+        shape = replace(shape, q_e4m3=FP8_DECODE_Q8, permute_k=False)
+    if shape.halves and not shape.permute_k:  # (K widened in permute_k's layout takes 128-key blocks)
+        shape = replace(shape, block_n=FP8_DECODE_2WG_BLOCK_N.get(head_dim, shape.block_n),
+                        stages=FP8_DECODE_2WG_STAGES.get(head_dim, shape.stages))
+    return shape
 
 
 FP8_DECODE_HALVES = True
