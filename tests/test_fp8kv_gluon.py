@@ -244,8 +244,11 @@ def test_q_e4m3_source(two_wg, monkeypatch, tmp_path, terms, halves, p8):
     ptx = tmp_path / "gq8.ptx"
     # (the halves' 256-key blocks at d=128, FP8_DECODE_2WG_BLOCK_N: a few bytes of spills at 32 rows, none at 16)
     rows = 16 if halves else 32
-    (result,) = probe([{"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True, "ptx_to": str(ptx)}])
+    jobs = [{"path": str(path), "gluon_ws": "decode", "rows": rows, "ptxas": True, "ptx_to": str(ptx)}]
+    jobs += [{"path": str(path), "gluon_ws": "decode", "rows": 32, "ptxas": True}] if halves else []
+    result, *at_32 = probe(jobs)
     assert "error" not in result and result["spill_stores"] == 0 and result["spill_loads"] == 0, result
+    assert all("error" not in r and r["spill_stores"] <= 32 and r["spill_loads"] <= 32 for r in at_32), at_32
     e4m3 = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k32\.f32\.e4m3\.e4m3", ptx.read_text())
     # S^T's K step is 32 e4m3 values: 4 a 128-wide head dim, for each term and m64 tile of a consumer's keys, in each
     # consumer partition (and with P in e4m3, P V's: 128 rows of V^T, 2 x m64, over a half block's keys in k32 steps)

@@ -782,7 +782,9 @@ as then shipped (128-key blocks, 4 stages), each twice, alternating, 32/8 heads,
 | 64 x 8k | 1.81-1.82 / 1.77 | 1.85 / 1.80-1.81 |
 | 64 x 32k | 1.74-1.77 / 1.76-1.77 | 1.86-1.87 / 1.84-1.87 |
 
-Paged 0.97-1.00x of contiguous; e4m3 read at up to 4.2 TB/s."""
+Paged 0.97-1.00x of contiguous. Shipped, `python benchmarks/fp8_decode.py` twice more: 1.73 / 1.75, 1.99 / 1.92-1.93,
+1.84-1.85 / 1.80, 1.95-1.96 / 1.91-1.92, e4m3 read at up to 4.5 TB/s (16 x 8k: 1.84 with L2 cleared by a read instead
+of do_bench's zeroing, NOTES.md v56)."""
 
 
 def decode(kv_dtype: str | None = None, head_dim: int = 128) -> ir.GluonDecode:
