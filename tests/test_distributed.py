@@ -402,15 +402,18 @@ def test_shard_unshard_round_trip():
         shard_sequence(x[:, :, :10], 3, 0)
 
 
-def reference(q, k, v, causal, window, scale, softcap, documents=None):
+def reference(q, k, v, causal, window, scale, softcap, documents=None, sinks=None):
     """(out, lse) of the whole sequence (documents packed in it: each query within its own), in q, k and v's
-    precision."""
+    precision; `sinks` (H,) one more logit in every row of head h, with no value."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible(q.shape[2], causal, window, documents).to(s.device), -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+        v = torch.cat([v, torch.zeros_like(v[:, :, :1])], 2)
     lse = torch.logsumexp(s, -1)
     return torch.softmax(s, -1) @ v, lse
 
@@ -469,6 +472,18 @@ for _world, _picks in {2: (0, 4, 13), 3: (6,), 4: (0, 5)}.items():
                       (CASES[_world][i] for i in _picks)]
 
 
+# cases run again with sinks (the same positional fields as CASES' with documents, balance, early, fused written
+# out): the causal ring, the halo exchange (its out in q's dtype) with softcap and GQA, balanced documents with
+# their loans, the ring with its merges in one kernel
+SINK_CASES = {
+    2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False),
+        (1, 2, 1, 7, False, False, (2, 3), 5.0, None, False, False, False),
+        (1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True, False, False),
+        (2, 4, 2, 5, False, False, NO_WINDOW, 0.0, None, False, False, True)],
+    3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0, None, False, False, False)],
+    4: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, True)],
+}
+
 # every move, however small, at the cases' sizes; LOANS_EARLY's loans after an executor's first block
 SMALL_BALANCE = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1, arrival_scores=1)
 
@@ -483,6 +498,8 @@ def _worker(rank, world, path, device, cases):
     try:
         for case in cases:
             _check_case(rank, world, device, *case)
+        for case in SINK_CASES[world]:
+            _check_case(rank, world, device, *case, sinks=True)
         _check_halo_bytes(rank, world, device)
         _check_ring_return(rank, world, device)
         _check_exchange_group(rank, world, device)
@@ -496,10 +513,11 @@ def _worker(rank, world, path, device, cases):
 
 
 def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
-                balance=False, early=False, fused=False):
+                balance=False, early=False, fused=False, sinks=False):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
-    PyTorch."""
+    PyTorch. `sinks`: with a sink logit per head (float32, requiring grad), whose gradient summed over the ranks is
+    checked too."""
     gpu = device == "cuda"
     dtype, head_dim = (torch.bfloat16, 64) if gpu else (torch.float32, 16)
     if gpu:
@@ -512,26 +530,33 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     if balance:  # (the case lends work: the plan has loans)
         assert balanced_schedule(ring_schedule(world, n, causal, window, load_balance, documents), SMALL_BALANCE)[1]
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
-    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents)
-    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents) if gpu else None
+    sink = torch.randn(h, device=device) * 2 if sinks else None
+    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents, sink)
+    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents, sink) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    mine_sink = None if sink is None else sink.clone().requires_grad_()
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
     shipped = context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE
     context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = early, fused
     try:
         with _posted() as batches:
             out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                                  window_size=window, softcap=softcap, cu_seqlens=cu_seqlens,
-                                                  return_lse=True, balance_documents=balance)
+                                                  window_size=window, softcap=softcap, sinks=mine_sink,
+                                                  cu_seqlens=cu_seqlens, return_lse=True, balance_documents=balance)
             out.backward(shard(do))
     finally:
         context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = shipped
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents} balance={balance} early={early} fused={fused}")
+             f"documents={documents} balance={balance} early={early} fused={fused} sinks={sinks}")
     _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
+    if sinks:  # (each rank's rows' share: the whole gradient is their sum)
+        assert mine_sink.grad.dtype == torch.float32 and mine_sink.grad.shape == (h,)
+        total = mine_sink.grad.clone()
+        dist.all_reduce(total)
+        _compare(total, want[5], low[5] if gpu else None, f"dsinks, {label}")
 
 
 def _compare(got, want, low, label):
@@ -545,12 +570,13 @@ def _compare(got, want, low, label):
     assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
 
 
-def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None):
-    """(out, lse, dq, dk, dv) of the whole sequence, computed in `precision`."""
+def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None, sinks=None):
+    """(out, lse, dq, dk, dv[, dsinks]) of the whole sequence, computed in `precision` (sinks in float64)."""
     full = [t.detach().to(precision).requires_grad_() for t in (q, k, v)]
-    out, lse = reference(*full, causal, window, scale, softcap, documents)
+    sink = None if sinks is None else sinks.detach().double().requires_grad_()
+    out, lse = reference(*full, causal, window, scale, softcap, documents, sink)
     out.backward(do.to(precision))
-    return tuple(t.detach() for t in (out, lse, *(t.grad for t in full)))
+    return tuple(t.detach() for t in (out, lse, *(t.grad for t in full), *(() if sink is None else (sink.grad,))))
 
 
 @contextlib.contextmanager
@@ -777,6 +803,12 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q, q, q, causal=rank == 0)
     with pytest.raises(ValueError, match="balance_documents: the ranks disagree"):
         context_parallel_attention(q, q, q, causal=True, balance_documents=rank == 0)
+    with pytest.raises(ValueError, match="sinks: the ranks disagree on the sinks values"):
+        context_parallel_attention(q, q, q, causal=True, sinks=torch.full((2,), float(rank), device=device))
+    with pytest.raises(ValueError, match="sinks: the ranks disagree on the sinks given"):
+        context_parallel_attention(q, q, q, causal=True, sinks=torch.zeros(2, device=device) if rank else None)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
+        context_parallel_attention(q, q, q, causal=True, sinks=torch.zeros(3, device=device))
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):

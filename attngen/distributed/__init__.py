@@ -63,7 +63,7 @@ class _ContextParallel(torch.autograd.Function):
     (`steps` a list of `Visit`s) as one differentiable call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, kernels, loans=(), split=None):
+    def forward(ctx, q, k, v, sinks, ring, steps, kernels, loans=(), split=None):
         ctx.halo_rows = ctx.received = None
         with recorded_pass("forward", q.device), kernels.margin():
             if isinstance(steps, Halo):
@@ -72,15 +72,19 @@ class _ContextParallel(torch.autograd.Function):
                 out, lse, ctx.received, ctx.hosted = _visits_forward(ring, steps, loans, split, kernels, q, k, v)
             else:
                 out, lse = _ring_forward(ring, steps, kernels, q, k, v)
+            if sinks is not None:
+                out, lse = _with_sinks(out, lse, sinks)
             out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.steps, ctx.kernels, ctx.loans, ctx.split = ring, steps, kernels, loans, split
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        # (with sinks, out and lse are the sinks' already: each block's recomputed P and delta = rowsum(dO * out)
+        # are then those of the softmax with the sink logit, and dQ, dK, dV need nothing more)
         with recorded_pass("backward", q.device), ctx.kernels.margin():
             if ctx.halo_rows is not None:
                 dq, dk, dv = _halo_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, *ctx.halo_rows, out, lse,
@@ -91,21 +95,40 @@ class _ContextParallel(torch.autograd.Function):
             else:
                 dq, dk, dv = _ring_backward(ctx.ring, ctx.steps, ctx.kernels, q, k, v, out, lse, do.contiguous())
             dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = _sinks_grad(out, lse, do, sinks) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def _with_sinks(out, lse, sinks):
+    """(out float32, lse) of the merged state of every key with each head's sink logit joined to its rows' softmax
+    denominator: lse' = log(e^lse + e^sink), the keys' output weighted by their share e^(lse - lse'), the sink
+    adding no value. Rows that saw no key keep out 0 and get lse' = sink."""
+    total = torch.logaddexp(lse, sinks[None, :, None])
+    return out.float() * torch.exp(lse - total)[..., None], total
+
+
+def _sinks_grad(out, lse, do, sinks):
+    """d loss / d sinks from this rank's rows (float32, (H,)): a row's sink has probability e^(sink - lse'), and
+    its gradient is minus that times delta = rowsum(dO * out), summed over the batch and the rows."""
+    delta = (do.float() * out.float()).sum(-1)
+    return -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                                causal: bool = False, scale: float | None = None, load_balance: bool = True,
                                window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                               cu_seqlens: torch.Tensor | None = None, return_lse: bool = False,
-                               balance_documents: bool | None = None):
+                               sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                               return_lse: bool = False, balance_documents: bool | None = None):
     """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
     shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
     makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
-    `causal`, `scale`, `window_size` and `softcap` as `attngen.attention`'s, over the positions of the whole
-    sequence. `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
+    `causal`, `scale`, `window_size`, `softcap` and `sinks` as `attngen.attention`'s, over the positions of the
+    whole sequence. `sinks` (H,), the same on every rank, joins each row's softmax denominator once (after the
+    partial states of every key are merged); its gradient, when it requires grad, is this rank's rows' share, to be
+    summed over the group as every weight's is under context parallelism (the data-parallel reduction over the
+    context-parallel ranks does it). `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
     offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
     only its own document's keys (causal within it under `causal`, exactly across shard boundaries); each rank runs
     only the (query, key) pieces of a document that both shards hold, and receives from each other rank only the key
@@ -139,10 +162,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                "even (or pass load_balance=False with shards from shard_sequence(load_balance=False))")
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, None)
+    if sinks is not None:  # (float32, a differentiable cast: the sinks' own dtype gets their gradient)
+        sinks = sdpa._checked_float("sinks", sinks, q, ((q.shape[1],),))
     documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
     balance = bool(context_parallel.BALANCE_DOCUMENTS if balance_documents is None else balance_documents)
     _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
-                              balance)
+                              balance, sinks)
     halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
     schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents)
     loans = ()
@@ -155,7 +180,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         split = loans_split(steps[0].blocks, loans, rank, context_parallel.BALANCE)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ring = _Ring(exchange_group(group), rank, world)
-    out, lse = _ContextParallel.apply(q, k, v, ring, steps, _Kernels(q, k, v, scale, softcap), loans, split)
+    out, lse = _ContextParallel.apply(q, k, v, sinks, ring, steps, _Kernels(q, k, v, scale, softcap), loans,
+                                      split)
     return (out, lse) if return_lse else out
 
 
@@ -182,11 +208,11 @@ def checked_documents(cu_seqlens, total: int) -> tuple[int, ...]:
 
 
 def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
-                              balance) -> None:
+                              balance, sinks=None) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
     names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
              "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets",
-             "balance_documents")
+             "balance_documents", "sinks given", "sinks values")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     # NOTE: the offsets travel as one weighted sum modulo a prime (below 2^53: exact in float64), so that the
     # all-gather stays a few numbers however many documents there are
@@ -195,8 +221,11 @@ def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, w
     mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
                          dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
                          -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets,
-                         balance],
+                         balance, sinks is not None, 0.0],
                         dtype=torch.float64, device=q.device)
+    if sinks is not None:  # (their values as one weighted sum, on the device: no copy to the host)
+        mine[-1] = (sinks.double() * torch.arange(1, sinks.numel() + 1, dtype=torch.float64,
+                                                  device=sinks.device)).sum()
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()  # (one copy to the host, not one a value)
