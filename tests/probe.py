@@ -11,7 +11,8 @@ Triton cannot compile in a process where it was imported in interpreter mode, so
 and returns, per job, {"shared": bytes} or {"error": message}. A job {"path": ..., "gluon_ws": true}
 compiles the module's warp-specialised Gluon forward (`attn_fwd_ws`) as its launcher would launch it
 ({"gluon_ws": "backward"}: its Gluon dK/dV kernel, `attn_bwd_dkdv_ws`, with "dq_atomic" / "dq_local" /
-"late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; "decode": its
+"late_rows" / "dq_claim" to set those constexprs, "partial": a split group's float32 partial sums; a spec's declared
+tensors, ARG_<name>, are *fp32 pointers unless "arg_ptrs" ({"ARG_<name>": "*i32", ...}) says; "decode": its
 Gluon split-KV kernel, `attn_fwd_wsd`, for
 "rows" (default 8) padded query rows per K/V head; "short": true, the forward or backward at its shape for short
 sequences; a forward or wide backward whose Q and K tiles are column pieces (WS_SHAPE["PIECES"],
@@ -157,9 +158,10 @@ def _compile_gluon_ws(module, job):
                          if p in fn.arg_names)
         # a varlen kernel's: the output for its row-masked stores, the sequences' offsets and lengths
         pointers += tuple(p for p in ("O", "CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQLENS_K") if p in fn.arg_names)
+    pointers += tuple(p for p in fn.arg_names if p.startswith("ARG_"))  # a spec's declared tensors
     io = _PTR[str(module.DTYPE).removeprefix("torch.")]
     typed = {"CLAIM": "*i32", "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32", "O": io, "DK": io,
-             "DV": io, "ORDER": "*i32"}
+             "DV": io, "ORDER": "*i32", **job.get("arg_ptrs", {})}
     sig = {arg: "constexpr" if arg in const else descs.get(arg, typed.get(arg, "*fp32") if arg in pointers
                                                             else "fp32" if arg == "sm_scale" else "i32")
            for arg in fn.arg_names}

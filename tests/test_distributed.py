@@ -95,8 +95,9 @@ def test_ring_schedule_covers_the_mask_once(seed):
     window = (left, right) if rng.random() < 0.7 else NO_WINDOW
     if causal and window[0] < 0:
         window = NO_WINDOW
+    positional = rng.random() < 0.4  # (ALiBi's plan: a block's positions contiguous, its shift theirs)
     want = visible(world * n, causal, window)
-    schedule = ring_schedule(world, n, causal, window, load_balance)
+    schedule = ring_schedule(world, n, causal, window, load_balance, positional=positional)
     for rank in range(world):
         rows = local_positions(rank, world, n, load_balance)
         for step, blocks in enumerate(schedule[rank]):
@@ -106,10 +107,22 @@ def test_ring_schedule_covers_the_mask_once(seed):
                 mask = block_mask(b, n, n)
                 covered += mask.int()
                 assert mask[b.q_start:b.q_end, b.k_start:b.k_end].any(dim=1).all(), (b, window)
+                _check_shift(b, rows, cols, positional)
             assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, blocks)
         for step in range(len(schedule[rank]), world):  # steps cut off: nothing visible
             cols = local_positions((rank - step) % world, world, n, load_balance)
             assert not want[rows][:, cols].any()
+
+
+def _check_shift(b, rows, cols, positional):
+    """A positional plan's block: query i and key j of it lie i - j + shift apart in the sequence (global `rows` and
+    `cols` of the local positions), so its rows and keys each run unbroken; otherwise its shift is 0."""
+    if not positional:
+        assert b.shift == 0, b
+        return
+    i = torch.arange(b.q_end - b.q_start)[:, None]
+    j = torch.arange(b.k_end - b.k_start)[None, :]
+    assert torch.equal(rows[b.q_start:b.q_end][:, None] - cols[b.k_start:b.k_end][None, :], i - j + b.shift), b
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -121,7 +134,8 @@ def test_halo_schedule_covers_the_mask_once(seed):
     world, n = rng.choice([2, 3, 4]), rng.randint(1, 7)
     causal = rng.random() < 0.5
     window = (rng.randint(0, n), 0 if causal else rng.randint(0, n))
-    halos = halo_schedule(world, n, causal, window, False)
+    positional = rng.random() < 0.5
+    halos = halo_schedule(world, n, causal, window, False, positional)
     want = visible(world * n, causal, window)
     for rank, halo in enumerate(halos):
         rows = slice(rank * n, (rank + 1) * n)
@@ -132,6 +146,8 @@ def test_halo_schedule_covers_the_mask_once(seed):
                                        (halo.after, halo.left + n, halo.right)):
             for b in blocks:
                 covered[:, offset:offset + length] += block_mask(b, n, length).int()
+                _check_shift(b, torch.arange(rows.start, rows.stop),
+                             torch.arange(start + offset, start + offset + length), positional)
         assert torch.equal(covered, want[rows, start:stop].int()), (rank, halo)
         outside = want[rows].clone()
         outside[:, start:stop] = False
@@ -402,14 +418,19 @@ def test_shard_unshard_round_trip():
         shard_sequence(x[:, :, :10], 3, 0)
 
 
-def reference(q, k, v, causal, window, scale, softcap, documents=None, sinks=None):
+def reference(q, k, v, causal, window, scale, softcap, documents=None, sinks=None, alibi=None):
     """(out, lse) of the whole sequence (documents packed in it: each query within its own), in q, k and v's
-    precision; `sinks` (H,) one more logit in every row of head h, with no value."""
+    precision; `sinks` (H,) one more logit in every row of head h, with no value; `alibi` slopes (H,) or (B, H),
+    each score less slope * |i - j| over the whole sequence's positions."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        pos = torch.arange(q.shape[2], device=s.device)
+        slopes = alibi.to(s.dtype).expand(q.shape[:2])
+        s = s - slopes[:, :, None, None] * (pos[:, None] - pos[None, :]).abs().to(s.dtype)
     s = s.masked_fill(~visible(q.shape[2], causal, window, documents).to(s.device), -math.inf)
     if sinks is not None:
         s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], -1)
@@ -472,16 +493,26 @@ for _world, _picks in {2: (0, 4, 13), 3: (6,), 4: (0, 5)}.items():
                       (CASES[_world][i] for i in _picks)]
 
 
-# cases run again with sinks (the same positional fields as CASES' with documents, balance, early, fused written
-# out): the causal ring, the halo exchange (its out in q's dtype) with softcap and GQA, balanced documents with
-# their loans, the ring with its merges in one kernel
-SINK_CASES = {
-    2: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False),
-        (1, 2, 1, 7, False, False, (2, 3), 5.0, None, False, False, False),
-        (1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True, False, False),
-        (2, 4, 2, 5, False, False, NO_WINDOW, 0.0, None, False, False, True)],
-    3: [(1, 2, 1, 6, True, True, NO_WINDOW, 0.0, None, False, False, False)],
-    4: [(1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, True)],
+# cases run again with sinks and with ALiBi (the same positional fields as CASES' with documents, balance, early,
+# fused written out, then the variant's keywords: `alibi` the slopes' shape, "h" (H,) or "bh" (B, H)). Sinks: the
+# causal ring, the halo exchange (its out in q's dtype) with softcap and GQA, balanced documents with their loans,
+# the ring with its merges in one kernel. ALiBi: the causal ring (head-tail: a block per chunk pair), no mask over
+# odd contiguous shards with GQA, a window across head-tail chunks (the ring cut short), the halo exchange, and
+# with sinks
+VARIANT_CASES = {
+    2: [((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(sinks=True)),
+        ((1, 2, 1, 7, False, False, (2, 3), 5.0, None, False, False, False), dict(sinks=True)),
+        ((1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True, False, False), dict(sinks=True)),
+        ((2, 4, 2, 5, False, False, NO_WINDOW, 0.0, None, False, False, True), dict(sinks=True)),
+        ((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h")),
+        ((2, 4, 2, 5, False, False, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="bh")),
+        ((1, 2, 2, 8, True, True, (5, 0), 0.0, None, False, False, True), dict(alibi="h")),
+        ((1, 2, 1, 7, False, False, (2, 3), 0.0, None, False, False, False), dict(alibi="h")),
+        ((1, 2, 2, 6, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="bh", sinks=True))],
+    3: [((1, 2, 1, 6, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(sinks=True)),
+        ((1, 2, 2, 4, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h"))],
+    4: [((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, True), dict(sinks=True)),
+        ((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h"))],
 }
 
 # every move, however small, at the cases' sizes; LOANS_EARLY's loans after an executor's first block
@@ -498,8 +529,8 @@ def _worker(rank, world, path, device, cases):
     try:
         for case in cases:
             _check_case(rank, world, device, *case)
-        for case in SINK_CASES[world]:
-            _check_case(rank, world, device, *case, sinks=True)
+        for case, variant in VARIANT_CASES[world]:
+            _check_case(rank, world, device, *case, **variant)
         _check_halo_bytes(rank, world, device)
         _check_ring_return(rank, world, device)
         _check_exchange_group(rank, world, device)
@@ -513,11 +544,11 @@ def _worker(rank, world, path, device, cases):
 
 
 def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window, softcap, documents=None,
-                balance=False, early=False, fused=False, sinks=False):
+                balance=False, early=False, fused=False, sinks=False, alibi=None):
     """One case against float64: float32 at the given sizes in the interpreter (within 2e-4); bfloat16 at 32 times
     the lengths (windows and documents too) on GPUs, within 4 times the error of the same computation in bfloat16 in
     PyTorch. `sinks`: with a sink logit per head (float32, requiring grad), whose gradient summed over the ranks is
-    checked too."""
+    checked too; `alibi`: with ALiBi slopes of shape (H,) ("h") or (B, H) ("bh")."""
     gpu = device == "cuda"
     dtype, head_dim = (torch.bfloat16, 64) if gpu else (torch.float32, 16)
     if gpu:
@@ -531,8 +562,10 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
         assert balanced_schedule(ring_schedule(world, n, causal, window, load_balance, documents), SMALL_BALANCE)[1]
     shard = lambda t: shard_sequence(t, world, rank, load_balance=load_balance)  # noqa: E731
     sink = torch.randn(h, device=device) * 2 if sinks else None
-    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents, sink)
-    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents, sink) if gpu else None
+    slopes = None if alibi is None else torch.rand((h,) if alibi == "h" else (b, h), device=device) * 0.5
+    want = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, torch.float64, documents, sink, slopes)
+    low = _reference_with_grads(q, k, v, do, causal, window, scale, softcap, dtype, documents, sink,
+                                slopes) if gpu else None
     mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     mine_sink = None if sink is None else sink.clone().requires_grad_()
     cu_seqlens = None if documents is None else torch.tensor(documents, dtype=torch.int32, device=device)
@@ -541,14 +574,15 @@ def _check_case(rank, world, device, b, h, h_kv, n, causal, load_balance, window
     try:
         with _posted() as batches:
             out, lse = context_parallel_attention(*mine, causal=causal, scale=scale, load_balance=load_balance,
-                                                  window_size=window, softcap=softcap, sinks=mine_sink,
+                                                  window_size=window, softcap=softcap, alibi_slopes=slopes,
+                                                  sinks=mine_sink,
                                                   cu_seqlens=cu_seqlens, return_lse=True, balance_documents=balance)
             out.backward(shard(do))
     finally:
         context_parallel.LOANS_EARLY, context_parallel.FUSED_MERGE = shipped
     got = (out, lse, *(t.grad for t in mine))
     label = (f"rank {rank}/{world} causal={causal} load_balance={load_balance} window={window} softcap={softcap} "
-             f"documents={documents} balance={balance} early={early} fused={fused} sinks={sinks}")
+             f"documents={documents} balance={balance} early={early} fused={fused} sinks={sinks} alibi={alibi}")
     _check_post_order(world, batches, label)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         _compare(got[i], shard(want[i]), shard(low[i]) if gpu else None, f"{name}, {label}")
@@ -570,11 +604,12 @@ def _compare(got, want, low, label):
     assert err <= bound, f"{label}: error {err:.3g} > {bound:.3g}"
 
 
-def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None, sinks=None):
+def _reference_with_grads(q, k, v, do, causal, window, scale, softcap, precision, documents=None, sinks=None,
+                          alibi=None):
     """(out, lse, dq, dk, dv[, dsinks]) of the whole sequence, computed in `precision` (sinks in float64)."""
     full = [t.detach().to(precision).requires_grad_() for t in (q, k, v)]
     sink = None if sinks is None else sinks.detach().double().requires_grad_()
-    out, lse = reference(*full, causal, window, scale, softcap, documents, sink)
+    out, lse = reference(*full, causal, window, scale, softcap, documents, sink, alibi)
     out.backward(do.to(precision))
     return tuple(t.detach() for t in (out, lse, *(t.grad for t in full), *(() if sink is None else (sink.grad,))))
 
@@ -809,6 +844,15 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q, q, q, causal=True, sinks=torch.zeros(2, device=device) if rank else None)
     with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
         context_parallel_attention(q, q, q, causal=True, sinks=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="alibi_slopes: the ranks disagree on the alibi_slopes values"):
+        context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.full((2,), 0.1 * rank, device=device))
+    with pytest.raises(ValueError, match="softcap and alibi_slopes cannot be combined"):
+        context_parallel_attention(q, q, q, causal=True, softcap=5.0, alibi_slopes=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="alibi_slopes with cu_seqlens is not supported"):
+        context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.ones(2, device=device),
+                                   cu_seqlens=torch.tensor([0, world * 4], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\) or \(1, 2\)"):
+        context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.ones(3, device=device))
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):
         context_parallel_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="window_size"):

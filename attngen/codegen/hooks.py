@@ -28,6 +28,7 @@ templates take `{{modification}}`:
                       query tile's key blocks, from the IR's query loops after causal-skip
     reads()           a score modifier's tensor reads over the batch and query head (ALiBi's slope; the backward's
                       GROUP * hkv + g is the query head `h`), loaded once where the template holds b and h
+                      (`per_head`: those that hold h, or those that do not, loaded before a loop over heads)
     scalar_loads()    the kernel's loads of one value a program (an FP8 spec's descales), as code over b, h and GROUP
 
 A mask or score modifier added to the IR reaches these strings, so every Gluon kernel takes it with the
@@ -179,13 +180,16 @@ class ScoreHooks:
         """The Gluon kernel's parameters for `tensors`: each one's pointer and strides (", SINKS, stride_sinks_0")."""
         return "".join(f", {t.name}" + "".join(f", {n}" for n in _strides(t)) for t in self.tensors)
 
-    def reads(self, b: str = "b", h: str = "h") -> list[tuple[str, str]]:
+    def reads(self, b: str = "b", h: str = "h", per_head: bool | None = None) -> list[tuple[str, str]]:
         """(name, code) for each tensor read of the score modifier: one value per tile (its indices are over the
         batch and query head alone: `b`, `h` as the template holds them; `h` a vector of the packed rows' heads
         where a tile's rows span a group), loaded under the name `scaled` gives it; a read outside the tensor
-        reads 0 (the spec language's rule)."""
+        reads 0 (the spec language's rule). `per_head`: only the reads whose indices hold the query head (True) or
+        do not (False: a loop over a group's heads loads them once, before it); None: all."""
         out = []
         for read, name in _reads(self.scaled_expr).items():
+            if per_head is not None and any(i.has(sym.q_head) for i in _head_args(read)) != per_head:
+                continue
             buf = next(t for t in self.tensors if t.name == read.func.__name__)
             index = [_elementwise(i, {str(sym.b): b, str(sym.q_head): h}) for i in _head_args(read)]
             ptr = " + ".join([buf.name] + [f"({i}) * {st}" for i, st in zip(index, _strides(buf))])

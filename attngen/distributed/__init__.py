@@ -117,31 +117,35 @@ def _sinks_grad(out, lse, do, sinks):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                                causal: bool = False, scale: float | None = None, load_balance: bool = True,
                                window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                               sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                               cu_seqlens: torch.Tensor | None = None,
                                return_lse: bool = False, balance_documents: bool | None = None):
     """Attention of a sequence sharded across the ranks of `group` (None: the default group), each rank passing its
     shard: q (B, H, N_local, D), k and v (B, H_KV, N_local, D), H a multiple of H_KV, the layout `shard_sequence`
     makes with the same `load_balance` (head-tail chunks; False: contiguous parts). Returns this rank's output shard
     (B, H, N_local, D), and its log-sum-exp (B, H, N_local) float32 when `return_lse`. Differentiable in q, k, v.
 
-    `causal`, `scale`, `window_size`, `softcap` and `sinks` as `attngen.attention`'s, over the positions of the
-    whole sequence. `sinks` (H,), the same on every rank, joins each row's softmax denominator once (after the
-    partial states of every key are merged); its gradient, when it requires grad, is this rank's rows' share, to be
-    summed over the group as every weight's is under context parallelism (the data-parallel reduction over the
-    context-parallel ranks does it). `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,)
-    offsets over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees
-    only its own document's keys (causal within it under `causal`, exactly across shard boundaries); each rank runs
-    only the (query, key) pieces of a document that both shards hold, and receives from each other rank only the key
-    rows its documents reach there, not whole shards around the ring. Ring steps no rank needs are not run. Pass
-    `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query sees at
-    most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the rows
-    the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks put a
-    chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens` a
-    window cuts the documents' rows exchanged instead. `balance_documents` (None: policy.context_parallel's
-    BALANCE_DOCUMENTS): with `cu_seqlens`, part of the documents' work of the ranks that hold more of it runs on the
-    others (`balance.balanced_schedule`), the shards staying as they are. Every rank must pass shards of one shape
-    and the same arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an
-    odd shard under `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
+    `causal`, `scale`, `window_size`, `softcap`, `alibi_slopes` and `sinks` as `attngen.attention`'s, over the
+    positions of the whole sequence. With `alibi_slopes` ((H,) or (B, H), the same on every rank) each block of a
+    query chunk against a key chunk runs a kernel whose score reads its global positions (`ring._alibi_spec`), so no
+    blocks are joined across chunks (not with `cu_seqlens`). `sinks` (H,), the same on every rank, joins each row's
+    softmax denominator once (after the partial states of every key are merged); its gradient, when it requires
+    grad, is this rank's rows' share, to be summed over the group as every weight's is under context parallelism
+    (the data-parallel reduction over the context-parallel ranks does it). `cu_seqlens`: documents packed into the
+    sequence (training's packed batches), int32 (documents + 1,) offsets over the whole sequence (0 first, world *
+    N_local last), the same on every rank; each query then sees only its own document's keys (causal within it under
+    `causal`, exactly across shard boundaries); each rank runs only the (query, key) pieces of a document that both
+    shards hold, and receives from each other rank only the key rows its documents reach there, not whole shards
+    around the ring. Ring steps no rank needs are not run. Pass `load_balance=False` (and shards made with it) for a
+    sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
+    balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
+    instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
+    and every ring step moves a whole shard); with `cu_seqlens` a window cuts the documents' rows exchanged instead.
+    `balance_documents` (None: policy.context_parallel's BALANCE_DOCUMENTS): with `cu_seqlens`, part of the
+    documents' work of the ranks that hold more of it runs on the others (`balance.balanced_schedule`), the shards
+    staying as they are. Every rank must pass shards of one shape and the same arguments; a ValueError names the
+    argument that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective:
+    every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError("context_parallel_attention needs torch.distributed initialised "
@@ -161,15 +165,23 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise KernelInputError(f"load_balance=True cuts each shard in two chunks: its length {q.shape[2]} must be "
                                "even (or pass load_balance=False with shards from shard_sequence(load_balance=False))")
     window = sdpa.checked_window(causal, window_size, "causal")
-    softcap = sdpa.checked_softcap(softcap, None)
+    softcap = sdpa.checked_softcap(softcap, alibi_slopes)
+    if alibi_slopes is not None:  # (float32 (B, H): the kernels' slopes tensor)
+        if cu_seqlens is not None:
+            raise KernelInputError("alibi_slopes with cu_seqlens is not supported under context parallelism: "
+                                   "pass one of them")
+        alibi_slopes = sdpa._checked_float("alibi_slopes", alibi_slopes, q, ((q.shape[1],), tuple(q.shape[:2])))
+        alibi_slopes = alibi_slopes.detach().expand(q.shape[:2]).contiguous()
     if sinks is not None:  # (float32, a differentiable cast: the sinks' own dtype gets their gradient)
         sinks = sdpa._checked_float("sinks", sinks, q, ((q.shape[1],),))
     documents = None if cu_seqlens is None else checked_documents(cu_seqlens, world * q.shape[2])
     balance = bool(context_parallel.BALANCE_DOCUMENTS if balance_documents is None else balance_documents)
     _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
-                              balance, sinks)
-    halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance)
-    schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents)
+                              balance, sinks, alibi_slopes)
+    positional = alibi_slopes is not None
+    halos = None if documents else halo_schedule(world, q.shape[2], bool(causal), window, load_balance, positional)
+    schedule = None if halos else ring_schedule(world, q.shape[2], bool(causal), window, load_balance, documents,
+                                                positional)
     loans = ()
     if documents and balance:
         schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
@@ -180,8 +192,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         split = loans_split(steps[0].blocks, loans, rank, context_parallel.BALANCE)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ring = _Ring(exchange_group(group), rank, world)
-    out, lse = _ContextParallel.apply(q, k, v, sinks, ring, steps, _Kernels(q, k, v, scale, softcap), loans,
-                                      split)
+    out, lse = _ContextParallel.apply(q, k, v, sinks, ring, steps, _Kernels(q, k, v, scale, softcap, alibi_slopes),
+                                      loans, split)
     return (out, lse) if return_lse else out
 
 
@@ -208,11 +220,11 @@ def checked_documents(cu_seqlens, total: int) -> tuple[int, ...]:
 
 
 def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, window, softcap, documents,
-                              balance, sinks=None) -> None:
+                              balance, sinks=None, alibi_slopes=None) -> None:
     """Raise, naming it, where an argument differs across the ranks (one all-gather of a few numbers)."""
     names = ("batch", "q heads", "k heads", "shard length", "head dim", "dtype", "causal", "scale", "load_balance",
              "window_size left", "window_size right", "softcap", "cu_seqlens documents", "cu_seqlens offsets",
-             "balance_documents", "sinks given", "sinks values")
+             "balance_documents", "sinks given", "sinks values", "alibi_slopes given", "alibi_slopes values")
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     # NOTE: the offsets travel as one weighted sum modulo a prime (below 2^53: exact in float64), so that the
     # all-gather stays a few numbers however many documents there are
@@ -221,11 +233,12 @@ def _check_same_on_every_rank(group, world, q, k, causal, scale, load_balance, w
     mine = torch.tensor([*q.shape[:2], k.shape[1], q.shape[2], q.shape[3],
                          dtypes.index(q.dtype) if q.dtype in dtypes else -1, bool(causal),
                          -1.0 if scale is None else float(scale), bool(load_balance), *window, softcap, *offsets,
-                         balance, sinks is not None, 0.0],
+                         balance, sinks is not None, 0.0, alibi_slopes is not None, 0.0],
                         dtype=torch.float64, device=q.device)
-    if sinks is not None:  # (their values as one weighted sum, on the device: no copy to the host)
-        mine[-1] = (sinks.double() * torch.arange(1, sinks.numel() + 1, dtype=torch.float64,
-                                                  device=sinks.device)).sum()
+    for i, t in ((-3, sinks), (-1, alibi_slopes)):  # (their values as one weighted sum, on the device: no copy)
+        if t is not None:
+            mine[i] = (t.double().flatten() * torch.arange(1, t.numel() + 1, dtype=torch.float64,
+                                                           device=t.device)).sum()
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()  # (one copy to the host, not one a value)

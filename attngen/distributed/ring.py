@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ..api import sdpa, varlen
+from ..api.sdpa import _DTYPES
 from ..api.kvcache import merge_states
 from ..api.merge import merge
 from ..lang.builtin import NO_WINDOW
 from ..policy import context_parallel
+from ..runtime.arguments import check_attention_inputs, check_scale
+from ..runtime.kernel import load
 from ..runtime.registry import resolve
 from .schedule import Block, Halo, Pieces, Visit
 from .phases import at, phase
@@ -87,11 +90,16 @@ def _wait(requests, name: str = "exchange wait") -> None:
 class _Kernels:
     """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call. Inside `margin()`
     the kernels' persistent grids leave policy.context_parallel.SM_MARGIN multiprocessors to the exchanges' NCCL
-    kernels (the modules' SM_MARGIN, given back on leaving)."""
+    kernels (the modules' SM_MARGIN, given back on leaving).
 
-    def __init__(self, q, k, v, scale, softcap):
-        self.args, self.softcap, self.found = (q, k, v, scale), softcap, {}
+    With ALiBi (`alibi`: the slopes, (B, H) float32) a block's scores depend on its global positions, so its kernel
+    is a spec whose score reads them: `s - slopes[b, h] * abs(q - k + shift[b])`, `shift` the block's (`Block.shift`,
+    `tensors`), its mask the block's in local positions (`_alibi_spec`)."""
+
+    def __init__(self, q, k, v, scale, softcap, alibi=None):
+        self.args, self.softcap, self.alibi, self.found = (q, k, v, scale), softcap, alibi, {}
         self.saved = None  # inside margin(): {module: its SM_MARGIN before}
+        self.shifts = {}  # ALiBi: {shift: its (B,) int32 tensor}
 
     @contextlib.contextmanager
     def margin(self):
@@ -117,6 +125,15 @@ class _Kernels:
         if isinstance(block, Pieces):
             return self.varlen(block)
         mask = (block.causal, block.window)
+        if self.alibi is not None:
+            mask = ("alibi", *mask)
+            if mask not in self.found:
+                q, k, v, scale = self.args
+                kernel = load(_alibi_spec(q, v, block.causal, block.window))
+                check_attention_inputs(kernel.spec, q, k, v)
+                self.found[mask] = kernel, check_scale(scale, kernel.spec)
+                self._hold(kernel)
+            return self.found[mask]
         if mask not in self.found:
             q, k, v, scale = self.args
             variant = None
@@ -126,6 +143,16 @@ class _Kernels:
             self.found[mask] = resolve(plan.key), plan.scale
             self._hold(self.found[mask][0])
         return self.found[mask]
+
+    def tensors(self, block: Block) -> tuple:
+        """The run-time tensors of block's kernel: none, or with ALiBi the slopes and the block's shift."""
+        if self.alibi is None:
+            return ()
+        shift = self.shifts.get(block.shift)
+        if shift is None:
+            shift = self.shifts[block.shift] = torch.full(self.alibi.shape[:1], block.shift, dtype=torch.int32,
+                                                          device=self.alibi.device)
+        return self.alibi, shift
 
     def varlen(self, pieces: Pieces):
         """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
@@ -144,6 +171,23 @@ class _Kernels:
             self.found[mask] = resolve(plan.key), plan.scale
             self._hold(self.found[mask][0])
         return (*self.found[mask], cu)
+
+
+def _alibi_spec(q, v, causal: bool, window: tuple[int, int]) -> str:
+    """The spec of a block's kernel under ALiBi: its mask (causal or a window, top-left in the block's local
+    positions, or none) and ALiBi's score over global positions, `shift` the block's first query's position less its
+    first key's (`Block.shift`), for q's dtype and head dims."""
+    if causal:
+        mask = "causal(top_left)"
+    else:
+        left, right = window
+        mask = " and ".join([f"k >= q - {left}"] * (left >= 0) + [f"k <= q + {right}"] * (right >= 0)) or "none"
+    dims = f"    head_dim = {q.shape[-1]}\n"
+    if v.shape[-1] != q.shape[-1]:
+        dims += f"    head_dim_v = {v.shape[-1]}\n"
+    return (f"kernel cp_alibi_{_DTYPES[q.dtype]}_d{q.shape[-1]} {{\n    direction = forward+backward\n"
+            f"    mask = {mask}\n    score = s - slopes[b, h] * abs(q - k + shift[b])\n"
+            f"    tensor slopes[B, H]: fp32\n    tensor shift[B]: int32\n{dims}    dtype = {_DTYPES[q.dtype]}\n}}\n")
 
 
 def _packed(t, b: Block | Pieces, i: int):
@@ -182,7 +226,7 @@ def _forward_block(kernels, b: Block, q, k, v, out, lse) -> None:
         else:
             kernel, scale = kernels(b)
             part, part_lse = kernel.forward(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end],
-                                            v[:, :, b.k_start:b.k_end], scale)
+                                            v[:, :, b.k_start:b.k_end], scale, tensors=kernels.tensors(b))
     with phase("merge"):
         _merge(out, lse, slice(b.q_start, b.q_end), part, part_lse)
 
@@ -207,7 +251,7 @@ def _block_grads(kernels, b: Block, q, k, v, out, lse, do):
         kernel, scale = kernels(b)
         rows, keys = slice(b.q_start, b.q_end), slice(b.k_start, b.k_end)
         return kernel.backward_saved(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                     lse[:, :, rows].contiguous(), do[:, :, rows], scale)
+                                     lse[:, :, rows].contiguous(), do[:, :, rows], scale, kernels.tensors(b))
 
 
 def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> None:
@@ -290,7 +334,7 @@ def _halo_forward(ring, halo: Halo, kernels, q, k, v):
     at(0)
     kernel, scale = kernels(halo.own)
     with phase("kernels"):
-        out, lse = kernel.forward(q, k, v, scale)
+        out, lse = kernel.forward(q, k, v, scale, tensors=kernels.tensors(halo.own))
     at(1)  # (the neighbours' rows)
     _wait(requests)
     before = tuple(buffers[:2]) if halo.left else None

@@ -38,13 +38,17 @@ def unshard_sequence(shards, *, load_balance: bool = True, dim: int = 2) -> torc
 
 class Block(NamedTuple):
     """One kernel call of a ring step: queries q_start:q_end of the rank's shard against keys k_start:k_end of the
-    shard it holds, with `causal` and `window` (flash-attn's (left, right), top-left in these local positions)."""
+    shard it holds, with `causal` and `window` (flash-attn's (left, right), top-left in these local positions).
+    `shift`: the global position of its first query less that of its first key, where a score depends on positions
+    (ALiBi: a plan made `positional`, whose blocks each lie within one chunk of queries and one of keys); 0
+    otherwise."""
     q_start: int
     q_end: int
     k_start: int
     k_end: int
     causal: bool
     window: tuple[int, int]
+    shift: int = 0
 
 
 def chunks_of(rank: int, world: int, n: int, load_balance: bool) -> tuple[tuple[int, int, int], ...]:
@@ -55,16 +59,17 @@ def chunks_of(rank: int, world: int, n: int, load_balance: bool) -> tuple[tuple[
     return ((rank * half, 0, half), ((2 * world - 1 - rank) * half, half, half))
 
 
-def pair_block(q_chunk, k_chunk, lo: float, hi: float) -> Block | None:
+def pair_block(q_chunk, k_chunk, lo: float, hi: float, positional: bool = False) -> Block | None:
     """The block of one (query chunk, key chunk) pair where query position p sees keys p + lo .. p + hi (lo may be
     -inf, hi +inf), None where it sees none. A partly visible pair is cut to the rows and keys that see something,
-    so that its band holds its own diagonal and the kernel's top-left window covers it."""
+    so that its band holds its own diagonal and the kernel's top-left window covers it. `positional`: with its
+    `shift` (else 0)."""
     (q_pos, q_local, nq), (k_pos, k_local, nk) = q_chunk, k_chunk
     d = k_pos - q_pos  # key j and query i of the pair are d + j - i apart
     if nk - 1 + d < lo or d - (nq - 1) > hi:
         return None
     if d - (nq - 1) >= lo and nk - 1 + d <= hi:
-        return Block(q_local, q_local + nq, k_local, k_local + nk, False, NO_WINDOW)
+        return Block(q_local, q_local + nq, k_local, k_local + nk, False, NO_WINDOW, -d if positional else 0)
     lo, hi = lo - d, hi - d  # in the pair's local positions: i sees j with lo <= j - i <= hi
     skip_k = int(max(0, lo))  # keys every row is past
     skip_q = int(max(0, -hi))  # rows before every key
@@ -75,10 +80,11 @@ def pair_block(q_chunk, k_chunk, lo: float, hi: float) -> Block | None:
     if hi < math.inf:
         nk = min(nk, int(nq + hi))  # keys past the last row's reach
     q0, k0 = q_local + skip_q, k_local + skip_k
+    shift = skip_q - skip_k - d if positional else 0
     if lo == -math.inf and hi == 0:
-        return Block(q0, q0 + nq, k0, k0 + nk, True, NO_WINDOW)
+        return Block(q0, q0 + nq, k0, k0 + nk, True, NO_WINDOW, shift)
     window = (-1 if lo == -math.inf else int(-lo), -1 if hi == math.inf else int(hi))
-    return Block(q0, q0 + nq, k0, k0 + nk, False, window)
+    return Block(q0, q0 + nq, k0, k0 + nk, False, window, shift)
 
 
 def merged_blocks(blocks: list[Block]) -> list[Block]:
@@ -125,7 +131,8 @@ def document_pieces(chunk, documents: tuple[int, ...]) -> dict[int, tuple[int, i
     return pieces
 
 
-def pair_blocks(q_chunk, k_chunk, lo: float, hi: float, documents: tuple[int, ...] | None) -> list[Block]:
+def pair_blocks(q_chunk, k_chunk, lo: float, hi: float, documents: tuple[int, ...] | None,
+                positional: bool = False) -> list[Block]:
     """The blocks of one (query chunk, key chunk) pair: `pair_block`'s, or with `documents` one per document both
     chunks hold a piece of (its queries see only its keys, positions still global)."""
     if documents is None:
@@ -133,15 +140,17 @@ def pair_blocks(q_chunk, k_chunk, lo: float, hi: float, documents: tuple[int, ..
     else:
         keys = document_pieces(k_chunk, documents)
         pairs = [(piece, keys[d]) for d, piece in document_pieces(q_chunk, documents).items() if d in keys]
-    blocks = [pair_block(qp, kp, lo, hi) for qp, kp in pairs]
+    blocks = [pair_block(qp, kp, lo, hi, positional) for qp, kp in pairs]
     return [b for b in blocks if b is not None]
 
 
 def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool,
-                  documents: tuple[int, ...] | None = None):
+                  documents: tuple[int, ...] | None = None, positional: bool = False):
     """Every rank's blocks per ring step (schedule[rank][step], step s holding the keys of rank rank - s), cut
     after the last step any rank needs. `documents`: the offsets of the documents packed into the sequence (global
-    positions, the last world * n), each query seeing only its own document's keys; None: one sequence."""
+    positions, the last world * n), each query seeing only its own document's keys; None: one sequence.
+    `positional`: for scores that depend on positions (ALiBi), a block per (query chunk, key chunk) pair with its
+    `shift`, none joined (joined chunks of a head-tail shard are not adjacent in the sequence)."""
     left, right = window
     lo = -math.inf if left < 0 else -left
     hi = math.inf if right < 0 else right
@@ -153,9 +162,9 @@ def ring_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
         steps = []
         for step in range(world):
             theirs = chunks_of((rank - step) % world, world, n, load_balance)
-            steps.append(merged_blocks([b for qc in mine for kc in theirs for b in pair_blocks(qc, kc, lo, hi,
-                                                                                               documents)]))
-        if causal and window == NO_WINDOW and documents is None:
+            blocks = [b for qc in mine for kc in theirs for b in pair_blocks(qc, kc, lo, hi, documents, positional)]
+            steps.append(sorted(blocks) if positional else merged_blocks(blocks))
+        if causal and window == NO_WINDOW and documents is None and not positional:
             # NOTE: a shard's chunks are in sequence order, so its own keys are causal in local positions: one
             # call instead of two diagonal chunks and the full pair between them
             steps[0] = [Block(0, n, 0, n, True, NO_WINDOW)]
@@ -273,9 +282,11 @@ class Halo(NamedTuple):
     after: list[Block]
 
 
-def halo_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool):
+def halo_schedule(world: int, n: int, causal: bool, window: tuple[int, int], load_balance: bool,
+                  positional: bool = False):
     """Every rank's Halo where contiguous shards (not `load_balance`) meet a window no wider than a shard on either
-    side (left and right in 0..n, right 0 when causal); None where the window needs the ring."""
+    side (left and right in 0..n, right 0 when causal); None where the window needs the ring. `positional`: the
+    blocks with their `shift`."""
     left, right = window
     right = 0 if causal else right
     if load_balance or not (0 <= left <= n and 0 <= right <= n):
@@ -285,8 +296,9 @@ def halo_schedule(world: int, n: int, causal: bool, window: tuple[int, int], loa
         mine = (rank * n, 0, n)
         left_in = left if rank > 0 else 0
         right_in = right if rank < world - 1 else 0
-        before = [pair_block(mine, (rank * n - left_in, 0, left_in), -left, right)] if left_in else []
-        after = [pair_block(mine, ((rank + 1) * n, 0, right_in), -left, right)] if right_in else []
+        before = [pair_block(mine, (rank * n - left_in, 0, left_in), -left, right, positional)] if left_in else []
+        after = [pair_block(mine, ((rank + 1) * n, 0, right_in), -left, right, positional)] if right_in else []
         halos.append(Halo(left_in, right_in, left if rank < world - 1 else 0, right if rank > 0 else 0,
-                          pair_block(mine, mine, -left, right), [b for b in before if b], [b for b in after if b]))
+                          pair_block(mine, mine, -left, right, positional), [b for b in before if b],
+                          [b for b in after if b]))
     return halos
