@@ -5,6 +5,9 @@ the real decoding kernels through replays.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 from types import SimpleNamespace
 
@@ -215,3 +218,24 @@ def test_launches_passed_no_descriptors_are_kept_and_replayed(no_hooks, monkeypa
     assert got[13:16] == (x2.data_ptr(), 5, None) and got[16] % 16 == 0 and got[17:] == (None, 16)
     forward(x, True)
     assert fn.log == []
+
+
+def test_recording_an_allocation_does_not_import_dynamo():
+    """The watch over a recorded call lets torch allocate inside it without importing torch._dynamo (which
+    TorchDispatchMode's default wrapper of `__torch_dispatch__` does on its first call: 1.5-2.2 s in the first
+    recorded backward of an eager training step on the H200), and still sees an allocation and a fill apart. In a
+    fresh interpreter: this process may have imported Dynamo already."""
+    code = ("import sys, torch, attngen\n"
+            "from attngen.runtime.replay import _Watch, Recording\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "r = Recording()\n"
+            "with _Watch(r):\n"
+            "    torch.empty(3)\n"
+            "assert 'torch._dynamo' not in sys.modules, 'imported'\n"
+            "assert len(r.allocations) == 1 and r.ok\n"
+            "with _Watch(r):\n"
+            "    torch.ones(2).fill_(3)\n"
+            "assert not r.ok\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ATTNGEN_WARMUP": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]

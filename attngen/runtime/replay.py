@@ -53,6 +53,14 @@ class _Watch(TorchDispatchMode):
     """Notes each torch operation of a recorded call: allocations kept, views let through, anything else
     spoils the recording."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would otherwise wrap `__torch_dispatch__` in `torch._disable_dynamo`, whose first call
+        imports torch._dynamo: 1.5-2.2 s inside the first recorded backward of an eager training step on the H200
+        (the third call of a signature; benchmarks/NOTES.md v57). Recording is eager only (torch.compile traces the
+        custom ops), so nothing here is for Dynamo to skip."""
+        return False
+
     def __init__(self, recording: Recording):
         super().__init__()
         self.recording = recording
