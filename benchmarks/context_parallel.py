@@ -16,9 +16,13 @@ recorded as such). Providers, each at the same shapes:
   attngen_window  attngen's, with a sliding window of --window keys on contiguous shards (load_balance=False: each
                   rank receives only the window's rows of its neighbour, not whole shards around the ring)
   attngen_softcap attngen's, with logits capped at --softcap (head-tail shards)
+  attngen_alibi   attngen's, with ALiBi (the geometric slopes 2^(-8 (h + 1) / H); head-tail shards, a block per chunk
+                  pair, each block's kernel reading its chunks' distance)
+  attngen_sinks   attngen's, with a learned sink logit per head (-2 .. 2 over the heads; head-tail shards)
   flex_window     FlexAttention (compiled) under torch's context_parallel (its FLEX plan: K and V all-gathered, the
                   block mask sharded with them), the same window, contiguous shards (on one GPU: FlexAttention)
   flex_softcap    the same with --softcap as a score_mod, head-tail shards
+  flex_alibi      the same with ALiBi's slopes as a score_mod, head-tail shards
   attngen_document attngen's over documents packed into the sequence (cu_seqlens; lengths drawn uniformly from 1 to
                   twice --document, seed 0, the same on every rank), causal within each, head-tail shards (on one
                   GPU: attngen.flash_attn_varlen_func)
@@ -56,10 +60,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVIDERS = ("attngen", "attngen_fused", "torch_cudnn", "torch_flash", "torch_attngen", "attngen_window",
-             "flex_window", "attngen_softcap", "flex_softcap", "attngen_document", "attngen_document_balanced",
-             "attngen_document_early", "attngen_document_fused", "flex_document")
+             "flex_window", "attngen_softcap", "flex_softcap", "attngen_alibi", "flex_alibi", "attngen_sinks",
+             "attngen_document", "attngen_document_balanced", "attngen_document_early", "attngen_document_fused",
+             "flex_document")
 # attngen's rows that FlexAttention under context_parallel is the peer of
-FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_document": "flex_document",
+FLEX_PEERS = {"attngen_window": "flex_window", "attngen_softcap": "flex_softcap", "attngen_alibi": "flex_alibi",
+              "attngen_document": "flex_document",
               "attngen_document_balanced": "flex_document", "attngen_document_early": "flex_document",
               "attngen_document_fused": "flex_document"}
 # providers whose one-GPU row is another's (the same computation on one GPU)
@@ -152,11 +158,12 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
         size = (window - 1, 0) if provider == "attngen_window" else (-1, -1)
         cap = softcap if provider == "attngen_softcap" else 0.0
         if world == 1:
-            return contextlib.nullcontext(), lambda q, k, v: attngen.attention(q, k, v, is_causal=True,
-                                                                               window_size=size, softcap=cap)
+            return contextlib.nullcontext(), lambda q, k, v: attngen.attention(
+                q, k, v, is_causal=True, window_size=size, softcap=cap, **variant_tensors(provider, q.shape[1]))
         balance = provider != "attngen_window"
-        return switch, lambda q, k, v: context_parallel_attention(q, k, v, causal=True, window_size=size, softcap=cap,
-                                                                  load_balance=balance)
+        return switch, lambda q, k, v: context_parallel_attention(
+            q, k, v, causal=True, window_size=size, softcap=cap, load_balance=balance,
+            **variant_tensors(provider, q.shape[1]))
     backend = SDPBackend.CUDNN_ATTENTION if provider == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
 
     @contextlib.contextmanager
@@ -171,6 +178,24 @@ def runner(provider: str, world: int, window: int, softcap: float, documents: li
                 torch.nn.attention.restore_flash_attention_impl()
 
     return torch_sdpa(), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def alibi_slopes(heads: int):
+    """ALiBi's geometric slopes, 2^(-8 (h + 1) / heads), float32 on the GPU."""
+    import torch
+
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda", dtype=torch.float32) / heads)
+
+
+def variant_tensors(provider: str, heads: int) -> dict:
+    """The run-time tensors of a variant provider's calls: ALiBi's slopes, or one sink logit per head (-2 .. 2)."""
+    import torch
+
+    if provider == "attngen_alibi":
+        return {"alibi_slopes": alibi_slopes(heads)}
+    if provider == "attngen_sinks":
+        return {"sinks": torch.linspace(-2.0, 2.0, heads, device="cuda")}
+    return {}
 
 
 @contextlib.contextmanager
@@ -205,7 +230,7 @@ def flex_context_parallel():
 def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: float, documents: list[int]):
     """(this rank's q, k, v, f(q, k, v) -> out) of a FlexAttention provider: on several GPUs under torch's
     context_parallel FLEX plan (a module whose pre-hook all-gathers K and V), the block mask sharded with q, k, v
-    (head-tail for the causal softcap and documents, contiguous for the window, as attngen's rows)."""
+    (head-tail for the causal softcap, ALiBi and documents, contiguous for the window, as attngen's rows)."""
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import create_block_mask
@@ -221,6 +246,10 @@ def flex_runner(provider: str, world: int, mesh, full, window: int, softcap: flo
         ends = torch.tensor(documents[1:], dtype=torch.int32, device="cuda")
         doc = torch.bucketize(torch.arange(n, device="cuda", dtype=torch.int32), ends, right=True)
         mask_mod, score_mod = (lambda b, h, i, j: (i >= j) & (doc[i] == doc[j])), None
+    elif provider == "flex_alibi":
+        slopes = alibi_slopes(full[0].shape[1])
+        mask_mod = lambda b, h, i, j: i >= j  # noqa: E731
+        score_mod = lambda score, b, h, i, j: score - slopes[h] * (i - j).abs()  # noqa: E731
     else:
         mask_mod = lambda b, h, i, j: i >= j  # noqa: E731
         score_mod = lambda score, b, h, i, j: softcap * torch.tanh(score / softcap)  # noqa: E731
