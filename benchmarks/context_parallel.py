@@ -44,7 +44,10 @@ one more call of every attngen row on several GPUs runs under attngen.distribute
 `exposed_by_step` (each rank's waits per pass and step, [{rank, pass, step, wait_ms, share}], share of that rank's
 forward + backward call: the exposed communication, step by step), and rank 0 prints them as a table; the window,
 softcap and document rows add `vs_flex`, FlexAttention's forward + backward time at the same GPU count and length
-over theirs (the issue's target: >= 1.3). Times are medians over --reps of the slowest rank's (CUDA events, a barrier
+over theirs (the issue's target: >= 1.3). With --rounds R the providers of a length are measured in turn R times and
+each row is its round of median forward + backward time (`rounds` lists them all: over a long run the GPUs' times
+drift by more than the providers differ, NOTES v57); every row has `alloc_retries`, the caching allocator's retries
+during it. Times are medians over --reps of the slowest rank's (CUDA events, a barrier
 before each); TFLOP/s of the whole sequence by the FlashAttention convention (causal halved, backward 2.5x; documents
 count their own causal scores). A script, not a test: GPU only.
 """
@@ -447,6 +450,10 @@ def main() -> None:
     parser.add_argument("--softcap", type=float, default=30.0)
     parser.add_argument("--document", type=int, default=8192, help="the documents' mean length")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the providers of a length in turn this many times; each row is the round of "
+                             "median forward + backward time (its `rounds`: every round's), so that a drift over "
+                             "the run falls on every provider alike")
     parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--plot", metavar="JSON", help="draw the plot of a results file and exit")
     args = parser.parse_args()
@@ -465,25 +472,47 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("nccl")
         mesh = init_device_mesh("cuda", (world,))
+    path = Path(args.output or ROOT / "benchmarks" / "results" /
+                f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json")
     for n in args.lengths:
-        for provider in args.providers:
-            if world == 1 and provider in ONE_GPU_ROW:
-                continue
-            try:
-                row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.softcap,
-                              args.document, args.reps)
-            except torch.OutOfMemoryError:
-                row = {"provider": provider, "gpus": world, "n": n, "error": "out of memory"}
-            except Exception as e:  # a provider this torch cannot run is a row, not the end of the run
-                row = {"provider": provider, "gpus": world, "n": n, "error": f"{type(e).__name__}: {e}"[:300]}
-            torch.cuda.empty_cache()
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-                # (after every row: a run stopped by its time limit keeps the rows it finished)
-                save(Path(args.output or ROOT / "benchmarks" / "results" /
-                          f"context_parallel_{gpu_slug(torch.cuda.get_device_name())}.json"), [row])
+        rounds = {}  # provider: its rows so far at this length
+        for r in range(args.rounds):
+            for provider in args.providers:
+                if world == 1 and provider in ONE_GPU_ROW:
+                    continue
+                retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                try:
+                    row = measure(provider, world, rank, mesh, n, args.heads, 128, args.window, args.softcap,
+                                  args.document, args.reps)
+                except torch.OutOfMemoryError:
+                    row = {"provider": provider, "gpus": world, "n": n, "error": "out of memory"}
+                except Exception as e:  # a provider this torch cannot run is a row, not the end of the run
+                    row = {"provider": provider, "gpus": world, "n": n, "error": f"{type(e).__name__}: {e}"[:300]}
+                # (the caching allocator's retries: each frees cached blocks and synchronises the device)
+                row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+                torch.cuda.empty_cache()
+                rounds.setdefault(provider, []).append(row)
+                row = median_round(rounds[provider])
+                if rank == 0:
+                    print(json.dumps({**row, "round": r}), flush=True)
+                    # (after every row: a run stopped by its time limit keeps the rows it finished)
+                    save(path, [row])
     if world > 1:
         dist.destroy_process_group()
+
+
+def median_round(rows: list[dict]) -> dict:
+    """Of one provider's rows at one length, one a round: the round of median forward + backward time (the upper one
+    of an even count), with `rounds`, every round's (forward, forward + backward) ms, where there are several; an
+    error row where no round ran."""
+    timed_rows = [r for r in rows if "forward_backward_ms" in r]
+    if not timed_rows:
+        return rows[-1]
+    ranked = sorted(timed_rows, key=lambda r: r["forward_backward_ms"])
+    row = dict(ranked[len(ranked) // 2])
+    if len(rows) > 1:
+        row["rounds"] = [[r.get("forward_ms"), r.get("forward_backward_ms")] for r in rows]
+    return row
 
 
 def save(path: Path, rows: list[dict]) -> None:
