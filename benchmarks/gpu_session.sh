@@ -24,7 +24,8 @@
 #            tests/test_gluon_fp8.py (its gpu test against float64, d=64 and 128), then attngen bench --suite fp8
 #            (rows attngen_fp8 and attngen_fp8_vt now the Gluon kernel's, beside attngen_bf16 and cuDNN)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
-#            default 131072 262144; $CP_PROVIDERS, default all; the speed-ups need the one-GPU rows), and
+#            default 131072 262144; $CP_PROVIDERS, default all; $CP_ROUNDS, the providers measured in turn that
+#            many times, default 1; the speed-ups need the one-GPU rows), and
 #            tests/test_distributed.py's NCCL tests
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
@@ -92,7 +93,8 @@ raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
       for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
-          --lengths ${CP_LENGTHS:-131072 262144} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} >> "$OUT/bench_cp.txt" 2>&1
+          --lengths ${CP_LENGTHS:-131072 262144} --rounds ${CP_ROUNDS:-1} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} \
+          >> "$OUT/bench_cp.txt" 2>&1
       done
       cp benchmarks/results/context_parallel_*.json "$OUT/" 2>/dev/null
       tail -20 "$OUT/bench_cp.txt" ;;
