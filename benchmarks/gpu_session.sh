@@ -90,7 +90,7 @@ raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))
       tail -40 "$OUT/bench_fp8gluon.txt" ;;
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
       for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
           --lengths ${CP_LENGTHS:-131072 262144} --rounds ${CP_ROUNDS:-1} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} \
