@@ -15,6 +15,7 @@ from attngen import tuning
 from attngen.cli import main
 from attngen.api.kvcache import _auto_splits
 from attngen.lang.builtin import kvcache_spec
+from conftest import shipped_specs
 from attngen.lang.spec import Mask, load_file
 from attngen.tuning import Shape, save, tune
 from attngen.runtime import tables as store
@@ -474,3 +475,20 @@ def test_kvcache_config_is_memoised_and_follows_new_tuning_records():
                    [(bucket(shape), {"config": wanted})])
     now = tuner.config(shape)
     assert now["BLOCK_N"] == wanted["BLOCK_N"] and now["num_splits"] == 3
+
+
+@pytest.mark.parametrize("path", [p for p in shipped_specs() if os.path.basename(p).startswith(("decode", "mla"))])
+def test_a_decode_parts_gluon_answers_come_from_its_module_not_its_program(path):
+    """KVCachePart's has_gluon and rounds_q agree with the program's warp-specialised kernels, and answer (with the
+    tuning space and default the first call's table lookup asks for) without rebuilding the program that a module
+    from the disk cache does not carry (1.2 s of a cached process's first decode call on the H200, NOTES v57)."""
+    kernel = attngen.load(path)
+    ws = kernel.program.warp_specialized
+    kernel._program = None  # (as loaded from the disk cache)
+    part = kernel.part("kvcache")
+    assert part.has_gluon() == (ws.decode is not None or ws.mla is not None)
+    shape = getattr(kernel.module, "WSD_SHAPE", None)
+    assert (shape or {}).get("Q_E4M3", 0) == (ws.decode.q_e4m3 if ws.decode is not None else 0)
+    assert part.rounds_q() == 0  # (no sm_90 GPU runs it here)
+    part.tuning_space(), part.tuning_default()
+    assert kernel._program is None

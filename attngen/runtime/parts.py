@@ -161,15 +161,18 @@ class KVCachePart:
         return problem_text(self.spec, "kvcache", ignore=("direction",))
 
     def has_gluon(self) -> bool:
-        """Whether the spec has a Gluon decode kernel (pass warp-specialize-decode, or warp-specialize-mla)."""
-        ws = self.kernel.program.warp_specialized
-        return ws.decode is not None or ws.mla is not None
+        """Whether the spec has a Gluon decode kernel (pass warp-specialize-decode, or warp-specialize-mla): read from
+        the generated module's shapes (WSD_SHAPE, WSM_SHAPE), not the program, which a module from the disk cache
+        would rebuild (sympy in the passes: a cached process's first decode call took 1.2 s on the H200, 3 s of it
+        under cProfile in compile_program, for the tuned-table lookup's question; benchmarks/NOTES.md v57)."""
+        module = self.kernel.module
+        return hasattr(module, "WSD_SHAPE") or hasattr(module, "WSM_SHAPE")
 
     def rounds_q(self) -> int:
-        """The e4m3 terms its Gluon decode kernel takes q's rows as (an FP8 cache's `q_e4m3`) where it runs; 0: q as
-        given."""
-        ws = self.kernel.program.warp_specialized
-        return ws.decode.q_e4m3 if ws.decode is not None and self.gluon_runs_here() else 0
+        """The e4m3 terms its Gluon decode kernel takes q's rows as (an FP8 cache's `q_e4m3`, the module's
+        WSD_SHAPE["Q_E4M3"]) where it runs; 0: q as given."""
+        shape = getattr(self.kernel.module, "WSD_SHAPE", None)
+        return shape.get("Q_E4M3", 0) if shape is not None and self.gluon_runs_here() else 0
 
     def gluon_runs_here(self) -> bool:
         """Whether this process can run it: compiled mode on an sm_90 GPU."""
