@@ -497,8 +497,8 @@ for _world, _picks in {2: (0, 4, 13), 3: (6,), 4: (0, 5)}.items():
 # fused written out, then the variant's keywords: `alibi` the slopes' shape, "h" (H,) or "bh" (B, H)). Sinks: the
 # causal ring, the halo exchange (its out in q's dtype) with softcap and GQA, balanced documents with their loans,
 # the ring with its merges in one kernel. ALiBi: the causal ring (head-tail: a block per chunk pair), no mask over
-# odd contiguous shards with GQA, a window across head-tail chunks (the ring cut short), the halo exchange, and
-# with sinks
+# odd contiguous shards with GQA, a window across head-tail chunks (the ring cut short), the halo exchange, with
+# sinks, and documents (across shards, not causal, balanced with a split piece lent, its loans early)
 VARIANT_CASES = {
     2: [((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(sinks=True)),
         ((1, 2, 1, 7, False, False, (2, 3), 5.0, None, False, False, False), dict(sinks=True)),
@@ -508,9 +508,15 @@ VARIANT_CASES = {
         ((2, 4, 2, 5, False, False, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="bh")),
         ((1, 2, 2, 8, True, True, (5, 0), 0.0, None, False, False, True), dict(alibi="h")),
         ((1, 2, 1, 7, False, False, (2, 3), 0.0, None, False, False, False), dict(alibi="h")),
-        ((1, 2, 2, 6, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="bh", sinks=True))],
+        ((1, 2, 2, 6, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="bh", sinks=True)),
+        ((1, 2, 2, 7, True, False, NO_WINDOW, 0.0, (0, 3, 11, 14), False, False, False), dict(alibi="h")),
+        ((1, 2, 2, 8, False, True, NO_WINDOW, 0.0, (0, 5, 10, 13, 16), False, False, False), dict(alibi="bh")),
+        # balanced: a whole piece and a split one lent (the split's parts keep their shifts), and loans run early
+        ((1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True, False, False), dict(alibi="h")),
+        ((1, 2, 2, 12, True, True, NO_WINDOW, 0.0, (0, 3, 11, 12, 20, 24), True, True, True), dict(alibi="h"))],
     3: [((1, 2, 1, 6, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(sinks=True)),
-        ((1, 2, 2, 4, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h"))],
+        ((1, 2, 2, 4, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h")),
+        ((2, 4, 2, 6, True, True, NO_WINDOW, 0.0, (0, 1, 4, 15, 18), True, False, False), dict(alibi="bh"))],
     4: [((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, True), dict(sinks=True)),
         ((1, 2, 2, 8, True, True, NO_WINDOW, 0.0, None, False, False, False), dict(alibi="h"))],
 }
@@ -848,9 +854,6 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.full((2,), 0.1 * rank, device=device))
     with pytest.raises(ValueError, match="softcap and alibi_slopes cannot be combined"):
         context_parallel_attention(q, q, q, causal=True, softcap=5.0, alibi_slopes=torch.ones(2, device=device))
-    with pytest.raises(ValueError, match="alibi_slopes with cu_seqlens is not supported"):
-        context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.ones(2, device=device),
-                                   cu_seqlens=torch.tensor([0, world * 4], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\) or \(1, 2\)"):
         context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.ones(3, device=device))
     with pytest.raises(ValueError, match="load_balance=True cuts each shard"):

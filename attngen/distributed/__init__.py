@@ -128,7 +128,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     `causal`, `scale`, `window_size`, `softcap`, `alibi_slopes` and `sinks` as `attngen.attention`'s, over the
     positions of the whole sequence. With `alibi_slopes` ((H,) or (B, H), the same on every rank) each block of a
     query chunk against a key chunk runs a kernel whose score reads its global positions (`ring._alibi_spec`), so no
-    blocks are joined across chunks (not with `cu_seqlens`). `sinks` (H,), the same on every rank, joins each row's
+    blocks are joined across chunks (with `cu_seqlens`, a document's pieces against their own keys still run as one
+    varlen call: their positions are the sequence's). `sinks` (H,), the same on every rank, joins each row's
     softmax denominator once (after the partial states of every key are merged); its gradient, when it requires
     grad, is this rank's rows' share, to be summed over the group as every weight's is under context parallelism
     (the data-parallel reduction over the context-parallel ranks does it). `cu_seqlens`: documents packed into the
@@ -167,9 +168,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     window = sdpa.checked_window(causal, window_size, "causal")
     softcap = sdpa.checked_softcap(softcap, alibi_slopes)
     if alibi_slopes is not None:  # (float32 (B, H): the kernels' slopes tensor)
-        if cu_seqlens is not None:
-            raise KernelInputError("alibi_slopes with cu_seqlens is not supported under context parallelism: "
-                                   "pass one of them")
         alibi_slopes = sdpa._checked_float("alibi_slopes", alibi_slopes, q, ((q.shape[1],), tuple(q.shape[:2])))
         alibi_slopes = alibi_slopes.detach().expand(q.shape[:2]).contiguous()
     if sinks is not None:  # (float32, a differentiable cast: the sinks' own dtype gets their gradient)
@@ -184,7 +182,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                                 positional)
     loans = ()
     if documents and balance:
-        schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE)
+        schedule, loans = balanced_schedule(schedule, context_parallel.BALANCE, positional)
         loans = tuple(loan for loan in loans if rank in (loan.owner, loan.executor))
     steps = halos[rank] if halos else document_visits(schedule, rank) if documents else schedule[rank]
     split = None  # (LOANS_EARLY: the blocks on its own keys a rank runs before the loans, and after)

@@ -65,10 +65,11 @@ def _movable(b: Block) -> bool:
     return b.window == NO_WINDOW and (not b.causal or _diagonal(b))
 
 
-def split_piece(b: Block, target: float, min_rows: int):
+def split_piece(b: Block, target: float, min_rows: int, positional: bool = False):
     """(what stays home, the blocks that move) of block b (unmasked, or a causal piece on the diagonal) cut by query
     rows so that the moved rows keep at most `target` scores, as many as that allows: rows m..L against all its keys
-    (causal: keys 0..m in full and m..L causally); None where fewer than `min_rows` rows would move."""
+    (causal: keys 0..m in full and m..L causally); None where fewer than `min_rows` rows would move. `positional`:
+    each part with its shift (`Block.shift`: b's, less its first key's offset in b, plus its first row's)."""
     length, keys, q0, k0 = b.q_end - b.q_start, b.k_end - b.k_start, b.q_start, b.k_start
     if b.causal:  # rows m..L keep (L(L+1) - m(m+1)) / 2 scores: the least m with m(m+1) >= L(L+1) - 2 target
         least = length * (length + 1) - 2 * target
@@ -82,17 +83,18 @@ def split_piece(b: Block, target: float, min_rows: int):
     m = max(m, 1)
     if length - m < min_rows:
         return None
+    part = lambda r0, r1, c0, c1, causal: Block(r0, r1, c0, c1, causal, NO_WINDOW,  # noqa: E731
+                                                b.shift + (r0 - q0) - (c0 - k0) if positional else 0)
     if b.causal:
-        home = Block(q0, q0 + m, k0, k0 + m, True, NO_WINDOW)
-        moved = [Block(q0 + m, b.q_end, k0, k0 + m, False, NO_WINDOW),
-                 Block(q0 + m, b.q_end, k0 + m, b.k_end, True, NO_WINDOW)]
+        home = part(q0, q0 + m, k0, k0 + m, True)
+        moved = [part(q0 + m, b.q_end, k0, k0 + m, False), part(q0 + m, b.q_end, k0 + m, b.k_end, True)]
     else:
-        home = Block(q0, q0 + m, k0, b.k_end, False, NO_WINDOW)
-        moved = [Block(q0 + m, b.q_end, k0, b.k_end, False, NO_WINDOW)]
+        home = part(q0, q0 + m, k0, b.k_end, False)
+        moved = [part(q0 + m, b.q_end, k0, b.k_end, False)]
     return home, moved
 
 
-def balanced_schedule(schedule, policy: BalancePolicy):
+def balanced_schedule(schedule, policy: BalancePolicy, positional: bool = False):
     """(the schedule with the moved blocks gone from their owners' step 0, the `Loan`s that run them elsewhere) of a
     `ring_schedule` under documents: while the most loaded rank is further from the mean than `policy.tolerance`,
     it gives the least loaded one its largest block on its own keys that fits the gap, or, where none fits, the
@@ -111,7 +113,7 @@ def balanced_schedule(schedule, policy: BalancePolicy):
         gap = min(loads[heavy] - mean, mean - loads[light])
         if gap <= policy.tolerance * mean:
             break
-        move = _move(home[heavy], gap, cost, policy)
+        move = _move(home[heavy], gap, cost, policy, positional)
         if move is None:
             break
         given, parts = move
@@ -122,7 +124,7 @@ def balanced_schedule(schedule, policy: BalancePolicy):
     return balanced, tuple(loan(owner, executor, blocks) for (owner, executor), blocks in sorted(moved.items()))
 
 
-def _move(home: list[Block], gap: float, cost, policy: BalancePolicy):
+def _move(home: list[Block], gap: float, cost, policy: BalancePolicy, positional: bool = False):
     """(the cost leaving, the blocks that move) of the move out of `home` (a rank's blocks on its own keys, updated)
     that fills at most `gap`, None where none can: the largest block that fits, else the part of the largest that
     does; pieces on the diagonal first, then unmasked blocks (which move all their queries for a few keys)."""
@@ -132,7 +134,7 @@ def _move(home: list[Block], gap: float, cost, policy: BalancePolicy):
         if whole is not None:
             home.remove(whole)
             return cost(whole), [whole]
-        split = split_piece(movable[0], gap - 2 * policy.block_cost, policy.min_rows) if movable else None
+        split = split_piece(movable[0], gap - 2 * policy.block_cost, policy.min_rows, positional) if movable else None
         if split is not None:
             stays, parts = split
             home[home.index(movable[0])] = stays

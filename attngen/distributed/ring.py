@@ -154,6 +154,10 @@ class _Kernels:
                                                           device=self.alibi.device)
         return self.alibi, shift
 
+    def varlen_tensors(self, i: int) -> tuple:
+        """The run-time tensors of the varlen kernel's call on batch entry i: none, or with ALiBi its slopes (H,)."""
+        return () if self.alibi is None else (self.alibi[i],)
+
     def varlen(self, pieces: Pieces):
         """(the varlen kernel, its scale, cu_seqlens of the pieces on q's device)."""
         cu = self.found.get(("cu_seqlens", pieces.offsets))
@@ -165,8 +169,11 @@ class _Kernels:
             q, k, v, scale = self.args
             rows = slice(pieces.q_start, pieces.q_end)
             longest = max(b - a for a, b in zip(pieces.offsets, pieces.offsets[1:]))
+            # (ALiBi: pieces on the diagonal, each query and key at the same positions, so the varlen kernel's own
+            # ALiBi over a piece's local positions is the sequence's)
+            slopes = None if self.alibi is None else self.alibi[0]
             plan = varlen._checked_plan(*(t[0, :, rows].transpose(0, 1) for t in (q, k, v)), cu, cu, longest,
-                                        longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, None, None,
+                                        longest, 0.0, scale, pieces.causal, NO_WINDOW, self.softcap, slopes, None,
                                         None, None)
             self.found[mask] = resolve(plan.key), plan.scale
             self._hold(self.found[mask][0])
@@ -203,8 +210,8 @@ def _batched(parts):
 def _pieces_forward(kernels, b: Pieces, q, k, v):
     """(out, lse) of pieces b as a block's kernel returns them: one varlen call a batch entry."""
     kernel, scale, cu = kernels(b)
-    parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale)
-             for i in range(q.shape[0])]
+    parts = [kernel.varlen_forward(*(_packed(t, b, i) for t in (q, k, v)), cu, cu, cu.diff(), scale,
+                                   kernels.varlen_tensors(i)) for i in range(q.shape[0])]
     return _batched([o.transpose(0, 1) for o, _ in parts]), _batched([lse for _, lse in parts])
 
 
@@ -213,7 +220,7 @@ def _pieces_grads(kernels, b: Pieces, q, k, v, out, lse, do):
     kernel, scale, cu = kernels(b)
     grads = [kernel.varlen_backward(*(_packed(t, b, i) for t in (q, k, v, out)),
                                     lse[i, :, b.q_start:b.q_end].contiguous(), _packed(do, b, i), cu, cu, cu.diff(),
-                                    scale)[:3] for i in range(q.shape[0])]
+                                    scale, kernels.varlen_tensors(i))[:3] for i in range(q.shape[0])]
     return tuple(_batched([g[j].transpose(0, 1) for g in grads]) for j in range(3))
 
 

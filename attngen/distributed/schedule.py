@@ -189,7 +189,9 @@ def grouped_pieces(blocks: list[Block]) -> list[Block | Pieces]:
     one ending where the next starts, both causal or both not) joined into one `Pieces`."""
     out, run = [], []
     for b in sorted(blocks) + [None]:
-        diagonal = b is not None and (b.q_start, b.q_end) == (b.k_start, b.k_end) and b.window == NO_WINDOW
+        # (shift 0: a positional plan's block whose local diagonal is the sequence's, its queries at its keys')
+        diagonal = (b is not None and (b.q_start, b.q_end) == (b.k_start, b.k_end) and b.window == NO_WINDOW
+                    and b.shift == 0)
         if run and not (diagonal and b.q_start == run[-1].q_end and b.causal == run[0].causal):
             if len(run) == 1:
                 out += run
