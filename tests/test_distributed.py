@@ -229,13 +229,16 @@ def test_balanced_schedule_covers_the_document_mask_once(seed):
         cuts.append(min(total, cuts[-1] + rng.randint(1, total // 4)))
     documents = tuple(cuts)
     policy = BalancePolicy(block_cost=0, tolerance=0.01, min_rows=1)
-    schedule = ring_schedule(world, n, causal, window, load_balance, documents)
-    balanced, loans = balanced_schedule(schedule, policy)
+    positional = rng.random() < 0.5  # (ALiBi's plan: every block's shift, a lent piece's parts' too)
+    schedule = ring_schedule(world, n, causal, window, load_balance, documents, positional)
+    balanced, loans = balanced_schedule(schedule, policy, positional)
     want = visible(world * n, causal, window, documents)
     for rank in range(world):
         rows = local_positions(rank, world, n, load_balance)
         for step, blocks in enumerate(balanced[rank]):
             cols = local_positions((rank - step) % world, world, n, load_balance)
+            for b in blocks:
+                _check_shift(b, rows, cols, positional)
             covered = sum((block_mask(b, n, n).int() for b in blocks), torch.zeros(n, n, dtype=torch.int32))
             if step == 0:
                 covered += sum((loan_mask(loan, n) for loan in loans if loan.owner == rank),
@@ -243,10 +246,18 @@ def test_balanced_schedule_covers_the_document_mask_once(seed):
             assert torch.equal(covered, want[rows][:, cols].int()), (rank, step, documents)
     for loan in loans:
         assert loan.owner != loan.executor
+        owner = local_positions(loan.owner, world, n, load_balance)
+        rows, keys = (owner[torch.cat([torch.arange(a, b) for a, b in ranges])] for ranges in (loan.rows, loan.keys))
         for b in loan.blocks:
             nq, nk = sum(y - x for x, y in loan.rows), sum(y - x for x, y in loan.keys)
             mask = block_mask(b, nq, nk)
             assert mask[b.q_start:b.q_end].any(dim=1).all(), (b, loan)
+            if isinstance(b, Pieces):  # (a varlen call over its pieces: each one's queries at its keys' positions)
+                for x, y in zip(b.offsets, b.offsets[1:]):
+                    assert not positional or torch.equal(rows[b.q_start + x:b.q_start + y],
+                                                         keys[b.k_start + x:b.k_start + y]), (b, loan)
+            else:
+                _check_shift(b, rows, keys, positional)
     before, after = shares(schedule), shares(balanced, loans)
     assert max(after) <= max(before) + 1e-9
     if window == NO_WINDOW:  # (a window's blocks on the diagonal stay home)
