@@ -492,3 +492,36 @@ def test_a_decode_parts_gluon_answers_come_from_its_module_not_its_program(path)
     assert part.rounds_q() == 0  # (no sm_90 GPU runs it here)
     part.tuning_space(), part.tuning_default()
     assert kernel._program is None
+
+
+def test_a_cached_kernels_calls_leave_its_program_unbuilt():
+    """Training through `attention`, a varlen training call and a paged decode call on kernels whose program is not
+    held (a module from the disk cache has none), with the tables forgotten so that every config lookup runs again:
+    none rebuilds the program (compile_program's sympy took seconds of a first call, NOTES v33 and v57)."""
+    from attngen.runtime import tables
+    from attngen.runtime.registry import resolve
+    from attngen.lang.builtin import sdpa_key, varlen_key
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16, requires_grad=True) for _ in range(3))
+    attngen.attention(q, k, v, is_causal=True).sum().backward()
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    qv, kv, vv = (t[0].detach().transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+    attngen.flash_attn_varlen_func(qv, kv, vv, cu, cu, 19, 19, causal=True).sum().backward()
+    cache = torch.randn(4, 16, 2, 16)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 7], dtype=torch.int32)
+    qd = torch.randn(2, 1, 2, 16)
+    attngen.attention_with_kvcache(qd, cache, cache, lens, block_table=table)
+    kernels = [resolve(sdpa_key("fp32", 16, True)), resolve(varlen_key("fp32", 16, True)),
+               attngen.load(kvcache_spec("fp32", 16, True, 16))]
+    for kernel in kernels:
+        kernel._program = None
+    tables.forget()
+    try:
+        attngen.attention(q, k, v, is_causal=True).sum().backward()
+        attngen.flash_attn_varlen_func(qv, kv, vv, cu, cu, 19, 19, causal=True).sum().backward()
+        attngen.attention_with_kvcache(qd, cache, cache, lens, block_table=table)
+        assert [kernel._program for kernel in kernels] == [None] * 3
+    finally:
+        tables.forget()
