@@ -863,6 +863,8 @@ def _check_errors(rank, world, device):
         context_parallel_attention(q, q, q, causal=True, sinks=torch.zeros(3, device=device))
     with pytest.raises(ValueError, match="alibi_slopes: the ranks disagree on the alibi_slopes values"):
         context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.full((2,), 0.1 * rank, device=device))
+    with pytest.raises(ValueError, match="alibi_slopes requires grad"):
+        context_parallel_attention(q, q, q, causal=True, alibi_slopes=torch.ones(2, device=device, requires_grad=True))
     with pytest.raises(ValueError, match="softcap and alibi_slopes cannot be combined"):
         context_parallel_attention(q, q, q, causal=True, softcap=5.0, alibi_slopes=torch.ones(2, device=device))
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\) or \(1, 2\)"):

@@ -88,6 +88,8 @@ def test_plain_calls_keep_the_plain_key_and_spec():
     (dict(sinks=torch.zeros(4, dtype=torch.int32)), "sinks"),
     (dict(alibi_slopes=torch.zeros(2, 3)), "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(4), softcap=5.0), "alibi_slopes"),
+    # (attngen gives no gradient for the slopes: one that asks for it would silently be missing)
+    (dict(alibi_slopes=torch.zeros(4, requires_grad=True)), "alibi_slopes requires grad"),
 ])
 def test_bad_variant_arguments_raise_naming_them_before_any_launch(kwargs, match, monkeypatch):
     monkeypatch.setattr(autograd, "attention_forward", lambda *a, **kw: pytest.fail("launched"))
@@ -95,6 +97,20 @@ def test_bad_variant_arguments_raise_naming_them_before_any_launch(kwargs, match
     with pytest.raises(ValueError, match=match):
         attngen.attention(q, q, q, **kwargs)
     assert issubclass(KernelInputError, ValueError)
+
+
+def test_slopes_that_require_grad_run_as_constants_outside_grad_mode_or_detached():
+    """ALiBi's slopes are constants: under torch.no_grad(), or detached, slopes that require grad are taken; the
+    varlen entry point refuses them in grad mode as `attention` does."""
+    q = rand(1, 4, 8, 32)
+    slopes = torch.rand(4, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        want = attngen.attention(q, q, q, is_causal=True, alibi_slopes=slopes)
+    assert torch.equal(attngen.attention(q, q, q, is_causal=True, alibi_slopes=slopes.detach()), want)
+    packed = q[0].transpose(0, 1).contiguous()
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="alibi_slopes requires grad"):
+        attngen.flash_attn_varlen_func(packed, packed, packed, cu, cu, 8, 8, causal=True, alibi_slopes=slopes)
 
 
 CASES = {

@@ -172,9 +172,14 @@ def checked_softcap(softcap, alibi_slopes) -> float:
 
 
 def _checked_float(name, t, query, shapes) -> torch.Tensor:
-    """A run-time tensor of the variant in float32 (a differentiable cast, so that sinks get their gradient)."""
+    """A run-time tensor of the variant in float32 (a differentiable cast, so that sinks get their gradient); any
+    other than the sinks that requires grad while grad mode is on is refused, as `Kernel.__call__` refuses it
+    (attngen computes no gradient for ALiBi's slopes: it would silently be missing)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if name != "sinks" and t.requires_grad and torch.is_grad_enabled():
+        raise KernelInputError(f"{name} requires grad, but attngen computes gradients for q, k, v and sinks only: "
+                               f"pass {name}.detach() to use it as a constant")
     if tuple(t.shape) not in shapes:
         raise KernelInputError(f"{name} must have shape " + " or ".join(str(s) for s in shapes)
                                + f" for query {tuple(query.shape)}; got {tuple(t.shape)}")
