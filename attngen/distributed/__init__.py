@@ -127,26 +127,26 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     `causal`, `scale`, `window_size`, `softcap`, `alibi_slopes` and `sinks` as `attngen.attention`'s, over the
     positions of the whole sequence. With `alibi_slopes` ((H,) or (B, H), the same on every rank) each block of a
-    query chunk against a key chunk runs a kernel whose score reads its global positions (`ring._alibi_spec`), so no
-    blocks are joined across chunks (with `cu_seqlens`, a document's pieces against their own keys still run as one
-    varlen call: their positions are the sequence's). `sinks` (H,), the same on every rank, joins each row's
-    softmax denominator once (after the partial states of every key are merged); its gradient, when it requires
-    grad, is this rank's rows' share, to be summed over the group as every weight's is under context parallelism
-    (the data-parallel reduction over the context-parallel ranks does it). `cu_seqlens`: documents packed into the
-    sequence (training's packed batches), int32 (documents + 1,) offsets over the whole sequence (0 first, world *
-    N_local last), the same on every rank; each query then sees only its own document's keys (causal within it under
-    `causal`, exactly across shard boundaries); each rank runs only the (query, key) pieces of a document that both
-    shards hold, and receives from each other rank only the key rows its documents reach there, not whole shards
-    around the ring. Ring steps no rank needs are not run. Pass `load_balance=False` (and shards made with it) for a
-    sliding window no wider than a shard: every query sees at most the window's keys, so contiguous shards are
-    balanced already, and each rank then exchanges only the rows the window reaches into its neighbours' shards
-    instead of whole shards around the ring (head-tail chunks put a chunk's neighbour on the far side of the ring,
-    and every ring step moves a whole shard); with `cu_seqlens` a window cuts the documents' rows exchanged instead.
-    `balance_documents` (None: policy.context_parallel's BALANCE_DOCUMENTS): with `cu_seqlens`, part of the
-    documents' work of the ranks that hold more of it runs on the others (`balance.balanced_schedule`), the shards
-    staying as they are. Every rank must pass shards of one shape and the same arguments; a ValueError names the
-    argument that differs or does not fit (a group of one rank, an odd shard under `load_balance`). Collective:
-    every rank of `group` must call it, and its backward, together.
+    query chunk against a key chunk runs a kernel whose score reads its global positions
+    (`lang.builtin.positional_alibi_spec`), so no blocks are joined across chunks (with `cu_seqlens`, a document's
+    pieces against their own keys still run as one varlen call: their positions are the sequence's). `sinks` (H,),
+    the same on every rank, joins each row's softmax denominator once (after the partial states of every key are
+    merged); its gradient, when it requires grad, is this rank's rows' share, to be summed over the group as every
+    weight's is under context parallelism (the data-parallel reduction over the context-parallel ranks does it).
+    `cu_seqlens`: documents packed into the sequence (training's packed batches), int32 (documents + 1,) offsets
+    over the whole sequence (0 first, world * N_local last), the same on every rank; each query then sees only its
+    own document's keys (causal within it under `causal`, exactly across shard boundaries); each rank runs only the
+    (query, key) pieces of a document that both shards hold, and receives from each other rank only the key rows its
+    documents reach there, not whole shards around the ring. Ring steps no rank needs are not run. Pass
+    `load_balance=False` (and shards made with it) for a sliding window no wider than a shard: every query sees at
+    most the window's keys, so contiguous shards are balanced already, and each rank then exchanges only the rows
+    the window reaches into its neighbours' shards instead of whole shards around the ring (head-tail chunks put a
+    chunk's neighbour on the far side of the ring, and every ring step moves a whole shard); with `cu_seqlens` a
+    window cuts the documents' rows exchanged instead. `balance_documents` (None: policy.context_parallel's
+    BALANCE_DOCUMENTS): with `cu_seqlens`, part of the documents' work of the ranks that hold more of it runs on the
+    others (`balance.balanced_schedule`), the shards staying as they are. Every rank must pass shards of one shape
+    and the same arguments; a ValueError names the argument that differs or does not fit (a group of one rank, an
+    odd shard under `load_balance`). Collective: every rank of `group` must call it, and its backward, together.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError("context_parallel_attention needs torch.distributed initialised "

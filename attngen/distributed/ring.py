@@ -16,7 +16,7 @@ from ..api import sdpa, varlen
 from ..api.sdpa import _DTYPES
 from ..api.kvcache import merge_states
 from ..api.merge import merge
-from ..lang.builtin import NO_WINDOW
+from ..lang.builtin import NO_WINDOW, positional_alibi_spec
 from ..policy import context_parallel
 from ..runtime.arguments import check_attention_inputs, check_scale
 from ..runtime.kernel import load
@@ -94,7 +94,7 @@ class _Kernels:
 
     With ALiBi (`alibi`: the slopes, (B, H) float32) a block's scores depend on its global positions, so its kernel
     is a spec whose score reads them: `s - slopes[b, h] * abs(q - k + shift[b])`, `shift` the block's (`Block.shift`,
-    `tensors`), its mask the block's in local positions (`_alibi_spec`)."""
+    `tensors`), its mask the block's in local positions (`lang.builtin.positional_alibi_spec`)."""
 
     def __init__(self, q, k, v, scale, softcap, alibi=None):
         self.args, self.softcap, self.alibi, self.found = (q, k, v, scale), softcap, alibi, {}
@@ -129,7 +129,9 @@ class _Kernels:
             mask = ("alibi", *mask)
             if mask not in self.found:
                 q, k, v, scale = self.args
-                kernel = load(_alibi_spec(q, v, block.causal, block.window))
+                head_dim_v = v.shape[-1] if v.shape[-1] != q.shape[-1] else None
+                kernel = load(positional_alibi_spec(_DTYPES[q.dtype], q.shape[-1], block.causal, block.window,
+                                                    head_dim_v))
                 check_attention_inputs(kernel.spec, q, k, v)
                 self.found[mask] = kernel, check_scale(scale, kernel.spec)
                 self._hold(kernel)
@@ -178,23 +180,6 @@ class _Kernels:
             self.found[mask] = resolve(plan.key), plan.scale
             self._hold(self.found[mask][0])
         return (*self.found[mask], cu)
-
-
-def _alibi_spec(q, v, causal: bool, window: tuple[int, int]) -> str:
-    """The spec of a block's kernel under ALiBi: its mask (causal or a window, top-left in the block's local
-    positions, or none) and ALiBi's score over global positions, `shift` the block's first query's position less its
-    first key's (`Block.shift`), for q's dtype and head dims."""
-    if causal:
-        mask = "causal(top_left)"
-    else:
-        left, right = window
-        mask = " and ".join([f"k >= q - {left}"] * (left >= 0) + [f"k <= q + {right}"] * (right >= 0)) or "none"
-    dims = f"    head_dim = {q.shape[-1]}\n"
-    if v.shape[-1] != q.shape[-1]:
-        dims += f"    head_dim_v = {v.shape[-1]}\n"
-    return (f"kernel cp_alibi_{_DTYPES[q.dtype]}_d{q.shape[-1]} {{\n    direction = forward+backward\n"
-            f"    mask = {mask}\n    score = s - slopes[b, h] * abs(q - k + shift[b])\n"
-            f"    tensor slopes[B, H]: fp32\n    tensor shift[B]: int32\n{dims}    dtype = {_DTYPES[q.dtype]}\n}}\n")
 
 
 def _packed(t, b: Block | Pieces, i: int):

@@ -1,6 +1,7 @@
-"""The specs attngen writes itself: `attention()`'s (`sdpa_spec`), `attention_with_kvcache()`'s
-(`kvcache_spec`) and `flash_attn_varlen_func()`'s (`varlen_spec`, keyed by `varlen_key`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are run-time
-arguments of one compiled kernel. `attention()`'s variant arguments (window, softcap, ALiBi, sinks) add a
+"""The specs attngen writes itself: `attention()`'s (`sdpa_spec`), `attention_with_kvcache()`'s (`kvcache_spec`),
+`flash_attn_varlen_func()`'s (`varlen_spec`, keyed by `varlen_key`) and a context-parallel ALiBi block's
+(`positional_alibi_spec`), one per dtype, head dim, mask (and page size): sequence lengths, batch and heads are
+run-time arguments of one compiled kernel. `attention()`'s variant arguments (window, softcap, ALiBi, sinks) add a
 `Variant` (`sdpa_variant`) and a suffix to the kernel's registry key (`sdpa_key`, read back by `sdpa_key_spec`)."""
 
 from __future__ import annotations
@@ -49,6 +50,24 @@ def _dims(head_dim: int, head_dim_v: int | None) -> str:
 
 def _dim_v_line(head_dim_v: int | None) -> str:
     return f"    head_dim_v = {head_dim_v}\n" if head_dim_v else ""
+
+
+@lru_cache(maxsize=None)
+def positional_alibi_spec(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = NO_WINDOW,
+                          head_dim_v: int | None = None) -> str:
+    """The spec text of one block of context-parallel attention under ALiBi (attngen.distributed): its mask in the
+    block's own positions (causal top-left, a window `q - left <= k <= q + right` with -1 unbounded, or none) and
+    ALiBi over the whole sequence's, `shift[b]` the distance of the block's first query from its first key there:
+    `score = s - slopes[b, h] * abs(q - k + shift[b])`, the slopes and the shift run-time tensors."""
+    if causal:
+        mask = "causal(top_left)"
+    else:
+        left, right = window
+        mask = " and ".join([f"k >= q - {left}"] * (left >= 0) + [f"k <= q + {right}"] * (right >= 0)) or "none"
+    return (f"kernel cp_alibi_{dtype}_{_dims(head_dim, head_dim_v)} {{\n    direction = forward+backward\n"
+            f"    mask = {mask}\n    score = s - slopes[b, h] * abs(q - k + shift[b])\n"
+            f"    tensor slopes[B, H]: fp32\n    tensor shift[B]: int32\n    head_dim = {head_dim}\n"
+            f"{_dim_v_line(head_dim_v)}    dtype = {dtype}\n}}\n")
 
 
 def _key_dims(head_dim: int, head_dim_v: int | None) -> str:
