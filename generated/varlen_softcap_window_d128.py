@@ -69,6 +69,56 @@ else:
                                          pack=1)
 
 
+@triton.jit
+def _zero_unused_keys(DK, DV, CU_SEQLENS_K, SEQLENS_K, B, TOTAL_K, H_KV, SEARCH, stride_cu, stride_used, stride_dk_n,
+                      stride_dk_h, stride_dk_d, stride_dv_n, stride_dv_h, stride_dv_d, D_K, D_V, ROWS: tl.constexpr,
+                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Zeros into the rows of DK and DV (TOTAL_K, H_KV, D) that no sequence uses: a row of sequence b from
+    CU_SEQLENS_K[b] + SEQLENS_K[b] on, and rows from CU_SEQLENS_K[B] on. A program takes ROWS rows: each row's
+    sequence by bisection (SEARCH steps), and a program whose rows are all used stores nothing."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    lo = tl.zeros([ROWS], dtype=tl.int32)
+    hi = tl.full([ROWS], B + 1, dtype=tl.int32)
+    for _ in range(SEARCH):  # the last b in 0 .. B with CU_SEQLENS_K[b] <= row (lo - 1; -1 if none)
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(CU_SEQLENS_K + mid * stride_cu, mask=active, other=0) <= rows
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    b = lo - 1
+    inside = (b >= 0) & (b < B)
+    used_to = (tl.load(CU_SEQLENS_K + b * stride_cu, mask=inside, other=0)
+               + tl.load(SEQLENS_K + b * stride_used, mask=inside, other=0))
+    unused = (rows < TOTAL_K) & ~(inside & (rows < used_to))
+    if tl.sum(unused.to(tl.int32)) > 0:
+        at = rows.to(tl.int64)[:, None]
+        dk_cols = tl.arange(0, BLOCK_DK)
+        dv_cols = tl.arange(0, BLOCK_DV)
+        for h in range(H_KV):
+            tl.store(DK + at * stride_dk_n + h * stride_dk_h + dk_cols[None, :] * stride_dk_d,
+                     tl.zeros([ROWS, BLOCK_DK], dtype=DK.dtype.element_ty),
+                     mask=unused[:, None] & (dk_cols < D_K)[None, :])
+            tl.store(DV + at * stride_dv_n + h * stride_dv_h + dv_cols[None, :] * stride_dv_d,
+                     tl.zeros([ROWS, BLOCK_DV], dtype=DV.dtype.element_ty),
+                     mask=unused[:, None] & (dv_cols < D_V)[None, :])
+
+
+def zero_unused_keys(dk, dv, cu_seqlens_k, seqlens_k):
+    """dk and dv (TOTAL_K, H_KV, D) zeroed where no sequence uses the key row (past seqlens_k[b] in sequence b, past
+    cu_seqlens_k[-1]): the backward's kernels write every used row (zeros where no query sees the key), so the
+    gradients need no zeroed allocation (one launch that writes only the unused rows, read from the GPU's offsets)."""
+    total_k, h_kv = dk.shape[0], dk.shape[1]
+    if total_k == 0:
+        return
+    rows = 64
+    batch = seqlens_k.shape[0]
+    _zero_unused_keys[(cdiv(total_k, rows),)](dk, dv, cu_seqlens_k, seqlens_k, batch, total_k, h_kv,
+                                             (batch + 1).bit_length(), cu_seqlens_k.stride(0), seqlens_k.stride(0),
+                                             *dk.stride(), *dv.stride(), dk.shape[2],
+                                             dv.shape[2], ROWS=rows, BLOCK_DK=triton.next_power_of_2(dk.shape[2]),
+                                             BLOCK_DV=triton.next_power_of_2(dv.shape[2]), num_warps=4)
+
+
 def tma_layouts(*tensors):
     """Whether these tensors' layouts meet TMA's rules: non-empty, 16-byte aligned base and strides
     (none 0: an expanded tensor goes through pointers), unit last stride. (Loops, not generators: a
@@ -1914,14 +1964,15 @@ def backward_varlen(q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k
     """Gradients of `forward_varlen` for the output gradient `do` (like q): returns (dq, dk, dv).
 
     `out` and `lse` are what `forward_varlen` returned. dk and dv are summed over the query heads that share a
-    key/value head, without atomics. Key rows past seqlens_k[b] get no gradient written: pass zeroed dk and dv
-    where seqlens_k is shorter than the cu_seqlens_k lengths.
+    key/value head, without atomics; every row of them is written, zeros in the key rows no sequence uses (past
+    seqlens_k[b], past cu_seqlens_k[-1]).
     """
     if sm_scale is None:
         sm_scale = HEAD_DIM ** -0.5
     dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.zeros_like(k) if dk is None else dk
-    dv = torch.zeros_like(v) if dv is None else dv
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    zero_unused_keys(dk, dv, cu_seqlens_k, seqlens_k)
     config = {name: dict(DEFAULT_BACKWARD_CONFIG[name], **(config or {}).get(name, {})) for name in DEFAULT_BACKWARD_CONFIG}
     # The Gluon backward where it runs (config["attn_bwd_dkdv"]["warp_specialized"] = False asks for the
     # Triton kernels, which `config` tunes); the Triton kernels everywhere else, and under deterministic

@@ -1041,8 +1041,9 @@ def test_flash_attn_varlen_func_takes_the_gluon_kernel(monkeypatch):
 def _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused=None, tail=100, seed=0):
     """The Gluon varlen backward on packed q, k, v, do of these lengths followed by `tail` rows that belong to no
     sequence (its K/V rows, and those past seqused_k, NaN), after the forward (then out's tail NaN, lse's 0: the
-    forward leaves them as they were); dq, dk and dv are poisoned with NaN first, and their tail rows hold a sentinel. Checks that the Gluon kernel ran; that dk and dv kept the sentinel in
-    their tail and past seqused_k (a key tile that ends past its sequence stores row-masked); that dq's tail, which no
+    forward leaves them as they were); dq, dk and dv are poisoned with NaN first, and their tail rows hold a sentinel. Checks that the Gluon kernel ran; that dk and dv are exactly 0 in
+    their tail and past seqused_k (zero_unused_keys writes them before the kernel, and a key tile that ends past its
+    sequence stores row-masked, so a stray store would leave its value there); that dq's tail, which no
     sequence's rows reach but a tile's dQ reductions past its last sequence's rows do, got exactly 0 (dS is 0 past a
     sequence: the row pass writes 0 there and the reductions add only zeros); that every row of every sequence was
     written (finite). Returns (q, k, v, do, dq, dk, dv, cu_q, cu_k, grads[3:]) over the sequences' rows."""
@@ -1076,7 +1077,7 @@ def _run_backward(kernel, lens_q, lens_k, heads, kv_heads, tensors=None, seqused
         module.launch_attn_bwd_ws = launch
     torch.cuda.synchronize()
     assert called, "the Gluon backward did not run"
-    assert (dk[unused] == 7.0).all() and (dv[unused] == 7.0).all(), "a key tile stored rows past its sequence"
+    assert (dk[unused] == 0).all() and (dv[unused] == 0).all(), "a key row no sequence uses is not 0 (a stray store?)"
     assert (dq[total_q:] == 0.0).all(), "a query tile's dQ added non-zero past its sequence"
     assert dq[:total_q].isfinite().all() and dk[~unused].isfinite().all() and dv[~unused].isfinite().all()
     return q[:total_q], k, v, do[:total_q], dq[:total_q], dk, dv, cu_q, cu_k, grads[3:]

@@ -198,6 +198,37 @@ def test_the_sinks_gradient_sums_only_the_sequences_rows():
     torch.testing.assert_close(dsinks.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_backward_writes_every_key_row():
+    """dk and dv arrive NaN-poisoned: the rows of keys past seqlens_k, of a sequence with no query and past
+    cu_seqlens_k[-1] come back exactly 0 (no zeroed allocation behind them any more), the used rows match float64."""
+    kernel = _kernel("direction = forward+backward\n heads = 2\n kv_heads = 1\n mask = causal & window(3)",
+                     "vl_bwd_rows")
+    lens_q, lens_k, tail = [3, 0, 8, 5], [21, 5, 8, 7], 4
+    used = torch.tensor([18, 5, 6, 7], dtype=torch.int32, device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(17)
+    q, k, v, cu_q, cu_k = _packed(kernel, lens_q, [*lens_k, tail], 2, 1, g)
+    cu_k = cu_k[:-1]
+    module = kernel.module
+    config = {"BLOCK_M": 16, "BLOCK_N": 16}
+    out, lse = module.forward_varlen(q, k, v, cu_q, cu_k, used, config=config)
+    do = torch.randn(out.shape, generator=g, device=DEVICE)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    module.backward_varlen(q, k, v, out, lse, do, cu_q, cu_k, used, dq=dq, dk=dk, dv=dv,
+                           config={"attn_bwd_dq": config, "attn_bwd_dkdv": config})
+    unused = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
+    for b in range(len(lens_q)):
+        unused[int(cu_k[b]):int(cu_k[b]) + int(used[b])] = False
+    assert int(unused.sum()) == 3 + 2 + tail  # sequence 0's last 3 keys, sequence 2's last 2, the tail
+    assert (dk[unused] == 0).all() and (dv[unused] == 0).all(), "a key row no sequence uses is not zero"
+    assert (dk[int(cu_k[1]):int(cu_k[2])] == 0).all(), "the keys of a sequence without queries get no gradient"
+    for b in (0, 2, 3):
+        n_k = int(used[b])
+        qs, dos, dqs = (_sequence(t, cu_q, b) for t in (q, do, dq))
+        ks, vs, dks, dvs = (_sequence(t, cu_k, b)[:, :, :n_k] for t in (k, v, dk, dv))
+        for r in compare_grads(kernel.spec, qs, ks, vs, dos, (dqs, dks, dvs)):
+            assert r.ok, f"sequence {b}: {r}"
+
+
 def test_backward_bf16_shipped_spec():
     kernel = attngen.load(os.path.join(SPECS, "varlen_causal_d128.attn"))
     lens_q, lens_k = [3, 17, 0], [3, 30, 2]
