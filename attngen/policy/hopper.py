@@ -647,7 +647,9 @@ balance may suffer (the reversed odd rounds pair a round's longest item with the
 the launch-per-tile kernel: 340 bytes a thread (268 without it), 352 with VARLEN_BWD_LEAN (156), all in the consumers.
 Measured (H200, 2026-11-28, `python benchmarks/varlen_bwd_ab.py` at 6caf2da): it lost. The bench's 8 documents 361 TFLOP/s
 against the launch-per-tile kernel's 360 (with VARLEN_BWD_LEAN 362 against 413), 128k tokens of 14 documents 292
-against 371 (4 heads a group 313); its GPU tests pass. Off."""
+against 371 (4 heads a group 313); its GPU tests pass. Again with VARLEN_BWD_MASK_S on (2026-11-29, varlen_bwd_ab.py
+at 7169439, two rounds): 8 documents 390-423 TFLOP/s against 466-477 (4 heads a group 399-403, 16: 417-425), 128k 340-350
+against 497-501 (4 heads 383-387). Off."""
 
 VARLEN_BWD_MASK_S = True
 """Whether the Gluon varlen backward masks a masked block's S^T to -inf before the exponential, as the dense kernel
