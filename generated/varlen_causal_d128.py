@@ -52,7 +52,7 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "TOTAL_K", "SEARCH"])  # one binary for every batch
 def _zero_unused_keys(DK, DV, CU_SEQLENS_K, SEQLENS_K, B, TOTAL_K, H_KV, SEARCH, stride_cu, stride_used, stride_dk_n,
                       stride_dk_h, stride_dk_d, stride_dv_n, stride_dv_h, stride_dv_d, D_K, D_V, ROWS: tl.constexpr,
                       BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
