@@ -351,6 +351,11 @@ def test_grouped_pieces_join_each_run_of_diagonal_blocks():
     full = [Block(0, 2, 0, 2, False, NO_WINDOW), Block(2, 5, 2, 5, False, NO_WINDOW),
             Block(5, 6, 5, 6, True, NO_WINDOW)]
     assert grouped_pieces(full) == [Pieces(0, 5, 0, 5, False, (0, 2, 5)), full[2]]
+    # a positional block whose local rows and keys coincide but whose queries sit `shift` positions past its keys
+    # in the sequence (a split piece's part) is no diagonal: joined, its ALiBi distances would be off by the shift
+    shifted = [Block(0, 3, 0, 3, True, NO_WINDOW), Block(3, 6, 3, 6, True, NO_WINDOW, 4),
+               Block(6, 8, 6, 8, True, NO_WINDOW), Block(8, 10, 8, 10, True, NO_WINDOW)]
+    assert grouped_pieces(shifted) == [shifted[0], shifted[1], Pieces(6, 10, 6, 10, True, (0, 2, 4))]
     # the schedule of documents within shards: one call a rank
     schedule = ring_schedule(2, 8, True, NO_WINDOW, False, (0, 3, 8, 12, 16))
     assert [[grouped_pieces(s) for s in steps] for steps in schedule] == [[[Pieces(0, 8, 0, 8, True, (0, 3, 8))]],
