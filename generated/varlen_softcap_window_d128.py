@@ -110,13 +110,11 @@ def zero_unused_keys(dk, dv, cu_seqlens_k, seqlens_k):
     total_k, h_kv = dk.shape[0], dk.shape[1]
     if total_k == 0:
         return
-    rows = 64
-    batch = seqlens_k.shape[0]
-    _zero_unused_keys[(cdiv(total_k, rows),)](dk, dv, cu_seqlens_k, seqlens_k, batch, total_k, h_kv,
-                                             (batch + 1).bit_length(), cu_seqlens_k.stride(0), seqlens_k.stride(0),
-                                             *dk.stride(), *dv.stride(), dk.shape[2],
-                                             dv.shape[2], ROWS=rows, BLOCK_DK=triton.next_power_of_2(dk.shape[2]),
-                                             BLOCK_DV=triton.next_power_of_2(dv.shape[2]), num_warps=4)
+    rows, batch, d_k, d_v = 64, seqlens_k.shape[0], dk.shape[2], dv.shape[2]
+    _zero_unused_keys[(cdiv(total_k, rows),)](
+        dk, dv, cu_seqlens_k, seqlens_k, batch, total_k, h_kv, (batch + 1).bit_length(), cu_seqlens_k.stride(0),
+        seqlens_k.stride(0), *dk.stride(), *dv.stride(), d_k, d_v, ROWS=rows, BLOCK_DK=triton.next_power_of_2(d_k),
+        BLOCK_DV=triton.next_power_of_2(d_v), num_warps=4)
 
 
 def tma_layouts(*tensors):
