@@ -49,7 +49,7 @@ def cdiv(a, b):
 
 
 @triton.jit
-def _fp8_vt_copy(V, VT, stride_vb, stride_vh, stride_vn, stride_vd, H, N_K, N_PAD, D, HEAD_DIM: tl.constexpr,
+def fp8_vt_copy(V, VT, stride_vb, stride_vh, stride_vn, stride_vd, H, N_K, N_PAD, D, HEAD_DIM: tl.constexpr,
                  BLOCK: tl.constexpr, PERMUTE: tl.constexpr):
     """VT (B, H, D, N_PAD), contiguous, from V (B, H, N_K, D) in any layout (HEAD_DIM: D's power of two): column c of
     VT holds key c, or with PERMUTE key 16g + 8c' + 4a + 2b + l at column 16g + 8a + 4b + 2c' + l (the Hopper FP8
@@ -70,13 +70,13 @@ def _fp8_vt_copy(V, VT, stride_vb, stride_vh, stride_vn, stride_vd, H, N_K, N_PA
 
 def fp8_vt(v, permute=False):
     """V^T (B, H_KV, D, N_K) for FP8's P V, whose K dimension is the keys (Hopper's FP8 wgmma takes it K-major):
-    one copy of V (`_fp8_vt_copy`), from any layout; with `permute`, the Hopper Gluon kernel's key order within each
+    one copy of V (`fp8_vt_copy`), from any layout; with `permute`, the Hopper Gluon kernel's key order within each
     16 and N_K rounded up to 16."""
     B, H_KV, N_K, D = v.shape
     n_pad = cdiv(N_K, 16) * 16 if permute else N_K
     vt = torch.empty((B, H_KV, D, n_pad), device=v.device, dtype=v.dtype)
     if vt.numel():
-        _fp8_vt_copy[(cdiv(n_pad, 64), B * H_KV)](v, vt, *v.stride(), H_KV, N_K, n_pad, D,
+        fp8_vt_copy[(cdiv(n_pad, 64), B * H_KV)](v, vt, *v.stride(), H_KV, N_K, n_pad, D,
                                                   HEAD_DIM=triton.next_power_of_2(D), BLOCK=64, PERMUTE=permute,
                                                   num_warps=4)
     return vt

@@ -70,7 +70,7 @@ else:
 
 
 @triton.jit(do_not_specialize=["B", "TOTAL_K", "SEARCH"])  # one binary for every batch
-def _zero_unused_keys(DK, DV, CU_SEQLENS_K, SEQLENS_K, B, TOTAL_K, H_KV, SEARCH, stride_cu, stride_used, stride_dk_n,
+def attn_zero_unused_keys(DK, DV, CU_SEQLENS_K, SEQLENS_K, B, TOTAL_K, H_KV, SEARCH, stride_cu, stride_used, stride_dk_n,
                       stride_dk_h, stride_dk_d, stride_dv_n, stride_dv_h, stride_dv_d, D_K, D_V, ROWS: tl.constexpr,
                       BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Zeros into the rows of DK and DV (TOTAL_K, H_KV, D) that no sequence uses: a row of sequence b from
@@ -111,7 +111,7 @@ def zero_unused_keys(dk, dv, cu_seqlens_k, seqlens_k):
     if total_k == 0:
         return
     rows, batch, d_k, d_v = 64, seqlens_k.shape[0], dk.shape[2], dv.shape[2]
-    _zero_unused_keys[(cdiv(total_k, rows),)](
+    attn_zero_unused_keys[(cdiv(total_k, rows),)](
         dk, dv, cu_seqlens_k, seqlens_k, batch, total_k, h_kv, (batch + 1).bit_length(), cu_seqlens_k.stride(0),
         seqlens_k.stride(0), *dk.stride(), *dv.stride(), d_k, d_v, ROWS=rows, BLOCK_DK=triton.next_power_of_2(d_k),
         BLOCK_DV=triton.next_power_of_2(d_v), num_warps=4)

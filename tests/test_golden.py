@@ -97,6 +97,11 @@ def test_generated_files_compile_for_sm90():
                 values.update(BLOCK=module.TRITON_BWD_SHAPE["SUM_BLOCK"])
                 if "D" in args:  # (as wide as the tiles, over the D columns of the tensors)
                     values.update(HEAD_DIM=module.HEAD_DIM_PADDED, D=module.HEAD_DIM)
+            if kernel == "fp8_vt_copy":  # FP8's V^T copy, 64 keys a program, in the Hopper kernel's key order
+                values.update(BLOCK=64, PERMUTE=True)
+            elif kernel == "attn_zero_unused_keys":  # the varlen backward's zeroing of key rows no sequence uses
+                values.update(ROWS=64, BLOCK_DK=triton.next_power_of_2(module.HEAD_DIM),
+                              BLOCK_DV=triton.next_power_of_2(getattr(module, "HEAD_DIM_V", module.HEAD_DIM)))
             jobs.append(dict(path=golden, kernel=kernel, num_warps=warps, num_stages=stages,
                              constexprs={k: v for k, v in values.items() if k in args},
                              ptr_dtypes={"LSE": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32",
@@ -104,9 +109,28 @@ def test_generated_files_compile_for_sm90():
                                          "ROWS": "*fp32", "DQ_ACC": "*fp32", "CLAIM": "*i32", "PARTS": "*fp32",
                                              "DK_PART": "*fp32", "DV_PART": "*fp32",
                                          "CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "SEQLENS_K": "*i32",
-                                         **variant_ptrs}))
+                                         "VT": "*fp8e4nv", **variant_ptrs}))
             names.append(f"{spec.name}.{kernel}")
     assert any(name.endswith(".attn_combine") for name in names)
     for name, result in zip(names, probe(jobs)):
         assert "error" not in result, (name, result)
         assert result["shared"] <= SHARED_LIMIT[(9, 0)], (name, result)  # fits an H100/H200 as shipped
+
+
+@pytest.mark.parametrize("path", shipped_specs(), ids=os.path.basename)
+def test_every_kernel_the_host_code_launches_is_fast_launched(path):
+    """The loader wraps a module's kernels in FastJIT (attngen/runtime/launch.py) but for the `_`-named helpers the
+    Gluon kernels call: a kernel the host code launches under such a name takes Triton's own launch path (25-45 us
+    of host time) and spoils every replay of the call (attngen/runtime/replay.py; the varlen backward's key-row
+    zeroing did: benchmarks/NOTES.md [v59])."""
+    import ast
+
+    with open(os.path.join(GENERATED, f"{load_file(path).name}.py")) as f:
+        tree = ast.parse(f.read())
+    jitted = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+              and any("jit" in ast.unparse(d) for d in node.decorator_list)}
+    launched = {node.func.value.id for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in jitted}
+    assert launched, "no launch found: the test reads the module wrongly"
+    assert not [name for name in launched if name.startswith("_")]

@@ -7,7 +7,9 @@ dtype, head dim, GQA grouping, mask, variant and page size is one builtin spec (
 registry key `varlen_key`) whose kernel the call runs; the kernel's autograd makes the call differentiable
 (not paged).
 
-The arguments' shapes and dtypes are checked at every call. Their values (cu_seqlens monotonic from 0 and within
+The arguments' shapes and dtypes are checked at the first call of a signature (`signature_of`: every tensor's layout
+and the other arguments), whose plan later calls take, from their second on replaying the launches (as
+`attngen.attention` does; attngen/runtime/replay.py). Their values (cu_seqlens monotonic from 0 and within
 the packed tensors, max_seqlen at least every sequence's length, seqused_k and block_table in range) need the
 tensors on the host: they are checked when the tensors are on the CPU, and on a GPU only under
 ATTNGEN_CHECK_KVCACHE=1 (a debug mode: it copies them back and synchronises), as attention_with_kvcache does.
@@ -20,10 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..env import check_kvcache
+from ..env import check_kvcache, interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW, varlen_key
-from ..runtime.arguments import check_scale, value_head_dim
+from ..runtime import autograd, tables
+from ..runtime.arguments import INT32_MAX, check_scale, tensor_signature, value_head_dim
+from ..runtime.plans import PLANS
 from ..runtime.registry import resolve
 from .sdpa import _DTYPES, _checked_float, checked_softcap, checked_window
 
@@ -48,16 +52,114 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, H, D_V: v's head dim); with `return_attn_probs`, (out, softmax_lse, None) as flash-attn
     does, softmax_lse float32 (H, total_q) in natural log.
     """
-    plan = _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         causal, window_size, softcap, alibi_slopes, block_table, seqused_k, sinks)
-    kernel = resolve(plan.key)
-    result = kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
-                    max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k, block_table=block_table, scale=plan.scale,
-                    return_lse=bool(return_attn_probs), out=out, **plan.tensors)
+    signature = None if out is not None else signature_of(
+        "varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, block_table, seqused_k, sinks)
+    plan = None if signature is None else PLANS.get(signature)
+    if plan is not None and plan.lengths_ok(max_seqlen_q, max_seqlen_k):
+        seqlens_k, shared = planned_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                            block_table)
+        if autograd.needs_grad(q, k, v):  # (a signature holds whether the call is recorded: never paged then)
+            result = autograd.planned_varlen_forward(plan.training, plan.key, plan.scale, q, k, v, cu_seqlens_q,
+                                                     cu_seqlens_k, seqlens_k, shared, bool(return_attn_probs))
+        else:
+            result = autograd.replayed_varlen_forward(plan.replays(max_seqlen_q, max_seqlen_k), plan.key,
+                                                      plan.scale, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                                                      block_table, (max_seqlen_q, max_seqlen_k), shared)
+            result = result if return_attn_probs else result[0]
+    else:
+        checked = _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window_size, softcap, alibi_slopes, block_table, seqused_k,
+                                sinks)
+        kernel = resolve(checked.key)
+        result = kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), seqused_k=seqused_k,
+                        block_table=block_table, scale=checked.scale, return_lse=bool(return_attn_probs), out=out,
+                        **checked.tensors)
+        if signature is not None:  # (kept once the call has run: one a kernel refused keeps no plan)
+            PLANS.keep(signature, PlannedVarlen(checked.key, checked.scale, kernel))
     if return_attn_probs:
         out, lse = result
         return out, lse, None
     return result
+
+
+class PlannedVarlen:
+    """The plan of a varlen call signature (`signature_of`): the kernel's registry key, the softmax scale, and the
+    replays of its launches (attngen/runtime/replay.py) for calls without autograd and with it. max_seqlen_q and
+    max_seqlen_k are not in the signature (a training loop's change every batch): a kernel's launches read them only
+    where a mixed kernel (paged: prefills and decodes in one launch) schedules its short sequences by them, so its
+    inference replays are kept per pair (`replays`)."""
+
+    __slots__ = ("key", "scale", "inference", "training", "by_lengths")
+    KEPT = 16  # (max_seqlen_q, max_seqlen_k) pairs kept per signature of a mixed kernel, then the table starts over
+
+    def __init__(self, key: str, scale: float, kernel):
+        self.key, self.scale = key, scale
+        self.inference, self.training = autograd.Replays(), autograd.Replays()
+        # NOTE: the module's constant, as attngen/runtime/varlen.py's forward reads it (not kernel.program)
+        self.by_lengths = {} if getattr(kernel.module, "NARROW_CONFIG", None) is not None else None
+
+    @staticmethod
+    def lengths_ok(max_seqlen_q, max_seqlen_k) -> bool:
+        """What the checks ask of the max lengths beyond their type (the signature's): within int32."""
+        return 0 <= max_seqlen_q <= INT32_MAX and 0 <= max_seqlen_k <= INT32_MAX
+
+    def replays(self, max_seqlen_q: int, max_seqlen_k: int) -> autograd.Replays:
+        """The inference replays of calls with these max lengths."""
+        if self.by_lengths is None:
+            return self.inference
+        replays = self.by_lengths.get((max_seqlen_q, max_seqlen_k))
+        if replays is None:
+            if len(self.by_lengths) >= self.KEPT:
+                self.by_lengths.clear()
+            replays = self.by_lengths[max_seqlen_q, max_seqlen_k] = autograd.Replays()
+        return replays
+
+
+# PLANS holds signature_of(...) -> PlannedVarlen of calls that passed `_checked_plan` and ran: a training loop packs
+# its batches to one layout again and again (the lengths change, the totals and the batch often do not), and a later
+# call of a signature skips the checks, its second planned call on the Python of the kernel's module too (the
+# launches of its first planned call replayed: attngen/runtime/replay.py). The host time of a small packed batch's
+# backward was its wall time (benchmarks/NOTES.md [v58]).
+def signature_of(path: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                 causal, window_size, softcap, alibi_slopes, block_table, seqused_k, sinks):
+    """The key of `PLANS` for a varlen call on call path `path` ("varlen" here; the flash-attention slot's ops have
+    their own): each tensor's `tensor_signature`, whether cu_seqlens_k is cu_seqlens_q (a replay then holds one
+    address for both), whether the call is recorded for autograd, the other arguments' values but the max lengths'
+    (their types only: `PlannedVarlen`), whether Triton interprets and the tuning tables' generation. The
+    cu_seqlens' and seqused_k's values are not in it: the checks read them only where the tensors are on the CPU,
+    which a planned call does again (`planned_offsets`). None where the call is not planned: ALiBi slopes or sinks
+    (run-time tensors, checked afresh), ATTNGEN_CHECK_KVCACHE (values read back every call), torch.compile tracing,
+    or an argument not of the plain type the checks expect."""
+    if alibi_slopes is not None or sinks is not None or check_kvcache() or torch.compiler.is_compiling():
+        return None
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    if (any(type(t) is not torch.Tensor for t in tensors[:5])
+            or any(t is not None and type(t) is not torch.Tensor for t in tensors[5:])):
+        return None
+    if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(causal) is bool
+            and type(dropout_p) in (float, int) and type(softcap) in (float, int)
+            and (softmax_scale is None or type(softmax_scale) in (float, int))
+            and type(window_size) in (tuple, list) and len(window_size) == 2
+            and all(type(w) is int for w in window_size)):
+        return None
+    return (path, *(None if t is None else tensor_signature(t) for t in tensors),
+            cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr(), autograd.needs_grad(q, k, v), dropout_p,
+            softmax_scale, causal, tuple(window_size), softcap, interpreting(), tables.generation())
+
+
+def planned_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table):
+    """What a planned call (its signature's checks passed) computes afresh: the sequences' value checks where the
+    tensors are on the CPU (not part of the signature), the keys each sequence uses (seqused_k, else the
+    differences of cu_seqlens_k), and whether cu_seqlens_k is cu_seqlens_q."""
+    if q.device.type == "cpu":
+        page_size = k.shape[1] if block_table is not None else None
+        _check_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, q.shape[0],
+                      None if block_table is not None else k.shape[0], page_size,
+                      k.shape[0] if block_table is not None else 0)
+    seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return seqlens_k, cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr()
 
 
 class VarlenPlan(NamedTuple):

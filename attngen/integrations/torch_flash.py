@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ..api import sdpa
-from ..api.varlen import _checked_plan as _varlen_plan
+from ..api import varlen as varlen_api
 from ..errors import AttnGenError, KernelInputError
 from ..lang.builtin import NO_WINDOW
-from ..runtime import autograd, varlen
+from ..runtime import autograd
 from ..runtime.plans import PLANS
 from ..runtime.registry import resolve
 
@@ -207,14 +207,37 @@ def _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causa
                    alibi_slopes, block_table, out)
 
 
+def _varlen_planned(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, seqused_k, alibi_slopes,
+                    block_table):
+    """(signature, plan) of a varlen call in `PLANS` under "torch_flash_varlen" and flash_attn_varlen_func's
+    signature (`varlen_api.signature_of`); plan None where none is kept yet or the call is not planned (signature
+    None)."""
+    signature = varlen_api.signature_of("torch_flash_varlen", q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale,
+                                        is_causal, window, 0.0, alibi_slopes, block_table, seqused_k, None)
+    plan = None if signature is None else PLANS.get(signature)
+    return signature, (plan if plan is not None and plan.lengths_ok(max_q, max_k) else None)
+
+
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, seqused_k, alibi_slopes, block_table,
             out=None):
-    """(out, lse (H, total_q)) of flash_attn_varlen_func's kernels, without autograd."""
-    plan = _varlen_plan(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, scale, is_causal, window, 0.0,
-                        alibi_slopes, block_table, seqused_k, None)
-    return resolve(plan.key)(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
-                             max_seqlen_k=int(max_k), seqused_k=seqused_k, block_table=block_table, scale=plan.scale,
-                             return_lse=True, out=out, **plan.tensors)
+    """(out, lse (H, total_q)) of flash_attn_varlen_func's kernels, without autograd: a repeated layout skips the
+    checks and replays the launches as flash_attn_varlen_func does (not with `out` given)."""
+    max_q, max_k = int(max_q), int(max_k)
+    signature, plan = (None, None) if out is not None else _varlen_planned(
+        q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, seqused_k, alibi_slopes, block_table)
+    if plan is not None:
+        seqlens_k, shared = varlen_api.planned_offsets(q, k, cu_q, cu_k, max_q, max_k, seqused_k, block_table)
+        return autograd.replayed_varlen_forward(plan.replays(max_q, max_k), plan.key, plan.scale, q, k, v, cu_q,
+                                                cu_k, seqlens_k, block_table, (max_q, max_k), shared)
+    checked = varlen_api._checked_plan(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, is_causal, window, 0.0,
+                                       alibi_slopes, block_table, seqused_k, None)
+    kernel = resolve(checked.key)
+    result = kernel(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                    seqused_k=seqused_k, block_table=block_table, scale=checked.scale, return_lse=True, out=out,
+                    **checked.tensors)
+    if signature is not None:
+        PLANS.keep(signature, varlen_api.PlannedVarlen(checked.key, checked.scale, kernel))
+    return result
 
 
 def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
@@ -239,14 +262,22 @@ def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
 def _varlen_grads(q, k, v, out, lse, do, cu_q, cu_k, max_q, max_k, is_causal, scale, window):
     """(dq, dk, dv) of flash_attn_varlen_func's kernels for the output gradient `do`, from the output and the
     log-sum-exp (H, total_q) its forward returned (every key of each sequence: the backward takes no seqused_k)."""
-    plan = _varlen_plan(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, scale, is_causal, window, 0.0, None, None,
-                        None, None)
+    max_q, max_k = int(max_q), int(max_k)
+    signature, plan = _varlen_planned(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, None, None, None)
+    if plan is None:
+        checked = varlen_api._checked_plan(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, is_causal, window, 0.0,
+                                           None, None, None, None)
+        plan = varlen_api.PlannedVarlen(checked.key, checked.scale, resolve(checked.key))
+        if signature is not None:
+            PLANS.keep(signature, plan)
     if out.shape != q.shape or lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32:
         raise KernelInputError(f"out {tuple(out.shape)} and logsumexp {tuple(lse.shape)} are not what the varlen "
                                f"forward returned for query {tuple(q.shape)}")
-    seqlens_k = cu_k[1:] - cu_k[:-1]
-    return tuple(varlen.backward(resolve(plan.key), q, k, v, out, lse.contiguous(), do, cu_q, cu_k, seqlens_k,
-                                 plan.scale)[:3])
+    seqlens_k, shared = varlen_api.planned_offsets(q, k, cu_q, cu_k, max_q, max_k, None, None)
+    # (the backward's replays are the plan's training ones: kept per layout of the output gradient and the output,
+    # as attention()'s; the first call of a layout checks do)
+    return autograd.replayed_varlen_backward(plan.training, plan.key, plan.scale, q, k, v, out, lse.contiguous(), do,
+                                             cu_q, cu_k, seqlens_k, shared)
 
 
 # -- the ops, with the installed torch's schemas (torch 2.13's parameters; `schema_mismatch` compares) -------------

@@ -87,20 +87,62 @@ def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q,
     memory with q, k and v), else one like q allocated here."""
     out = new_output(q, v) if out is None else out
     inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
-    replay = replays.forward
-    if replay and replay(inputs):
-        return out
-    kernel = resolve(key)
-    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
 
     def run():
-        kernel.forward(q4, k4, v4, scale, out=out4, lse=lse)
+        q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
+        resolve(key).forward(q4, k4, v4, scale, out=out4, lse=lse)
 
+    _forward_launches(replays, inputs, run)
+    return out
+
+
+def _forward_launches(replays: Replays, inputs: tuple, run) -> None:
+    """A planned forward's launches on `inputs`: `replays.forward`'s where it holds them (and the replay does not
+    decline), else `run()`, the kernel's own path, recorded into `replays.forward` at the first planned call."""
+    replay = replays.forward
+    if replay and replay(inputs):
+        return
     if wanted(replay):
         replays.forward = record(run, inputs)[1] or False
     else:
         run()
-    return out
+
+
+_NEW = object()  # a layout `Replays.backward` has not seen
+
+
+def _backward_layout(replays: Replays, do, out) -> tuple:
+    """(the key of a backward's replays in `replays.backward`, what it holds there: `_NEW` for a layout not seen)."""
+    # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
+    layout = (tensor_signature(do), tensor_signature(out), torch.are_deterministic_algorithms_enabled())
+    return layout, replays.backward.get(layout, _NEW)
+
+
+def _backward_launches(replays: Replays, layout, replay, inputs: tuple, run) -> None:
+    """A planned backward's launches on `inputs` for one layout (`_backward_layout`): its replay where held (and not
+    declining), else `run()`, the kernel's own path, which a layout's first call runs as it is (its launches may
+    compile, or take Triton's path to a binary FastJIT has not kept, and a recording of them would fail) and its
+    second records."""
+    layouts = replays.backward
+    if replay is _NEW:
+        if len(layouts) >= Replays.KEPT:
+            layouts.clear()
+        layouts[layout] = None
+        run()
+    elif replay and replay(inputs):
+        return
+    elif wanted(replay):
+        layouts[layout] = record(run, inputs)[1] or False
+    else:
+        run()
+
+
+def _planned_outputs(ctx, with_lse: bool, out, lse):
+    """A planned autograd forward's outputs: `out`, or with `with_lse` (out, lse), lse not differentiable."""
+    if not with_lse:
+        return out
+    ctx.mark_non_differentiable(lse)
+    return out, lse
 
 
 class _Planned(torch.autograd.Function):
@@ -116,10 +158,7 @@ class _Planned(torch.autograd.Function):
         out = replayed_forward(replays, key, scale, squeeze, q, k, v, lse)
         ctx.replays, ctx.key, ctx.scale, ctx.squeeze = replays, key, scale, squeeze
         ctx.save_for_backward(q, k, v, out, lse)
-        if not with_lse:
-            return out
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return _planned_outputs(ctx, with_lse, out, lse)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -130,9 +169,6 @@ class _Planned(torch.autograd.Function):
         return (None, None, None, None, None) + tuple(g if n else None for g, n in zip(grads, need[5:]))
 
 
-_NEW = object()  # a layout `Replays.backward` has not seen
-
-
 def replayed_backward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, out, lse, do) -> tuple:
     """(dq, dk, dv) of the kernel named by `key` for the output gradient `do`, where q, k, v and `scale` are a
     signature's checked at an earlier call (3-D where `squeeze`) and `out` and `lse` what its forward returned:
@@ -140,31 +176,18 @@ def replayed_backward(replays: Replays, key: str, scale: float, squeeze: bool, q
     path, which a layout's second call records (its first runs as it is: its launches may compile, or take
     Triton's path to a binary FastJIT has not kept, and a recording of them would fail). `do` is checked once
     per layout: the rest of the layout is the signature's."""
-    layouts = replays.backward
-    # (whether torch insists on deterministic algorithms picks the backward's kernels: a replay is of one)
-    layout = (tensor_signature(do), tensor_signature(out), torch.are_deterministic_algorithms_enabled())
-    replay = layouts.get(layout, _NEW)
+    layout, replay = _backward_layout(replays, do, out)
     if replay is _NEW:
         check_like(do, q, "do", output_shape(q, v))
     grads = gradient_tensors(q, k, v)
     inputs = (q, k, v, out, lse, do) + grads
-    if not (replay and replay is not _NEW and replay(inputs)):
-        kernel = resolve(key)
+
+    def run():
         q4, k4, v4, out4, do4, dq4, dk4, dv4 = ((t.unsqueeze(0) for t in inputs if t is not lse) if squeeze
                                                 else (t for t in inputs if t is not lse))
+        resolve(key)._backward(q4, k4, v4, out4, lse, do4, scale, None, (dq4, dk4, dv4))
 
-        def run():
-            kernel._backward(q4, k4, v4, out4, lse, do4, scale, None, (dq4, dk4, dv4))
-
-        if replay is _NEW:
-            if len(layouts) >= Replays.KEPT:
-                layouts.clear()
-            layouts[layout] = None
-            run()
-        elif wanted(replay):
-            layouts[layout] = record(run, inputs)[1] or False
-        else:
-            run()
+    _backward_launches(replays, layout, replay, inputs, run)
     return grads
 
 
@@ -220,6 +243,85 @@ def varlen_forward(key: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, sca
     if needs_grad(q, k, v, *tensors):
         return _VarlenEager.apply(key, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, *tensors)
     return resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tuple(tensors))
+
+
+# -- planned varlen calls (attngen/api/varlen.py's plans; the slot's varlen ops) ----------------------------------
+# The inputs a replay ties addresses to: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table (and
+# for the backward do, dq, dk, dv). A replay needs each address to be one input's: where cu_seqlens_k is
+# cu_seqlens_q (self-attention's packing passes one tensor twice) the planned call passes `shared_offsets` and the
+# replay holds it once; the plan's signature says whether they were one, so a replay never serves a call where
+# they differ.
+
+def replayed_varlen_forward(replays: Replays, key: str, scale: float, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                            block_table=None, max_seqlens: tuple[int, int] | None = None,
+                            shared_offsets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse (H, TOTAL_Q)) of the varlen kernel named by `key` on packed inputs of a signature checked at an
+    earlier call (`flash_attn_varlen_func`'s plans): `replays.forward`'s launches where it holds them, else the
+    kernel's own path (`Kernel.varlen_forward`), recorded at the signature's first planned call. `seqlens_k`: the
+    keys each sequence uses (B,) int32; `max_seqlens` as `attngen.runtime.varlen.forward` takes them (part of the
+    signature: a mixed call's schedule reads them). No autograd."""
+    out = new_output(q, v)
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    inputs = (q, k, v, out, lse, cu_seqlens_q, None if shared_offsets else cu_seqlens_k, seqlens_k, block_table)
+
+    def run():
+        resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, block_table=block_table,
+                                    max_seqlens=max_seqlens, out=out, lse=lse)
+
+    _forward_launches(replays, inputs, run)
+    return out, lse
+
+
+def replayed_varlen_backward(replays: Replays, key: str, scale: float, q, k, v, out, lse, do, cu_seqlens_q,
+                             cu_seqlens_k, seqlens_k, shared_offsets: bool = False) -> tuple:
+    """(dq, dk, dv) of the varlen kernel named by `key` for the output gradient `do`, q, k, v and the offsets a
+    signature's checked at an earlier call and `out`, `lse` what its forward returned: as `replayed_backward`,
+    per layout of `do` and `out` and deterministic-algorithms setting (the first call of a layout checks `do` and
+    runs as it is, the second records, later ones replay)."""
+    layout, replay = _backward_layout(replays, do, out)
+    if replay is _NEW:
+        check_like(do, q, "do", output_shape(q, v))
+    grads = gradient_tensors(q, k, v)
+    inputs = (q, k, v, out, lse, do, cu_seqlens_q, None if shared_offsets else cu_seqlens_k, seqlens_k) + grads
+
+    def run():
+        resolve(key).varlen_backward(q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
+                                     grads=grads)
+
+    _backward_launches(replays, layout, replay, inputs, run)
+    return grads
+
+
+class _VarlenPlanned(torch.autograd.Function):
+    """`_Planned` for a varlen signature `flash_attn_varlen_func` planned: the forward's launches replayed from the
+    second planned call on, the backward's from a layout's third; only `out` returned unless `with_lse`."""
+
+    @staticmethod
+    def forward(ctx, replays: Replays, key: str, scale: float, shared_offsets: bool, with_lse: bool, q, k, v,
+                cu_seqlens_q, cu_seqlens_k, seqlens_k):
+        out, lse = replayed_varlen_forward(replays, key, scale, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                                           shared_offsets=shared_offsets)
+        ctx.replays, ctx.key, ctx.scale, ctx.shared_offsets = replays, key, scale, shared_offsets
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlens_k)
+        return _planned_outputs(ctx, with_lse, out, lse)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, _d_lse=None):
+        q, k, v, out, lse, cu_q, cu_k, seqlens_k = ctx.saved_tensors
+        grads = replayed_varlen_backward(ctx.replays, ctx.key, ctx.scale, q, k, v, out, lse, do, cu_q, cu_k,
+                                         seqlens_k, ctx.shared_offsets)
+        need = ctx.needs_input_grad[5:8]
+        return (None,) * 5 + tuple(g if n else None for g, n in zip(grads, need)) + (None,) * 3
+
+
+def planned_varlen_forward(replays: Replays, key: str, scale: float, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
+                           shared_offsets: bool = False, with_lse: bool = False):
+    """The output of the varlen kernel named by `key` on packed inputs of a planned signature, recorded for autograd
+    with the signature's training replays (`_VarlenPlanned`); with `with_lse`, (out, lse), lse not differentiable.
+    Eager calls only: torch.compile traces the custom op."""
+    return _VarlenPlanned.apply(replays, key, scale, shared_offsets, with_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                seqlens_k)
 
 
 def needs_grad(*tensors) -> bool:

@@ -383,14 +383,19 @@ class Kernel:
             return grads
         return grads[:3] + (grads[3].to(sinks.dtype),)
 
-    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = ()):
-        """(out, lse) of a varlen kernel on checked packed inputs (attngen/runtime/varlen.py), for autograd."""
-        return varlen.forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, None, scale, tensors=tensors)
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = (), *,
+                       block_table=None, max_seqlens: tuple[int, int] | None = None, out=None, lse=None):
+        """(out, lse) of a varlen kernel on checked packed inputs (attngen/runtime/varlen.py `forward`, whose
+        keywords these are), for autograd and for the API's planned calls."""
+        return varlen.forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out=out,
+                              tensors=tensors, max_seqlens=max_seqlens, lse=lse)
 
     def varlen_backward(self, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float,
-                        tensors: tuple = ()):
-        """The gradients of `varlen_forward` (dq, dk, dv[, dsinks]); only `do` is checked."""
-        return varlen.backward(self, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)
+                        tensors: tuple = (), grads: tuple | None = None):
+        """The gradients of `varlen_forward` (dq, dk, dv[, dsinks]), into `grads` (dq, dk, dv) where given; only
+        `do` is checked."""
+        return varlen.backward(self, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors,
+                               grads)
 
     # -- what the config lookup reads (attngen/runtime/tables.py) ---------------------------------
     def tuning_problem(self) -> str:

@@ -120,16 +120,18 @@ def _int32(name: str, t, dims: int, device) -> None:
 
 
 def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale: float, out=None,
-            config: dict | None = None, tensors: tuple = (), max_seqlens: tuple[int, int] | None = None):
+            config: dict | None = None, tensors: tuple = (), max_seqlens: tuple[int, int] | None = None, lse=None):
     """(out, lse) of checked inputs; no autograd. `seqlens_k`: the keys each sequence uses (B,) int32.
     `max_seqlens` (max_seqlen_q, max_seqlen_k): where given, a mixed spec's call (paged) schedules its short
-    sequences by the policy (attngen/policy/mixed.py); without them the wide kernel runs alone."""
+    sequences by the policy (attngen/policy/mixed.py); without them the wide kernel runs alone. `out` and `lse`
+    (H, TOTAL_Q) float32: tensors to write into, else allocated here."""
     if on_other_gpu(q):
         with torch.cuda.device(q.device):
             return forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table, scale, out, config,
-                           tensors, max_seqlens)
+                           tensors, max_seqlens, lse)
     out = new_output(q, v) if out is None else out
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    if lse is None:
+        lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     shape = Packed.of(q, k, cu_seqlens_q, block_table)
     launch = dict(tables.launch_config(kernel, shape, q.device.index), **(config or {}))
     steps = {}
@@ -145,16 +147,20 @@ def forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, block_table,
     return out, lse
 
 
-def backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = ()):
-    """(dq, dk, dv), and the sinks' gradient in their dtype last where the spec has sinks; `do` is checked."""
+def backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale: float, tensors: tuple = (),
+             grads: tuple | None = None):
+    """(dq, dk, dv), and the sinks' gradient in their dtype last where the spec has sinks; `do` is checked.
+    `grads`: (dq, dk, dv) laid out as q, k and v to write into (every row is written), else allocated here."""
     check_like(do, q, "do", output_shape(q, v))
     if on_other_gpu(q):
         with torch.cuda.device(q.device):
-            return backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors)
+            return backward(kernel, q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors,
+                            grads)
     shape = Packed.of(q, k, cu_seqlens_q)
     launch = {name: tables.launch_config(kernel.part(name), shape, q.device.index) for name in PARTS}
     warmup.wait()
+    given = {} if grads is None else dict(zip(("dq", "dk", "dv"), grads))
     grads = kernel.module.backward_varlen(q, k, v, out, lse, do, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale,
-                                          config=launch, **kernel._keywords(tensors))
+                                          config=launch, **given, **kernel._keywords(tensors))
     sinks = dict(zip(kernel.tensor_names, tensors)).get("sinks")
     return grads if sinks is None else grads[:3] + (grads[3].to(sinks.dtype),)
