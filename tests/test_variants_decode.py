@@ -215,7 +215,7 @@ def test_attention_with_kvcache_variants(args, page_size, monkeypatch):
 def test_kvcache_variant_plans(monkeypatch):
     """A windowed call keeps a plan like a plain one (its own: the window is part of the signature); a call
     with sinks keeps one too, without the tensors: a later call with other sinks of the same layout takes them,
-    and is never replayed (the recorded launches would hold the first call's sinks)."""
+    and may record its launches (a replay takes each call's sinks as an input: the GPU test below)."""
     from attngen.runtime.plans import PLANS
 
     empty_plans(monkeypatch)
@@ -225,15 +225,62 @@ def test_kvcache_variant_plans(monkeypatch):
     plain = attngen.attention_with_kvcache(q, k, k, 40)
     assert len(PLANS) == 2
     assert not torch.allclose(windowed, plain)
-    outs = [attngen.attention_with_kvcache(q, k, k, 40, sinks=torch.full((2,), s, device=DEVICE))
-            for s in (-1e4, 0.0, 0.0, 3.0, -1e4)]
+    outs = [attngen.attention_with_kvcache(q, k, k, 40, sinks=torch.full((2,), -1e4, device=DEVICE))]
+    plan = PLANS.plans("kvcache")[-1]  # the sinks' plan, as its first call kept it: nothing recorded yet
+    assert len(PLANS) == 3 and plan.tensors == () and plan.replay is None
+    outs += [attngen.attention_with_kvcache(q, k, k, 40, sinks=torch.full((2,), s, device=DEVICE))
+             for s in (0.0, 0.0, 3.0, -1e4)]
     assert len(PLANS) == 3
-    plan = PLANS.plans("kvcache")[-1]  # the sinks' plan
-    assert plan.tensors == () and plan.replay is False
     torch.testing.assert_close(outs[0], plain)  # a sink of -1e4 weighs nothing
     torch.testing.assert_close(outs[-1], plain)
     torch.testing.assert_close(outs[1], outs[2])
     assert (outs[3].float().norm() < outs[1].float().norm()).item()  # a larger sink takes more of the weight
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["sinks window d64", "alibi (B, H) bf16 paged16 d128"])
+def test_gpu_replayed_variant_calls_read_their_own_tensors(case, monkeypatch):
+    """Decoding calls with sinks or ALiBi slopes replay from a signature's third call on (gpt-oss decodes with
+    sinks every step), each with its own tensors: sinks and slopes of other values at new addresses every call,
+    the slopes given in bfloat16 (a float32 copy per call, made outside the replay). Every call matches float64 and
+    is bit for bit the module's own path (replays off)."""
+    from attngen.api import kvcache as decode
+    from attngen.runtime import replay
+    from test_decode import make_cache
+
+    empty_plans(monkeypatch)
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    d, heads, batch = (64, 8, 3) if "d64" in case else (128, 8, 3)
+    if "paged" in case:
+        k, v, table = make_cache([304] * batch, 16, 2, d, torch.bfloat16, gen)
+    else:
+        k, v = (torch.randn(batch, 304, 2, d, dtype=torch.bfloat16, device=DEVICE, generator=gen) for _ in range(2))
+        table = None
+    seqlens = torch.tensor([300, 77, 1], dtype=torch.int32, device=DEVICE)
+    for i in range(5):
+        q = torch.randn(batch, 1, heads, d, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+        if "sinks" in case:
+            args = dict(sinks=torch.randn(heads, device=DEVICE, generator=gen) + 1.5, window_size=(40, 0))
+        else:
+            args = dict(alibi_slopes=torch.rand(batch, heads, device=DEVICE, generator=gen).to(torch.bfloat16))
+        got, lse = attngen.attention_with_kvcache(q, k, v, seqlens, table, return_softmax_lse=True, **args)
+        with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
+            empty_plans(m)
+            m.setattr(decode, "record", lambda fn, inputs: (fn(), None))
+            for _ in range(3):
+                want, want_lse = attngen.attention_with_kvcache(q, k, v, seqlens, table, return_softmax_lse=True,
+                                                                **args)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse), i
+        cpu = {name: t.float().cpu() if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+        inputs = (q.cpu(), k.cpu(), v.cpu(), seqlens.cpu(), None if table is None else table.cpu(), True)
+        ref, ref_lse = reference.kvcache_attention(*inputs, **cpu)
+        low, _ = reference.kvcache_attention(*inputs, dtype=torch.float32, **cpu)
+        assert_close(got, lse, ref, ref_lse, FUDGE * (low - ref).abs().max().item() + ATOL[DType.BF16])
+    assert replayed == [True] * 3  # calls 3 to 5
 
 
 BAD = [

@@ -116,9 +116,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     with ATTNGEN_CHECK_KVCACHE=1: it reads them back). K and V are read as e4m3 and widened in
     registers; k_descale folds into the softmax scale and v_descale scales the accumulated output, which is in
     q's dtype. Descales with a 16-bit cache are refused.
-    Calls with alibi_slopes or sinks skip the checks from their signature's second call on, as other calls
-    do, but are not replayed (their tensors are arguments of the launch); calls over an FP8 cache are, with
-    their descales' addresses.
+    Calls with alibi_slopes or sinks skip the checks from their signature's second call on and replay their
+    launches from its third, as other calls do, with the slopes' and sinks' addresses (or those of their float32
+    copies, made per call where they are given in another dtype); calls over an FP8 cache with their descales'.
     MLA's absorbed decode (DeepSeek): one latent cache whose first D_V columns are the values, as
     `v_cache=None, head_dim_v=D_V` or v_cache a view `k_cache[..., :D_V]`; q and k_cache may then be up to 576
     wide (512 latent + 64 rotary), and the kernel reads each tile of the cache once for both products.
@@ -146,11 +146,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         planned = False
         if key is not None:
             # A plan with run-time tensors keeps the checks' verdict on their layouts, not the tensors (a call
-            # brings its own). Calls with alibi_slopes or sinks are never replayed (the launch reads float32 copies
-            # made per call, which a recording would hold); an FP8 cache's descales are the call's own tensors,
-            # which a replay takes as inputs like the caches.
-            replayable = all(name in FP8_DESCALES for name, _ in plan.tensors)
-            PLANS.keep(key, plan._replace(tensors=(), replay=None if replayable else False) if plan.tensors else plan)
+            # brings its own: `_call_tensors`, which a replay takes as inputs like the caches).
+            PLANS.keep(key, plan._replace(tensors=()) if plan.tensors else plan)
     if plan.uniform:
         if planned:  # the signature holds that the lengths are an int, not which: a decoding loop's grows
             _check_uniform_length(cache_seqlens, plan.capacity)
@@ -164,11 +161,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if plan.part is None:  # q is empty
         return (out, lse) if return_softmax_lse else out
     descales = _descales(k_descale, v_descale, q.device) if k_cache.dtype in FP8_CACHE else {}
-    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *descales.values())
+    # the run-time tensors the launch reads (float32 copies of slopes or sinks given in another dtype: made here, out
+    # of a recording, so that a replay takes them as inputs as it takes the caches)
+    tensors = dict(plan.tensors) if not planned else dict(_call_tensors(alibi_slopes, sinks), **descales)
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, out, lse, *descales.values(),
+              tensors.get("alibi_slopes"), tensors.get("sinks"))
     if plan.replay and plan.replay(inputs):  # the launches of this signature's earlier call, on these tensors
         return (out, lse) if return_softmax_lse else out
-
-    tensors = dict(plan.tensors) if not planned else dict(_call_tensors(alibi_slopes, sinks), **descales)
 
     def run():
         # The kernels see (batch, heads, seq, d) views of flash-attn's (batch, seq, heads, d) tensors.
