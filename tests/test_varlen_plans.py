@@ -101,7 +101,7 @@ def test_one_offsets_tensor_for_queries_and_keys_is_its_own_signature(monkeypatc
         out = attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, causal=True)
         _against_float64(q, k, v, cu_q, cu_k, out, causal=True)
     signatures = [s for s in varlen_api.PLANS._table if s[0] == "varlen"]
-    assert len(signatures) == 2 and {s[8] for s in signatures} == {True, False}
+    assert len(signatures) == 2 and {s[10] for s in signatures} == {True, False}  # (after the 9 tensors' layouts)
 
 
 @VARLEN
@@ -123,9 +123,10 @@ def test_a_planned_call_on_the_cpu_checks_its_values_again(monkeypatch):
     assert len(varlen_api.PLANS.plans("varlen")) == 1  # (the planned signature's, unchanged)
 
 
-def test_what_is_not_planned():
-    """Run-time tensors (slopes, sinks), the debug mode that reads values back, and arguments of other types than
-    the checks expect have no signature; the max lengths' values are not part of one."""
+def test_what_is_not_planned(monkeypatch):
+    """Run-time tensors (slopes, sinks) in a call recorded for autograd, the debug mode that reads values back, and
+    arguments of other types than the checks expect have no signature; the max lengths' values are not part of one,
+    the slopes' and sinks' layouts are."""
     q, k, v, cu_q, cu_k = _packed([3], [3])
     args = lambda **kw: dict(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=3,
                                   dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -134,9 +135,35 @@ def test_what_is_not_planned():
     assert sig() is not None and sig() == sig(max_seqlen_q=7, max_seqlen_k=9)
     assert sig() != sig(causal=True) and sig() != sig(window_size=(2, 0)) and sig() != sig(softmax_scale=0.5)
     assert sig(window_size=[2, 0]) == sig(window_size=(2, 0))
-    for changes in (dict(alibi_slopes=torch.ones(4)), dict(sinks=torch.ones(4)), dict(max_seqlen_q=3.0),
-                    dict(window_size=(2.0, 0)), dict(causal=1), dict(cu_seqlens_q=[0, 3])):
+    slopes, sinks = torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    assert None not in (sig(alibi_slopes=slopes), sig(sinks=sinks))
+    assert len({sig(), sig(alibi_slopes=slopes), sig(sinks=sinks), sig(sinks=sinks.double())}) == 4
+    assert sig(sinks=sinks.requires_grad_()) is None  # (the sinks' gradient: a recorded call)
+    with torch.no_grad():
+        assert sig(sinks=sinks) is not None
+    q.requires_grad_()
+    assert sig(alibi_slopes=slopes) is None and sig() is not None
+    for changes in (dict(max_seqlen_q=3.0), dict(window_size=(2.0, 0)), dict(causal=1), dict(cu_seqlens_q=[0, 3]),
+                    dict(alibi_slopes=[1.0] * 4)):
         assert sig(**changes) is None, changes
+    monkeypatch.setenv("ATTNGEN_CHECK_KVCACHE", "1")
+    assert sig() is None
+
+
+@VARLEN
+def test_planned_calls_take_their_own_slopes_and_sinks(monkeypatch):
+    """Inference calls with ALiBi slopes (given in bfloat16: a float32 copy per call) or sinks plan like the others:
+    one checked call per signature, each call computing with its own tensors against float64."""
+    empty_plans(monkeypatch)
+    checked = _count_checks(monkeypatch)
+    for lengths_q, lengths_k in SPLITS:
+        q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k)
+        for kw in (dict(alibi_slopes=torch.rand(3, 4, device=DEVICE).to(torch.bfloat16), causal=True),
+                   dict(sinks=torch.randn(4, device=DEVICE) * 2)):
+            out = attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)
+            ref_kw = {name: t.float() if isinstance(t, torch.Tensor) else t for name, t in kw.items()}
+            _against_float64(q, k, v, cu_q, cu_k, out, **ref_kw)
+    assert len(checked) == 2
 
 
 def test_a_mixed_kernel_keeps_inference_replays_per_max_lengths():
@@ -222,7 +249,7 @@ def test_gpu_replayed_varlen_calls_follow_each_call_s_values(case, monkeypatch):
 @VARLEN
 def test_gpu_replayed_paged_and_slot_calls_follow_each_call_s_values(monkeypatch):
     """The paged kernel (a mixed one: its schedule reads the max lengths, so its replays are kept per pair) with
-    seqused_k and shuffled pages, and torch's varlen_attn through the slot, forward and backward: each call's
+    seqused_k, shuffled pages and each call's own sinks, and torch's varlen_attn through the slot, forward and backward: each call's
     sequences split differently at one layout, each against float64, the later ones replayed."""
     import inspect
 
@@ -243,10 +270,11 @@ def test_gpu_replayed_paged_and_slot_calls_follow_each_call_s_values(monkeypatch
         q = torch.randn(sum(lengths_q), heads, d, device=DEVICE, dtype=torch.bfloat16)
         cu_q, cu_k, seqused = cu(lengths_q, DEVICE), cu(used, DEVICE), torch.tensor(used, dtype=torch.int32,
                                                                                       device=DEVICE)
+        sinks = torch.randn(heads, device=DEVICE) + 1.0  # (gpt-oss's serving step: sinks, paged)
         out = attngen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 1000, causal=True, block_table=order,
-                                             seqused_k=seqused)
+                                             seqused_k=seqused, sinks=sinks)
         ref, _ = varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True, seqused_k=seqused,
-                                  block_table=order)
+                                  block_table=order, sinks=sinks.double())
         assert (out.double() - ref).abs().max().item() < 2e-2, i
     assert replayed.count(True) == 2 and False not in replayed, replayed  # calls 3 and 4
     if "window_size" not in inspect.signature(torch_varlen.varlen_attn).parameters:

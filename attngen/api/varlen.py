@@ -59,13 +59,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if plan is not None and plan.lengths_ok(max_seqlen_q, max_seqlen_k):
         seqlens_k, shared = planned_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                             block_table)
-        if autograd.needs_grad(q, k, v):  # (a signature holds whether the call is recorded: never paged then)
+        if autograd.needs_grad(q, k, v):  # (a signature holds whether the call is recorded: never paged, no
+            # run-time tensors then)
             result = autograd.planned_varlen_forward(plan.training, plan.key, plan.scale, q, k, v, cu_seqlens_q,
                                                      cu_seqlens_k, seqlens_k, shared, bool(return_attn_probs))
         else:
             result = autograd.replayed_varlen_forward(plan.replays(max_seqlen_q, max_seqlen_k), plan.key,
                                                       plan.scale, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
-                                                      block_table, (max_seqlen_q, max_seqlen_k), shared)
+                                                      block_table, (max_seqlen_q, max_seqlen_k), shared,
+                                                      planned_tensors(alibi_slopes, sinks))
             result = result if return_attn_probs else result[0]
     else:
         checked = _checked_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -129,14 +131,19 @@ def signature_of(path: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     address for both), whether the call is recorded for autograd, the other arguments' values but the max lengths'
     (their types only: `PlannedVarlen`), whether Triton interprets and the tuning tables' generation. The
     cu_seqlens' and seqused_k's values are not in it: the checks read them only where the tensors are on the CPU,
-    which a planned call does again (`planned_offsets`). None where the call is not planned: ALiBi slopes or sinks
-    (run-time tensors, checked afresh), ATTNGEN_CHECK_KVCACHE (values read back every call), torch.compile tracing,
-    or an argument not of the plain type the checks expect."""
-    if alibi_slopes is not None or sinks is not None or check_kvcache() or torch.compiler.is_compiling():
+    which a planned call does again (`planned_offsets`). ALiBi slopes and sinks enter by their layouts (a planned
+    call takes its own: `planned_tensors`), with grad mode (the checks refuse slopes that require grad in it). None
+    where the call is not planned: slopes or sinks in a call recorded for autograd (the sinks' gradient is made by
+    torch operations a replay would not repeat), ATTNGEN_CHECK_KVCACHE (values read back every call),
+    torch.compile tracing, or an argument not of the plain type the checks expect."""
+    if check_kvcache() or torch.compiler.is_compiling():
         return None
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes, sinks)
     if (any(type(t) is not torch.Tensor for t in tensors[:5])
             or any(t is not None and type(t) is not torch.Tensor for t in tensors[5:])):
+        return None
+    if (alibi_slopes is not None or sinks is not None) and autograd.needs_grad(
+            q, k, v, *(t for t in tensors[7:] if t is not None)):
         return None
     if not (type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(causal) is bool
             and type(dropout_p) in (float, int) and type(softcap) in (float, int)
@@ -145,8 +152,14 @@ def signature_of(path: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
             and all(type(w) is int for w in window_size)):
         return None
     return (path, *(None if t is None else tensor_signature(t) for t in tensors),
-            cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr(), autograd.needs_grad(q, k, v), dropout_p,
-            softmax_scale, causal, tuple(window_size), softcap, interpreting(), tables.generation())
+            cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr(), autograd.needs_grad(q, k, v), torch.is_grad_enabled(),
+            dropout_p, softmax_scale, causal, tuple(window_size), softcap, interpreting(), tables.generation())
+
+
+def planned_tensors(alibi_slopes, sinks) -> tuple:
+    """A planned call's run-time tensors in the kernel's order (slopes, sinks), float32 as the checks made them
+    (a copy, per call, of one given in another dtype or not contiguous; the signature holds their layouts)."""
+    return tuple(t.float().contiguous() for t in (alibi_slopes, sinks) if t is not None)
 
 
 def planned_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table):

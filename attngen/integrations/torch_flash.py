@@ -228,7 +228,8 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, seqused
     if plan is not None:
         seqlens_k, shared = varlen_api.planned_offsets(q, k, cu_q, cu_k, max_q, max_k, seqused_k, block_table)
         return autograd.replayed_varlen_forward(plan.replays(max_q, max_k), plan.key, plan.scale, q, k, v, cu_q,
-                                                cu_k, seqlens_k, block_table, (max_q, max_k), shared)
+                                                cu_k, seqlens_k, block_table, (max_q, max_k), shared,
+                                                varlen_api.planned_tensors(alibi_slopes, None))
     checked = varlen_api._checked_plan(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, is_causal, window, 0.0,
                                        alibi_slopes, block_table, seqused_k, None)
     kernel = resolve(checked.key)

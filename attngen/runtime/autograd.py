@@ -254,19 +254,21 @@ def varlen_forward(key: str, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, sca
 
 def replayed_varlen_forward(replays: Replays, key: str, scale: float, q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k,
                             block_table=None, max_seqlens: tuple[int, int] | None = None,
-                            shared_offsets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            shared_offsets: bool = False, tensors: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse (H, TOTAL_Q)) of the varlen kernel named by `key` on packed inputs of a signature checked at an
     earlier call (`flash_attn_varlen_func`'s plans): `replays.forward`'s launches where it holds them, else the
     kernel's own path (`Kernel.varlen_forward`), recorded at the signature's first planned call. `seqlens_k`: the
     keys each sequence uses (B,) int32; `max_seqlens` as `attngen.runtime.varlen.forward` takes them (part of the
-    signature: a mixed call's schedule reads them). No autograd."""
+    signature: a mixed call's schedule reads them); `tensors`: the kernel's run-time tensors (ALiBi's slopes, the
+    sinks: float32, in the kernel's order), inputs of the replay as the caller's tensors are. No autograd."""
     out = new_output(q, v)
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
-    inputs = (q, k, v, out, lse, cu_seqlens_q, None if shared_offsets else cu_seqlens_k, seqlens_k, block_table)
+    inputs = (q, k, v, out, lse, cu_seqlens_q, None if shared_offsets else cu_seqlens_k, seqlens_k, block_table,
+              *tensors)
 
     def run():
-        resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, block_table=block_table,
-                                    max_seqlens=max_seqlens, out=out, lse=lse)
+        resolve(key).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqlens_k, scale, tensors,
+                                    block_table=block_table, max_seqlens=max_seqlens, out=out, lse=lse)
 
     _forward_launches(replays, inputs, run)
     return out, lse
