@@ -159,3 +159,64 @@ def test_sinks_and_alibi_match_the_reference_with_the_sinks_gradient():
         out = attngen.attention(q, k, v, is_causal=True, enable_gqa=True, alibi_slopes=slopes)
         ref = reference(q, k, v, is_causal=True, alibi_slopes=slopes)
     assert (out.double() - ref).abs().max().item() < 1e-4
+
+
+@VARIANT_BACKWARD
+def test_inference_calls_with_slopes_or_sinks_are_planned_with_their_own_tensors(monkeypatch):
+    """Without autograd, a repeated layout with ALiBi slopes (3-D inputs, (B, H) slopes in bfloat16: a float32
+    copy per call) or sinks takes its plan, every call with its own tensors against float64; with autograd (sinks
+    that require grad) each call is checked and runs as it is."""
+    from attngen.api import sdpa
+
+    plans = empty_plans(monkeypatch)
+    checked = []
+    real = sdpa._checked_plan
+    monkeypatch.setattr(sdpa, "_checked_plan", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    for i in range(3):
+        q, k, v = rand(4, 13, 32), rand(2, 17, 32), rand(2, 17, 32)
+        slopes = torch.rand(1, 4, device=DEVICE).to(torch.bfloat16)
+        sinks = torch.randn(4, device=DEVICE) * 2
+        with torch.no_grad():
+            out = attngen.attention(q, k, v, is_causal=True, enable_gqa=True, alibi_slopes=slopes)
+            ref = reference(q[None], k[None], v[None], is_causal=True, alibi_slopes=slopes.float())[0]
+            assert (out.double() - ref).abs().max().item() < 1e-4, i
+            out = attngen.attention(q, k, v, enable_gqa=True, window_size=(5, 2), sinks=sinks)
+            ref = reference(q[None], k[None], v[None], window_size=(5, 2), sinks=sinks)[0]
+            assert (out.double() - ref).abs().max().item() < 1e-4, i
+        sinks.requires_grad_(True)
+        out = attngen.attention(q, k, v, enable_gqa=True, sinks=sinks)
+        (ds,), (rs,) = (torch.autograd.grad(o, (sinks,), torch.ones_like(o))
+                        for o in (out, reference(q[None], k[None], v[None], sinks=sinks)[0]))
+        assert (ds.double() - rs).abs().max().item() < 1e-4, i
+    assert len(checked) == 2 + 3 and len(plans.plans("sdpa")) == 2
+
+
+@pytest.mark.gpu
+@VARIANT_BACKWARD
+def test_gpu_replayed_calls_with_sinks_and_slopes_read_their_own(monkeypatch):
+    """On the GPU, inference calls with sinks (gpt-oss, d=64, a window) or ALiBi slopes replay from a signature's
+    third call on, each call's own tensors at new addresses: every call matches float64 and is bit for bit the
+    module's own path (replays off)."""
+    from attngen.runtime import replay
+
+    empty_plans(monkeypatch)
+    replayed = []
+    real_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, inputs: replayed.append(real_call(self, inputs))
+                        or replayed[-1])
+    for i in range(4):
+        q = torch.randn(2, 16, 700, 64, device=DEVICE, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 4, 700, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        calls = [dict(is_causal=True, window_size=(127, 0), sinks=torch.randn(16, device=DEVICE) + 1.0),
+                 dict(is_causal=True, alibi_slopes=torch.rand(2, 16, device=DEVICE))]
+        for kw in calls:
+            with torch.no_grad():
+                got = attngen.attention(q, k, v, enable_gqa=True, **kw)
+                with monkeypatch.context() as m:  # the module's own path: a fresh plan, no replay recorded
+                    empty_plans(m)
+                    m.setattr(autograd, "record", lambda fn, inputs: (fn(), None))
+                    for _ in range(3):
+                        want = attngen.attention(q, k, v, enable_gqa=True, **kw)
+            assert torch.equal(got, want), (i, list(kw))
+            assert (got.double() - reference(q, k, v, **kw)).abs().max().item() < 2e-2, (i, list(kw))
+    assert replayed == [True] * 4  # calls 3 and 4 of each

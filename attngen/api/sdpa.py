@@ -13,8 +13,9 @@ call paths), and from the signature's third call on replays the launches of its 
 
 The keyword-only variant arguments `window_size`, `softcap`, `alibi_slopes` and `sinks` take flash-attn's
 semantics, aligned top-left as `is_causal` is; each combination is one builtin spec (lang/builtin.py's
-`sdpa_variant`, keyed by `sdpa_key`). Calls that pass run-time tensors (slopes, sinks) are checked at every
-call and not replayed (the plans and replays hold q, k and v only).
+`sdpa_variant`, keyed by `sdpa_key`). Calls that pass run-time tensors (slopes, sinks) check them at every call;
+without autograd they take their signature's plan and replay as other calls do, with their own tensors; recorded
+for autograd they run checked (the sinks' gradient is made by torch operations a replay would not repeat).
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                 PLANS.keep(signature, plan)
     op_key, scale, squeeze = plan.key, plan.scale, plan.squeeze
     if planned:
-        # from the signature's third call on, the launches of its second (attngen/runtime/replay.py)
+        # from the signature's third call on, the launches of its second (attngen/runtime/replay.py); a variant's
+        # run-time tensors (this call's, checked above) only without autograd: the signature says which
+        if variant is not None and variant.tensors:
+            return autograd.replayed_forward(plan.inference, op_key, scale, squeeze, query, key, value,
+                                             tensors=variant.tensors)
         if not autograd.needs_grad(query, key, value):
             return autograd.replayed_forward(plan.inference, op_key, scale, squeeze, query, key, value)
         return autograd.planned_forward(plan.training, op_key, scale, squeeze, query, key, value)
@@ -117,7 +122,7 @@ def _fp8_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
 class _Variant(NamedTuple):
     """`attention()`'s variant arguments, checked: the arguments `sdpa_key` takes (the window normalised:
     right 0 under `is_causal`), and the run-time tensors in the order the kernel takes them (slopes, then
-    sinks; float32, leading batch 1 on slopes (B, H) of 3-D inputs)."""
+    sinks; float32)."""
     window: tuple[int, int]
     softcap: float
     alibi: bool
@@ -139,8 +144,8 @@ def _checked_variant(query, is_causal, window_size, softcap, alibi_slopes, sinks
     batch = query.shape[0] if query.dim() == 4 else 1
     tensors = []
     if alibi_slopes is not None:
-        slopes = _checked_float("alibi_slopes", alibi_slopes, query, ((heads,), (batch, heads)))
-        tensors.append(slopes.unsqueeze(0) if query.dim() == 3 and slopes.dim() == 2 else slopes)
+        # ((1, H) slopes of 3-D inputs are the one sequence's: the kernel reads (B, H) with B = 1)
+        tensors.append(_checked_float("alibi_slopes", alibi_slopes, query, ((heads,), (batch, heads))))
     if sinks is not None:
         tensors.append(_checked_float("sinks", sinks, query, ((heads,),)))
     return _Variant(window, float(softcap), alibi_slopes is not None, sinks is not None, tuple(tensors))
@@ -197,8 +202,10 @@ def _checked_float(name, t, query, shapes) -> torch.Tensor:
 def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant=None):
     """The key of `PLANS`: "sdpa" (this call path), each tensor's `tensor_signature`, the other arguments'
     values (a checked `variant`'s window and softcap after them), whether Triton interprets and the tuning
-    tables' generation (a replay keeps the config it was recorded with); None where an argument is not of the
-    plain type the checks expect, or the variant has run-time tensors (checked afresh)."""
+    tables' generation (a replay keeps the config it was recorded with); with ALiBi slopes or sinks, their
+    layouts and grad mode too (a planned call brings its own tensors, checked by `_checked_variant`). None where an
+    argument is not of the plain type the checks expect, or the variant has run-time tensors and the call is
+    recorded for autograd (the sinks' gradient is made by torch operations a replay would not repeat)."""
     if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and attn_mask is None and type(is_causal) is bool and type(enable_gqa) is bool
             and type(dropout_p) in (float, int) and (scale is None or type(scale) in (float, int))):
@@ -207,7 +214,11 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p,
                 is_causal, scale, enable_gqa, interpreting(), tables.generation())
     if variant.alibi or variant.sinks:
-        return None
+        if autograd.needs_grad(query, key, value, *variant.tensors):
+            return None
+        return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
+                scale, enable_gqa, interpreting(), tables.generation(), variant.window, variant.softcap,
+                tuple(tensor_signature(t) for t in variant.tensors), variant.alibi, torch.is_grad_enabled())
     return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
             scale, enable_gqa, interpreting(), tables.generation(), variant.window, variant.softcap)
 

@@ -142,15 +142,16 @@ def _dense_plan(q, k, v, is_causal: bool, window, scale, alibi_slopes):
     if window != NO_WINDOW or alibi_slopes is not None:
         variant = sdpa._checked_variant(q, is_causal, window, 0.0, alibi_slopes, None)
     signature = sdpa._signature(q, k, v, None, 0.0, is_causal, scale, True, variant)
+    tensors = variant.tensors if variant is not None else ()  # (this call's: checked above, planned or not)
     if signature is not None:
         signature = ("torch_flash",) + signature[1:]
         plan = PLANS.get(signature)
         if plan is not None:
-            return plan, ()
+            return plan, tensors
     plan = sdpa._checked_plan(q, k, v, None, 0.0, is_causal, scale, True, variant)
     if signature is not None:
         PLANS.keep(signature, plan)
-    return plan, (variant.tensors if variant is not None else ())
+    return plan, tensors
 
 
 def _dense_forward(q, k, v, o, is_causal: bool, scale, window, alibi_slopes) -> torch.Tensor:

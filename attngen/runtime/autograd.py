@@ -78,19 +78,20 @@ class Plan(NamedTuple):
 
 
 def replayed_forward(replays: Replays, key: str, scale: float, squeeze: bool, q, k, v, lse=None,
-                     out=None) -> torch.Tensor:
+                     out=None, tensors: tuple = ()) -> torch.Tensor:
     """The output of the kernel named by `key` on inputs of a signature `attngen.attention` (or `Kernel.__call__`)
     checked at an earlier call (3-D where `squeeze`): `replays.forward`'s launches where it holds them, else the
     kernel's own path, recorded into `replays.forward` at the first call. `lse`: a float32 tensor of q's rows
     (with a leading 1 where `squeeze`) to write the log-sum-exp into, else it is scratch. `out`: the tensor to
     write the output into (`Kernel.__call__`'s out=, laid out as the signature's and checked for sharing
-    memory with q, k and v), else one like q allocated here."""
+    memory with q, k and v), else one like q allocated here. `tensors`: the kernel's checked run-time tensors (a
+    variant's slopes, sinks), inputs of the replay as q, k and v are (their layouts are the signature's)."""
     out = new_output(q, v) if out is None else out
-    inputs = (q, k, v, out) if lse is None else (q, k, v, out, lse)
+    inputs = ((q, k, v, out) if lse is None else (q, k, v, out, lse)) + tuple(tensors)
 
     def run():
         q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out)) if squeeze else (q, k, v, out)
-        resolve(key).forward(q4, k4, v4, scale, out=out4, lse=lse)
+        resolve(key).forward(q4, k4, v4, scale, out=out4, lse=lse, tensors=tensors)
 
     _forward_launches(replays, inputs, run)
     return out
