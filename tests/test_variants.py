@@ -13,6 +13,8 @@ import torch
 
 from conftest import DEVICE
 
+import attngen
+from attngen import KernelInputError
 from attngen.codegen import render
 from attngen.ir import PredKind, sym
 from attngen.ir import variants as irv
@@ -215,3 +217,34 @@ def test_softcap_is_a_pointwise_function_in_base_2():
     for s in (-30.0, -1.0, 0.3, 12.0):
         got = float(fns[0].subs(sym.S, s * sym.LOG2E))
         assert math.isclose(got, 5.0 * math.tanh(s / 5.0) * sym.LOG2E, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_kernel_calls_with_run_time_tensors_are_planned_with_their_own(monkeypatch):
+    """A user's spec with a declared tensor and sinks, called repeatedly without autograd at one layout: the
+    run-time tensors' checks run at the signature's first call only, every call computes with its own tensors
+    (against float64), a tensor of another layout is a new signature (checked, and refused where it is wrong), and a
+    call recorded for autograd (sinks that require grad) is checked every time."""
+    from attngen.runtime import kernel as kernel_module
+    from conftest import empty_plans
+
+    spec = parse("kernel planned_bias {\n    mask = q - k < 9\n    score = s + bias[h, q - k + 32]\n"
+                 "    tensor bias[H, 64]: fp32\n    sinks = true\n    head_dim = 16\n    dtype = fp32\n"
+                 "    direction = forward+backward\n}\n")
+    kernel = attngen.load(spec)
+    plans = empty_plans(monkeypatch)
+    checked = []
+    real = kernel_module.check_runtime_tensors
+    monkeypatch.setattr(kernel_module, "check_runtime_tensors", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    for i in range(3):
+        q, k, v_ = (torch.randn(1, 2, 21, 16, device=DEVICE) for _ in range(3))
+        tensors = {"bias": torch.randn(2, 64, device=DEVICE), "sinks": torch.randn(2, device=DEVICE)}
+        out = kernel(q, k, v_, **tensors)
+        ref, _ = reference.variant_attention(q, k, v_, spec.variant, spec.bottom_right, tensors=tensors)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert len(checked) == 1 and len(plans.plans(kernel)) == 1
+    with pytest.raises(KernelInputError, match="bias has shape"):
+        kernel(q, k, v_, bias=torch.randn(2, 63, device=DEVICE), sinks=tensors["sinks"])
+    sinks = tensors["sinks"].requires_grad_()
+    for _ in range(2):
+        kernel(q, k, v_, bias=tensors["bias"], sinks=sinks).sum().backward()
+    assert len(checked) == 1 + 1 + 2 and len(plans.plans(kernel)) == 1

@@ -33,7 +33,7 @@ from . import autograd, cache, interpreter_fixes, launch, registry, tables, varl
 from .arguments import (check_attention_inputs, check_disjoint, check_indexing, check_like, check_out, new_output,
                         output_shape,
                         check_packed_indexing, check_recording, check_runtime_tensors, check_scale, gradient_tensors, on_other_gpu,
-                        tensor_signature)
+                        tensor_signature, unit_descale)
 from .keys import Shape, problem_text
 from .parts import PARTS, BackwardPart, KVCachePart
 from .plans import PLANS
@@ -239,7 +239,9 @@ class Kernel:
         A call without `config=` whose signature repeats an earlier call's (its plan in `PLANS`, the one cache
         of the three call paths) skips the checks that call passed (but whether `out` shares memory with an
         input: addresses are not in the signature), and from the signature's third call on replays the launches
-        of its second (attngen/runtime/replay.py), with autograd or without, as `attngen.attention` does.
+        of its second (attngen/runtime/replay.py), with autograd or without, as `attngen.attention` does. With
+        run-time tensors, calls without autograd plan and replay the same way (each call's own tensors, their
+        layouts in the signature); calls recorded for autograd are checked every time.
 
         A varlen spec's kernel (`layout = varlen`) takes packed sequences instead: `kernel(q, k, v, *,
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, block_table=None, scale=None,
@@ -248,16 +250,16 @@ class Kernel:
         if self.spec.varlen:
             return varlen.call(self, q, k, v, scale=scale, return_lse=return_lse, out=out, config=config, **tensors)
         signature = None
-        # NOTE: calls with run-time tensors skip the plans and replays: the tensors' checks run every call.
-        if config is None and not tensors and not self.tensor_names and not torch.compiler.is_compiling():
-            signature = self._signature(q, k, v, scale, return_lse, out)
+        if config is None and not torch.compiler.is_compiling():
+            signature = self._signature(q, k, v, scale, return_lse, out, tensors)
             plan = None if signature is None else PLANS.get(signature)
             if plan is not None:
-                if not autograd.needs_grad(q, k, v):
+                if not autograd.needs_grad(q, k, v):  # (with run-time tensors, always: `_signature`)
                     if out is not None:
                         check_disjoint(out, "out", {"q": q, "k": k, "v": v})
                     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-                    out = autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, out)
+                    out = autograd.replayed_forward(plan.inference, plan.key, plan.scale, False, q, k, v, lse, out,
+                                                    self._planned_tensors(q, tensors))
                     return (out, lse) if return_lse else out
                 if self.spec.backward and out is None:  # (grad mode is not in the signature: refused below)
                     return autograd.planned_forward(plan.training, plan.key, plan.scale, False, q, k, v, return_lse)
@@ -275,18 +277,33 @@ class Kernel:
             PLANS.keep(signature, autograd.Plan.new(self.key, sm_scale, False))
         return (out, lse) if return_lse else out
 
-    def _signature(self, q, k, v, scale, return_lse, out) -> tuple | None:
+    def _signature(self, q, k, v, scale, return_lse, out, tensors: dict) -> tuple | None:
         """The key of `PLANS`: this Kernel (its call path: a copy loaded with its own autotune setting keeps
         its own plans), each tensor's `tensor_signature` (out's too, or None), the scale and `return_lse`,
         whether Triton interprets and the tuning tables' generation (a replay keeps the config it was recorded
-        with); None where an argument is not of the plain type the checks expect (checked afresh)."""
+        with); for a spec with run-time tensors, the keywords given, their layouts and grad mode (all that
+        `check_runtime_tensors` reads). None where an argument is not of the plain type the checks expect (checked
+        afresh), or for run-time tensors in a call recorded for autograd (the sinks' gradient is made by torch
+        operations a replay would not repeat)."""
         if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
                 and (out is None or type(out) is torch.Tensor)
                 and (scale is None or type(scale) in (float, int)) and type(return_lse) is bool):
             return None
+        given = ()
+        if tensors or self.tensor_names:
+            if any(type(t) is not torch.Tensor for t in tensors.values()) or autograd.needs_grad(
+                    q, k, v, *tensors.values()):
+                return None
+            given = (tuple((name, tensor_signature(t)) for name, t in sorted(tensors.items())),
+                     torch.is_grad_enabled())
         return (self, tensor_signature(q), tensor_signature(k), tensor_signature(v),
                 None if out is None else tensor_signature(out), scale, return_lse, interpreting(),
-                tables.generation())
+                tables.generation(), *given)
+
+    def _planned_tensors(self, q, tensors: dict) -> tuple:
+        """A planned call's run-time tensors in `tensor_names` order, as `check_runtime_tensors` passed them at the
+        signature's first call (an FP8 descale not given: 1; every other name was given, or that call failed)."""
+        return tuple(tensors[name] if name in tensors else unit_descale(q.device) for name in self.tensor_names)
 
     def forward(self, q, k, v, scale: float, out: torch.Tensor | None = None, config: dict | None = None,
                 lse: torch.Tensor | None = None, tensors: tuple = ()):
