@@ -535,16 +535,19 @@ def plot(path: Path) -> None:
     lengths = sorted({r["n"] for r in rows})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
+        drawn = 0
         for provider in PROVIDERS:
             mine = sorted((r["gpus"], r["forward_backward_tflops"]) for r in rows
                           if r["n"] == n and r["provider"] == provider)
-            if mine:
-                ax.plot(*zip(*mine), marker="o", label=provider)
+            if mine:  # (past the colour cycle's ten, another line style and marker)
+                ax.plot(*zip(*mine), marker="os^"[drawn // 10 % 3], linestyle=("-", "--", ":")[drawn // 10 % 3],
+                        label=provider)
+                drawn += 1
         ax.set_title(f"N={n // 1024}k, B=1 H=32 d=128 bf16 (causal; variants by name)", fontsize="medium")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("TFLOP/s, forward + backward")
         ax.set_xticks(sorted({r["gpus"] for r in rows}))
-        ax.legend(fontsize="x-small", loc="upper left")
+        ax.legend(fontsize="x-small", loc="upper left", ncols=2 if drawn > 8 else 1)
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
     print(f"wrote {path.with_suffix('.png')}")

@@ -671,6 +671,28 @@ def _check_post_order(world, batches, label):
             assert sent == received, f"{label}: rank {a} -> {b} sends {sent}, receives {received}"
 
 
+@contextlib.contextmanager
+def _events():
+    """The order of this rank's message batches ("post") and block kernels ("kernel", forward and backward) inside
+    the block (a wrapper of attngen.distributed.ring's _post, _forward_block and _backward_block)."""
+    import attngen.distributed.ring as cp
+
+    events, saved = [], (cp._post, cp._forward_block, cp._backward_block)
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    cp._post, cp._forward_block, cp._backward_block = (logged(name, fn) for name, fn in
+                                                       zip(("post", "kernel", "kernel"), saved))
+    try:
+        yield events
+    finally:
+        cp._post, cp._forward_block, cp._backward_block = saved
+
+
 def _bytes_sent(device, shape, **arguments):
     """The bytes of each message batch this rank posts in a forward and backward of context_parallel_attention on
     float32 q, k, v of `shape` with `arguments`."""
@@ -692,21 +714,35 @@ def _check_halo_bytes(rank, world, device):
 def _check_ring_return(rank, world, device):
     """The causal ring's backward in bfloat16: each step's dK, dV travel to the next rank in float32 (partial sums),
     and the last message, the whole sums going home, in bfloat16 (the caller rounds them to that anyway); the
-    gradients within bfloat16's error of float64."""
+    gradients within bfloat16's error of float64. With the exchanges beside the kernels (policy OVERLAP_EXCHANGES)
+    and after them (the shipped setting): the same messages in the same order, the same gradients."""
     b, h, n, d = 1, 2, 8, 16
     torch.manual_seed(99)
     q, k, v, do = (torch.randn(b, h, world * n, d, dtype=torch.bfloat16, device=device) for _ in range(4))
     want = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.float64)
     low = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.bfloat16)
     shard = lambda t: shard_sequence(t, world, rank, load_balance=True)  # noqa: E731
-    mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
-    with _posted() as batches:
-        context_parallel_attention(*mine, causal=True).backward(shard(do))
-    grads = [m for batch in batches for m in batch if m[0] == "send" and m[2] >= 2]  # (tags 0, 1: the keys)
-    assert [m[4] for m in grads] == [torch.float32] * 2 * (world - 1) + [torch.bfloat16] * 2, grads
-    assert [m[2] for m in grads[-2:]] == [4, 5] and all(m[3] == (b, h, n, d) for m in grads), grads
-    for got, i, name in zip((t.grad for t in mine), (2, 3, 4), ("dq", "dk", "dv")):
-        _compare(got, shard(want[i]), shard(low[i]), f"{name}, bfloat16 ring, rank {rank}/{world}")
+    shipped, sent = context_parallel.OVERLAP_EXCHANGES, {}
+    for overlap in (True, False):
+        mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+        context_parallel.OVERLAP_EXCHANGES = overlap
+        try:
+            with _posted() as batches, _events() as events:
+                context_parallel_attention(*mine, causal=True).backward(shard(do))
+        finally:
+            context_parallel.OVERLAP_EXCHANGES = shipped
+        # beside: each step's keys posted before the kernels of the step before; alone: after them
+        first_post, first_kernel = events.index("post"), events.index("kernel")
+        assert (first_post < first_kernel) == overlap, (overlap, events)
+        label = f"bfloat16 ring, overlap={overlap}, rank {rank}/{world}"
+        _check_post_order(world, batches, label)
+        grads = [m for batch in batches for m in batch if m[0] == "send" and m[2] >= 2]  # (tags 0, 1: the keys)
+        assert [m[4] for m in grads] == [torch.float32] * 2 * (world - 1) + [torch.bfloat16] * 2, grads
+        assert [m[2] for m in grads[-2:]] == [4, 5] and all(m[3] == (b, h, n, d) for m in grads), grads
+        sent[overlap] = sorted(m for batch in batches for m in batch)
+        for got, i, name in zip((t.grad for t in mine), (2, 3, 4), ("dq", "dk", "dv")):
+            _compare(got, shard(want[i]), shard(low[i]), f"{name}, {label}")
+    assert sent[True] == sent[False], rank
 
 
 def _check_exchange_group(rank, world, device):

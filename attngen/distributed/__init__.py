@@ -5,7 +5,7 @@
     full = attngen.distributed.unshard_sequence([out_0, out_1, ...])        # the sequence again
 
 Ring attention: each rank keeps its query shard while the key/value shards travel around the ring (batched
-isend/irecv, the next step's exchange posted before this step's kernels run); each step's partial (out, lse) is
+isend/irecv between steps, after each step's kernels: policy OVERLAP_EXCHANGES); each step's partial (out, lse) is
 merged in float32 with `merge_states`. Under `load_balance` the sequence is cut into 2W chunks and rank r holds
 chunks r and 2W-1-r (head-tail), so that a causal mask gives every rank the same work; either way every
 (query chunk, key chunk) pair a step meets is full, masked (causal or a window, in the chunks' local positions) or

@@ -1,5 +1,6 @@
 """The execution of context-parallel attention's plan (`schedule`): the point-to-point exchanges over the group
-(`_Ring`, `_post`: batched isend/irecv posted before the step's kernels run), the kernels of a block or of a run of
+(`_Ring`, `_post`: batched isend/irecv; the ring's after each step's kernels, or beside them under
+policy.context_parallel.OVERLAP_EXCHANGES), the kernels of a block or of a run of
 document pieces (`_Kernels`), and the forward and backward loops of the ring, the halo exchange and the documents'
 direct exchange, each step's partial (out, lse) merged in float32."""
 
@@ -257,48 +258,61 @@ def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> Non
 
 
 def _ring_forward(ring, steps, kernels, q, k, v):
-    """(out float32, lse) of this rank's queries over every rank's keys."""
+    """(out float32, lse) of this rank's queries over every rank's keys. The next step's keys travel beside this
+    step's kernels under policy.context_parallel.OVERLAP_EXCHANGES, else after them, alone."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     kv = (k, v)
+    overlap = context_parallel.OVERLAP_EXCHANGES
     for step, blocks in enumerate(steps):
         at(step)
-        if step + 1 < len(steps):
-            following, requests = _exchange(ring, kv, 1, -1, 0)
+        following = step + 1 < len(steps)
+        if following and overlap:
+            received, requests = _exchange(ring, kv, 1, -1, 0)
         for b in blocks:
             _forward_block(kernels, b, q, *kv, out, lse)
-        if step + 1 < len(steps):
+        if following:
             at(step + 1)  # (the wait for the next step's keys)
+            if not overlap:
+                received, requests = _exchange(ring, kv, 1, -1, 0)
             _wait(requests)
-            kv = tuple(following)
+            kv = tuple(received)
     return out, lse
 
 
 def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
-    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank."""
+    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank. Under
+    policy.context_parallel.OVERLAP_EXCHANGES the next step's keys travel beside this step's kernels and the dK, dV
+    summed so far beside the next step's; else both after this step's kernels, alone."""
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     kv = (k, v)
     incoming = None  # (buffers, requests): the dk, dv the previous rank has summed for the keys this rank holds next
     last = len(steps) - 1
+    overlap = context_parallel.OVERLAP_EXCHANGES
     for step, blocks in enumerate(steps):
         at(step)
-        if step < last:
-            following, requests = _exchange(ring, kv, 1, -1, 0)
+        if step < last and overlap:
+            received, requests = _exchange(ring, kv, 1, -1, 0)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
         for b in blocks:
             _backward_block(kernels, b, q, *kv, out, lse, do, dq, dk, dv)
         if incoming is not None:
-            _wait(incoming[1], "grads wait")
+            _wait(incoming[1], "grads wait")  # (none left when not overlapped: waited before the kernels)
             with phase("merge"):
                 dk += incoming[0][0]
                 dv += incoming[0][1]
         if step < last:
             # these keys go to the next rank: their gradient follows them there
             incoming = _exchange(ring, (dk, dv), 1, -1, 2)
+            if not overlap:
+                received, requests = _exchange(ring, kv, 1, -1, 0)
             at(step + 1)  # (the wait for the next step's keys)
             _wait(requests)
-            kv = tuple(following)
+            if not overlap:
+                _wait(incoming[1], "grads wait")
+                incoming = incoming[0], []
+            kv = tuple(received)
     if last == 0:
         return dq, dk, dv
     # the keys held now are those of rank - last: their gradient goes home, ours comes from rank + last. These are

@@ -53,6 +53,19 @@ SM_MARGIN = 0
 # always.)
 HIGH_PRIORITY_EXCHANGES = False
 
+# Whether the ring's exchanges (the next step's keys and values; in the backward the dK, dV summed so far) run beside
+# the step's kernels (True: posted before them, FlashAttention's ring) or after them, alone, the next step's kernels
+# waiting for their bytes (False). Beside, the exchange's NCCL kernels share the multiprocessors with the attention
+# kernels for the whole step and slow them more than the transfer costs alone: over NVLink the 512k shards' K and V
+# (4.3 GB a step on two GPUs) move in ~10 ms, a step's kernels take ~1 s. Measured on two H200s (2026-11-29,
+# cp_overlap.py at da7e66b, plain causal H=32 d=128 head-tail, torch's context_parallel over cuDNN in the same
+# process, two alternating rounds): forward / forward + backward ms, beside -> alone: 256k 478-479 -> 470-472 /
+# 1844-1852 -> 1818 (cuDNN 502-511 / 1863-1880); 512k 1994-2265 -> 1975-1982 / 7833-8099 -> 7463-7480 (cuDNN 2186-2191
+# / 7434-7492). Beside, the 512k forward was bimodal (NOTES [v51], [v57]); alone it is not. The halo exchange and the
+# documents' visits move only the rows a window or a document reaches and keep their exchanges beside the kernels.
+# False (four GPUs: not measured since; the same mechanism).
+OVERLAP_EXCHANGES = False
+
 
 @dataclass(frozen=True, slots=True)
 class BalancePolicy:
