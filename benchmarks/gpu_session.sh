@@ -25,7 +25,8 @@
 #            (rows attngen_fp8 and attngen_fp8_vt now the Gluon kernel's, beside attngen_bf16 and cuDNN)
 #   cp       benchmarks/context_parallel.py under torchrun: one GPU, then every GPU of the machine ($CP_LENGTHS,
 #            default 131072 262144; $CP_PROVIDERS, default all; $CP_ROUNDS, the providers measured in turn that
-#            many times, default 1; the speed-ups need the one-GPU rows), and
+#            many times, default 1; the speed-ups need the one-GPU rows; $CP_GPUS, the GPU counts to run, default
+#            1 and every GPU), and
 #            tests/test_distributed.py's NCCL tests
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
@@ -91,7 +92,7 @@ raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
       timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
-      for n in $(printf "1\n%s\n" "$GPUS" | sort -nu); do
+      for n in ${CP_GPUS:-$(printf "1\n%s\n" "$GPUS" | sort -nu)}; do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
           --lengths ${CP_LENGTHS:-131072 262144} --rounds ${CP_ROUNDS:-1} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} \
           >> "$OUT/bench_cp.txt" 2>&1
