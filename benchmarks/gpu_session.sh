@@ -27,7 +27,7 @@
 #            default 131072 262144; $CP_PROVIDERS, default all; $CP_ROUNDS, the providers measured in turn that
 #            many times, default 1; the speed-ups need the one-GPU rows; $CP_GPUS, the GPU counts to run, default
 #            1 and every GPU), and
-#            tests/test_distributed.py's NCCL tests
+#            tests/test_distributed.py's NCCL tests first (CP_TESTS=0: not)
 # usage (device tool, carrying .whl from ../shared/gpu/wheels.sh):
 #   <the wheel line>; bash benchmarks/gpu_session.sh tests compare
 set -uo pipefail
@@ -91,7 +91,8 @@ raise SystemExit(main(['bench', '--suite', 'fp8', '-o', '$OUT/bench_fp8gluon']))
       tail -40 "$OUT/bench_fp8gluon.txt" ;;
     cp)
       GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -3
+      [ "${CP_TESTS:-1}" = 1 ] && timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k nccl \
+        2>&1 | tail -3
       for n in ${CP_GPUS:-$(printf "1\n%s\n" "$GPUS" | sort -nu)}; do
         timeout ${BENCH_TIMEOUT:-400} torchrun --nproc-per-node $n benchmarks/context_parallel.py \
           --lengths ${CP_LENGTHS:-131072 262144} --rounds ${CP_ROUNDS:-1} ${CP_PROVIDERS:+--providers $CP_PROVIDERS} \
