@@ -50,6 +50,7 @@ import sympy
 
 from .. import ir
 from ..errors import InternalError
+from ..analysis.distance import DistanceBias, distance_bias
 from ..ir import Call, Num, Op, Pred, PredKind, Ref, sym
 from . import exprs
 
@@ -92,6 +93,35 @@ class ScoreHooks:
     def modded(self) -> bool:
         """Whether a score modifier (a Pointwise of the IR) sits between the raw scores and exp2."""
         return any(isinstance(n, ir.Pointwise) for n in ir.walk_expr(self.scaled_expr))
+
+    @property
+    def distance(self) -> DistanceBias | None:
+        """The score modifier as alpha * S + coef * |q - k + shift| + rest where that is linear on every block the mask
+        keeps (analysis/distance.py: causal ALiBi, the context-parallel blocks' ALiBi), exp2's argument that modifier
+        alone; None otherwise."""
+        if not isinstance(self.scaled_expr, ir.Pointwise):
+            return None
+        bias = distance_bias(self.scaled_expr.fn)
+        return bias if bias is not None and bias.linear_everywhere(self.preds) else None
+
+    def distance_code(self, s: str) -> dict | None:
+        """`distance`'s pieces as code, the template's raw score tile `s`: `scaled` (alpha times the scaled scores, no
+        positions), `coef`, `shift` and `rest` (scalars over the tile's reads and the sizes; `rest` None where it is
+        0). None where there is no such modifier."""
+        bias = self.distance
+        if bias is None:
+            return None
+        reads = {read: sympy.Symbol(name) for read, name in _reads(self.scaled_expr).items()}
+        given = [s, *(str(n) for n in reads.values())]
+        value = exprs.parenthesized(_render(self.scaled_expr.value, {self.score.name: s}))
+        alpha = "" if float(bias.alpha) == 1.0 else f"{exprs.parenthesized(_elementwise(bias.alpha, {}))} * "
+
+        def scalar(e):
+            code = _elementwise(sympy.sympify(e).xreplace(reads), {})
+            return self._code(exprs.parenthesized(code), *given)
+
+        return {"scaled": self._code(alpha + value, *given), "coef": scalar(bias.coef), "shift": scalar(bias.shift),
+                "rest": None if bias.rest == 0 else scalar(bias.rest)}
 
     def scaled_max(self, s: str, axis: int) -> str:
         if self.max_expr is None:

@@ -88,6 +88,22 @@ def _wait(requests, name: str = "exchange wait") -> None:
             request.wait()
 
 
+def alibi_side(block: Block) -> str | None:
+    """Which side of the sequence's diagonal every pair an ALiBi block keeps lies on: "below" where each distance
+    q - k + shift (its local positions, `Block.shift`) is >= 0, "above" where each is <= 0, None where they have both
+    signs. Its kernel then takes the score without the abs (`positional_alibi_spec`'s `side`), linear on every block."""
+    nq, nk = block.q_end - block.q_start, block.k_end - block.k_start
+    left, right = block.window
+    # the least and the most q - k among the pairs the block's mask keeps (causal: k <= q; a window's sides)
+    least = 0 if block.causal else max(-right, -(nk - 1)) if right >= 0 else -(nk - 1)
+    most = min(left, nq - 1) if left >= 0 else nq - 1
+    if block.shift + least >= 0:
+        return "below"
+    if block.shift + most <= 0:
+        return "above"
+    return None
+
+
 class _Kernels:
     """The kernel (and softmax scale) of each mask a call's blocks need, checked once per call. Inside `margin()`
     the kernels' persistent grids leave policy.context_parallel.SM_MARGIN multiprocessors to the exchanges' NCCL
@@ -95,7 +111,8 @@ class _Kernels:
 
     With ALiBi (`alibi`: the slopes, (B, H) float32) a block's scores depend on its global positions, so its kernel
     is a spec whose score reads them: `s - slopes[b, h] * abs(q - k + shift[b])`, `shift` the block's (`Block.shift`,
-    `tensors`), its mask the block's in local positions (`lang.builtin.positional_alibi_spec`)."""
+    `tensors`), its mask the block's in local positions (`lang.builtin.positional_alibi_spec`); without the abs where
+    every pair the block keeps lies on one side of the diagonal (`alibi_side`)."""
 
     def __init__(self, q, k, v, scale, softcap, alibi=None):
         self.args, self.softcap, self.alibi, self.found = (q, k, v, scale), softcap, alibi, {}
@@ -127,12 +144,13 @@ class _Kernels:
             return self.varlen(block)
         mask = (block.causal, block.window)
         if self.alibi is not None:
-            mask = ("alibi", *mask)
+            side = alibi_side(block)
+            mask = ("alibi", side, *mask)
             if mask not in self.found:
                 q, k, v, scale = self.args
                 head_dim_v = v.shape[-1] if v.shape[-1] != q.shape[-1] else None
                 kernel = load(positional_alibi_spec(_DTYPES[q.dtype], q.shape[-1], block.causal, block.window,
-                                                    head_dim_v))
+                                                    head_dim_v, side))
                 check_attention_inputs(kernel.spec, q, k, v)
                 self.found[mask] = kernel, check_scale(scale, kernel.spec)
                 self._hold(kernel)

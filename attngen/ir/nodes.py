@@ -442,6 +442,9 @@ class GluonForward:
     # the Q and K tiles as column pieces of power-of-two widths, e.g. (128, 64) for DeepSeek's 192 (S is a product
     # per piece); (): one tile of the padded width
     pieces: tuple[int, ...] = ()
+    # (variant programs) a score modifier adding c * |q - k + shift| (ALiBi) taken as a key term and a row term on
+    # the blocks whose distances have one sign (analysis/distance.py)
+    distance: bool = False
 
     @property
     def exp2_fma_halvings(self) -> int:
@@ -506,6 +509,9 @@ class GluonBackward:
     # (batch, head)s of a launch, whose single tiles fill its last `pair_tail_waves` waves of programs
     paired: bool = False
     pair_tail_waves: int = 0
+    # (variant programs) a score modifier adding c * |q - k + shift| (ALiBi) taken as a key term and a query term on
+    # the blocks whose distances have one sign (analysis/distance.py)
+    distance: bool = False
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES", "ORDER_HEADS" and

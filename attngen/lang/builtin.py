@@ -54,18 +54,23 @@ def _dim_v_line(head_dim_v: int | None) -> str:
 
 @lru_cache(maxsize=None)
 def positional_alibi_spec(dtype: str, head_dim: int, causal: bool, window: tuple[int, int] = NO_WINDOW,
-                          head_dim_v: int | None = None) -> str:
+                          head_dim_v: int | None = None, side: str | None = None) -> str:
     """The spec text of one block of context-parallel attention under ALiBi (attngen.distributed): its mask in the
     block's own positions (causal top-left, a window `q - left <= k <= q + right` with -1 unbounded, or none) and
     ALiBi over the whole sequence's, `shift[b]` the distance of the block's first query from its first key there:
-    `score = s - slopes[b, h] * abs(q - k + shift[b])`, the slopes and the shift run-time tensors."""
+    `score = s - slopes[b, h] * abs(q - k + shift[b])`, the slopes and the shift run-time tensors. `side`: where the
+    caller knows the sign of every distance the block keeps, "below" (q - k + shift >= 0: keys not after queries) or
+    "above" (<= 0), the score without the abs, `s - slopes[b, h] * (q - k + shift[b])` or `... * (k - q - shift[b])`:
+    linear on every block, which the Gluon kernels take as a key term and a row term (analysis/distance.py)."""
     if causal:
         mask = "causal(top_left)"
     else:
         left, right = window
         mask = " and ".join([f"k >= q - {left}"] * (left >= 0) + [f"k <= q + {right}"] * (right >= 0)) or "none"
-    return (f"kernel cp_alibi_{dtype}_{_dims(head_dim, head_dim_v)} {{\n    direction = forward+backward\n"
-            f"    mask = {mask}\n    score = s - slopes[b, h] * abs(q - k + shift[b])\n"
+    distance = {None: "abs(q - k + shift[b])", "below": "(q - k + shift[b])", "above": "(k - q - shift[b])"}[side]
+    suffix = f"_{side}" if side else ""
+    return (f"kernel cp_alibi{suffix}_{dtype}_{_dims(head_dim, head_dim_v)} {{\n    direction = forward+backward\n"
+            f"    mask = {mask}\n    score = s - slopes[b, h] * {distance}\n"
             f"    tensor slopes[B, H]: fp32\n    tensor shift[B]: int32\n    head_dim = {head_dim}\n"
             f"{_dim_v_line(head_dim_v)}    dtype = {dtype}\n}}\n")
 

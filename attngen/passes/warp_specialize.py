@@ -90,6 +90,7 @@ from dataclasses import replace
 import sympy
 
 from .. import ir
+from ..analysis.distance import linear_distance
 from ..ir import sym
 from ..policy import hopper
 
@@ -241,19 +242,22 @@ def run(program: ir.Program) -> ir.Program:
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
     dv = program.attr("head_dim_v")  # (the backward templates take one head dim)
     has_backward = backward_refusal(program) is None and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
+    # a score modifier adding c * |q - k + shift| with one sign on every block the mask keeps (causal ALiBi)
+    distance = linear_distance(program.kernel("attn_fwd")) is not None
     if program.attr("varlen"):
         backward = None
         if has_backward and varlen_backward_refusal(program) is None:
-            backward = hopper.backward_varlen(d, causal)
+            backward = hopper.backward_varlen(d, causal, distance)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward,
-                                                         forward=hopper.forward_varlen(d, causal)))
+                                                         forward=hopper.forward_varlen(d, causal, distance)))
     if is_variant(program):
         # A variant's tiles each visit the key blocks its mask leaves (its key tiles in the backward the query
         # blocks it leaves); they are taken as the causal mask's, in pairs, where their work grows like it.
         backward = None
         if has_backward and variant_backward_supported(program):
-            backward = hopper.backward_variant(d, causal)
-        forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv)
+            backward = hopper.backward_variant(d, causal, distance)
+        forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv,
+                                         distance=distance)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     if program.attr("dtype") == "fp8_e4m3":  # (forward only: the spec refuses a backward)
         return replace(program, warp_specialized=replace(program.warp_specialized, forward=hopper.forward_fp8(d, causal)))

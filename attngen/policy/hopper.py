@@ -392,7 +392,24 @@ def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.Gl
                            short_keys=SHORT_KEYS[key], min_scores=MIN_SCORES, pieces=pieces)
 
 
-def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None) -> ir.GluonForward:
+LINEAR_DISTANCE = True
+"""Whether the Gluon kernels of an unmasked variant program whose score modifier adds c * |q - k + shift| with one sign
+on every block (analysis/distance.py: the context-parallel ring's ALiBi blocks off the diagonal, written without the
+|.|; a linear relative bias) take it as a term per key folded into the scale's FMA and a term per row folded into the
+running max (the forward) or the loaded log-sum-exp (the backward): one floating-point instruction a score against
+three. Measured (H200, 2026-11-29, lin_ab.py on branch exp-distance: B=1 H=16 N=16384 d=128, a context-parallel
+block of keys wholly before its queries, rounds alternating in one process): forward 437-460 -> 566-601 TFLOP/s,
+backward 404-412 -> 556-571 (the plain unmasked kernel's 606-626 and 511-549); two H200s, the ring's ALiBi at 128k
+tokens 837 -> 1054 forward + backward (NOTES.md v61). Masked programs: LINEAR_DISTANCE_MASKED."""
+
+LINEAR_DISTANCE_MASKED = False
+"""Whether LINEAR_DISTANCE takes masked programs too (the built-in causal ALiBi, whose kept distances are all >= 0).
+Off: it lost there (same run as LINEAR_DISTANCE's, B=1 H=16 N=16384 causal): forward 493-503 -> 483-485 TFLOP/s,
+backward 520-527 -> 522-525; that variant kernel is not bound by these instructions (plain causal ran 587-602)."""
+
+
+def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None,
+                    distance: bool = False) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
     few), an unmasked one (softcap, sinks) the column without a mask. BALANCE is off: its dealing plans around
@@ -402,17 +419,19 @@ def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | N
     the last round of a persistent grid held the longest tiles (prefix-LM 2048 443 TFLOP/s on the H100 against
     the plain causal kernel's 676, NOTES.md v44)."""
     # (the tiles in pieces, SPLIT_TILES_192, are the plain forward's only: not tested with a variant's hooks)
-    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair, pieces=())
+    # `distance`: the program's score modifier is a distance bias (LINEAR_DISTANCE takes it linearly).
+    return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair, pieces=(),
+                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked))
 
 
-def forward_varlen(head_dim: int, causal: bool) -> ir.GluonForward:
+def forward_varlen(head_dim: int, causal: bool, distance: bool = False) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a packed variable-length program: the variant column of the
     tables (its tiles visit the key blocks the IR's loops give each sequence), always at the main shape (the
     lengths are on the GPU, so a launch cannot pick the short shape by them), the persistent grid without BALANCE
     (its dealing plans around one sequence length). min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_ready`): guesses, not measured. The shape: 8 documents in
     16k tokens, causal, 493 TFLOP/s on the H200 and 462 on the H100 (NOTES.md v44)."""
-    variant = forward_variant(head_dim, causal, pair=False)  # (its tiles are dealt by _ws_sequence_tile)
+    variant = forward_variant(head_dim, causal, pair=False, distance=distance)  # (tiles dealt by _ws_sequence_tile)
     return replace(variant, short=variant.main, short_keys=0)
 
 
@@ -558,12 +577,13 @@ def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.G
                             max_group_split=BWD_MAX_GROUP_SPLIT)
 
 
-def backward_variant(head_dim: int, masked: bool) -> ir.GluonBackward:
+def backward_variant(head_dim: int, masked: bool, distance: bool = False) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column (a window, prefix or chunk skips query blocks as the causal mask does and masks a few), an
     unmasked one the column without a mask. DQ_CLAIM is off: its accumulator is zeroed only in the query blocks
     no key tile reaches under a causal mask, and a variant's mask leaves other blocks unreached."""
-    return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False, pair_tail_waves=0)
+    return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False, pair_tail_waves=0,
+                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked))
 
 
 VARLEN_BACKWARD = True
@@ -576,7 +596,8 @@ SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD",
             "WIDE_BACKWARD_STAGES", "FP8_EXP2_EMULATION", "FP8_DECODE_2WG", "FP8_DECODE_HALVES", "MLA_OVERLAP",
             "MLA_SEESAW", "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN",
             "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P",
-            "FP8_DECODE_SPLIT_LOADER", "FP8_DECODE_Q8", "FP8_DECODE_P8", "FP8_DECODE_ONE_WAVE")
+            "FP8_DECODE_SPLIT_LOADER", "FP8_DECODE_Q8", "FP8_DECODE_P8", "FP8_DECODE_ONE_WAVE", "LINEAR_DISTANCE",
+            "LINEAR_DISTANCE_MASKED")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -678,7 +699,7 @@ at 128k tokens of 14 documents (H=32) every grouping is within 1% of the work's 
 rows in flight at once (16 heads a group measured 343 TFLOP/s against 4 heads' 358 launched per tile)."""
 
 
-def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
+def backward_varlen(head_dim: int, causal: bool, distance: bool = False) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a packed variable-length program: the variant column (its key
     tiles visit the query blocks the IR's loops give each sequence, DQ_CLAIM off: a claimed dQ tile is stored, not
     added, and its rows past a sequence are the next one's), always at the main shape (the lengths are on the GPU,
@@ -689,7 +710,7 @@ def backward_varlen(head_dim: int, causal: bool) -> ir.GluonBackward:
     min_keys and min_scores are compared with the average keys a
     sequence and the scores of sequences that long (`ws_bwd_ready`), and DQ_LOCAL's rows with the average query
     rows a sequence. Not measured: the dense kernel's settings until the varlen bench runs it."""
-    variant = backward_variant(head_dim, causal)
+    variant = backward_variant(head_dim, causal, distance)
     return replace(variant, short=variant.main, short_keys=0, max_group_split=1,
                    rows_smem=variant.rows_smem and VARLEN_ROWS_SMEM,
                    order_heads=((VARLEN_BWD_PERSISTENT_ORDER_HEADS if VARLEN_BWD_PERSISTENT else VARLEN_BWD_ORDER_HEADS)
