@@ -260,7 +260,7 @@ def launch_attn_fwd(q, k, v, o, lse, alibi_slopes, sm_scale, *, BLOCK_M, BLOCK_N
 # last row sees and masks the block(s) on the diagonal; a (batch, head)'s longest rows come first.
 
 @gluon.jit
-def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, N_Q, N_K, qk_scale, alibi_slopes, FIRST: gl.constexpr,
+def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, N_Q, N_K, qk_scale, alibi_slopes, kd, FIRST: gl.constexpr,
                         BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """The online-softmax step of key block j (counted from key 0): (p, m, l, alpha). row0 is the query
     position of this warpgroup's first row. The scores are modified as the IR says; a block outside the
@@ -268,15 +268,21 @@ def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, N_Q, N_K, qk_sc
     has a running max of -inf, which the IR's m_use makes safe to subtract."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-    sc = (1.0*(sc * qk_scale) - 1.4426950408889634*alibi_slopes*gl.abs(cols.to(gl.float32)[None, :] - rows.to(gl.float32)[:, None]))
+    # The modifier is alpha * S + c * |q - k + shift| and every distance d = q - k + shift the
+    # mask keeps is >= 0 (analysis/distance.py), so it is y + r: y = alpha * S - c * (k - k0) a score (one FMA: kd =
+    # c * (k - k0) is the tile's, the same for every block) and r = c * (q - k0 + shift) a row, which joins the
+    # running max instead of every score.
+    k0 = j * BLOCK_N
+    r = (-1.4426950408889634*alibi_slopes) * ((rows - k0).to(gl.float32) + (0))
+    sc = (sc * qk_scale) - kd[None, :]
     if (j < full_lo) | (j >= full_hi):
         keep = (cols[None, :] <= rows[:, None]) & (cols < N_K)[None, :]
         sc = gl.where(keep, sc, float("-inf"))
-    m_new = gl.max(sc, 1)
+    m_new = gl.max(sc, 1) + r
     if not FIRST:
         m_new = gl.maximum(m_i, m_new)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(sc - m_use[:, None])
+    p = gl.exp2(sc - (m_use - r)[:, None])
     if FIRST:
         alpha = gl.full(m_new.shape, 1.0, gl.float32, layout=m_new.type.layout)
         l_new = gl.sum(p, 1)
@@ -372,6 +378,7 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
     mbarrier.wait(q_ready.index(qb), (i // QBUF) & 1)
     lo, full_lo, full_hi, _ = _ws_key_blocks(start_m, N_Q, N_K, BM * CONSUMERS, BLOCK_N)
     alibi_slopes = gl.load(ALIBI_SLOPES + (b) * stride_alibi_slopes_0 + (h) * stride_alibi_slopes_1).to(gl.float32)  # one value per tile
+    kd = (-1.4426950408889634*alibi_slopes) * gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)  # c * (k - k0)
     # block 0: scores and softmax, no rescaling
     mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
     if PINGPONG:  # the last warpgroup lets the first one issue first
@@ -387,7 +394,7 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
     sc = warpgroup_mma_wait(0, deps=(sc, ))
     mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     p, m_i, l_i, alpha = _ws_variant_softmax(sc, gl.max(sc, 1), gl.max(sc, 1), lo, full_lo, full_hi, row0, N_Q, N_K,
-                                             qk_scale, alibi_slopes, True, BLOCK_N, s_layout)
+                                             qk_scale, alibi_slopes, kd, True, BLOCK_N, s_layout)
     p = gl.convert_layout(p.to(gl.bfloat16), p_layout)  # carried as the product's operand: half the registers
     for j in range(1, n_mine):
         g = it + j  # the block's place in the ring's sequence
@@ -416,7 +423,7 @@ def _ws_rows(q_desc, k_desc, v_desc, o_desc, LSE, q_smem, k_smem, v_smem, q_read
             sc = warpgroup_mma_wait(0, deps=(sc, ))
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _ws_variant_softmax(sc, m_i, l_i, lo + j, full_lo, full_hi, row0, N_Q, N_K,
-                                                 qk_scale, alibi_slopes, False, BLOCK_N, s_layout)
+                                                 qk_scale, alibi_slopes, kd, False, BLOCK_N, s_layout)
         p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         if OVERLAP:
             acc = warpgroup_mma_wait(0, deps=(acc, ))

@@ -18,7 +18,7 @@ import sympy
 import torch
 
 import attngen
-from attngen.analysis.distance import distance_bias, linear_distance
+from attngen.analysis.distance import any_distance, distance_bias, linear_distance
 from attngen.codegen import render
 from attngen.distributed import ring
 from attngen.distributed.schedule import Block
@@ -94,11 +94,15 @@ def _alibi_text(name, mask, direction="forward"):
 def test_the_gluon_kernels_take_the_split_form_where_it_holds_on_every_block(text, linear, masked, monkeypatch):
     spec, program = _program(text)
     assert (linear_distance(program.kernel("attn_fwd")) is not None) is linear
+    both_signs = any_distance(program.kernel("attn_fwd")) is not None and not linear
     for masked_too in (False, True):  # the policy takes masked programs only where LINEAR_DISTANCE_MASKED says
-        monkeypatch.setattr(hopper, "LINEAR_DISTANCE_MASKED", masked_too)
-        ws = compile_program(spec).warp_specialized
-        expected = linear and (masked_too or not masked)
-        assert ws.forward.distance is expected and (ws.backward is None or ws.backward.distance is expected)
+        for by_block in (False, True):  # and blocks of both signs only where LINEAR_DISTANCE_BY_BLOCK says
+            monkeypatch.setattr(hopper, "LINEAR_DISTANCE_MASKED", masked_too)
+            monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK", by_block)
+            ws = compile_program(spec).warp_specialized
+            expected = linear and (masked_too or not masked)
+            assert ws.forward.distance is expected and (ws.backward is None or ws.backward.distance is expected)
+            assert ws.forward.distance_by_block is (both_signs and by_block and not masked)
     monkeypatch.setattr(hopper, "LINEAR_DISTANCE", False)
     assert not compile_program(spec).warp_specialized.forward.distance
 
@@ -143,7 +147,7 @@ class _TorchGl:
 
     @staticmethod
     def where(c, a, b):
-        return torch.where(c, torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32))
+        return torch.where(torch.as_tensor(c), torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32))
 
     @staticmethod
     def exp2(x):
@@ -160,6 +164,10 @@ class _TorchGl:
     @staticmethod
     def zeros(shape, dtype, layout=None):
         return torch.zeros(tuple(shape), dtype=dtype)
+
+    @staticmethod
+    def zeros_like(x):
+        return torch.zeros_like(x)
 
 
 def _function(source, name):
@@ -203,7 +211,7 @@ def _run_tiles(source, q, k, v, sm_scale, reads: dict, block_m, block_n):
             j = lo + i
             sc = qt @ kp[j * block_n:(j + 1) * block_n].T
             args = dict(sc=sc, m_i=sc.max(1).values if i == 0 else m_i, l_i=sc.max(1).values if i == 0 else l_i,
-                        j=j, full_lo=full_lo, full_hi=full_hi, row0=start_m, N_Q=n_q, N_K=n_k, qk_scale=qk_scale,
+                        j=j, full_lo=full_lo, full_hi=full_hi, row0=torch.tensor(start_m), N_Q=n_q, N_K=n_k, qk_scale=qk_scale,
                         kd=kd, FIRST=i == 0, BLOCK_N=block_n, layout=None, **reads)
             p, m_i, l_i, alpha = step(*(args[a] for a in params))
             acc = acc * alpha[:, None] + p @ vp[j * block_n:(j + 1) * block_n]
@@ -234,6 +242,7 @@ CASES = {
     "cp_above": (positional_alibi_spec("bf16", 128, False, side="above"), 140, 200, {"arg_slopes": 0.3, "arg_shift": -200.0}, -200),
     "cp_causal_below": (positional_alibi_spec("bf16", 128, True, side="below"), 190, 190, {"arg_slopes": 0.5, "arg_shift": 0.0}, 0),
     "cp_abs": (positional_alibi_spec("bf16", 128, False), 140, 200, {"arg_slopes": 0.3, "arg_shift": 60.0}, 60),
+    "none": (_alibi_text("gdr_none", "none"), 330, 390, {"alibi_slopes": 0.23}, 0),  # blocks on both sides
 }
 
 
@@ -242,18 +251,21 @@ CASES = {
 def test_the_forward_step_matches_float64_over_every_key_block(case, linear, monkeypatch):
     monkeypatch.setattr(hopper, "LINEAR_DISTANCE", linear)
     monkeypatch.setattr(hopper, "LINEAR_DISTANCE_MASKED", True)  # (the split form under a causal mask too)
+    monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK", linear)  # (and each block's own form where signs differ)
     text, n_q, n_k, reads, shift = CASES[case]
     spec, program = _program(text.replace("forward+backward", "forward"))
     source = render(spec, program)
-    dist = program.warp_specialized.forward.distance
-    assert dist is (linear and case != "cp_abs") and ("kd = " in source) is dist
+    forward = program.warp_specialized.forward
+    assert forward.distance is (linear and case not in ("cp_abs", "none"))
+    assert forward.distance_by_block is (linear and case in ("cp_abs", "none"))
+    assert ("kd = " in source) is linear
     torch.manual_seed(hash(case) % 1000)
     q, k, v = (torch.randn(n, 128) for n in (n_q, n_k, n_k))
     sm_scale = 0.125
     slope = next(x for name, x in reads.items() if "slope" in name)
     qi, kj = _positions(n_q, n_k)
     d = qi - kj + shift
-    if case.startswith("causal") or case == "cp_causal_below":
+    if case.startswith("causal") or case == "cp_causal_below":  # ("none": no mask)
         keep = kj <= qi + (shift if case.startswith("causal") else 0)
     else:
         keep = torch.ones(n_q, n_k, dtype=torch.bool)
@@ -404,3 +416,44 @@ def test_gpu_context_parallel_alibi_blocks_backward_against_float64(side, causal
     low = _reference_grads(spec, q, k, v, do, tensors, torch.bfloat16)
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         _close(name, g, r, lo, spec.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("n_q, n_k", [(1000, 1000), (700, 1500), (1500, 700)])
+@pytest.mark.parametrize("by_block", [True, False])
+def test_gpu_alibi_without_a_mask_block_by_block_against_float64(n_q, n_k, by_block, monkeypatch):
+    """ALiBi without a mask (blocks below, across and above the diagonal) with LINEAR_DISTANCE_BY_BLOCK on and off."""
+    from test_gluon_variants import _against_reference
+
+    monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK", by_block)
+    kernel = attngen.load(_alibi_text("gd_gpu_none", "none"))
+    assert kernel.program.warp_specialized.forward.distance_by_block is by_block
+    module = kernel.module
+    monkeypatch.setitem(module.WS_SHAPE, "min_scores", 0)
+    monkeypatch.setitem(module.WS_SHAPE, "min_keys", 1)
+    B, H = 2, 4
+    q = torch.randn(B, H, n_q, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, H, n_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tensors = {"alibi_slopes": torch.rand(B, H, device="cuda") * 0.2}
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, n_q), float("nan"), device="cuda")
+    module.forward(q, k, v, out=out, lse=lse, **tensors)
+    _against_reference(kernel, q, k, v, out, lse, tensors)
+
+
+@pytest.mark.parametrize("raw_max", [True, False])
+def test_a_variant_without_a_modifier_may_take_its_max_over_the_raw_scores(raw_max, monkeypatch):
+    monkeypatch.setattr(hopper, "VARIANT_RAW_MAX", raw_max)
+    spec, program = _program(spec_text("gd_raw", 128, "bf16", "causal & window(100)"))
+    assert program.warp_specialized.forward.raw_max is raw_max
+    source = render(spec, program)
+    step = source[source.index("def _ws_variant_softmax"):source.index("def _ws_key_blocks")]
+    assert ("gl.max(sc, 1) * qk_scale" in step) is raw_max
+    n = 333
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(n, 128) for _ in range(3))
+    qi, kj = _positions(n, n)
+    ref, ref_lse = _reference(q, k, v, 0.09, (kj <= qi) & (kj >= qi - 99), torch.zeros(n, n, dtype=torch.float64))
+    out, lse = _run_tiles(source, q, k, v, 0.09, {}, 64, 128)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4) and torch.allclose(lse, ref_lse, atol=2e-4, rtol=1e-5)

@@ -16,6 +16,7 @@ import torch
 
 import attngen
 from attngen import ir
+from attngen.analysis.distance import any_distance, linear_distance
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
 from attngen.ir import sym
@@ -68,7 +69,9 @@ def test_variants_get_the_gluon_forward(variant):
     masked = VARIANTS[variant][0] != "none"
     # tiles in pairs where a tile's key blocks start at the same key for every row block and end with it
     pair = variant in ("prefix", "alibi")
-    assert program.warp_specialized.forward == hopper.forward_variant(128, masked, pair)
+    kernel = program.kernel("attn_fwd")  # (an ALiBi spec's distance bias: analysis/distance.py)
+    assert program.warp_specialized.forward == hopper.forward_variant(
+        128, masked, pair, distance=linear_distance(kernel) is not None, any_distance=any_distance(kernel) is not None)
     assert not program.warp_specialized.forward.balance
 
 

@@ -14,6 +14,7 @@ import torch
 
 import attngen
 from attngen import ir
+from attngen.analysis.distance import linear_distance
 from attngen.codegen import render
 from attngen.codegen.hooks import score_hooks
 from attngen.ir import sym
@@ -42,7 +43,8 @@ def _text(name, head_dim=128, dtype="bf16", variant="window", **extra):
 def test_variants_get_the_gluon_backward(variant):
     spec, program = _program(_text(f"gvb_{variant}", variant=variant))
     masked = VARIANTS[variant][0] != "none"
-    assert program.warp_specialized.backward == hopper.backward_variant(128, masked)
+    distance = linear_distance(program.kernel("attn_fwd")) is not None  # (ALiBi: analysis/distance.py)
+    assert program.warp_specialized.backward == hopper.backward_variant(128, masked, distance)
     assert program.warp_specialized.backward.dq_claim_keys == 0
 
 

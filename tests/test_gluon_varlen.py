@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import attngen
+from attngen.analysis.distance import linear_distance
 from attngen.codegen import render
 from attngen.ir import sym
 from attngen.lang.spec import parse
@@ -95,7 +96,8 @@ def test_by_default_a_varlen_backward_takes_the_triton_kernels(monkeypatch):
 def test_varlen_forwards_get_the_gluon_kernel(variant):
     spec, program = _program(_text(f"gvl_{variant}", variant))
     masked = SPECS_VARLEN[variant]["mask"] != "none"
-    assert program.warp_specialized.forward == hopper.forward_varlen(128, masked)
+    distance = linear_distance(program.kernel("attn_fwd")) is not None  # (ALiBi: analysis/distance.py)
+    assert program.warp_specialized.forward == hopper.forward_varlen(128, masked, distance)
     assert program.warp_specialized.backward is None and not program.warp_specialized.forward.balance
     source = render(spec, program)
     assert "def _ws_sequence_tile(" in source and "def attn_fwd_ws(" in source
@@ -108,7 +110,7 @@ def test_varlen_backwards_get_the_gluon_kernel(variant):
     spec, program = _program(_text(f"gvlb_{variant}", variant, direction="forward+backward"))
     masked = SPECS_VARLEN[variant]["mask"] != "none"
     decision = program.warp_specialized.backward
-    assert decision == hopper.backward_varlen(128, masked)
+    assert decision == hopper.backward_varlen(128, masked, linear_distance(program.kernel("attn_fwd")) is not None)
     # no claimed (stored) dQ tiles, whose rows past a sequence are the next one's; one shape for every call
     assert decision.dq_claim_keys == 0 and decision.short == decision.main and decision.short_keys == 0
     source = render(spec, program)

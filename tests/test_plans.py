@@ -56,3 +56,32 @@ def test_the_cache_starts_over_when_full(monkeypatch):
     assert len(PLANS) == 1 and PLANS.get(("test", 0)) is None and len(PLANS.plans("sdpa")) == 1
     PLANS.clear()
     assert len(PLANS) == 0 and PLANS.plans("sdpa") == []
+
+
+def test_setting_a_policy_switch_makes_every_call_path_plan_afresh(monkeypatch):
+    """A plan replays launches of the modules generated under the policy switches' values when it was made; setting a
+    switch (an experiment's assignment, a test's monkeypatch) changes every call path's signature, so the next call of
+    each is checked and launched afresh, by a module generated under the new values. Without the switch generation in
+    the signatures the three calls after the assignment would find the plans kept before it."""
+    from attngen.policy import hopper
+
+    empty_plans(monkeypatch)
+    kernel = attngen.load(sdpa_spec("fp16", 32, False))
+    q = rand(1, 2, 20, 32)
+    step, cache_k, cache_v = rand(1, 1, 2, 32), rand(1, 24, 2, 32), rand(1, 24, 2, 32)
+
+    def calls():
+        attngen.attention(q, q, q)
+        kernel(q, q, q)
+        attngen.attention_with_kvcache(step, cache_k, cache_v, 24)
+
+    calls()
+    assert len(PLANS) == 3
+    calls()
+    assert len(PLANS) == 3  # planned
+    monkeypatch.setattr(hopper, "LINEAR_DISTANCE", not hopper.LINEAR_DISTANCE)
+    calls()
+    assert len(PLANS) == 6  # three new signatures
+    monkeypatch.setattr(hopper, "MIN_SCORES", hopper.MIN_SCORES)  # (not a switch: nothing changes)
+    calls()
+    assert len(PLANS) == 6

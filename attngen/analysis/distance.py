@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from .. import ir
 from ..ir import sym
 from ..ir.nodes import PredKind
 
@@ -110,11 +111,18 @@ def distance_bias(fn) -> DistanceBias | None:
     return DistanceBias(alpha, cq, shift, sympy.Integer(0), False)
 
 
+def any_distance(kernel) -> DistanceBias | None:
+    """The IR kernel's score modifier as a distance bias, linear on every block or not; None otherwise."""
+    return _kernel_distance(kernel, everywhere=False)
+
+
 def linear_distance(kernel) -> DistanceBias | None:
     """The IR kernel's score modifier as a distance bias that is linear on every block (`linear_everywhere` under the
     kernel's mask), or None."""
-    from .. import ir
+    return _kernel_distance(kernel, everywhere=True)
 
+
+def _kernel_distance(kernel, everywhere: bool) -> DistanceBias | None:
     fns, preds = set(), []
     for st in ir.walk_stmts(kernel.body):
         for e in ir.stmt_exprs(st):
@@ -124,4 +132,4 @@ def linear_distance(kernel) -> DistanceBias | None:
                 if isinstance(n, ir.Masked):
                     preds += [p for p in n.preds if p not in preds]
     bias = distance_bias(fns.pop()) if len(fns) == 1 else None
-    return bias if bias is not None and bias.linear_everywhere(preds) else None
+    return bias if bias is not None and (not everywhere or bias.linear_everywhere(preds)) else None

@@ -40,6 +40,7 @@ from ..env import interpreting
 from ..errors import KernelInputError
 from ..lang.builtin import kvcache_spec
 from ..lang.spec import FP8_DESCALES, MAX_HEAD_DIM, MAX_HEAD_DIM_LATENT, MAX_HEAD_DIM_V, DType
+from .. import policy
 from ..policy import context_parallel
 from ..runtime import tables
 from ..runtime.arguments import (INT32_MAX, MAX_SEQ, _runtime_device_ok, check_disjoint, check_out,
@@ -328,7 +329,7 @@ def _signature(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_
     latent = v_cache.data_ptr() == k_cache.data_ptr()
     return ("kvcache", *extra, tensor_signature(q), tensor_signature(k_cache), tensor_signature(v_cache), latent, lens, table,
             None if out is None else tensor_signature(out), causal, softmax_scale, num_splits, window_size, softcap,
-            torch.is_grad_enabled(), tables.generation(), interpreting())
+            torch.is_grad_enabled(), tables.generation(), policy.generation(), interpreting())
 
 
 def _checked_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, num_splits, out,

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from ..env import interpreting
+from .. import policy
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW, sdpa_key, sdpa_spec, sdpa_variant, v_keyword
 from ..lang.variants import Variant
@@ -212,15 +213,15 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return None
     if variant is None:
         return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p,
-                is_causal, scale, enable_gqa, interpreting(), tables.generation())
+                is_causal, scale, enable_gqa, interpreting(), tables.generation(), policy.generation())
     if variant.alibi or variant.sinks:
         if autograd.needs_grad(query, key, value, *variant.tensors):
             return None
         return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
-                scale, enable_gqa, interpreting(), tables.generation(), variant.window, variant.softcap,
+                scale, enable_gqa, interpreting(), tables.generation(), policy.generation(), variant.window, variant.softcap,
                 tuple(tensor_signature(t) for t in variant.tensors), variant.alibi, torch.is_grad_enabled())
     return ("sdpa", tensor_signature(query), tensor_signature(key), tensor_signature(value), dropout_p, is_causal,
-            scale, enable_gqa, interpreting(), tables.generation(), variant.window, variant.softcap)
+            scale, enable_gqa, interpreting(), tables.generation(), policy.generation(), variant.window, variant.softcap)
 
 
 def _checked_plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, variant=None) -> tuple:

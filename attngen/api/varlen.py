@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..env import check_kvcache, interpreting
+from .. import policy
 from ..errors import KernelInputError
 from ..lang.builtin import NO_WINDOW, varlen_key
 from ..runtime import autograd, tables
@@ -153,7 +154,7 @@ def signature_of(path: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         return None
     return (path, *(None if t is None else tensor_signature(t) for t in tensors),
             cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr(), autograd.needs_grad(q, k, v), torch.is_grad_enabled(),
-            dropout_p, softmax_scale, causal, tuple(window_size), softcap, interpreting(), tables.generation())
+            dropout_p, softmax_scale, causal, tuple(window_size), softcap, interpreting(), tables.generation(), policy.generation())
 
 
 def planned_tensors(alibi_slopes, sinks) -> tuple:

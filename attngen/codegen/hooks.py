@@ -99,16 +99,22 @@ class ScoreHooks:
         """The score modifier as alpha * S + coef * |q - k + shift| + rest where that is linear on every block the mask
         keeps (analysis/distance.py: causal ALiBi, the context-parallel blocks' ALiBi), exp2's argument that modifier
         alone; None otherwise."""
-        if not isinstance(self.scaled_expr, ir.Pointwise):
-            return None
-        bias = distance_bias(self.scaled_expr.fn)
+        bias = self.any_distance
         return bias if bias is not None and bias.linear_everywhere(self.preds) else None
 
-    def distance_code(self, s: str) -> dict | None:
+    @property
+    def any_distance(self) -> DistanceBias | None:
+        """The score modifier as a distance bias, linear on every block or not (`distance`); None otherwise."""
+        if not isinstance(self.scaled_expr, ir.Pointwise):
+            return None
+        return distance_bias(self.scaled_expr.fn)
+
+    def distance_code(self, s: str, by_block: bool = False) -> dict | None:
         """`distance`'s pieces as code, the template's raw score tile `s`: `scaled` (alpha times the scaled scores, no
         positions), `coef`, `shift` and `rest` (scalars over the tile's reads and the sizes; `rest` None where it is
-        0). None where there is no such modifier."""
-        bias = self.distance
+        0), `everywhere` (whether one sign holds on every block). None where there is no such modifier (`by_block`:
+        a distance bias of either kind, for a kernel that tests each block's sign)."""
+        bias = self.any_distance if by_block else self.distance
         if bias is None:
             return None
         reads = {read: sympy.Symbol(name) for read, name in _reads(self.scaled_expr).items()}
@@ -121,7 +127,7 @@ class ScoreHooks:
             return self._code(exprs.parenthesized(code), *given)
 
         return {"scaled": self._code(alpha + value, *given), "coef": scalar(bias.coef), "shift": scalar(bias.shift),
-                "rest": None if bias.rest == 0 else scalar(bias.rest)}
+                "rest": None if bias.rest == 0 else scalar(bias.rest), "everywhere": bias.linear_everywhere(self.preds)}
 
     def scaled_max(self, s: str, axis: int) -> str:
         if self.max_expr is None:

@@ -445,6 +445,10 @@ class GluonForward:
     # (variant programs) a score modifier adding c * |q - k + shift| (ALiBi) taken as a key term and a row term on
     # the blocks whose distances have one sign (analysis/distance.py)
     distance: bool = False
+    # (variant programs) the same where the sign differs between blocks: each block's corners decide its form
+    distance_by_block: bool = False
+    # (variant programs without a score modifier) the running max over the raw scores, the scale in exp2's FMA
+    raw_max: bool = False
 
     @property
     def exp2_fma_halvings(self) -> int:

@@ -90,7 +90,7 @@ from dataclasses import replace
 import sympy
 
 from .. import ir
-from ..analysis.distance import linear_distance
+from ..analysis.distance import any_distance, linear_distance
 from ..ir import sym
 from ..policy import hopper
 
@@ -257,7 +257,7 @@ def run(program: ir.Program) -> ir.Program:
         if has_backward and variant_backward_supported(program):
             backward = hopper.backward_variant(d, causal, distance)
         forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv,
-                                         distance=distance)
+                                         distance=distance, any_distance=any_distance(program.kernel("attn_fwd")) is not None)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     if program.attr("dtype") == "fp8_e4m3":  # (forward only: the spec refuses a backward)
         return replace(program, warp_specialized=replace(program.warp_specialized, forward=hopper.forward_fp8(d, causal)))

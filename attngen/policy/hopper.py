@@ -4,11 +4,15 @@ The passes warp-specialize and warp-specialize-decode read these tables and set 
 `ir.WarpSpecialized` value (forward, backward, decode) from them; the verifier checks its invariants and
 `attngen explain` prints it. An experiment changes a setting here, never the generated source, and runs
 each setting in a process of its own with its own ATTNGEN_CACHE_DIR: the kernel cache is keyed by the
-generator's source files, not by values set in a running process.
+generator's source files, not by values set in a running process; but for the switches (`SWITCHES`), which may
+be set in a running process: kernel caches key on their values, and setting one bumps `switch_generation()`, which
+every call plan's signature holds (a plan replays launches of the modules generated under the values it saw).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass, replace
 
 from .. import ir
@@ -393,23 +397,38 @@ def forward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.Gl
 
 
 LINEAR_DISTANCE = True
-"""Whether the Gluon kernels of an unmasked variant program whose score modifier adds c * |q - k + shift| with one sign
-on every block (analysis/distance.py: the context-parallel ring's ALiBi blocks off the diagonal, written without the
-|.|; a linear relative bias) take it as a term per key folded into the scale's FMA and a term per row folded into the
-running max (the forward) or the loaded log-sum-exp (the backward): one floating-point instruction a score against
-three. Measured (H200, 2026-11-29, lin_ab.py on branch exp-distance: B=1 H=16 N=16384 d=128, a context-parallel
-block of keys wholly before its queries, rounds alternating in one process): forward 437-460 -> 566-601 TFLOP/s,
-backward 404-412 -> 556-571 (the plain unmasked kernel's 606-626 and 511-549); two H200s, the ring's ALiBi at 128k
-tokens 837 -> 1054 forward + backward (NOTES.md v61). Masked programs: LINEAR_DISTANCE_MASKED."""
+"""Whether the Gluon kernels of a variant program whose score modifier adds c * |q - k + shift| with one sign on every
+block the mask keeps (analysis/distance.py: the context-parallel ring's ALiBi blocks off the diagonal, written without
+the |.|; the causal ALiBi; a linear relative bias) take it as a term per key folded into the scale's FMA and a term per
+row folded into the running max (the forward) or the loaded log-sum-exp (the backward): one floating-point instruction
+a score against three. Measured (H200, 2026-11-29, lin_ab.py on branch exp-distance: B=1 H=16 N=16384 d=128, rounds
+alternating in one process): a context-parallel block of keys wholly before its queries forward 437-460 -> 566-601
+TFLOP/s, backward 404-412 -> 556-571 (the plain unmasked kernel's 606-626 and 511-549); two H200s, the ring's ALiBi at
+128k tokens 837 -> 1054 forward + backward (NOTES.md v61). Masked programs: LINEAR_DISTANCE_MASKED."""
 
-LINEAR_DISTANCE_MASKED = False
+LINEAR_DISTANCE_MASKED = True
 """Whether LINEAR_DISTANCE takes masked programs too (the built-in causal ALiBi, whose kept distances are all >= 0).
-Off: it lost there (same run as LINEAR_DISTANCE's, B=1 H=16 N=16384 causal): forward 493-503 -> 483-485 TFLOP/s,
-backward 520-527 -> 522-525; that variant kernel is not bound by these instructions (plain causal ran 587-602)."""
+Measured as LINEAR_DISTANCE (causal, N=16384): forward 482-504 -> 532-540 TFLOP/s, backward 526-531 -> 470-535 (a tie).
+(A first A/B had it losing 2-3%: its calls through attention() replayed plans made before the switch was set, so
+both settings ran the same kernel; plans now key on the switches, `switch_generation`.)"""
+
+LINEAR_DISTANCE_BY_BLOCK = True
+"""Whether the Gluon forward of an unmasked variant program whose distance bias has both signs (ALiBi without a causal
+mask, as bidirectional encoders use it; a context-parallel block straddling the diagonal) tests each key block's
+corners and takes the split form on the blocks wholly on one side of the diagonal (c * |d| = sign(c) * |rc - kd| on
+the others, from the same terms). ptxas spills 168 bytes a consumer thread at d=128 (16 without); measured (as
+LINEAR_DISTANCE, no mask, N=16384): 450-456 -> 507-525 TFLOP/s. The backward keeps the |.| form for such programs."""
+
+VARIANT_RAW_MAX = True
+"""Whether the Gluon forward of a variant program without a score modifier (windows, prefixes, chunks, sinks) takes
+each block's running max over the raw scores and scales it once a row, the scale then in exp2's FMA, as the plain
+kernel does (the IR's max for such a program), instead of scaling every score before its max and exponential.
+Measured (as LINEAR_DISTANCE): causal window 4096 495-509 -> 506-526 TFLOP/s; 8 packed documents (varlen, causal)
+453-490 -> 471-508, but varlen programs keep it off until tests/test_gluon_varlen.py's GPU tests have run with it."""
 
 
 def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None,
-                    distance: bool = False) -> ir.GluonForward:
+                    distance: bool = False, any_distance: bool = False) -> ir.GluonForward:
     """The Gluon forward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column of the tables (a window, prefix or chunk skips blocks as the causal mask does and masks a
     few), an unmasked one (softcap, sinks) the column without a mask. BALANCE is off: its dealing plans around
@@ -421,7 +440,9 @@ def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | N
     # (the tiles in pieces, SPLIT_TILES_192, are the plain forward's only: not tested with a variant's hooks)
     # `distance`: the program's score modifier is a distance bias (LINEAR_DISTANCE takes it linearly).
     return replace(forward(head_dim, masked, head_dim_v), balance=False, pair=pair, pieces=(),
-                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked))
+                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked),
+                   distance_by_block=any_distance and not distance and LINEAR_DISTANCE_BY_BLOCK and not masked,
+                   raw_max=VARIANT_RAW_MAX)
 
 
 def forward_varlen(head_dim: int, causal: bool, distance: bool = False) -> ir.GluonForward:
@@ -432,7 +453,7 @@ def forward_varlen(head_dim: int, causal: bool, distance: bool = False) -> ir.Gl
     sequence and the scores of sequences that long (`ws_ready`): guesses, not measured. The shape: 8 documents in
     16k tokens, causal, 493 TFLOP/s on the H200 and 462 on the H100 (NOTES.md v44)."""
     variant = forward_variant(head_dim, causal, pair=False, distance=distance)  # (tiles dealt by _ws_sequence_tile)
-    return replace(variant, short=variant.main, short_keys=0)
+    return replace(variant, short=variant.main, short_keys=0, raw_max=False)  # (VARIANT_RAW_MAX: not GPU-tested here)
 
 
 FP8_GLUON = True
@@ -597,7 +618,7 @@ SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD",
             "MLA_SEESAW", "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN",
             "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P",
             "FP8_DECODE_SPLIT_LOADER", "FP8_DECODE_Q8", "FP8_DECODE_P8", "FP8_DECODE_ONE_WAVE", "LINEAR_DISTANCE",
-            "LINEAR_DISTANCE_MASKED")
+            "LINEAR_DISTANCE_MASKED", "LINEAR_DISTANCE_BY_BLOCK", "VARIANT_RAW_MAX")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
@@ -1000,3 +1021,22 @@ def mla_decode() -> ir.GluonMlaDecode:
         return MLA_DECODE_SEESAW if MLA_SEESAW else MLA_DECODE_OVERLAP
     return replace(MLA_DECODE, defer_pv=True) if MLA_DEFER_PV else MLA_DECODE
 
+
+_SWITCH_SETS = [0]
+
+
+def switch_generation() -> int:
+    """How many times one of SWITCHES has been set in this process (a monkeypatch, an experiment's assignment)."""
+    return _SWITCH_SETS[0]
+
+
+class _Policy(types.ModuleType):
+    """This module's type: an assignment to one of its SWITCHES counts in `switch_generation()`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in SWITCHES:
+            _SWITCH_SETS[0] += 1
+
+
+sys.modules[__name__].__class__ = _Policy

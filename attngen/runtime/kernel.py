@@ -298,7 +298,7 @@ class Kernel:
                      torch.is_grad_enabled())
         return (self, tensor_signature(q), tensor_signature(k), tensor_signature(v),
                 None if out is None else tensor_signature(out), scale, return_lse, interpreting(),
-                tables.generation(), *given)
+                tables.generation(), policy.generation(), *given)
 
     def _planned_tensors(self, q, tensors: dict) -> tuple:
         """A planned call's run-time tensors in `tensor_names` order, as `check_runtime_tensors` passed them at the
