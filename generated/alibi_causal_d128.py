@@ -268,10 +268,10 @@ def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, N_Q, N_K, qk_sc
     has a running max of -inf, which the IR's m_use makes safe to subtract."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-    # The modifier is alpha * S + c * |q - k + shift| and every distance d = q - k + shift the
-    # mask keeps is >= 0 (analysis/distance.py), so it is y + r: y = alpha * S - c * (k - k0) a score (one FMA: kd =
-    # c * (k - k0) is the tile's, the same for every block) and r = c * (q - k0 + shift) a row, which joins the
-    # running max instead of every score.
+    # The modifier is alpha * S + c * |q - k + shift| (analysis/distance.py): on a block whose
+    # distances d = q - k + shift are all >= 0 (that the mask keeps) it is y + r, y = alpha * S - c * (k - k0) a score
+    # (one FMA: kd = c * (k - k0) is the tile's, the same for every block) and r = c * (q - k0 + shift) a row, which
+    # joins the running max instead of every score; where all are <= 0, the same with both signs turned.
     k0 = j * BLOCK_N
     r = (-1.4426950408889634*alibi_slopes) * ((rows - k0).to(gl.float32) + (0))
     sc = (sc * qk_scale) - kd[None, :]
