@@ -12,6 +12,7 @@ against float64 at real sizes.
 import ast
 import math
 import re
+import textwrap
 
 import pytest
 import sympy
@@ -281,12 +282,11 @@ def test_the_forward_step_matches_float64_over_every_key_block(case, linear, mon
 
 
 def _backward_pt(source):
-    """The generated Gluon backward's P^T of the split form as a Python function of its names (the lines from the key
-    term to `pt`, the positions held through the loop with them)."""
+    """The generated Gluon backward's P^T of the split form as a Python function of its names (its lines from the key
+    term's coefficient to the last `pt = `, branches kept, and the positions held through the loop with them)."""
     held = re.findall(r"^    ((?:qa|kr) = .*)$", source, re.M)
-    body = re.search(r"^        c = (.*?)\n(.*?^        pt = gl\.exp2\(.*?)$", source, re.M | re.S)
-    lines = ["c = " + body.group(1)] + [ln.strip() for ln in body.group(2).splitlines() if not ln.strip().startswith("#")
-                                        and not ln.strip().startswith("{")]
+    body = re.search(r"^        c = .*?^        (?:else:\n            )?pt = gl\.exp2\(.*?$", source, re.M | re.S).group(0)
+    lines = [ln for ln in textwrap.dedent(body).splitlines() if not ln.strip().startswith("#")]
     code = "\n".join(ln.strip() for ln in held) + "\n" + "\n".join(lines)
 
     def pt(**names):
@@ -296,14 +296,17 @@ def _backward_pt(source):
     return pt
 
 
-@pytest.mark.parametrize("case", ["causal_top_left", "cp_below", "cp_above", "cp_causal_below"])
+@pytest.mark.parametrize("case", ["causal_top_left", "cp_below", "cp_above", "cp_causal_below", "cp_abs", "none"])
 def test_the_backward_recomputes_p_from_the_split_form(case, monkeypatch):
     """P^T of a key tile against a query block, as the generated backward computes it from the raw S^T and the rows'
-    lse (base 2): exactly the float64 softmax's P where the mask keeps a pair (the kernel zeroes the others after)."""
+    lse (base 2): exactly the float64 softmax's P where the mask keeps a pair (the kernel zeroes the others after);
+    ALiBi without a mask step by step (LINEAR_DISTANCE_BY_BLOCK_BACKWARD), its steps below, across and above."""
     monkeypatch.setattr(hopper, "LINEAR_DISTANCE_MASKED", True)  # (the split form under a causal mask too)
+    monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK_BACKWARD", True)
     text, n_q, n_k, reads, shift = CASES[case]
     spec, program = _program(text.replace("forward\n", "forward+backward\n"))
-    assert program.warp_specialized.backward.distance
+    backward = program.warp_specialized.backward
+    assert backward.distance is (case not in ("cp_abs", "none")) and backward.distance_by_block is (not backward.distance)
     pt = _backward_pt(render(spec, program))
     torch.manual_seed(5)
     q, k, v = (torch.randn(n, 128) for n in (n_q, n_k, n_k))
@@ -314,7 +317,9 @@ def test_the_backward_recomputes_p_from_the_split_form(case, monkeypatch):
     keep = kj <= qi + (shift if case.startswith("causal") else 0) if "causal" in case else torch.ones(n_q, n_k).bool()
     _, ref_lse = _reference(q, k, v, sm_scale, keep, -slope * d.abs())
     p_ref = torch.exp(q.double() @ k.double().T * sm_scale - slope * d.abs() - ref_lse[:, None])
-    for start_m, row0, block_m, bn in ((0, 0, 64, 64), (64, 0, 64, 64), (76, 64, 64, 64), (64, 126, 64, 64)):
+    steps = [(m, r, 64, 64) for m, r in ((0, 0), (64, 0), (76, 64), (64, 126), (0, 126), (200, 0))
+             if m + 64 <= n_q and r + 64 <= n_k]  # (steps across, below and above the diagonal)
+    for start_m, row0, block_m, bn in steps:
         qs, ks = slice(start_m, start_m + block_m), slice(row0, row0 + bn)
         st = (k[ks] @ q[qs].T).float()
         got = pt(st=st, qk_scale=sm_scale * math.log2(math.e), lse=(ref_lse[qs] / math.log(2)).float(),
@@ -457,3 +462,33 @@ def test_a_variant_without_a_modifier_may_take_its_max_over_the_raw_scores(raw_m
     ref, ref_lse = _reference(q, k, v, 0.09, (kj <= qi) & (kj >= qi - 99), torch.zeros(n, n, dtype=torch.float64))
     out, lse = _run_tiles(source, q, k, v, 0.09, {}, 64, 128)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4) and torch.allclose(lse, ref_lse, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on sm_90 only")
+@pytest.mark.parametrize("by_block", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_alibi_without_a_mask_backward_step_by_step_against_float64(by_block, head_dim, monkeypatch):
+    """ALiBi without a mask, the backward with LINEAR_DISTANCE_BY_BLOCK_BACKWARD on and off (steps below, across and
+    above the diagonal), against float64."""
+    from test_gluon_variants_backward import _close, _reference_grads
+
+    monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK_BACKWARD", by_block)
+    kernel = attngen.load(spec_text("gd_gpu_none_bwd", head_dim, "bf16", "none", score="alibi",
+                                    direction="forward+backward"))
+    assert kernel.program.warp_specialized.backward.distance_by_block is by_block
+    module, spec = kernel.module, kernel.spec
+    for key in ("min_scores", "min_keys"):
+        monkeypatch.setitem(module.WS_BWD_SHAPE, key, 0)
+        monkeypatch.setitem(module.WS_SHAPE, key, 0)
+    B, H, n = 2, 4, 777
+    q, k, v, do = (torch.randn(B, H, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    tensors = {"alibi_slopes": torch.rand(B, H, device="cuda") * 0.2}
+    out, lse = module.forward(q, k, v, **tensors)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    assert module.ws_bwd_ready(q, k, v, do, dk, dv)
+    got = module.backward(q, k, v, out, lse, do, dq=dq, dk=dk, dv=dv, **tensors)
+    ref = _reference_grads(spec, q, k, v, do, tensors, torch.float64)
+    low = _reference_grads(spec, q, k, v, do, tensors, torch.bfloat16)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        _close(name, g, r, lo, spec.dtype)

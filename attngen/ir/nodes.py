@@ -516,6 +516,8 @@ class GluonBackward:
     # (variant programs) a score modifier adding c * |q - k + shift| (ALiBi) taken as a key term and a query term on
     # the blocks whose distances have one sign (analysis/distance.py)
     distance: bool = False
+    # (variant programs) the same where the sign differs between steps: each step's corners decide its form
+    distance_by_block: bool = False
 
     def constants(self) -> dict:
         """The generated module's WS_BWD_SHAPE: what its launcher reads at run time ("wide", "PIECES", "ORDER_HEADS" and

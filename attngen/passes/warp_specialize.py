@@ -255,7 +255,7 @@ def run(program: ir.Program) -> ir.Program:
         # blocks it leaves); they are taken as the causal mask's, in pairs, where their work grows like it.
         backward = None
         if has_backward and variant_backward_supported(program):
-            backward = hopper.backward_variant(d, causal, distance)
+            backward = hopper.backward_variant(d, causal, distance, any_distance(program.kernel("attn_fwd")) is not None)
         forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv,
                                          distance=distance, any_distance=any_distance(program.kernel("attn_fwd")) is not None)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))

@@ -417,7 +417,14 @@ LINEAR_DISTANCE_BY_BLOCK = True
 mask, as bidirectional encoders use it; a context-parallel block straddling the diagonal) tests each key block's
 corners and takes the split form on the blocks wholly on one side of the diagonal (c * |d| = sign(c) * |rc - kd| on
 the others, from the same terms). ptxas spills 168 bytes a consumer thread at d=128 (16 without); measured (as
-LINEAR_DISTANCE, no mask, N=16384): 450-456 -> 507-525 TFLOP/s. The backward keeps the |.| form for such programs."""
+LINEAR_DISTANCE, no mask, N=16384): 450-456 -> 507-525 TFLOP/s. The backward: LINEAR_DISTANCE_BY_BLOCK_BACKWARD."""
+
+LINEAR_DISTANCE_BY_BLOCK_BACKWARD = False
+"""LINEAR_DISTANCE_BY_BLOCK for the Gluon dK/dV kernel: each step (a query block against the key tile) tests its
+corners. Built and compiled on the CPU only (2026-11-29, ptxas for sm_90a at d=128 without a mask: 332 bytes of spills a
+consumer thread against the |.| form's 328, 168 registers), not yet run on a GPU: off until `pytest -m gpu
+tests/test_gluon_distance.py` passes with it on (its tests take the switch where they need it) and it is measured
+(benchmarks/experiments/lin_ab.py on branch exp-distance: SWITCH=LINEAR_DISTANCE_BY_BLOCK_BACKWARD BCASES=alibi_full_abs)."""
 
 VARIANT_RAW_MAX = True
 """Whether the Gluon forward of a variant program without a score modifier (windows, prefixes, chunks, sinks) takes
@@ -598,13 +605,14 @@ def backward(head_dim: int, causal: bool, head_dim_v: int | None = None) -> ir.G
                             max_group_split=BWD_MAX_GROUP_SPLIT)
 
 
-def backward_variant(head_dim: int, masked: bool, distance: bool = False) -> ir.GluonBackward:
+def backward_variant(head_dim: int, masked: bool, distance: bool = False, any_distance: bool = False) -> ir.GluonBackward:
     """The Gluon backward's shapes and thresholds for a variant program (issue 48): a masked variant takes the
     causal column (a window, prefix or chunk skips query blocks as the causal mask does and masks a few), an
     unmasked one the column without a mask. DQ_CLAIM is off: its accumulator is zeroed only in the query blocks
     no key tile reaches under a causal mask, and a variant's mask leaves other blocks unreached."""
     return replace(backward(head_dim, masked), dq_claim_keys=0, paired=False, pair_tail_waves=0,
-                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked))
+                   distance=distance and LINEAR_DISTANCE and (LINEAR_DISTANCE_MASKED or not masked),
+                   distance_by_block=any_distance and not distance and LINEAR_DISTANCE_BY_BLOCK_BACKWARD and not masked)
 
 
 VARLEN_BACKWARD = True
@@ -618,7 +626,8 @@ SWITCHES = ("VARLEN_BACKWARD", "VARLEN_ROWS_SMEM", "FP8_GLUON", "WIDE_BACKWARD",
             "MLA_SEESAW", "MLA_DEFER_PV", "SPLIT_TILES_192", "VARLEN_BWD_SCHEDULE", "VARLEN_BWD_LEAN",
             "VARLEN_BWD_PERSISTENT", "VARLEN_BWD_MASK_S", "WIDE_BWD_PAIRED", "FP8_PERMUTE_P", "FP8_EARLY_P",
             "FP8_DECODE_SPLIT_LOADER", "FP8_DECODE_Q8", "FP8_DECODE_P8", "FP8_DECODE_ONE_WAVE", "LINEAR_DISTANCE",
-            "LINEAR_DISTANCE_MASKED", "LINEAR_DISTANCE_BY_BLOCK", "VARIANT_RAW_MAX")
+            "LINEAR_DISTANCE_MASKED", "LINEAR_DISTANCE_BY_BLOCK", "VARIANT_RAW_MAX",
+            "LINEAR_DISTANCE_BY_BLOCK_BACKWARD")
 """The switches above that decide which kernels a module is generated with: kernel caches key on their values
 (`attngen.policy.switches`), so a test or experiment that turns one at run time gets a module generated with it."""
 
