@@ -402,17 +402,23 @@ def test_gpu_context_parallel_alibi_blocks_against_float64(side, causal, shift):
                                                   (None, False, 300)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_context_parallel_alibi_blocks_backward_against_float64(side, causal, shift, head_dim, monkeypatch):
+    B, H = 2, 4
+    kernel = attngen.load(positional_alibi_spec("bf16", head_dim, causal, side=side))
+    _gpu_backward_against_float64(kernel, head_dim, {"slopes": torch.rand(B, H, device="cuda") * 0.2,
+                                                     "shift": torch.full((B,), shift, dtype=torch.int32, device="cuda")},
+                                  monkeypatch)
+
+
+def _gpu_backward_against_float64(kernel, head_dim, tensors, monkeypatch, n=777):
+    """The Gluon backward (at every size: its thresholds zeroed) of `kernel`'s module on fresh (2, 4, n, head_dim)
+    bf16 inputs, the gradients poisoned first, against float64 by the project's rule."""
     from test_gluon_variants_backward import _close, _reference_grads
 
-    kernel = attngen.load(positional_alibi_spec("bf16", head_dim, causal, side=side))
     module, spec = kernel.module, kernel.spec
-    for key in ("min_scores", "min_keys"):  # the Gluon kernels at every size here
+    for key in ("min_scores", "min_keys"):
         monkeypatch.setitem(module.WS_BWD_SHAPE, key, 0)
         monkeypatch.setitem(module.WS_SHAPE, key, 0)
-    B, H, n = 2, 4, 777
-    q, k, v, do = (torch.randn(B, H, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    tensors = {"slopes": torch.rand(B, H, device="cuda") * 0.2,
-               "shift": torch.full((B,), shift, dtype=torch.int32, device="cuda")}
+    q, k, v, do = (torch.randn(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = module.forward(q, k, v, **tensors)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     assert module.ws_bwd_ready(q, k, v, do, dk, dv)
@@ -471,24 +477,8 @@ def test_a_variant_without_a_modifier_may_take_its_max_over_the_raw_scores(raw_m
 def test_gpu_alibi_without_a_mask_backward_step_by_step_against_float64(by_block, head_dim, monkeypatch):
     """ALiBi without a mask, the backward with LINEAR_DISTANCE_BY_BLOCK_BACKWARD on and off (steps below, across and
     above the diagonal), against float64."""
-    from test_gluon_variants_backward import _close, _reference_grads
-
     monkeypatch.setattr(hopper, "LINEAR_DISTANCE_BY_BLOCK_BACKWARD", by_block)
     kernel = attngen.load(spec_text("gd_gpu_none_bwd", head_dim, "bf16", "none", score="alibi",
                                     direction="forward+backward"))
     assert kernel.program.warp_specialized.backward.distance_by_block is by_block
-    module, spec = kernel.module, kernel.spec
-    for key in ("min_scores", "min_keys"):
-        monkeypatch.setitem(module.WS_BWD_SHAPE, key, 0)
-        monkeypatch.setitem(module.WS_SHAPE, key, 0)
-    B, H, n = 2, 4, 777
-    q, k, v, do = (torch.randn(B, H, n, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    tensors = {"alibi_slopes": torch.rand(B, H, device="cuda") * 0.2}
-    out, lse = module.forward(q, k, v, **tensors)
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    assert module.ws_bwd_ready(q, k, v, do, dk, dv)
-    got = module.backward(q, k, v, out, lse, do, dq=dq, dk=dk, dv=dv, **tensors)
-    ref = _reference_grads(spec, q, k, v, do, tensors, torch.float64)
-    low = _reference_grads(spec, q, k, v, do, tensors, torch.bfloat16)
-    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
-        _close(name, g, r, lo, spec.dtype)
+    _gpu_backward_against_float64(kernel, head_dim, {"alibi_slopes": torch.rand(2, 4, device="cuda") * 0.2}, monkeypatch)
