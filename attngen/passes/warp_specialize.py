@@ -242,8 +242,9 @@ def run(program: ir.Program) -> ir.Program:
     d, causal = program.attr("head_dim"), program.attr("mask") != "none"
     dv = program.attr("head_dim_v")  # (the backward templates take one head dim)
     has_backward = backward_refusal(program) is None and any(k.name == "attn_bwd_dkdv" for k in program.kernels)
-    # a score modifier adding c * |q - k + shift| with one sign on every block the mask keeps (causal ALiBi)
+    # a score modifier adding c * |q - k + shift|: with one sign on every block the mask keeps (causal ALiBi), or not
     distance = linear_distance(program.kernel("attn_fwd")) is not None
+    both_signs = not distance and any_distance(program.kernel("attn_fwd")) is not None
     if program.attr("varlen"):
         backward = None
         if has_backward and varlen_backward_refusal(program) is None:
@@ -255,9 +256,9 @@ def run(program: ir.Program) -> ir.Program:
         # blocks it leaves); they are taken as the causal mask's, in pairs, where their work grows like it.
         backward = None
         if has_backward and variant_backward_supported(program):
-            backward = hopper.backward_variant(d, causal, distance, any_distance(program.kernel("attn_fwd")) is not None)
+            backward = hopper.backward_variant(d, causal, distance, both_signs)
         forward = hopper.forward_variant(d, causal, pair=grows_like_causal(program.kernel("attn_fwd")), head_dim_v=dv,
-                                         distance=distance, any_distance=any_distance(program.kernel("attn_fwd")) is not None)
+                                         distance=distance, any_distance=both_signs)
         return replace(program, warp_specialized=replace(program.warp_specialized, backward=backward, forward=forward))
     if program.attr("dtype") == "fp8_e4m3":  # (forward only: the spec refuses a backward)
         return replace(program, warp_specialized=replace(program.warp_specialized, forward=hopper.forward_fp8(d, causal)))
