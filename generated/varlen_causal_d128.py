@@ -655,15 +655,16 @@ def _ws_variant_softmax(sc, m_i, l_i, j, full_lo, full_hi, row0, n_q, n_k, qk_sc
     has a running max of -inf, which the IR's m_use makes safe to subtract."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     rows = row0 + gl.arange(0, sc.shape[0], layout=gl.SliceLayout(1, layout))
-    sc = sc * qk_scale
+    # no score modifier: the max over the raw scores, scaled once a row, and the scale in exp2's FMA (as the plain
+    # kernel's _ws_softmax)
     if (j < full_lo) | (j >= full_hi):
         keep = (cols[None, :] <= rows[:, None] + (n_k - n_q)) & (cols < n_k)[None, :]
         sc = gl.where(keep, sc, float("-inf"))
-    m_new = gl.max(sc, 1)
+    m_new = gl.max(sc, 1) * qk_scale
     if not FIRST:
         m_new = gl.maximum(m_i, m_new)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(sc - m_use[:, None])
+    p = gl.exp2(sc * qk_scale - m_use[:, None])
     if FIRST:
         alpha = gl.full(m_new.shape, 1.0, gl.float32, layout=m_new.type.layout)
         l_new = gl.sum(p, 1)

@@ -714,35 +714,41 @@ def _check_halo_bytes(rank, world, device):
 def _check_ring_return(rank, world, device):
     """The causal ring's backward in bfloat16: each step's dK, dV travel to the next rank in float32 (partial sums),
     and the last message, the whole sums going home, in bfloat16 (the caller rounds them to that anyway); the
-    gradients within bfloat16's error of float64. With the exchanges beside the kernels (policy OVERLAP_EXCHANGES)
-    and after them (the shipped setting): the same messages in the same order, the same gradients."""
+    gradients within bfloat16's error of float64. With the exchanges beside the kernels in both passes (policy
+    OVERLAP_EXCHANGES), after them in both (OVERLAP_BACKWARD_KEYS 0), and the shipped rule (the forward's after them,
+    the backward's beside them on these short shards): the same messages in the same order, the same gradients."""
     b, h, n, d = 1, 2, 8, 16
     torch.manual_seed(99)
     q, k, v, do = (torch.randn(b, h, world * n, d, dtype=torch.bfloat16, device=device) for _ in range(4))
     want = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.float64)
     low = _reference_with_grads(q, k, v, do, True, NO_WINDOW, d ** -0.5, 0.0, torch.bfloat16)
     shard = lambda t: shard_sequence(t, world, rank, load_balance=True)  # noqa: E731
-    shipped, sent = context_parallel.OVERLAP_EXCHANGES, {}
-    for overlap in (True, False):
+    shipped, sent = (context_parallel.OVERLAP_EXCHANGES, context_parallel.OVERLAP_BACKWARD_KEYS), {}
+    assert shipped[1] >= n and not shipped[0], shipped  # (the shipped rule puts these shards' backward beside)
+    # (OVERLAP_EXCHANGES, OVERLAP_BACKWARD_KEYS): whether the forward's and the backward's exchanges run beside
+    for setting, beside in (((True, 0), (True, True)), ((False, 0), (False, False)), (shipped, (False, True))):
         mine = [shard(t).detach().requires_grad_() for t in (q, k, v)]
-        context_parallel.OVERLAP_EXCHANGES = overlap
+        context_parallel.OVERLAP_EXCHANGES, context_parallel.OVERLAP_BACKWARD_KEYS = setting
         try:
-            with _posted() as batches, _events() as events:
-                context_parallel_attention(*mine, causal=True).backward(shard(do))
+            with _posted() as batches:
+                with _events() as forward:
+                    out = context_parallel_attention(*mine, causal=True)
+                with _events() as backward:
+                    out.backward(shard(do))
         finally:
-            context_parallel.OVERLAP_EXCHANGES = shipped
-        # beside: each step's keys posted before the kernels of the step before; alone: after them
-        first_post, first_kernel = events.index("post"), events.index("kernel")
-        assert (first_post < first_kernel) == overlap, (overlap, events)
-        label = f"bfloat16 ring, overlap={overlap}, rank {rank}/{world}"
+            context_parallel.OVERLAP_EXCHANGES, context_parallel.OVERLAP_BACKWARD_KEYS = shipped
+        # beside: each step's exchange posted before the kernels of the step before; alone: after them
+        for events, want_beside in zip((forward, backward), beside):
+            assert (events.index("post") < events.index("kernel")) == want_beside, (setting, events)
+        label = f"bfloat16 ring, exchanges beside {beside}, rank {rank}/{world}"
         _check_post_order(world, batches, label)
         grads = [m for batch in batches for m in batch if m[0] == "send" and m[2] >= 2]  # (tags 0, 1: the keys)
         assert [m[4] for m in grads] == [torch.float32] * 2 * (world - 1) + [torch.bfloat16] * 2, grads
         assert [m[2] for m in grads[-2:]] == [4, 5] and all(m[3] == (b, h, n, d) for m in grads), grads
-        sent[overlap] = Counter(m for batch in batches for m in batch)
+        sent[beside] = Counter(m for batch in batches for m in batch)
         for got, i, name in zip((t.grad for t in mine), (2, 3, 4), ("dq", "dk", "dv")):
             _compare(got, shard(want[i]), shard(low[i]), f"{name}, {label}")
-    assert sent[True] == sent[False], rank
+    assert len(set(map(frozenset, (c.items() for c in sent.values())))) == 1, rank
 
 
 def _check_exchange_group(rank, world, device):

@@ -5,13 +5,13 @@
     full = attngen.distributed.unshard_sequence([out_0, out_1, ...])        # the sequence again
 
 Ring attention: each rank keeps its query shard while the key/value shards travel around the ring (batched
-isend/irecv between steps, after each step's kernels: policy OVERLAP_EXCHANGES); each step's partial (out, lse) is
-merged in float32 with `merge_states`. Under `load_balance` the sequence is cut into 2W chunks and rank r holds
-chunks r and 2W-1-r (head-tail), so that a causal mask gives every rank the same work; either way every
-(query chunk, key chunk) pair a step meets is full, masked (causal or a window, in the chunks' local positions) or
-empty, and empty ones are skipped, as are whole ring steps no rank needs (a sliding window). The backward
-recomputes each step from the global out and lse (`Kernel.backward_saved`), accumulates dQ locally and sends
-dK/dV around the ring behind their keys, back to the ranks that own them.
+isend/irecv between steps, after each step's kernels, or beside them on short shards: policy overlap_exchanges);
+each step's partial (out, lse) is merged in float32 with `merge_states`. Under `load_balance` the sequence is cut
+into 2W chunks and rank r holds chunks r and 2W-1-r (head-tail), so that a causal mask gives every rank the same
+work; either way every (query chunk, key chunk) pair a step meets is full, masked (causal or a window, in the
+chunks' local positions) or empty, and empty ones are skipped, as are whole ring steps no rank needs (a sliding
+window). The backward recomputes each step from the global out and lse (`Kernel.backward_saved`), accumulates dQ
+locally and sends dK/dV around the ring behind their keys, back to the ranks that own them.
 
 A sliding window no wider than a shard over contiguous shards (`load_balance=False`) needs no ring: each rank
 receives only the key/value rows its window reaches beyond its shard (the previous rank's last `left`, the next

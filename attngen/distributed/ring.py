@@ -1,6 +1,6 @@
 """The execution of context-parallel attention's plan (`schedule`): the point-to-point exchanges over the group
-(`_Ring`, `_post`: batched isend/irecv; the ring's after each step's kernels, or beside them under
-policy.context_parallel.OVERLAP_EXCHANGES), the kernels of a block or of a run of
+(`_Ring`, `_post`: batched isend/irecv; the ring's after each step's kernels, or beside them where
+policy.context_parallel.overlap_exchanges says so), the kernels of a block or of a run of
 document pieces (`_Kernels`), and the forward and backward loops of the ring, the halo exchange and the documents'
 direct exchange, each step's partial (out, lse) merged in float32."""
 
@@ -277,11 +277,11 @@ def _backward_block(kernels, b: Block, q, k, v, out, lse, do, dq, dk, dv) -> Non
 
 def _ring_forward(ring, steps, kernels, q, k, v):
     """(out float32, lse) of this rank's queries over every rank's keys. The next step's keys travel beside this
-    step's kernels under policy.context_parallel.OVERLAP_EXCHANGES, else after them, alone."""
+    step's kernels where policy.context_parallel.overlap_exchanges says so, else after them, alone."""
     out = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     lse = torch.full(q.shape[:3], -math.inf, device=q.device, dtype=torch.float32)
     kv = (k, v)
-    overlap = context_parallel.OVERLAP_EXCHANGES
+    overlap = context_parallel.overlap_exchanges(False, k.shape[2])
     for step, blocks in enumerate(steps):
         at(step)
         following = step + 1 < len(steps)
@@ -299,14 +299,15 @@ def _ring_forward(ring, steps, kernels, q, k, v):
 
 
 def _ring_backward(ring, steps, kernels, q, k, v, out, lse, do):
-    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank. Under
-    policy.context_parallel.OVERLAP_EXCHANGES the next step's keys travel beside this step's kernels and the dK, dV
-    summed so far beside the next step's; else both after this step's kernels, alone."""
+    """(dq, dk, dv) float32: dq of this rank's queries, dk and dv of its keys, gathered from every rank. Where
+    policy.context_parallel.overlap_exchanges says so (short shards) the next step's keys travel beside this
+    step's kernels and the dK, dV summed so far beside the next step's; else both after this step's kernels,
+    alone."""
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     kv = (k, v)
     incoming = None  # (buffers, requests): the dk, dv the previous rank has summed for the keys this rank holds next
     last = len(steps) - 1
-    overlap = context_parallel.OVERLAP_EXCHANGES
+    overlap = context_parallel.overlap_exchanges(True, k.shape[2])
     for step, blocks in enumerate(steps):
         at(step)
         if step < last and overlap:

@@ -63,8 +63,27 @@ HIGH_PRIORITY_EXCHANGES = False
 # 1844-1852 -> 1818 (cuDNN 502-511 / 1863-1880); 512k 1994-2265 -> 1975-1982 / 7833-8099 -> 7463-7480 (cuDNN 2186-2191
 # / 7434-7492). Beside, the 512k forward was bimodal (NOTES [v51], [v57]); alone it is not. The halo exchange and the
 # documents' visits move only the rows a window or a document reaches and keep their exchanges beside the kernels.
-# False (four GPUs: not measured since; the same mechanism).
+# False. The backward's own rule: OVERLAP_BACKWARD_KEYS.
 OVERLAP_EXCHANGES = False
+
+# The backward's exchanges (the next step's keys and values, the dK, dV summed so far) also run beside its kernels
+# where a rank's shard holds at most this many keys (`overlap_exchanges`). A step's bytes grow with the shard, its
+# kernels' work with its square, so on short shards the transfer alone costs more than it slows the kernels beside
+# it; the forward's persistent grid loses a whole wave to the multiprocessors NCCL's kernels hold (four H200s, 128k:
+# forward 64 -> 72 ms beside), the backward's one-program-a-tile grid only those multiprocessors. Measured on four
+# H200s (2026-11-29, cp_ov.py in benchmarks/NOTES.md [v62], plain causal H=32 d=128 head-tail, two alternating rounds,
+# the backward as forward + backward less forward): 128k (32k keys a rank) 185 -> 179 ms beside, 256k (64k) 695 ->
+# 682; two H200s at 128k (64k keys a rank; cp_ov.py with only this setting toggled, three rounds): forward + backward
+# 471-477 ms alone, 474-475 beside, a tie; on two H200s the longer shards lost beside (256k, 128k keys a rank: 1348 ->
+# 1366-1373 ms; 512k: 5488 -> 5834; NOTES [v60]). 0: alone at every length.
+OVERLAP_BACKWARD_KEYS = 65536
+
+
+def overlap_exchanges(backward: bool, keys: int) -> bool:
+    """Whether a ring pass over shards of `keys` keys a rank posts each step's exchange before the step's kernels
+    (beside them) rather than after them (alone): OVERLAP_EXCHANGES for both passes, and for the backward
+    OVERLAP_BACKWARD_KEYS."""
+    return OVERLAP_EXCHANGES or (backward and keys <= OVERLAP_BACKWARD_KEYS)
 
 
 @dataclass(frozen=True, slots=True)

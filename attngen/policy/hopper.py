@@ -419,19 +419,22 @@ corners and takes the split form on the blocks wholly on one side of the diagona
 the others, from the same terms). ptxas spills 168 bytes a consumer thread at d=128 (16 without); measured (as
 LINEAR_DISTANCE, no mask, N=16384): 450-456 -> 507-525 TFLOP/s. The backward: LINEAR_DISTANCE_BY_BLOCK_BACKWARD."""
 
-LINEAR_DISTANCE_BY_BLOCK_BACKWARD = False
+LINEAR_DISTANCE_BY_BLOCK_BACKWARD = True
 """LINEAR_DISTANCE_BY_BLOCK for the Gluon dK/dV kernel: each step (a query block against the key tile) tests its
-corners. Built and compiled on the CPU only (2026-11-29, ptxas for sm_90a at d=128 without a mask: 332 bytes of spills a
-consumer thread against the |.| form's 328, 168 registers), not yet run on a GPU: off until `pytest -m gpu
-tests/test_gluon_distance.py` passes with it on (its tests take the switch where they need it) and it is measured
-(benchmarks/experiments/lin_ab.py on branch exp-distance: SWITCH=LINEAR_DISTANCE_BY_BLOCK_BACKWARD BCASES=alibi_full_abs)."""
+corners. ptxas for sm_90a at d=128 without a mask: 332 bytes of spills a consumer thread against the |.| form's 328,
+168 registers. GPU-tested (2026-11-29, H200: `pytest -m gpu tests/test_gluon_distance.py`, its steps below, across and
+above the diagonal against float64). Measured on one H200 (benchmarks/experiments/lin_ab.py on branch exp-distance,
+SWITCH=LINEAR_DISTANCE_BY_BLOCK_BACKWARD BCASES=alibi_full_abs,plain_full, three alternating rounds; B=1 H=16 N=16384
+d=128, ALiBi without a mask): backward 411-413 -> 510-544 TFLOP/s (1.32x); the plain unmasked backward, which it does
+not touch, 545-558 / 536-550. On since."""
 
 VARIANT_RAW_MAX = True
 """Whether the Gluon forward of a variant program without a score modifier (windows, prefixes, chunks, sinks) takes
 each block's running max over the raw scores and scales it once a row, the scale then in exp2's FMA, as the plain
 kernel does (the IR's max for such a program), instead of scaling every score before its max and exponential.
 Measured (as LINEAR_DISTANCE): causal window 4096 495-509 -> 506-526 TFLOP/s; 8 packed documents (varlen, causal)
-453-490 -> 471-508, but varlen programs keep it off until tests/test_gluon_varlen.py's GPU tests have run with it."""
+453-490 -> 471-508. Varlen programs take it too since tests/test_gluon_varlen.py's GPU tests passed with it
+(2026-11-29, H200, 215 passed)."""
 
 
 def forward_variant(head_dim: int, masked: bool, pair: bool, head_dim_v: int | None = None,
@@ -460,7 +463,7 @@ def forward_varlen(head_dim: int, causal: bool, distance: bool = False) -> ir.Gl
     sequence and the scores of sequences that long (`ws_ready`): guesses, not measured. The shape: 8 documents in
     16k tokens, causal, 493 TFLOP/s on the H200 and 462 on the H100 (NOTES.md v44)."""
     variant = forward_variant(head_dim, causal, pair=False, distance=distance)  # (tiles dealt by _ws_sequence_tile)
-    return replace(variant, short=variant.main, short_keys=0, raw_max=False)  # (VARIANT_RAW_MAX: not GPU-tested here)
+    return replace(variant, short=variant.main, short_keys=0)
 
 
 FP8_GLUON = True
